@@ -1,0 +1,34 @@
+# kvferry: two commands to start. `make up` runs the pair behind sglang-router with the tiny
+# embedded model; `make test` runs the whole suite. Both create .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: up test venv bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# A local CPU build of torch lies on these machines; take it first when there is no CUDA,
+	# so that the dependency resolver does not pull a multi-GB CUDA build.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+up: $(STAMP)
+	$(VENV)/bin/kvferry up
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) bench/transfer.py
+	$(PY) bench/spec.py
+	$(PY) bench/e2e.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,327 @@
+"""Wire protocol v1 between the decode and the prefill daemon (DESIGN §3).
+
+Every ZeroMQ frame is one msgpack map ``{"v": PROTOCOL_VERSION, "kind": KIND, **fields}``. Each kind
+is one frozen dataclass below, registered in ``_REGISTRY``; ``decode`` checks the version, the kind,
+every field's presence and type, and the frame size, and raises ``ProtocolError`` naming the field
+on anything else. Nothing in this module touches a socket.
+
+Layout of one region entry (DESIGN §3)::
+
+    Region(model="target", layer=3, kind="v", mem="VRAM", device=0, addr=0x7f..., item_len=32768,
+           num_pages=4096, head_start=0, num_heads=8)
+    key = ("target", 3, "v");  page p of the region occupies [addr + p*item_len, addr + (p+1)*item_len)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import typing
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import msgpack
+
+from common.errors import ProtocolError
+
+# PROTOCOL_VERSION is bumped when a field is removed or renamed, a field's type or meaning changes,
+# a kind is removed, or the aux record layout changes. Adding a kind, or a field with a default,
+# does not force a bump (the decoder fills the default; old peers ignore nothing: see decode()).
+# History:
+#   1 (kvferry 0.1): register, register_ack, transfer, transfer_result, abort, ping, pong, error;
+#                    NIXL notification {room, decode_id, ok}; 32-byte aux record.
+PROTOCOL_VERSION = 1
+
+# A register frame carries two entries per layer per model; 1 MiB holds ~5,000 regions.
+MAX_FRAME_BYTES = 1 << 20
+
+MODEL_KINDS = ("target", "draft")
+KV_KINDS = ("k", "v")
+MEM_KINDS = ("DRAM", "VRAM")
+U64_MAX = (1 << 64) - 1
+ROOM_MAX = (1 << 63) - 1  # sglang-router draws rooms below 2**63
+
+RegionKey = tuple[str, int, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One registered KV region: all pages of one (model, layer, K|V) tensor.
+
+    Invariants (checked by ``geometry``, not here): ``item_len > 0``, ``num_pages > 0``, and
+    ``addr + num_pages * item_len`` fits in 64 bits. ``head_start``/``num_heads`` describe which KV
+    heads this rank holds (for heterogeneous TP; equal on both sides today).
+    """
+
+    model: str
+    layer: int
+    kind: str
+    mem: str
+    device: int
+    addr: int
+    item_len: int
+    num_pages: int
+    head_start: int
+    num_heads: int
+
+    @property
+    def key(self) -> RegionKey:
+        return (self.model, self.layer, self.kind)
+
+
+@dataclass(frozen=True, slots=True)
+class AuxInfo:
+    """Where the decode receives aux records: ``num_slots`` slots of ``item_len`` bytes at ``addr``."""
+
+    mem: str
+    device: int
+    addr: int
+    item_len: int
+    num_slots: int
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """Base of every wire message; ``KIND`` names it on the wire."""
+
+    KIND: ClassVar[str] = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Register(Message):
+    """KVArgsRegisterInfo. decode → prefill, once per (decode process, prefill), before any transfer.
+
+    Carries the decode's NIXL agent metadata and its full KV region table (target and, with a draft
+    model, draft regions). The prefill answers ``RegisterAck``.
+    """
+
+    KIND: ClassVar[str] = "register"
+    decode_id: str
+    agent_name: str
+    agent_metadata: bytes
+    model: str
+    page_size: int
+    kv_dtype: str
+    tp_size: int
+    tp_rank: int
+    regions: list[Region]
+    aux: AuxInfo
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterAck(Message):
+    """prefill → decode, answering ``Register``. ``accepted`` false carries the reason in ``error``."""
+
+    KIND: ClassVar[str] = "register_ack"
+    prefill_id: str
+    accepted: bool
+    error: str | None
+    written: list[list]  # region keys [model, layer, kind] the prefill will write
+    ignored: list[list]  # decode region keys the prefill leaves alone (decode-only draft)
+    decode_only_spec_dec: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer(Message):
+    """decode → prefill: pages are allocated for ``room``; WRITE its KV there and aux into the slot.
+
+    ``page_ids`` are decode page indices in token order; their count is
+    ``ceil(num_prompt_tokens / page_size)``.
+    """
+
+    KIND: ClassVar[str] = "transfer"
+    room: int
+    decode_id: str
+    page_ids: list[int]
+    aux_slot: int
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult(Message):
+    """prefill → decode: the outcome of a room. Always sent on failure; may be sent on success."""
+
+    KIND: ClassVar[str] = "transfer_result"
+    room: int
+    ok: bool
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Abort(Message):
+    """Either way: give up ``room`` (client gone, deadline passed, shutdown). The peer frees it."""
+
+    KIND: ClassVar[str] = "abort"
+    room: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ping(Message):
+    """Heartbeat, either way. ``t`` is the sender's monotonic clock in seconds (echoed by pong)."""
+
+    KIND: ClassVar[str] = "ping"
+    t: float
+
+
+@dataclass(frozen=True, slots=True)
+class Pong(Message):
+    """Heartbeat answer; ``t`` echoes the ping's."""
+
+    KIND: ClassVar[str] = "pong"
+    t: float
+
+
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    """Either way: the frame we received could not be handled. ``reason`` says why."""
+
+    KIND: ClassVar[str] = "error"
+    reason: str
+    room: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Notification(Message):
+    """The NIXL notification carried by a room's KV WRITE (prefill → decode, through NIXL)."""
+
+    KIND: ClassVar[str] = "notif"
+    room: int
+    decode_id: str
+    ok: bool
+
+
+_REGISTRY: dict[str, type[Message]] = {
+    cls.KIND: cls
+    for cls in (Register, RegisterAck, Transfer, TransferResult, Abort, Ping, Pong, Error, Notification)
+}
+_NESTED: dict[str, type] = {"regions": Region, "aux": AuxInfo}
+
+
+def encode(msg: Message) -> bytes:
+    """Serialize one message to one msgpack frame."""
+    body = {"v": PROTOCOL_VERSION, "kind": msg.KIND}
+    for f in dataclasses.fields(msg):
+        body[f.name] = _to_plain(getattr(msg, f.name))
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def _to_plain(value):
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Message:
+    """Parse one frame into its message; anything malformed raises ``ProtocolError``."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"frame must be bytes, got {type(frame).__name__}")
+    if len(frame) > max_bytes:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the limit of {max_bytes} bytes")
+    try:
+        body = msgpack.unpackb(bytes(frame), raw=False, strict_map_key=True, max_bin_len=max_bytes)
+    except Exception as exc:  # msgpack raises many unrelated types for garbage
+        raise ProtocolError(f"frame is not valid msgpack: {exc.__class__.__name__}: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(f"frame must be a msgpack map, got {type(body).__name__}")
+    version = body.get("v")
+    if version != PROTOCOL_VERSION or isinstance(version, bool):
+        raise ProtocolError(f"unsupported protocol version {version!r}; this side speaks {PROTOCOL_VERSION}")
+    kind = body.get("kind")
+    cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {kind!r}; known: {sorted(_REGISTRY)}")
+    return _build(cls, body, kind)
+
+
+def _build(cls: type, body: dict, where: str):
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(body) - known - {"v", "kind"}
+    if unknown:
+        raise ProtocolError(f"{where}: unknown field(s) {sorted(map(str, unknown))}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in body:
+            if f.default is not dataclasses.MISSING:
+                continue
+            raise ProtocolError(f"{where}: missing field {f.name!r}")
+        kwargs[f.name] = _check(hints[f.name], body[f.name], f"{where}.{f.name}")
+    return cls(**kwargs)
+
+
+def _check(hint, value, where: str):
+    """Return ``value`` converted to ``hint``'s type, or raise ProtocolError naming ``where``."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check(inner[0], value, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
+        item = args[0] if args else None
+        if item is None:
+            return list(value)
+        return [_check(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
+        return _build(hint, value, where)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ProtocolError(f"{where}: expected a bool, got {type(value).__name__}")
+        return value
+    if hint is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ProtocolError(f"{where}: expected an int, got {type(value).__name__}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ProtocolError(f"{where}: expected a number, got {type(value).__name__}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ProtocolError(f"{where}: expected a string, got {type(value).__name__}")
+        return value
+    if hint is bytes:
+        if not isinstance(value, (bytes, bytearray)):
+            raise ProtocolError(f"{where}: expected bytes, got {type(value).__name__}")
+        return bytes(value)
+    raise ProtocolError(f"{where}: unsupported type {hint!r}")  # pragma: no cover (our own table)
+
+
+# The aux record the prefill WRITEs into the decode's aux slot with the KV (one WRITE, one notif).
+# Layout, little-endian, 32 bytes:  magic u32 | num_prompt_tokens u32 | room u64 |
+#                                   first_token_id i64 | first_token_logprob f64
+AUX_MAGIC = 0x4B564631  # "KVF1"
+AUX_RECORD = struct.Struct("<IIQqd")
+AUX_RECORD_BYTES = AUX_RECORD.size
+
+
+@dataclass(frozen=True, slots=True)
+class AuxRecord:
+    """What the decode needs besides the KV: whose slot this is and the prefill's first token."""
+
+    room: int
+    first_token_id: int
+    first_token_logprob: float
+    num_prompt_tokens: int
+
+    def pack(self) -> bytes:
+        return AUX_RECORD.pack(AUX_MAGIC, self.num_prompt_tokens, self.room, self.first_token_id,
+                               self.first_token_logprob)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> "AuxRecord":
+        if len(data) < AUX_RECORD_BYTES:
+            raise ProtocolError(f"aux record of {len(data)} bytes is shorter than {AUX_RECORD_BYTES}")
+        magic, num_prompt_tokens, room, token, logprob = AUX_RECORD.unpack_from(data)
+        if magic != AUX_MAGIC:
+            raise ProtocolError(f"aux record has magic {magic:#x}, expected {AUX_MAGIC:#x} (slot never written?)")
+        return cls(room=room, first_token_id=token, first_token_logprob=logprob,
+                   num_prompt_tokens=num_prompt_tokens)
