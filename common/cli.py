@@ -1,0 +1,72 @@
+"""The ``kvferry`` command: ``prefill``, ``decode``, ``up``, ``make-tiny-model``, ``keygen``.
+
+The worker subcommands hand over to ``prefill_worker.__main__`` / ``decode_worker.__main__`` by
+module name, so ``common`` never imports a worker package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+USAGE = """kvferry <command> [options]
+
+commands:
+  prefill           run the prefill daemon            (kvferry prefill --help)
+  decode            run the decode daemon             (kvferry decode --help)
+  up                prefill + decode + sglang-router on loopback with the tiny model
+  make-tiny-model   write DIR/target and DIR/draft, small seeded checkpoints
+  keygen            write CURVE key pairs for the bootstrap socket
+"""
+
+
+def _make_tiny_model(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kvferry make-tiny-model")
+    parser.add_argument("dir", help="output folder; DIR/target and DIR/draft are written")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--preset", default="tiny", help="tiny (default) or a real shape such as llama-3.1-8b")
+    args = parser.parse_args(argv)
+    from common.model.tiny import make_tiny_model
+
+    paths = make_tiny_model(args.dir, seed=args.seed, preset=args.preset)
+    print(f"wrote {paths}")
+    return 0
+
+
+def _keygen(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kvferry keygen", description="CURVE key pair for the bootstrap socket")
+    parser.add_argument("dir", help="output folder")
+    parser.add_argument("--name", default="kvferry", help="file name stem: NAME.key (public), NAME.key_secret")
+    args = parser.parse_args(argv)
+    from common.transport.zmq import keygen
+
+    public, secret = keygen(args.dir, args.name)
+    print(f"public key: {public}\nsecret key: {secret}")
+    return 0
+
+
+def _up(argv: list[str]) -> int:
+    from common.up import main as up_main
+
+    return up_main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command in ("prefill", "decode"):
+        module = importlib.import_module(f"{command}_worker.__main__")
+        return module.main(rest)
+    handlers = {"make-tiny-model": _make_tiny_model, "keygen": _keygen, "up": _up}
+    if command not in handlers:
+        print(f"kvferry: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return handlers[command](rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Settings both daemons share; each daemon's config dataclass inherits these fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.config import flag, require
+from common.log import LEVELS
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class CommonConfig:
+    """Shared settings."""
+
+    model: str = flag(help="checkpoint folder (config.json, safetensors, tokenizer.json)")
+    draft_model: str | None = flag(None, help="draft checkpoint folder for speculative decoding")
+    host: str = flag("127.0.0.1", help="HTTP bind address (explicit; 0.0.0.0 to listen on all)")
+    port: int = flag(30000, help="HTTP port")
+    device: str = flag("cpu", help="cpu or cuda:N")
+    dtype: str = flag("auto", help="weights and KV dtype; auto = float32 on cpu, bfloat16 on cuda", choices=DTYPES)
+    page_size: int = flag(16, help="tokens per KV page (must equal the peer's)")
+    max_total_tokens: int = flag(65536, help="KV pool size in tokens (per model)")
+    max_running_requests: int = flag(64, help="requests decoded (or rooms held) at once")
+    max_queued_requests: int = flag(256, help="requests waiting beyond that; more get HTTP 503")
+    api_key: str | None = flag(None, help="require 'Authorization: Bearer KEY' on HTTP (health stays open)")
+    request_timeout_s: float = flag(300.0, help="deadline for a whole HTTP request")
+    drain_timeout_s: float = flag(30.0, help="on SIGTERM, how long in-flight requests may finish")
+    heartbeat_interval_s: float = flag(2.0, help="ping interval on each control connection")
+    heartbeat_misses: int = flag(3, help="missed pongs after which a peer is declared dead")
+    xfer_timeout_s: float = flag(10.0, help="deadline for one NIXL WRITE to complete")
+    log_level: str = flag("info", help="log level", choices=LEVELS)
+
+    def __post_init__(self) -> None:
+        require(self.page_size > 0, f"--page-size must be positive, got {self.page_size}")
+        require(self.max_total_tokens >= self.page_size,
+                f"--max-total-tokens ({self.max_total_tokens}) must hold at least one page ({self.page_size})")
+        require(0 < self.port < 65536, f"--port must be in 1..65535, got {self.port}")
+        require(self.device == "cpu" or self.device.startswith("cuda"), f"--device must be cpu or cuda:N, got {self.device!r}")
+        require(self.max_running_requests > 0, "--max-running-requests must be positive")
+        require(self.max_queued_requests >= 0, "--max-queued-requests must be >= 0")
+        for name in ("request_timeout_s", "drain_timeout_s", "heartbeat_interval_s", "xfer_timeout_s"):
+            require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive")
+
+    @property
+    def num_pages(self) -> int:
+        return self.max_total_tokens // self.page_size
+
+    @property
+    def torch_dtype_name(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"

@@ -1,0 +1,55 @@
+"""Turns generated token ids into client-visible output: text deltas, stop decisions, events.
+
+One ``OutputTracker`` per sequence, over ``common.model.detok.StreamingOutput``, which decides
+token by token, so a stop token or stop string ends the output at exactly the token plain
+decoding would end it at, however many tokens a speculative step produced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+from common.engine.sequence import Sequence
+from common.model.detok import StreamingOutput
+from common.model.sampling import FinishReason
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step added to one sequence."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class OutputTracker:
+    def __init__(self, seq: Sequence, decode_fn: Callable[..., str], eos_token_ids: Collection[int]):
+        self.seq = seq
+        self.stream = StreamingOutput(decode_fn, seq.params, eos_token_ids)
+
+    @property
+    def text(self) -> str:
+        return self.stream.text
+
+    def add(self, pairs: list[tuple[int, float]]) -> StepOutput:
+        """Append one step's (token, logprob) pairs; tokens past a stop are dropped."""
+        if self.stream.finish is not None:
+            return StepOutput(finish_reason=self.stream.finish)
+        step = self.stream.add([t for t, _ in pairs])
+        kept = pairs[: step.num_tokens]
+        self.seq.output_ids.extend(t for t, _ in kept)
+        self.seq.output_logprobs.extend(lp for _, lp in kept)
+        return StepOutput([t for t, _ in kept], [lp for _, lp in kept], step.delta, step.finish)
+
+    def add_first(self, token: int, logprob: float) -> StepOutput:
+        """The prefill appended its sampled ``token`` to ``seq.output_ids``: account for it here."""
+        del self.seq.output_ids[-1:]
+        del self.seq.output_logprobs[-1:]
+        return self.add([(token, logprob)])

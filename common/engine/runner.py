@@ -1,0 +1,180 @@
+"""The forward steps both daemons and the colocated engine share (synchronous; run on an executor).
+
+``ModelRunner`` owns a target model (and optionally a draft) with their KV caches and page
+allocators. It knows nothing about HTTP, ZeroMQ or NIXL: the prefill daemon calls ``prefill``,
+the decode daemon calls ``prefill_draft`` and ``decode``, the colocated engine calls all three.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from common.engine.sequence import Sequence, SeqState, pages_needed
+from common.engine.spec import verify_greedy, verify_sampled
+from common.errors import OverloadedError
+from common.model.kv_cache import KvCache, PageAllocator
+from common.model.llama import SeqChunk
+from common.model.sampling import Sampler, probs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelSlot:
+    """A model with its paged KV cache and the allocator of that cache's pages."""
+
+    model: object  # common.model.llama model: forward(chunks, kv, all_logits=False)
+    kv: KvCache
+    allocator: PageAllocator
+
+    def forward(self, chunks: list[SeqChunk], *, all_logits: bool = False):
+        return self.model.forward(chunks, self.kv, all_logits=all_logits)
+
+
+class ModelRunner:
+    def __init__(self, target: ModelSlot, draft: ModelSlot | None = None, *, spec_k: int = 4):
+        self.target = target
+        self.draft = draft
+        self.spec_k = spec_k if draft is not None else 0
+        self.page_size = target.kv.page_size
+        self.sampler = Sampler()
+
+    # -- pages ------------------------------------------------------------------------------
+    def pages_for(self, seq: Sequence, *, prompt_only: bool = False) -> int:
+        if prompt_only:
+            return pages_needed(seq.num_prompt_tokens, self.page_size)
+        # +spec_k+1: a verify forward writes k+1 positions past the last cached token.
+        return pages_needed(seq.max_total_tokens + self.spec_k + 1, self.page_size)
+
+    def can_admit(self, seq: Sequence, *, prompt_only: bool = False) -> bool:
+        n = self.pages_for(seq, prompt_only=prompt_only)
+        ok = self.target.allocator.num_free >= n
+        if self.draft is not None:
+            ok = ok and self.draft.allocator.num_free >= n
+        return ok
+
+    def admit(self, seq: Sequence, *, prompt_only: bool = False) -> None:
+        """Allocate every page the sequence can need (only the prompt's on a prefill worker);
+        raises OverloadedError when the pool is short."""
+        n = self.pages_for(seq, prompt_only=prompt_only)
+        if not self.can_admit(seq, prompt_only=prompt_only):
+            raise OverloadedError(
+                f"request_id={seq.request_id}: KV pool has {self.target.allocator.num_free} free pages, "
+                f"needs {n} (prompt {seq.num_prompt_tokens} + max_new_tokens {seq.params.max_new_tokens}); retry later")
+        seq.pages = self.target.allocator.allocate(n)
+        if self.draft is not None:
+            seq.draft_pages = self.draft.allocator.allocate(n)
+
+    def release(self, seq: Sequence) -> None:
+        if seq.pages:
+            self.target.allocator.free(seq.pages)
+            seq.pages = []
+        if seq.draft_pages and self.draft is not None:
+            self.draft.allocator.free(seq.draft_pages)
+            seq.draft_pages = []
+
+    # -- prefill ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence], *, with_draft: bool = False) -> None:
+        """Compute prompt KV for ``seqs`` and sample each one's first token."""
+        chunks = [SeqChunk(s.prompt_ids, 0, s.pages) for s in seqs]
+        want_all = any(s.input_logprobs is not None for s in seqs)
+        out = self.target.forward(chunks, all_logits=want_all)
+        last = torch.stack([o[-1] for o in out]) if want_all else out
+        if want_all:
+            for s, logits in zip(seqs, out):
+                if s.input_logprobs is not None:
+                    s.input_logprobs = _input_logprobs(logits, s.prompt_ids)
+        tokens, logprobs = self.sampler.sample(last, [s.params for s in seqs], [s.generator for s in seqs])
+        for s, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            s.num_cached = s.num_prompt_tokens
+            s.output_ids.append(tok)
+            s.output_logprobs.append(lp)
+        if with_draft and self.draft is not None:
+            self.prefill_draft(seqs)
+
+    @torch.inference_mode()
+    def prefill_draft(self, seqs: list[Sequence]) -> None:
+        """Fill the draft's KV for each prompt (decode-only speculative decoding does this locally)."""
+        chunks = [SeqChunk(s.prompt_ids, 0, s.draft_pages) for s in seqs]
+        self.draft.forward(chunks)
+        for s in seqs:
+            s.draft_num_cached = s.num_prompt_tokens
+
+    # -- decode -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> list[list[tuple[int, float]]]:
+        """One step for every running sequence; returns the (token, logprob) pairs each produced."""
+        if self.draft is not None and self.spec_k > 0:
+            return self._spec_step(seqs)
+        chunks = [SeqChunk([s.last_token], s.num_cached, s.pages) for s in seqs]
+        logits = self.target.forward(chunks)
+        tokens, logprobs = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        for s in seqs:
+            s.num_cached += 1
+        return [[(t, lp)] for t, lp in zip(tokens.tolist(), logprobs.tolist())]
+
+    def _spec_step(self, seqs: list[Sequence]) -> list[list[tuple[int, float]]]:
+        k = self.spec_k
+        proposals, q_rows = self._propose(seqs, k)
+        chunks = [SeqChunk([s.last_token] + d, s.num_cached, s.pages) for s, d in zip(seqs, proposals)]
+        target_logits = self.target.forward(chunks, all_logits=True)  # list of [k+1, V]
+        results = []
+        for s, d, q, logits in zip(seqs, proposals, q_rows, target_logits):
+            logits = logits.float()
+            if s.params.is_greedy:
+                verdict = verify_greedy(logits, d)
+            else:
+                p = probs(logits, [s.params] * logits.shape[0])
+                verdict = verify_sampled(p, torch.stack(q), d, s.generator)
+            accepted = verdict.tokens(d)
+            logp = torch.log_softmax(logits[: len(accepted)], dim=-1)
+            lps = [float(logp[i, t]) for i, t in enumerate(accepted)]
+            s.num_proposed += k
+            s.num_accepted += verdict.num_accepted
+            # Target cache now validly holds last_token + accepted drafts; the new token is uncached.
+            s.num_cached += 1 + verdict.num_accepted
+            s.draft_num_cached = min(s.draft_num_cached, s.num_cached)
+            results.append(list(zip(accepted, lps)))
+        return results
+
+    def _propose(self, seqs: list[Sequence], k: int):
+        """Run the draft k times; returns proposals [B][k] and their draft probabilities [B][k][V]."""
+        proposals: list[list[int]] = [[] for _ in seqs]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for step in range(k):
+            chunks = []
+            for s, d in zip(seqs, proposals):
+                if step == 0:
+                    # The draft may lag by more than one token (accepted drafts + bonus token).
+                    pending = s.tokens[s.draft_num_cached:]
+                    chunks.append(SeqChunk(pending, s.draft_num_cached, s.draft_pages))
+                else:
+                    chunks.append(SeqChunk([d[-1]], s.num_tokens + step - 1, s.draft_pages))
+            logits = self.draft.forward(chunks).float()
+            for i, s in enumerate(seqs):
+                if s.params.is_greedy:
+                    tok = int(logits[i].argmax())
+                else:
+                    q = probs(logits[i : i + 1], [s.params])[0]
+                    tok = int(torch.multinomial(q, 1, generator=s.generator).item())
+                    q_rows[i].append(q)
+                proposals[i].append(tok)
+            for s in seqs:
+                if step == 0:
+                    s.draft_num_cached = s.num_tokens
+        for s in seqs:
+            # Proposals d0..d(k-2) were fed to the draft; d(k-1) was not.
+            s.draft_num_cached = s.num_tokens + k - 1
+        return proposals, q_rows
+
+
+def _input_logprobs(logits: torch.Tensor, prompt_ids: list[int]) -> list[float | None]:
+    """logprob of each prompt token given its prefix; the first token has none (SGLang's convention)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(prompt_ids[1:], device=logp.device)
+    values = logp[torch.arange(len(prompt_ids) - 1, device=logp.device), ids].tolist()
+    return [None] + values

@@ -1,0 +1,88 @@
+"""One generation request inside an engine: its tokens, pages, sampler state and lifecycle.
+
+Token bookkeeping (target model; the draft has its own ``draft_num_cached``)::
+
+    tokens = prompt_ids + output_ids
+    KV cache holds tokens[0 : num_cached]; while decoding, num_cached == len(tokens) - 1
+    (the newest token is fed by the next forward, which writes its K/V).
+
+Pages are allocated once, at admission, for the prompt plus every token the request may generate
+(plus the speculative look-ahead), so a running sequence never waits for memory.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from common.model.sampling import SamplingParams
+
+
+class SeqState(enum.Enum):
+    WAITING = "waiting"    # admitted, prompt KV not computed/received yet
+    RUNNING = "running"    # prompt KV present; decoding
+    FINISHED = "finished"  # stop condition met
+    FAILED = "failed"      # error or abort; pages freed
+
+
+_TRANSITIONS = {
+    SeqState.WAITING: {SeqState.RUNNING, SeqState.FINISHED, SeqState.FAILED},
+    SeqState.RUNNING: {SeqState.FINISHED, SeqState.FAILED},
+    SeqState.FINISHED: set(),
+    SeqState.FAILED: set(),
+}
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    pages: list[int] = field(default_factory=list)
+    draft_pages: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    num_cached: int = 0
+    draft_num_cached: int = 0
+    num_proposed: int = 0
+    num_accepted: int = 0
+    state: SeqState = SeqState.WAITING
+    finish_reason: dict | None = None
+    error: str | None = None
+
+    def transition(self, new: SeqState) -> None:
+        if new not in _TRANSITIONS[self.state]:
+            raise RuntimeError(f"request_id={self.request_id}: illegal state change {self.state.value} -> {new.value}")
+        self.state = new
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def is_done(self) -> bool:
+        return self.state in (SeqState.FINISHED, SeqState.FAILED)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_ids) + self.params.max_new_tokens
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]

@@ -1,0 +1,44 @@
+"""Prometheus metrics of one daemon, on a registry of its own (served at /metrics).
+
+Names follow ``kvferry_<what>_<unit>``; every failure path increments a counter with a reason.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+
+
+class Metrics:
+    def __init__(self, role: str):
+        self.role = role
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvferry_requests", "HTTP generation requests by outcome", ["outcome"], registry=r)
+        self.failed_transfers = Counter("kvferry_failed_transfers", "KV transfers that failed, by reason",
+                                        ["reason"], registry=r)
+        self.timeouts = Counter("kvferry_timeouts", "deadlines that expired, by stage", ["stage"], registry=r)
+        self.aborts = Counter("kvferry_aborts", "rooms aborted, by the side that asked", ["side"], registry=r)
+        self.stale_notifications = Counter("kvferry_stale_notifications",
+                                           "NIXL notifications for unknown or expired rooms (ignored)", registry=r)
+        self.protocol_errors = Counter("kvferry_protocol_errors", "malformed control frames received", registry=r)
+        self.registrations = Counter("kvferry_registrations", "decode registrations by result", ["result"], registry=r)
+        self.heartbeat_misses = Counter("kvferry_heartbeat_misses", "pings that got no pong in time", registry=r)
+        self.pages_in_use = Gauge("kvferry_pages_in_use", "KV pages allocated", ["model"], registry=r)
+        self.pages_total = Gauge("kvferry_pages_total", "KV pages in the pool", ["model"], registry=r)
+        self.rooms_waiting = Gauge("kvferry_rooms_waiting", "rooms waiting for their peer", registry=r)
+        self.requests_running = Gauge("kvferry_requests_running", "requests being served", registry=r)
+        self.requests_queued = Gauge("kvferry_requests_queued", "requests admitted but waiting", registry=r)
+        self.transfer_bytes = Counter("kvferry_transfer_bytes", "KV and aux bytes written", registry=r)
+        self.transfer_seconds = Histogram("kvferry_transfer_seconds", "one room's WRITE, post to DONE",
+                                          buckets=_LATENCY_BUCKETS, registry=r)
+        self.kv_wait_seconds = Histogram("kvferry_kv_wait_seconds", "decode: transfer request to KV arrival",
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft_seconds = Histogram("kvferry_ttft_seconds", "request arrival to first token",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.generated_tokens = Counter("kvferry_generated_tokens", "tokens generated", registry=r)
+        self.spec_proposed = Counter("kvferry_spec_proposed_tokens", "draft tokens proposed", registry=r)
+        self.spec_accepted = Counter("kvferry_spec_accepted_tokens", "draft tokens accepted", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

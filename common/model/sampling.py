@@ -1,0 +1,411 @@
+"""Sampling parameters, the shared probability transform, the sampler and stop checking.
+
+Reading path: `SamplingParams` (parse and validate a request), `probs` (temperature, top-k, top-p,
+min-p; also used by speculative decoding's accept/reject), `Sampler.sample`, then `StopChecker`.
+`common.model.detok.StreamingOutput` ties a `StopChecker` to incremental detokenization.
+
+Penalties (frequency, presence, repetition), `min_new_tokens`, logit bias and constrained decoding
+are not implemented: a request setting any of them to a non-neutral value gets a `RequestError`
+instead of silently different output.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from common.errors import RequestError
+
+logger = logging.getLogger(__name__)
+
+MAX_STOP_STRINGS = 16
+MAX_SEED = 2**63
+# Below this temperature logits / T leaves fp32's useful range; such requests are greedy, as in
+# SGLang (its _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-6
+
+_SGLANG_FIELDS = {
+    "max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
+    "top_k": "top_k", "min_p": "min_p", "stop": "stop", "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens", "n": "n",
+    "no_stop_trim": "no_stop_trim", "sampling_seed": "seed", "seed": "seed",
+}
+# SGLang keys accepted only at their neutral value: anything else changes the output in a way this
+# engine does not implement. `spaces_between_special_tokens` and `stream_interval` are accepted with
+# any value of the right type: the first does not affect byte-level tokenizers, the second only
+# paces streaming.
+_NEUTRAL = {
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+    "min_new_tokens": 0, "min_tokens": 0, "regex": None, "json_schema": None, "ebnf": None,
+    "structural_tag": None, "stop_regex": None, "custom_params": None, "logit_bias": None,
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "best_of": 1,
+}
+_IGNORED_SGLANG = {"spaces_between_special_tokens": bool, "stream_interval": int}
+SGLANG_TOLERATED_KEYS = frozenset(_NEUTRAL) | frozenset(_IGNORED_SGLANG)
+
+
+def _type_error(where: str, key: str, want: str, value: Any) -> RequestError:
+    return RequestError(f"{where}{key} must be {want}, got {type(value).__name__} {value!r}")
+
+
+def _as_float(where: str, key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _type_error(where, key, "a number", value)
+    return float(value)
+
+
+def _as_int(where: str, key: str, value: Any) -> int:
+    # JSON clients sometimes send 16.0 for 16; a fractional value is still an error.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _type_error(where, key, "an integer", value)
+    return value
+
+
+def _as_bool(where: str, key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _type_error(where, key, "a boolean", value)
+    return value
+
+
+def _as_stop(where: str, key: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise _type_error(where, key, "a string or a list of strings", value)
+    return tuple(value)
+
+
+def _as_ids(where: str, key: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise _type_error(where, key, "a list of integers", value)
+    return tuple(_as_int(where, f"{key}[{i}]", v) for i, v in enumerate(value))
+
+
+_CONVERT = {
+    "max_new_tokens": _as_int, "temperature": _as_float, "top_p": _as_float, "top_k": _as_int,
+    "min_p": _as_float, "seed": _as_int, "stop": _as_stop, "stop_token_ids": _as_ids,
+    "ignore_eos": _as_bool, "skip_special_tokens": _as_bool, "no_stop_trim": _as_bool,
+    "n": _as_int,
+}
+
+
+def _check_neutral(where: str, key: str, value: Any) -> None:
+    neutral = _NEUTRAL[key]
+    is_neutral = value is None or value == neutral or (neutral is None and value in ({}, [], ""))
+    if not is_neutral:
+        raise RequestError(f"{where}{key}={value!r} is not supported; send {neutral!r} or omit it")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request samples and when it stops. `temperature` 0 means greedy; `top_k` -1 or 0
+    means off; `max_new_tokens` 0 means prefill only. Only `n == 1` is supported."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False  # keep the matched stop string/token in the text (SGLang's name)
+    n: int = 1
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    def check_ranges(self, names: Mapping[str, str] | None = None) -> None:
+        """Raise `RequestError` for a value out of range; `names` maps a field to the client's
+        name for it (max_new_tokens → max_tokens)."""
+        def bad(field: str, allowed: str, value: Any) -> RequestError:
+            name = (names or {}).get(field, field)
+            return RequestError(f"{name} must be {allowed}, got {value!r}")
+
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise bad("temperature", ">= 0 and finite", self.temperature)
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "in (0, 1]", self.top_p)
+        if self.top_k < -1:
+            raise bad("top_k", ">= -1 (-1 or 0 disables it)", self.top_k)
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", "in [0, 1]", self.min_p)
+        if self.max_new_tokens < 0:
+            raise bad("max_new_tokens", ">= 0", self.max_new_tokens)
+        if self.seed is not None and not 0 <= self.seed < MAX_SEED:
+            raise bad("seed", "in [0, 2**63)", self.seed)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"at most {MAX_STOP_STRINGS} strings", len(self.stop))
+        if any(s == "" for s in self.stop):
+            raise bad("stop", "non-empty strings", list(self.stop))
+        if self.n != 1:
+            raise bad("n", "1 (one completion per request is supported)", self.n)
+
+    def validate(self, vocab_size: int, max_context_tokens: int | None = None,
+                 prompt_tokens: int | None = None) -> None:
+        """Raise `RequestError` naming the field and its allowed range for the first bad value."""
+        self.check_ranges()
+        for token_id in self.stop_token_ids:
+            if not 0 <= token_id < vocab_size:
+                raise RequestError(
+                    f"stop_token_ids must be in [0, {vocab_size}) (vocab_size), got {token_id}")
+        if max_context_tokens is not None and prompt_tokens is not None:
+            if prompt_tokens + self.max_new_tokens > max_context_tokens:
+                raise RequestError(
+                    f"prompt tokens ({prompt_tokens}) + max_new_tokens ({self.max_new_tokens}) "
+                    f"= {prompt_tokens + self.max_new_tokens} exceeds the context of "
+                    f"{max_context_tokens} tokens; shorten the prompt or lower max_new_tokens")
+
+    @classmethod
+    def from_sglang(cls, d: Mapping[str, Any]) -> SamplingParams:
+        """Build from SGLang's `/generate` `sampling_params` object. Unknown keys are errors;
+        `SGLANG_TOLERATED_KEYS` are accepted at their neutral value. `None` means the default."""
+        if not isinstance(d, Mapping):
+            raise _type_error("", "sampling_params", "an object", d)
+        where = "sampling_params."
+        unknown = sorted(k for k in d if k not in _SGLANG_FIELDS and k not in SGLANG_TOLERATED_KEYS)
+        if unknown:
+            raise RequestError(f"sampling_params has unknown keys {unknown}; supported: "
+                               f"{sorted(_SGLANG_FIELDS)} plus neutral {sorted(_NEUTRAL)}")
+        kwargs: dict[str, Any] = {}
+        for key, value in d.items():
+            if value is None:
+                continue
+            if key in _NEUTRAL:
+                _check_neutral(where, key, value)
+            elif key in _IGNORED_SGLANG:
+                want = _IGNORED_SGLANG[key]
+                (_as_bool if want is bool else _as_int)(where, key, value)
+            else:
+                field = _SGLANG_FIELDS[key]
+                kwargs[field] = _CONVERT[field](where, key, value)
+        params = cls(**kwargs)
+        params.check_ranges({"seed": "sampling_seed" if "sampling_seed" in d else "seed"})
+        return params
+
+    @classmethod
+    def from_openai(cls, d: Mapping[str, Any], chat: bool,
+                    default_max_new_tokens: int | None = None) -> SamplingParams:
+        """Build from an OpenAI `/v1/completions` (chat=False) or `/v1/chat/completions` body.
+
+        Keys that are not sampling fields (model, messages, stream, ...) belong to the HTTP layer
+        and are ignored here. Without a token limit, completions default to 16 (OpenAI's
+        default) and chat to 128, unless `default_max_new_tokens` is given."""
+        if not isinstance(d, Mapping):
+            raise _type_error("", "body", "an object", d)
+        kwargs: dict[str, Any] = {}
+        limit_key = "max_tokens"
+        if chat and d.get("max_completion_tokens") is not None:
+            limit_key = "max_completion_tokens"
+        renames = {limit_key: "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
+                   "top_k": "top_k", "min_p": "min_p", "seed": "seed", "stop": "stop",
+                   "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
+                   "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "no_stop_trim",
+                   "n": "n"}
+        for key, field in renames.items():
+            if d.get(key) is not None:
+                kwargs[field] = _CONVERT[field]("", key, d[key])
+        for key in _NEUTRAL:
+            if key in d:
+                _check_neutral("", key, d[key])
+        fmt = d.get("response_format")
+        if fmt is not None and (not isinstance(fmt, Mapping) or fmt.get("type") != "text"):
+            raise RequestError(f"response_format={fmt!r} is not supported; send "
+                               "{'type': 'text'} or omit it")
+        if "max_new_tokens" not in kwargs:
+            default = 128 if chat else 16
+            kwargs["max_new_tokens"] = (default if default_max_new_tokens is None
+                                        else default_max_new_tokens)
+        params = cls(**kwargs)
+        params.check_ranges({"max_new_tokens": limit_key})
+        return params
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
+    """A per-request generator; seeded requests draw the same tokens whatever their batch."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()  # non-deterministic, from the OS
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def _mask_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor) -> torch.Tensor:
+    # scaled: [B, V] logits / T; top_k: [B] long (V when off); top_p: [B] (> 1 when off)
+    # A stable sort keeps the lowest index first among ties, as argmax does, so top_k=1 == greedy.
+    sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(scaled.shape[-1], device=scaled.device)
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], -math.inf)
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it
+    # already does. The top token is always kept. Top-p acts on the top-k renormalized mass.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop = mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
+    return torch.empty_like(scaled).scatter_(-1, sorted_idx, sorted_logits)
+
+
+def probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Per-row sampling distribution: temperature, then top-k, top-p, min-p; greedy rows are
+    one-hot at argmax. Every row sums to 1. Speculative decoding uses it for both models.
+    logits: [B, V] fp32 → [B, V] fp32."""
+    if logits.shape[0] != len(params):
+        raise ValueError(f"logits has {logits.shape[0]} rows but {len(params)} params were given")
+    logits = logits.float()
+    device, vocab_size = logits.device, logits.shape[-1]
+    is_greedy = [p.is_greedy for p in params]
+    temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, is_greedy)],
+                         device=device)
+    scaled = logits / temps[:, None]
+    top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    top_ps = [p.top_p if p.top_p < 1 else 2.0 for p in params]
+    if any(k < vocab_size for k in top_ks) or any(p <= 1 for p in top_ps):
+        scaled = _mask_top_k_top_p(scaled, torch.tensor(top_ks, device=device),
+                                   torch.tensor(top_ps, device=device))
+    out = torch.softmax(scaled, dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_ps = torch.tensor([p.min_p for p in params], device=device)
+        threshold = out.max(dim=-1, keepdim=True).values * min_ps[:, None]
+        out = out.masked_fill(out < threshold, 0.0)
+        out = out / out.sum(dim=-1, keepdim=True)
+    if any(is_greedy):
+        one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab_size).to(out.dtype)
+        out = torch.where(torch.tensor(is_greedy, device=device)[:, None], one_hot, out)
+    return out
+
+
+def sample_from_probs(p: torch.Tensor,
+                      generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Draw one token per row of p [B, V]; each row uses its own generator so a seeded request's
+    draws do not depend on its neighbours. Rows without a generator share the default RNG."""
+    out = torch.empty(p.shape[0], dtype=torch.long, device=p.device)
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if shared:
+        rows = torch.tensor(shared, device=p.device)
+        out[rows] = torch.multinomial(p[rows], 1).squeeze(-1)
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            out[i] = torch.multinomial(p[i], 1, generator=generator).squeeze(-1)
+    return out
+
+
+class Sampler:
+    """Picks the next token of every row of a batch."""
+
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+               generators: Sequence[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [B, V] → (token_ids [B] long, logprobs [B] fp32). The logprob is log_softmax of
+        the raw logits at the chosen token (temperature-free, as SGLang reports it)."""
+        if not logits.shape[0] == len(params) == len(generators):
+            raise ValueError(f"batch mismatch: {logits.shape[0]} logit rows, {len(params)} "
+                             f"params, {len(generators)} generators")
+        logits = logits.float()
+        token_ids = logits.argmax(dim=-1)
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        if sampled:
+            rows = torch.tensor(sampled, device=logits.device)
+            p = probs(logits[rows], [params[i] for i in sampled])
+            token_ids[rows] = sample_from_probs(p, [generators[i] for i in sampled])
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, token_ids[:, None]).squeeze(-1)
+        return token_ids, logprobs
+
+
+@dataclass(frozen=True, slots=True)
+class FinishReason:
+    """Why a request ended, shaped like SGLang's `meta_info.finish_reason`."""
+
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # the eos/stop token id or the stop string
+    length: int | None = None  # for "length": the number of generated tokens
+    message: str | None = None  # for "abort"
+
+    def to_sglang(self) -> dict[str, Any]:
+        if self.type == "length":
+            return {"type": "length", "length": self.length}
+        if self.type == "abort":
+            return {"type": "abort", "message": self.message}
+        return {"type": "stop", "matched": self.matched}
+
+    @property
+    def openai(self) -> str:
+        return self.type  # "stop", "length" or "abort": OpenAI's finish_reason strings
+
+
+@dataclass(frozen=True, slots=True)
+class StopDecision:
+    """`num_tokens`: how many of the tokens passed to `check` belong to the output (through the
+    stop token); `text`: the output text, trimmed before a matched stop string."""
+
+    reason: FinishReason
+    num_tokens: int
+    text: str
+
+
+class StopChecker:
+    """Decides when one request is finished. Precedence for each token: eos / stop token id, then
+    stop strings, then max_new_tokens. Stop strings match the decoded text, so they match across
+    token boundaries."""
+
+    def __init__(self, params: SamplingParams, eos_token_ids: Collection[int]) -> None:
+        self.params = params
+        self._eos = frozenset(() if params.ignore_eos else eos_token_ids)
+        self._stop_ids = frozenset(params.stop_token_ids)
+        self._max_stop_chars = max((len(s) for s in params.stop), default=0)
+        self._num_checked_chars = 0
+        self.num_tokens = 0
+
+    def check_token(self, token_id: int) -> FinishReason | None:
+        """Count one generated token; finish if it is an eos or stop token."""
+        self.num_tokens += 1
+        if token_id in self._eos or token_id in self._stop_ids:
+            return FinishReason("stop", matched=token_id)
+        return None
+
+    def check_text(self, text: str) -> tuple[FinishReason, int] | None:
+        """Search the newly appended part of the output text (it only grows) for a stop string;
+        return the reason and where the output ends (before the match unless no_stop_trim)."""
+        if not self.params.stop:
+            return None
+        start = max(0, self._num_checked_chars - self._max_stop_chars + 1)
+        self._num_checked_chars = len(text)
+        hits = [(pos, s) for s in self.params.stop if (pos := text.find(s, start)) >= 0]
+        if not hits:
+            return None
+        pos, matched = min(hits)
+        end = pos + len(matched) if self.params.no_stop_trim else pos
+        return FinishReason("stop", matched=matched), end
+
+    def check_length(self) -> FinishReason | None:
+        if self.num_tokens >= self.params.max_new_tokens:
+            return FinishReason("length", length=self.num_tokens)
+        return None
+
+    def check(self, new_token_ids: Sequence[int], text: str) -> StopDecision | None:
+        """Check a step's new tokens and the running text (which must include them). A token stop
+        or the length limit inside the list cuts it; the text is then returned as given."""
+        for i, token_id in enumerate(new_token_ids):
+            reason = self.check_token(token_id)
+            if reason is None and i + 1 < len(new_token_ids):
+                reason = self.check_length()
+            if reason is not None:
+                return StopDecision(reason, i + 1, text)
+        by_text = self.check_text(text)
+        if by_text is not None:
+            return StopDecision(by_text[0], len(new_token_ids), text[:by_text[1]])
+        reason = self.check_length()
+        return None if reason is None else StopDecision(reason, len(new_token_ids), text)
+

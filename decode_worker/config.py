@@ -1,0 +1,27 @@
+"""The decode daemon's one frozen config object (flags, then KVFERRY_* env, then defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.config import flag, require
+from common.daemon_config import CommonConfig
+
+
+@dataclass(frozen=True)
+class DecodeConfig(CommonConfig):
+    """kvferry decode: receives prompt KV from prefills and generates, with optional speculative decoding."""
+
+    port: int = flag(30001, help="HTTP port")
+    spec_k: int = flag(4, help="draft tokens proposed per step (with --draft-model)")
+    kv_wait_timeout_s: float = flag(60.0, help="how long a request waits for its KV after asking the prefill")
+    register_timeout_s: float = flag(10.0, help="deadline for a prefill to acknowledge registration")
+    curve_secret_key: str | None = flag(None, help="this decode's CURVE secret key file (kvferry keygen)")
+    curve_server_key: str | None = flag(None, help="the prefills' CURVE public key file (with --curve-secret-key)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(0 <= self.spec_k <= 16, f"--spec-k must be in 0..16, got {self.spec_k}")
+        require(self.kv_wait_timeout_s > 0, "--kv-wait-timeout-s must be positive")
+        require((self.curve_secret_key is None) == (self.curve_server_key is None),
+                "--curve-secret-key and --curve-server-key go together")

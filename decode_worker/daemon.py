@@ -1,0 +1,171 @@
+"""The decode daemon: model (+draft) + KV pools + NIXL agent + prefill links + batcher + HTTP.
+
+``start`` loads the models, allocates the KV pools and aux slots, registers them with NIXL (they
+are the targets of the prefills' WRITEs), starts the batcher and the notification poller, then
+HTTP; ``stop`` drains and reverses it (DESIGN §8).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from common import wire
+from common.aux import AuxSlots
+from common.engine.batcher import DecodeBatcher
+from common.engine.factory import build_runner
+from common.errors import OverloadedError
+from common.lifecycle import start_http, stop_http
+from common.metrics import Metrics
+from common.model.tokenizer import Tokenizer
+from common.transport.nixl import NixlEngine
+from common.transport.zmq import load_keys
+from decode_worker.config import DecodeConfig
+from decode_worker.kv_transfer import KvReceiver
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeDaemon:
+    name = "kvferry-decode"
+
+    def __init__(self, config: DecodeConfig):
+        self.config = config
+        self.drain_timeout_s = config.drain_timeout_s
+        self.decode_id = f"decode-{uuid.uuid4().hex[:12]}"
+        self.metrics = Metrics("decode")
+        self.is_serving = False
+        self.inflight = 0
+        self._tasks: list[asyncio.Task] = []
+        self.model_executor = ThreadPoolExecutor(1, thread_name_prefix="decode-model")
+        self.engine: NixlEngine | None = None
+        self.receiver: KvReceiver | None = None
+        self.batcher: DecodeBatcher | None = None
+        self.http = None
+
+    async def start(self) -> None:
+        c = self.config
+        loop = asyncio.get_running_loop()
+        self.runner = await loop.run_in_executor(self.model_executor, lambda: build_runner(
+            c.model, c.draft_model, device=c.device, dtype=c.torch_dtype_name, page_size=c.page_size,
+            max_total_tokens=c.max_total_tokens, spec_k=c.spec_k))
+        self.device = self.runner.target.kv.device
+        self.tokenizer = Tokenizer.from_dir(c.model)
+        self.model_name = Path(c.model).name
+        self.max_context_tokens = min(self.runner.target.model.config.max_position_embeddings, c.max_total_tokens)
+        self.aux = AuxSlots(c.max_running_requests + c.max_queued_requests)
+        self.engine = NixlEngine("decode")
+        for slot in self._slots():
+            self.engine.register_tensor(slot.kv.buffer)
+        self.engine.register_tensor(self.aux.buffer)
+        self.receiver = KvReceiver(engine=self.engine, register_msg=self._register_msg, aux=self.aux,
+                                   metrics=self.metrics, register_timeout_s=c.register_timeout_s,
+                                   heartbeat_interval_s=c.heartbeat_interval_s, heartbeat_misses=c.heartbeat_misses,
+                                   quarantine_s=max(2 * c.xfer_timeout_s, 5.0), client_keys=self._curve())
+        self.batcher = DecodeBatcher(self.runner, self.model_executor, max_running=c.max_running_requests,
+                                     on_finish=self.runner.release, on_step=self._on_step)
+        self.batcher.start()
+        self._tasks = [asyncio.create_task(self._poll_notifications(), name="notif-poller"),
+                       asyncio.create_task(self._sweep(), name="sweep")]
+        from common.api.app import create_app
+        from decode_worker.http import DecodeBackend
+
+        app = create_app(DecodeBackend(self), api_key=c.api_key, request_timeout_s=c.request_timeout_s)
+        self.http = await start_http(app, c.host, c.port)
+        self.is_serving = True
+        logger.info("decode %s serving http=%s:%d model=%s draft=%s spec_k=%d", self.decode_id, c.host, c.port,
+                    c.model, c.draft_model, self.runner.spec_k)
+
+    async def stop(self, timeout_s: float) -> None:
+        self.is_serving = False
+        deadline = time.monotonic() + timeout_s
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.batcher is not None:
+            await self.batcher.stop()
+        if self.receiver is not None:
+            await self.receiver.close()
+        if self.http is not None:
+            await stop_http(*self.http)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.engine is not None:
+            self.engine.close()
+        self.model_executor.shutdown(wait=True)
+
+    def _slots(self):
+        return [s for s in (self.runner.target, self.runner.draft) if s is not None]
+
+    def _register_msg(self) -> wire.Register:
+        kv = self.runner.target.kv
+        regions = [r for slot in self._slots() for r in slot.kv.regions()]
+        return wire.Register(decode_id=self.decode_id, agent_name=self.engine.name,
+                             agent_metadata=self.engine.metadata(), model=self.runner.target.model.config.fingerprint,
+                             page_size=kv.page_size, kv_dtype=kv.kv_dtype, tp_size=1, tp_rank=0, regions=regions,
+                             aux=self.aux.info())
+
+    def _curve(self) -> dict | None:
+        c = self.config
+        if not c.curve_secret_key:
+            return None
+        public, secret = load_keys(c.curve_secret_key)
+        server_public, _ = load_keys(c.curve_server_key)
+        return {"curve_public_key": public, "curve_secret_key": secret, "curve_server_key": server_public}
+
+    async def _poll_notifications(self) -> None:
+        """Drain NIXL notifications; fast while rooms wait for KV, slow otherwise."""
+        while True:
+            await asyncio.sleep(0.0002 if self.receiver.is_waiting else 0.05)
+            try:
+                for agent, payloads in self.engine.get_notifs().items():
+                    for payload in payloads:
+                        self.receiver.on_notification(agent, payload)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # task boundary: keep polling
+                logger.exception("notification poll failed")
+                await asyncio.sleep(0.1)
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            try:
+                self.receiver.sweep()
+                self._update_gauges()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("sweep failed")
+
+    def _on_step(self, jobs, outputs) -> None:
+        self.metrics.generated_tokens.inc(sum(len(o.token_ids) for o in outputs))
+
+    def _update_gauges(self) -> None:
+        for slot in self._slots():
+            name = slot.kv.model_name
+            self.metrics.pages_total.labels(model=name).set(slot.kv.num_pages)
+            self.metrics.pages_in_use.labels(model=name).set(slot.kv.num_pages - slot.allocator.num_free)
+        self.metrics.rooms_waiting.set(len(self.receiver.waiters))
+        self.metrics.requests_running.set(self.batcher.num_active)
+
+    def admit_or_raise(self) -> None:
+        if not self.is_serving:
+            raise OverloadedError("decode is draining or not started; retry on another decode")
+        if self.inflight >= self.config.max_running_requests + self.config.max_queued_requests:
+            raise OverloadedError(f"decode has {self.inflight} requests in flight, its limit; retry later")
+
+    def server_info(self) -> dict:
+        c = self.config
+        return {"role": "decode", "decode_id": self.decode_id, "page_size": c.page_size,
+                "max_total_tokens": c.max_total_tokens, "disaggregation_mode": "decode",
+                "draft_model": bool(c.draft_model), "spec_k": self.runner.spec_k,
+                "free_pages": self.free_pages(),
+                "prefills": {f"{h}:{p}": link.state.value for (h, p), link in self.receiver.links.items()}}
+
+    def free_pages(self) -> dict:
+        return {s.kv.model_name: s.allocator.num_free for s in self._slots()}

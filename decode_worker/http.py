@@ -1,0 +1,115 @@
+"""The decode daemon behind the shared HTTP layer: receive the prompt KV, then generate.
+
+Per request: allocate pages for prompt + generation, ask the prefill named by the bootstrap
+fields for the room's KV, wait (bounded) for it, check the aux record, then hand the sequence to
+the continuous batcher and stream its tokens. Pages go back to the pool when the sequence ends,
+or, when a failed room's WRITE may still land, once the prefill confirms (or a hold time passes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from common.api.backend import GenerateEvent, GenerateInput
+from common.engine.colocated import decode_seed
+from common.engine.output import OutputTracker
+from common.engine.sequence import Sequence
+from common.errors import DisaggError, RequestError
+from common.model.sampling import make_generator
+
+if TYPE_CHECKING:
+    from decode_worker.daemon import DecodeDaemon
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeBackend:
+    role = "decode"
+
+    def __init__(self, daemon: "DecodeDaemon"):
+        self.daemon = daemon
+        self.tokenizer = daemon.tokenizer
+        self.model_name = daemon.model_name
+        self.model_path = daemon.config.model
+        self.max_context_tokens = daemon.max_context_tokens
+
+    def is_ready(self) -> bool:
+        return self.daemon.is_serving
+
+    def server_info(self) -> dict:
+        return self.daemon.server_info()
+
+    def metrics_text(self) -> bytes:
+        return self.daemon.metrics.render()
+
+    async def health_generate(self) -> None:
+        if not self.daemon.is_serving:
+            raise DisaggError("decode is not serving")
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateEvent]:
+        d = self.daemon
+        if inp.bootstrap is None:
+            raise RequestError("decode needs bootstrap_host, bootstrap_port and bootstrap_room "
+                               "(or kv_transfer_params from the prefill's answer)")
+        d.admit_or_raise()
+        started = time.monotonic()
+        seq = Sequence(inp.request_id, list(inp.prompt_ids), inp.params,
+                       generator=make_generator(decode_seed(inp.params.seed), d.device))
+        d.runner.admit(seq)
+        d.inflight += 1
+        try:
+            async for event in self._run(seq, inp, started):
+                yield event
+        finally:
+            d.inflight -= 1
+
+    async def _run(self, seq: Sequence, inp: GenerateInput, started: float) -> AsyncIterator[GenerateEvent]:
+        d = self.daemon
+        b = inp.bootstrap
+        num_pages = -(-seq.num_prompt_tokens // d.runner.page_size)
+        try:
+            record, link = await d.receiver.fetch(
+                request_id=seq.request_id, host=b.host, port=b.port, room=b.room, page_ids=seq.pages[:num_pages],
+                num_prompt_tokens=seq.num_prompt_tokens, timeout_s=d.config.kv_wait_timeout_s)
+        except BaseException as exc:
+            if getattr(exc, "pages_safe", False):
+                d.runner.release(seq)
+            else:
+                d.receiver.quarantine(b.room, lambda: d.runner.release(seq))
+            d.metrics.requests.labels(outcome="kv_failed").inc()
+            raise
+        seq.num_cached = seq.num_prompt_tokens
+        seq.output_ids.append(record.first_token_id)
+        seq.output_logprobs.append(record.first_token_logprob)
+        if link.writes_draft:
+            seq.draft_num_cached = seq.num_prompt_tokens
+        d.metrics.ttft_seconds.observe(time.monotonic() - started)
+        tracker = OutputTracker(seq, self.tokenizer.decode, self.tokenizer.eos_token_ids)
+        job = d.batcher.submit(seq, tracker, needs_draft_prefill=d.runner.draft is not None and not link.writes_draft)
+        num_out = 0
+        try:
+            while True:
+                out = await job.queue.get()
+                num_out += len(out.token_ids)
+                finished = out.finish_reason is not None
+                meta = {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": num_out,
+                        "e2e_latency": time.monotonic() - started}
+                if finished and seq.num_proposed:
+                    meta["spec_accept_rate"] = seq.num_accepted / seq.num_proposed
+                    meta["spec_num_proposed"] = seq.num_proposed
+                    meta["spec_num_accepted"] = seq.num_accepted
+                if finished and out.finish_reason.type == "abort":
+                    d.metrics.requests.labels(outcome="failed").inc()
+                    raise DisaggError(out.finish_reason.message or "request aborted")
+                yield GenerateEvent(token_ids=out.token_ids, logprobs=out.logprobs, text=out.text, finished=finished,
+                                    finish_reason=out.finish_reason.to_sglang() if finished else None, meta=meta)
+                if finished:
+                    d.metrics.requests.labels(outcome="ok").inc()
+                    return
+        finally:
+            if not seq.is_done:
+                d.batcher.abort(job, "client disconnected")

@@ -1,0 +1,228 @@
+"""Decode side of the control and data planes: one link per prefill, and the KV receiver.
+
+Reading path: ``KvReceiver.fetch`` is what a request awaits. It opens (lazily) a ``PrefillLink``
+to the prefill named by the request's bootstrap host/port, registers this decode's region table
+once per link, sends ``transfer`` for the room, and waits under a deadline for either the NIXL
+notification or a ``transfer_result``. Pages of a room whose fate is unknown (deadline passed,
+peer silent) are quarantined until the prefill confirms or a hold time passes, because a late
+WRITE into a reused page would corrupt another request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from common import wire
+from common.aux import AuxSlots
+from common.errors import DisaggError, GeometryMismatchError, PeerUnavailableError, ProtocolError, TransferError
+from common.metrics import Metrics
+from common.transport.nixl import NixlEngine
+from decode_worker.link import PrefillLink
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Waiter:
+    room: int
+    request_id: str
+    link: PrefillLink
+    aux_slot: int
+    future: asyncio.Future
+    sent_at: float = field(default_factory=time.perf_counter)
+
+
+class KvReceiver:
+    def __init__(self, *, engine: NixlEngine, register_msg: Callable[[], wire.Register], aux: AuxSlots,
+                 metrics: Metrics, register_timeout_s: float, heartbeat_interval_s: float,
+                 heartbeat_misses: int, quarantine_s: float, client_keys: dict | None = None):
+        self.engine = engine
+        self.register_msg = register_msg
+        self.aux = aux
+        self.metrics = metrics
+        self.register_timeout_s = register_timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_misses = heartbeat_misses
+        self.quarantine_s = quarantine_s
+        self.client_keys = client_keys
+        self.links: dict[tuple[str, int], PrefillLink] = {}
+        self.waiters: dict[int, Waiter] = {}
+        self.quarantined: dict[int, tuple[Callable[[], None], float]] = {}
+        self._recent: OrderedDict[int, None] = OrderedDict()  # rooms completed lately (late notifs are not stale)
+
+    # -- links ---------------------------------------------------------------------------------------
+    async def link(self, host: str, port: int) -> PrefillLink:
+        key = (host, port)
+        link = self.links.get(key)
+        if link is None:
+            link = PrefillLink(host, port, self, client_keys=self.client_keys)
+            self.links[key] = link
+            link.start()
+        await link.ensure_registered(self.register_timeout_s)
+        return link
+
+    def on_link_message(self, link: PrefillLink, msg: wire.Message) -> None:
+        """Called by a link's reader for transfer_result and error frames."""
+        if isinstance(msg, wire.TransferResult):
+            self._on_result(msg)
+        elif isinstance(msg, wire.Error):
+            self.metrics.protocol_errors.inc()
+            logger.warning("prefill peer=%s reported an error%s: %s", link.address,
+                           "" if msg.room is None else f" for room={msg.room}", msg.reason)
+            if msg.room is not None:
+                self._fail(msg.room, TransferError(f"prefill {link.address} refused room {msg.room}: {msg.reason}"))
+
+    def on_link_lost(self, link: PrefillLink, reason: str) -> None:
+        """Heartbeats stopped: every room waiting on that prefill fails now."""
+        for waiter in [w for w in self.waiters.values() if w.link is link]:
+            self._fail(waiter.room, PeerUnavailableError(f"room={waiter.room} request_id={waiter.request_id}: "
+                                                         f"prefill {link.address} {reason}"))
+
+    # -- rooms -----------------------------------------------------------------------------------------
+    async def fetch(self, *, request_id: str, host: str, port: int, room: int, page_ids: list[int],
+                    num_prompt_tokens: int, timeout_s: float) -> tuple[wire.AuxRecord, PrefillLink]:
+        """Ask the prefill for ``room``'s KV into ``page_ids``; return the aux record (and the link)
+        once it has landed.
+
+        On failure raises a DisaggError whose ``pages_safe`` attribute says whether the pages may be
+        freed now (the prefill confirmed nothing will be written) or must go to ``quarantine``.
+        """
+        if room in self.waiters:
+            raise _unsafe(TransferError(f"request_id={request_id}: bootstrap_room {room} is already waiting for KV "
+                                        f"on this decode; every request needs its own room"), safe=True)
+        deadline = time.monotonic() + timeout_s
+        try:
+            link = await asyncio.wait_for(self.link(host, port), timeout_s)
+        except asyncio.TimeoutError:
+            raise _unsafe(PeerUnavailableError(f"request_id={request_id}: prefill {host}:{port} did not acknowledge "
+                                               f"registration within {timeout_s:.1f}s"), safe=True) from None
+        except DisaggError as exc:
+            raise _unsafe(exc, safe=True) from None
+        slot = self.aux.acquire()
+        waiter = Waiter(room, request_id, link, slot, asyncio.get_running_loop().create_future())
+        self.waiters[room] = waiter
+        try:
+            await link.send(wire.Transfer(room=room, decode_id=link.decode_id, page_ids=page_ids, aux_slot=slot,
+                                          num_prompt_tokens=num_prompt_tokens))
+            await asyncio.wait_for(asyncio.shield(waiter.future), max(deadline - time.monotonic(), 0.0))
+            self.metrics.kv_wait_seconds.observe(time.perf_counter() - waiter.sent_at)
+            return self._read_aux(waiter, num_prompt_tokens), link
+        except asyncio.TimeoutError:
+            self.metrics.timeouts.labels(stage="wait_kv").inc()
+            await self._abort(link, room, f"decode waited {timeout_s:.1f}s for the KV")
+            raise _unsafe(TransferError(f"room={room} request_id={request_id}: KV from prefill {link.address} did not "
+                                        f"arrive within {timeout_s:.1f}s"), safe=False) from None
+        except asyncio.CancelledError:
+            await self._abort(link, room, "client disconnected")
+            raise
+        finally:
+            self.waiters.pop(room, None)
+            self.aux.release(slot)
+            self._remember(room)
+
+    def _read_aux(self, waiter: Waiter, num_prompt_tokens: int) -> wire.AuxRecord:
+        exc = waiter.future.exception() if waiter.future.done() else None
+        if exc is not None:
+            raise exc
+        try:
+            record = wire.AuxRecord.unpack(self.aux.read(waiter.aux_slot))
+        except ProtocolError as err:
+            raise _unsafe(TransferError(f"room={waiter.room}: {err}"), safe=True) from None
+        if record.room != waiter.room or record.num_prompt_tokens != num_prompt_tokens:
+            raise _unsafe(TransferError(
+                f"room={waiter.room} request_id={waiter.request_id}: aux slot {waiter.aux_slot} holds room "
+                f"{record.room} with {record.num_prompt_tokens} prompt tokens, expected room {waiter.room} with "
+                f"{num_prompt_tokens}; KV discarded"), safe=True)
+        return record
+
+    async def _abort(self, link: PrefillLink, room: int, reason: str) -> None:
+        self.metrics.aborts.labels(side="decode").inc()
+        try:
+            await link.send(wire.Abort(room=room, reason=reason))
+        except DisaggError as exc:
+            logger.warning("could not send abort for room=%d to peer=%s: %s", room, link.address, exc)
+
+    def _on_result(self, msg: wire.TransferResult) -> None:
+        hold = self.quarantined.pop(msg.room, None)
+        if hold is not None:
+            hold[0]()  # the prefill confirmed: nothing more will be written into those pages
+            return
+        waiter = self.waiters.get(msg.room)
+        if waiter is None or waiter.future.done():
+            return
+        if msg.ok:
+            waiter.future.set_result(None)
+        else:
+            err = GeometryMismatchError if "geometry" in (msg.error or "").lower() else TransferError
+            self._fail(msg.room, _unsafe(err(f"room={msg.room} request_id={waiter.request_id}: prefill "
+                                             f"{waiter.link.address} failed the transfer: {msg.error}"), safe=True))
+
+    def _fail(self, room: int, exc: Exception) -> None:
+        waiter = self.waiters.get(room)
+        if waiter is not None and not waiter.future.done():
+            if not hasattr(exc, "pages_safe"):
+                exc = _unsafe(exc, safe=False)
+            waiter.future.set_exception(exc)
+
+    def on_notification(self, agent: str, payload: bytes) -> None:
+        try:
+            notif = wire.decode(payload)
+        except ProtocolError as exc:
+            self.metrics.protocol_errors.inc()
+            logger.warning("malformed NIXL notification from peer=%s: %s", agent, exc)
+            return
+        if not isinstance(notif, wire.Notification):
+            self.metrics.protocol_errors.inc()
+            return
+        waiter = self.waiters.get(notif.room)
+        if waiter is None or notif.decode_id != waiter.link.decode_id:
+            if notif.room not in self._recent and notif.room not in self.quarantined:
+                self.metrics.stale_notifications.inc()
+                logger.warning("notification for unknown or expired room=%d from peer=%s ignored", notif.room, agent)
+            hold = self.quarantined.pop(notif.room, None)
+            if hold is not None:
+                hold[0]()  # the WRITE finished: the pages are quiet again
+            return
+        if not waiter.future.done():
+            waiter.future.set_result(None)
+
+    def quarantine(self, room: int, release: Callable[[], None]) -> None:
+        """Hold pages of a room whose WRITE may still land; release on confirmation or after the hold."""
+        self.quarantined[room] = (release, time.monotonic() + self.quarantine_s)
+
+    def _remember(self, room: int) -> None:
+        self._recent[room] = None
+        while len(self._recent) > 4096:
+            self._recent.popitem(last=False)
+
+    @property
+    def is_waiting(self) -> bool:
+        return bool(self.waiters)
+
+    def sweep(self) -> None:
+        now = time.monotonic()
+        for room, (release, until) in list(self.quarantined.items()):
+            if now >= until:
+                del self.quarantined[room]
+                logger.info("room=%d: quarantine over, pages released", room)
+                release()
+
+    async def close(self) -> None:
+        for room in list(self.waiters):
+            self._fail(room, _unsafe(PeerUnavailableError(f"room={room}: decode shutting down"), safe=False))
+        for link in list(self.links.values()):
+            await link.close()
+        self.links.clear()
+        for room, (release, _) in list(self.quarantined.items()):
+            release()
+        self.quarantined.clear()
+
+
+def _unsafe(exc: Exception, *, safe: bool) -> Exception:
+    exc.pages_safe = safe
+    return exc

@@ -1,0 +1,154 @@
+"""One control connection from this decode to one prefill: registration, heartbeats, replies.
+
+A link is opened on the first request naming its prefill and lives until the decode stops. When
+the prefill goes silent (no pong for ``heartbeat_misses`` intervals) every room waiting on it fails
+at once; when it comes back (a restart answers with a new ``prefill_id``, or says the decode is not
+registered) the link registers again before the next transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from common import wire
+from common.errors import DisaggError, GeometryMismatchError, PeerUnavailableError, ProtocolError
+from common.transport.zmq import BootstrapClient
+
+if TYPE_CHECKING:
+    from decode_worker.kv_transfer import KvReceiver
+
+logger = logging.getLogger(__name__)
+
+
+class LinkState(enum.Enum):
+    NEW = "new"
+    REGISTERING = "registering"
+    REGISTERED = "registered"
+    REJECTED = "rejected"
+    LOST = "lost"
+
+
+class PrefillLink:
+    def __init__(self, host: str, port: int, receiver: "KvReceiver", *, client_keys: dict | None = None):
+        self.host, self.port = host, port
+        self.address = f"{host}:{port}"
+        self.receiver = receiver
+        self.client = BootstrapClient(host, port, **(client_keys or {}))
+        self.state = LinkState.NEW
+        self.ack: wire.RegisterAck | None = None
+        self.decode_id = ""
+        self._ack_future: asyncio.Future | None = None
+        self._register_lock = asyncio.Lock()
+        self._last_pong = time.monotonic()
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._read_loop(), name=f"link-read-{self.address}"),
+                       asyncio.create_task(self._heartbeat_loop(), name=f"link-ping-{self.address}")]
+
+    async def send(self, msg: wire.Message) -> None:
+        await self.client.send(msg)
+
+    async def ensure_registered(self, timeout_s: float) -> wire.RegisterAck:
+        async with self._register_lock:
+            if self.state is LinkState.REGISTERED and self.ack is not None:
+                return self.ack
+            self.state = LinkState.REGISTERING
+            msg = self.receiver.register_msg()
+            self.decode_id = msg.decode_id
+            self._ack_future = asyncio.get_running_loop().create_future()
+            await self.client.send(msg)
+            try:
+                ack = await asyncio.wait_for(self._ack_future, timeout_s)
+            except asyncio.TimeoutError:
+                self.state = LinkState.LOST
+                raise PeerUnavailableError(f"prefill {self.address} did not answer register within {timeout_s:.1f}s "
+                                           f"(is a prefill listening on that bootstrap port?)") from None
+            if not ack.accepted:
+                self.state = LinkState.REJECTED
+                raise GeometryMismatchError(f"prefill {self.address} rejected this decode's KV layout: {ack.error}")
+            self.ack = ack
+            self.state = LinkState.REGISTERED
+            self._last_pong = time.monotonic()
+            logger.info("registered with prefill peer=%s prefill_id=%s written=%d ignored=%d decode_only_spec_dec=%s",
+                        self.address, ack.prefill_id, len(ack.written), len(ack.ignored), ack.decode_only_spec_dec)
+            return ack
+
+    @property
+    def decode_only_spec_dec(self) -> bool:
+        return bool(self.ack and self.ack.decode_only_spec_dec)
+
+    @property
+    def writes_draft(self) -> bool:
+        return bool(self.ack and any(k[0] == "draft" for k in self.ack.written))
+
+    async def _read_loop(self) -> None:
+        while True:
+            try:
+                msg = await self.client.recv(timeout_s=self.receiver.heartbeat_interval_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # task boundary: log and keep reading
+                logger.exception("link reader for peer=%s failed: %s", self.address, exc)
+                await asyncio.sleep(0.1)
+                continue
+            if msg is None:
+                continue
+            self._dispatch(msg)
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, ProtocolError):
+            self.receiver.metrics.protocol_errors.inc()
+            logger.warning("malformed frame from prefill peer=%s: %s", self.address, msg)
+            return
+        self._last_pong = time.monotonic()
+        if isinstance(msg, wire.RegisterAck):
+            if self._ack_future is not None and not self._ack_future.done():
+                self._ack_future.set_result(msg)
+            elif self.ack is not None and msg.prefill_id != self.ack.prefill_id:
+                self.state = LinkState.NEW
+        elif isinstance(msg, wire.TransferResult) and not msg.ok and "not registered" in (msg.error or ""):
+            # The prefill restarted and forgot us: register again before the next transfer.
+            self.state = LinkState.NEW
+            self.receiver.on_link_message(self, msg)
+        elif isinstance(msg, wire.Ping):
+            asyncio.create_task(self._send_quietly(wire.Pong(t=msg.t)))
+        elif isinstance(msg, wire.Pong):
+            return
+        else:
+            self.receiver.on_link_message(self, msg)
+
+    async def _send_quietly(self, msg: wire.Message) -> None:
+        try:
+            await self.client.send(msg)
+        except DisaggError as exc:
+            logger.debug("send of %s to peer=%s failed: %s", msg.KIND, self.address, exc)
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.receiver.heartbeat_interval_s
+        limit = interval * self.receiver.heartbeat_misses
+        while True:
+            await asyncio.sleep(interval)
+            await self._send_quietly(wire.Ping(t=time.monotonic()))
+            silent_s = time.monotonic() - self._last_pong
+            if silent_s > interval * 1.5:
+                self.receiver.metrics.heartbeat_misses.inc()
+            if silent_s > limit and self.state is LinkState.REGISTERED:
+                logger.warning("prefill peer=%s silent for %.1fs: failing its rooms, will re-register", self.address,
+                               silent_s)
+                self.state = LinkState.LOST
+                self.receiver.on_link_lost(self, f"did not answer heartbeats for {silent_s:.1f}s")
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self.client.close()

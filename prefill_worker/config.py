@@ -1,0 +1,39 @@
+"""The prefill daemon's one frozen config object (flags, then KVFERRY_* env, then defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.config import flag, require
+from common.daemon_config import CommonConfig
+
+
+@dataclass(frozen=True)
+class PrefillConfig(CommonConfig):
+    """kvferry prefill: computes prompt KV and pushes it into decode memory over NIXL."""
+
+    port: int = flag(30000, help="HTTP port")
+    bootstrap_host: str = flag("127.0.0.1", help="ZeroMQ bootstrap bind address")
+    bootstrap_port: int = flag(8998, help="ZeroMQ bootstrap (ROUTER) port; give it to the router after the prefill URL")
+    advertise_host: str | None = flag(None, help="host decodes should use to reach this prefill (vllm-router path); default: bootstrap host")
+    transfer_wait_timeout_s: float = flag(30.0, help="how long a prefilled room waits for its decode's transfer request")
+    register_timeout_s: float = flag(10.0, help="deadline for building a decode's transfer plan")
+    max_prefill_tokens: int = flag(8192, help="prompt tokens per prefill batch")
+    curve_secret_key: str | None = flag(None, help="CURVE secret key file (kvferry keygen) to authenticate the bootstrap socket")
+    curve_authorized_keys: str | None = flag(None, help="folder of decode public keys allowed to connect (with --curve-secret-key)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(0 < self.bootstrap_port < 65536, f"--bootstrap-port must be in 1..65535, got {self.bootstrap_port}")
+        require(self.bootstrap_port != self.port or self.bootstrap_host != self.host,
+                f"--bootstrap-port {self.bootstrap_port} equals --port; pick two ports")
+        require(self.transfer_wait_timeout_s > 0, "--transfer-wait-timeout-s must be positive")
+        require(self.max_prefill_tokens > 0, "--max-prefill-tokens must be positive")
+        require((self.curve_secret_key is None) == (self.curve_authorized_keys is None),
+                "--curve-secret-key and --curve-authorized-keys go together")
+
+    @property
+    def advertised_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        return "127.0.0.1" if self.bootstrap_host in ("0.0.0.0", "::", "") else self.bootstrap_host

@@ -1,0 +1,191 @@
+"""The prefill daemon: model + KV pool + NIXL agent + bootstrap ROUTER + HTTP, on one loop.
+
+``start`` loads the model(s), allocates the KV pool and aux slots, registers them with NIXL,
+binds the bootstrap socket, then HTTP; ``stop`` reverses it after draining (DESIGN §8).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from common.aux import AuxSlots
+from common.engine.factory import build_runner
+from common.errors import OverloadedError, ProtocolError
+from common.geometry import KvLayout
+from common.lifecycle import start_http, stop_http
+from common.metrics import Metrics
+from common.model.tokenizer import Tokenizer
+from common.transport.nixl import NixlEngine
+from common.transport.zmq import BootstrapServer, load_keys
+from prefill_worker.config import PrefillConfig
+from prefill_worker.kv_transfer import KvSender, Room
+from prefill_worker.scheduler import PrefillScheduler
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillDaemon:
+    name = "kvferry-prefill"
+
+    def __init__(self, config: PrefillConfig):
+        self.config = config
+        self.drain_timeout_s = config.drain_timeout_s
+        self.prefill_id = f"prefill-{uuid.uuid4().hex[:12]}"
+        self.metrics = Metrics("prefill")
+        self.is_serving = False
+        self.rooms: set[Room] = set()
+        self._tasks: list[asyncio.Task] = []
+        self.model_executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-model")
+        self.xfer_executor = ThreadPoolExecutor(2, thread_name_prefix="prefill-xfer")
+        self.engine: NixlEngine | None = None
+        self.server: BootstrapServer | None = None
+        self.http = None
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        c = self.config
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        loop = asyncio.get_running_loop()
+        self.runner = await loop.run_in_executor(self.model_executor, lambda: build_runner(
+            c.model, c.draft_model, device=c.device, dtype=c.torch_dtype_name, page_size=c.page_size,
+            max_total_tokens=c.max_total_tokens, spec_k=0))
+        self.device = self.runner.target.kv.device
+        self.tokenizer = Tokenizer.from_dir(c.model)
+        cfg = self.runner.target.model.config
+        self.model_name = Path(c.model).name
+        self.max_context_tokens = min(cfg.max_position_embeddings, c.max_total_tokens)
+        self.aux = AuxSlots(c.max_running_requests + c.max_queued_requests)
+        self.engine = NixlEngine("prefill")
+        for slot in self._slots():
+            self.engine.register_tensor(slot.kv.buffer)
+        self.engine.register_tensor(self.aux.buffer)
+        self.layout = self._layout()
+        self.server = BootstrapServer(c.bootstrap_host, c.bootstrap_port, **self._curve())
+        self.sender = KvSender(engine=self.engine, layout=self.layout, server=self.server, executor=self.xfer_executor,
+                               aux=self.aux, prefill_id=self.prefill_id, metrics=self.metrics,
+                               transfer_wait_timeout_s=c.transfer_wait_timeout_s, xfer_timeout_s=c.xfer_timeout_s,
+                               register_timeout_s=c.register_timeout_s,
+                               peer_timeout_s=c.heartbeat_interval_s * c.heartbeat_misses * 2)
+        self.scheduler = PrefillScheduler(self.runner, self.model_executor, max_prefill_tokens=c.max_prefill_tokens,
+                                          with_draft=self.runner.draft is not None)
+        self.scheduler.start()
+        self._tasks = [asyncio.create_task(self._serve_bootstrap(), name="bootstrap"),
+                       asyncio.create_task(self._sweep(), name="sweep")]
+        from common.api.app import create_app
+        from prefill_worker.http import PrefillBackend
+
+        app = create_app(PrefillBackend(self), api_key=c.api_key, request_timeout_s=c.request_timeout_s)
+        self.http = await start_http(app, c.host, c.port)
+        self._update_gauges()
+        self.is_serving = True
+        logger.info("prefill %s serving http=%s:%d bootstrap=%s:%d model=%s draft=%s", self.prefill_id, c.host,
+                    c.port, c.bootstrap_host, c.bootstrap_port, c.model, c.draft_model)
+
+    async def stop(self, timeout_s: float) -> None:
+        self.is_serving = False
+        deadline = time.monotonic() + timeout_s
+        while self.rooms and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for room in list(self.rooms):
+            room.is_aborted = True
+            room.error = room.error or f"room={room.room}: prefill shutting down"
+            room.arrived.set()
+        while self.rooms and time.monotonic() < deadline + 5.0:
+            await asyncio.sleep(0.05)
+        if self.http is not None:
+            await stop_http(*self.http)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if getattr(self, "scheduler", None) is not None:
+            await self.scheduler.stop()
+        if getattr(self, "sender", None) is not None:
+            self.sender.close()
+        if self.server is not None:
+            self.server.close()
+        if self.engine is not None:
+            self.engine.close()
+        self.model_executor.shutdown(wait=True)
+        self.xfer_executor.shutdown(wait=True)
+
+    # -- helpers ----------------------------------------------------------------------------------------
+    def _slots(self):
+        return [s for s in (self.runner.target, self.runner.draft) if s is not None]
+
+    def _layout(self) -> KvLayout:
+        kv = self.runner.target.kv
+        regions = tuple(r for slot in self._slots() for r in slot.kv.regions())
+        return KvLayout(model=self.runner.target.model.config.fingerprint, page_size=kv.page_size,
+                        kv_dtype=kv.kv_dtype, tp_size=1, tp_rank=0, regions=regions, aux=self.aux.info())
+
+    def _curve(self) -> dict:
+        c = self.config
+        if not c.curve_secret_key:
+            return {}
+        public, secret = load_keys(c.curve_secret_key)
+        return {"curve_public_key": public, "curve_secret_key": secret, "authorized_keys_dir": c.curve_authorized_keys}
+
+    async def _serve_bootstrap(self) -> None:
+        while True:
+            try:
+                item = await self.server.recv(timeout_s=1.0)
+                if item is None:
+                    continue
+                identity, msg = item
+                await self.sender.handle(identity, msg)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # task boundary: one bad message never stops the socket
+                logger.exception("bootstrap handler failed")
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            try:
+                await self.sender.sweep()
+                self._update_gauges()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("sweep failed")
+
+    def _update_gauges(self) -> None:
+        for slot in self._slots():
+            name = slot.kv.model_name
+            self.metrics.pages_total.labels(model=name).set(slot.kv.num_pages)
+            self.metrics.pages_in_use.labels(model=name).set(slot.kv.num_pages - slot.allocator.num_free)
+        self.metrics.rooms_waiting.set(len(self.rooms))
+        self.metrics.requests_queued.set(self.scheduler.num_waiting)
+
+    def admit_or_raise(self) -> None:
+        if not self.is_serving:
+            raise OverloadedError("prefill is draining or not started; retry on another prefill")
+        if len(self.rooms) >= self.config.max_running_requests + self.config.max_queued_requests:
+            raise OverloadedError(f"prefill holds {len(self.rooms)} rooms, its limit; retry later")
+
+    def track(self, room: Room) -> None:
+        self.rooms.add(room)
+
+    def untrack(self, room: Room) -> None:
+        self.rooms.discard(room)
+
+    def kv_transfer_params(self, room: int) -> dict:
+        c = self.config
+        return {"bootstrap_host": c.advertised_host, "bootstrap_port": c.bootstrap_port, "bootstrap_room": room}
+
+    def server_info(self) -> dict:
+        c = self.config
+        return {"role": "prefill", "prefill_id": self.prefill_id, "page_size": c.page_size,
+                "max_total_tokens": c.max_total_tokens, "bootstrap_port": c.bootstrap_port,
+                "disaggregation_mode": "prefill", "draft_model": bool(c.draft_model),
+                "free_pages": self.free_pages()}
+
+    def free_pages(self) -> dict:
+        return {s.kv.model_name: s.allocator.num_free for s in self._slots()}

@@ -1,0 +1,131 @@
+"""The prefill daemon behind the shared HTTP layer: one request = prefill, then push the KV.
+
+sglang-router sends the same body to prefill and decode with a bootstrap room. The prefill answers
+only after the room's KV WRITE is complete (DESIGN §1). For vllm-router, which calls the prefill
+first and the decode afterwards, a request with ``kv_transfer_params.do_remote_decode`` and no room
+gets a room chosen here; the answer carries it back in ``kv_transfer_params`` right after the
+prefill, while the room waits (bounded) in the background for that decode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from common.api.backend import GenerateEvent, GenerateInput
+from common.engine.sequence import Sequence
+from common.errors import DisaggError, RequestError
+from common.model.sampling import make_generator
+from prefill_worker.kv_transfer import Room
+
+if TYPE_CHECKING:
+    from prefill_worker.daemon import PrefillDaemon
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillBackend:
+    role = "prefill"
+
+    def __init__(self, daemon: "PrefillDaemon"):
+        self.daemon = daemon
+        self.tokenizer = daemon.tokenizer
+        self.model_name = daemon.model_name
+        self.model_path = daemon.config.model
+        self.max_context_tokens = daemon.max_context_tokens
+        self._background: set[asyncio.Task] = set()
+
+    def is_ready(self) -> bool:
+        return self.daemon.is_serving
+
+    def server_info(self) -> dict:
+        return self.daemon.server_info()
+
+    def metrics_text(self) -> bytes:
+        return self.daemon.metrics.render()
+
+    async def health_generate(self) -> None:
+        if not self.daemon.is_serving:
+            raise DisaggError("prefill is not serving")
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateEvent]:
+        d = self.daemon
+        d.admit_or_raise()
+        hold = inp.bootstrap is None and bool((inp.kv_transfer_params or {}).get("do_remote_decode"))
+        if inp.bootstrap is None and not hold:
+            raise RequestError("prefill needs bootstrap_host, bootstrap_port and bootstrap_room "
+                               "(or kv_transfer_params.do_remote_decode)")
+        room_id = inp.bootstrap.room if inp.bootstrap is not None else secrets.randbits(63)
+        seq = Sequence(inp.request_id, list(inp.prompt_ids), inp.params,
+                       generator=make_generator(inp.params.seed, d.device))
+        if inp.return_logprob:
+            seq.input_logprobs = []
+        started = time.monotonic()
+        d.runner.admit(seq, prompt_only=True)
+        room = Room(room=room_id, request_id=inp.request_id, num_prompt_tokens=seq.num_prompt_tokens,
+                    page_ids=list(seq.pages), deadline=started + d.config.transfer_wait_timeout_s)
+        try:
+            d.sender.open_room(room)
+        except DisaggError:
+            d.runner.release(seq)
+            raise
+        d.track(room)
+        try:
+            await self._prefill_or_fail(seq, room)
+        except BaseException:
+            self._close(seq, room)
+            raise
+        if hold:
+            task = asyncio.create_task(self._finish_room(seq, room, started))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            yield self._event(seq, inp, started, kv_transfer_params=d.kv_transfer_params(room_id))
+            return
+        try:
+            await self._send_or_fail(room, started)
+        finally:
+            self._close(seq, room)
+        yield self._event(seq, inp, started)
+
+    async def _prefill_or_fail(self, seq: Sequence, room: Room) -> None:
+        try:
+            await self.daemon.scheduler.prefill(seq)
+        except BaseException as exc:
+            await self.daemon.sender.fail_room(room, f"prefill failed: {exc}" if str(exc) else "prefill cancelled")
+            raise
+        room.first_token_id = seq.output_ids[0]
+        room.first_token_logprob = seq.output_logprobs[0]
+
+    async def _send_or_fail(self, room: Room, started: float) -> None:
+        d = self.daemon
+        try:
+            await d.sender.send_room(room, started + d.config.request_timeout_s)
+        except BaseException as exc:
+            await d.sender.fail_room(room, str(exc) or "request cancelled")
+            raise
+
+    async def _finish_room(self, seq: Sequence, room: Room, started: float) -> None:
+        try:
+            await self._send_or_fail(room, started)
+        except Exception as exc:  # task boundary: the client already has its answer
+            logger.warning("room=%d request_id=%s held for a later decode failed: %s", room.room, seq.request_id, exc)
+        finally:
+            self._close(seq, room)
+
+    def _close(self, seq: Sequence, room: Room) -> None:
+        self.daemon.sender.close_room(room)
+        self.daemon.untrack(room)
+        self.daemon.runner.release(seq)
+
+    def _event(self, seq: Sequence, inp: GenerateInput, started: float, **extra) -> GenerateEvent:
+        meta = {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": 1,
+                "e2e_latency": time.monotonic() - started, **extra}
+        if seq.input_logprobs is not None:
+            meta["input_token_logprobs"] = seq.input_logprobs
+        text = self.tokenizer.decode(seq.output_ids[:1], skip_special_tokens=True)
+        return GenerateEvent(token_ids=seq.output_ids[:1], logprobs=seq.output_logprobs[:1], text=text,
+                             finished=True, finish_reason={"type": "length", "length": 1}, meta=meta)

@@ -1,0 +1,348 @@
+"""Prefill side of the control and data planes: the bootstrap ROUTER handler and the KV sender.
+
+Reading path: ``KvSender.handle`` dispatches one decoded frame; ``register`` builds and caches a
+``TransferPlan`` and prepared NIXL lists per decode; ``transfer`` is matched with its room (either
+may arrive first); ``send_room`` is what the HTTP handler awaits: it waits (bounded) for the
+decode's ``transfer``, validates it, WRITEs KV + aux with one notification, polls to DONE and only
+then returns, so the caller can free the pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+from common import geometry, wire
+from common.errors import DisaggError, GeometryMismatchError, PeerUnavailableError, TransferError
+from common.geometry import KvLayout, TransferPlan
+from common.metrics import Metrics
+from common.transport.nixl import NixlEngine, XferState
+from common.transport.zmq import BootstrapServer
+from common.aux import AuxSlots
+
+logger = logging.getLogger(__name__)
+
+
+class RoomState(enum.Enum):
+    WAITING = "waiting"    # KV computed (or being computed); no transfer request yet
+    WRITING = "writing"    # a WRITE is posted
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass
+class DecodePeer:
+    """One registered decode process (one agent; a restart registers a new one)."""
+
+    decode_id: str
+    agent_name: str
+    identity: bytes
+    plan: TransferPlan
+    prepped: list  # per plan group: (local PreppedList, remote PreppedList)
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+@dataclass(eq=False)
+class Room:
+    room: int
+    request_id: str
+    num_prompt_tokens: int
+    page_ids: list[int]
+    deadline: float
+    first_token_id: int = -1
+    first_token_logprob: float = 0.0
+    state: RoomState = RoomState.WAITING
+    transfer: wire.Transfer | None = None
+    identity: bytes | None = None
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    error: str | None = None
+    is_aborted: bool = False
+
+
+class KvSender:
+    def __init__(self, *, engine: NixlEngine, layout: KvLayout, server: BootstrapServer, executor: Executor,
+                 aux: AuxSlots, prefill_id: str, metrics: Metrics, transfer_wait_timeout_s: float,
+                 xfer_timeout_s: float, register_timeout_s: float, peer_timeout_s: float):
+        self.engine = engine
+        self.layout = layout
+        self.server = server
+        self.executor = executor
+        self.aux = aux
+        self.prefill_id = prefill_id
+        self.metrics = metrics
+        self.transfer_wait_timeout_s = transfer_wait_timeout_s
+        self.xfer_timeout_s = xfer_timeout_s
+        self.register_timeout_s = register_timeout_s
+        self.peer_timeout_s = peer_timeout_s
+        self.peers: dict[str, DecodePeer] = {}
+        self.rooms: dict[int, Room] = {}
+        # transfer requests whose room has not reached this prefill yet (decode leg came first)
+        self.early: dict[int, tuple[wire.Transfer, bytes, float]] = {}
+
+    # -- control plane ---------------------------------------------------------------------------
+    async def handle(self, identity: bytes, msg: wire.Message | DisaggError) -> None:
+        if isinstance(msg, DisaggError):
+            self.metrics.protocol_errors.inc()
+            logger.warning("bad frame from peer=%s: %s", identity.hex(), msg)
+            await self._send(identity, wire.Error(reason=str(msg)))
+            return
+        if isinstance(msg, wire.Register):
+            await self._on_register(identity, msg)
+        elif isinstance(msg, wire.Transfer):
+            await self._on_transfer(identity, msg)
+        elif isinstance(msg, wire.Abort):
+            await self._on_abort(identity, msg)
+        elif isinstance(msg, wire.Ping):
+            self._touch(identity)
+            await self._send(identity, wire.Pong(t=msg.t))
+        elif isinstance(msg, wire.Pong):
+            self._touch(identity)
+        else:
+            await self._send(identity, wire.Error(reason=f"prefill does not accept {msg.KIND!r} messages"))
+
+    async def _send(self, identity: bytes, msg: wire.Message) -> None:
+        try:
+            await self.server.send(identity, msg)
+        except Exception as exc:  # a vanished peer must not kill the handler
+            logger.warning("could not send %s to peer=%s: %s", msg.KIND, identity.hex(), exc)
+
+    def _touch(self, identity: bytes) -> None:
+        for peer in self.peers.values():
+            if peer.identity == identity:
+                peer.last_seen = time.monotonic()
+
+    async def _on_register(self, identity: bytes, msg: wire.Register) -> None:
+        peer_name = f"decode_id={msg.decode_id} agent={msg.agent_name}"
+        try:
+            plan = geometry.build_plan(self.layout, KvLayout.from_register(msg), peer=peer_name)
+            loop = asyncio.get_running_loop()
+            prepped = await asyncio.wait_for(
+                loop.run_in_executor(self.executor, self._connect_peer, msg, plan), self.register_timeout_s)
+        except asyncio.TimeoutError:
+            await self._reject(identity, msg, f"prefill could not add NIXL agent {msg.agent_name} "
+                                              f"within {self.register_timeout_s}s")
+            return
+        except DisaggError as exc:
+            await self._reject(identity, msg, str(exc))
+            return
+        old = self.peers.get(msg.decode_id)
+        if old is not None and old.agent_name != msg.agent_name:
+            self._drop_peer(old, "re-registered with a new agent")
+        self.peers[msg.decode_id] = DecodePeer(msg.decode_id, msg.agent_name, identity, plan, prepped)
+        self.metrics.registrations.labels(result="accepted").inc()
+        logger.info("registered decode %s: %d regions written, %d ignored, decode_only_spec_dec=%s",
+                    peer_name, len(plan.written), len(plan.ignored), plan.decode_only_spec_dec)
+        await self._send(identity, wire.RegisterAck(
+            prefill_id=self.prefill_id, accepted=True, error=None,
+            written=[list(k) for k in plan.written], ignored=[list(k) for k in plan.ignored],
+            decode_only_spec_dec=plan.decode_only_spec_dec))
+
+    async def _reject(self, identity: bytes, msg: wire.Register, reason: str) -> None:
+        self.metrics.registrations.labels(result="rejected").inc()
+        logger.warning("rejected registration of decode_id=%s peer=%s: %s", msg.decode_id, msg.agent_name, reason)
+        await self._send(identity, wire.RegisterAck(prefill_id=self.prefill_id, accepted=False, error=reason,
+                                                    written=[], ignored=[], decode_only_spec_dec=False))
+
+    def _connect_peer(self, msg: wire.Register, plan: TransferPlan) -> list:
+        """Executor: add the decode's agent (replacing a stale one) and prepare one list pair per group."""
+        self.engine.remove_peer(msg.agent_name)  # a stale agent of the same name (unknown names are ignored)
+        name = self.engine.add_peer(msg.agent_metadata)
+        prepped = []
+        for group in plan.groups:
+            local = self.engine.prep_local(group.prefill_descs(), group.prefill_mem)
+            remote = self.engine.prep_remote(name, group.decode_descs(), group.decode_mem)
+            prepped.append((local, remote))
+        return prepped
+
+    def _drop_peer(self, peer: DecodePeer, reason: str) -> None:
+        logger.info("dropping decode_id=%s agent=%s: %s", peer.decode_id, peer.agent_name, reason)
+        for local, remote in peer.prepped:
+            for p in (local, remote):
+                try:
+                    self.engine.release_prepped(p)
+                except DisaggError as exc:
+                    logger.warning("release of prepared list failed peer=%s: %s", peer.agent_name, exc)
+        try:
+            self.engine.remove_peer(peer.agent_name)
+        except DisaggError as exc:
+            logger.warning("remove of agent failed peer=%s: %s", peer.agent_name, exc)
+
+    async def _on_transfer(self, identity: bytes, msg: wire.Transfer) -> None:
+        room = self.rooms.get(msg.room)
+        if msg.decode_id not in self.peers:
+            await self._send(identity, wire.TransferResult(
+                room=msg.room, ok=False, error=f"decode_id={msg.decode_id} is not registered with prefill "
+                                               f"{self.prefill_id}; send register first"))
+            return
+        if room is None:
+            if msg.room in self.early:
+                await self._send(identity, wire.TransferResult(room=msg.room, ok=False,
+                                                               error=f"duplicate transfer for room {msg.room}"))
+                return
+            self.early[msg.room] = (msg, identity, time.monotonic() + self.transfer_wait_timeout_s)
+            return
+        if room.transfer is not None:
+            await self._send(identity, wire.TransferResult(room=msg.room, ok=False,
+                                                           error=f"duplicate transfer for room {msg.room}"))
+            return
+        room.transfer, room.identity = msg, identity
+        room.arrived.set()
+
+    async def _on_abort(self, identity: bytes, msg: wire.Abort) -> None:
+        """The decode gave up on a room. Its pages there stay quarantined until we confirm that
+        nothing more will be written: at once when no WRITE is in flight, else when it ends."""
+        self.metrics.aborts.labels(side="decode").inc()
+        self.early.pop(msg.room, None)
+        room = self.rooms.get(msg.room)
+        if room is None or room.state in (RoomState.DONE, RoomState.FAILED) or room.transfer is None:
+            if room is not None:
+                room.is_aborted = True
+                room.error = f"decode aborted room {msg.room}: {msg.reason}"
+                room.arrived.set()
+            await self._send(identity, wire.TransferResult(room=msg.room, ok=False,
+                                                           error=f"aborted by decode: {msg.reason}"))
+            return
+        logger.info("room=%d request_id=%s aborted by decode: %s", msg.room, room.request_id, msg.reason)
+        room.is_aborted = True
+        room.error = f"decode aborted room {msg.room}: {msg.reason}"
+        room.arrived.set()  # a room still waiting wakes up and fails; a WRITE in flight is cancelled
+
+    # -- rooms -----------------------------------------------------------------------------------
+    def open_room(self, room: Room) -> None:
+        """Claim ``room`` for this prefill; raises on a duplicate room id."""
+        if room.room in self.rooms:
+            raise TransferError(f"request_id={room.request_id}: bootstrap_room {room.room} is already in use "
+                                f"on this prefill; every request needs its own room")
+        self.rooms[room.room] = room
+        early = self.early.pop(room.room, None)
+        if early is not None:
+            room.transfer, room.identity = early[0], early[1]
+            room.arrived.set()
+
+    def close_room(self, room: Room) -> None:
+        self.rooms.pop(room.room, None)
+
+    async def fail_room(self, room: Room, reason: str) -> None:
+        """Tell the decode (when it is known) that the room failed; the caller frees the pages."""
+        room.state = RoomState.FAILED
+        room.error = room.error or reason
+        self.metrics.failed_transfers.labels(reason=_reason_label(reason)).inc()
+        if room.identity is not None:
+            await self._send(room.identity, wire.TransferResult(room=room.room, ok=False, error=room.error))
+
+    async def send_room(self, room: Room, deadline: float) -> float:
+        """Wait for the decode's transfer, WRITE, poll to DONE. Returns the WRITE time in seconds."""
+        remaining = min(deadline, room.deadline) - time.monotonic()
+        try:
+            await asyncio.wait_for(room.arrived.wait(), max(remaining, 0.0))
+        except asyncio.TimeoutError:
+            self.metrics.timeouts.labels(stage="wait_transfer").inc()
+            raise TransferError(f"room={room.room} request_id={room.request_id}: no transfer request from a decode "
+                                f"within {self.transfer_wait_timeout_s:.1f}s (is the decode leg of this request "
+                                f"alive and pointed at this prefill's bootstrap port?)") from None
+        if room.is_aborted:
+            raise TransferError(room.error or f"room {room.room} aborted")
+        msg = room.transfer
+        peer = self.peers.get(msg.decode_id)
+        if peer is None:
+            raise PeerUnavailableError(f"room={room.room}: decode_id={msg.decode_id} is no longer registered")
+        geometry.validate_transfer(peer.plan, msg, prefill_num_prompt_tokens=room.num_prompt_tokens)
+        slot = self.aux.acquire()
+        try:
+            self.aux.write(slot, wire.AuxRecord(room=room.room, first_token_id=room.first_token_id,
+                                                first_token_logprob=room.first_token_logprob,
+                                                num_prompt_tokens=room.num_prompt_tokens).pack())
+            xfer = geometry.request_indices(peer.plan, prefill_page_ids=room.page_ids, decode_page_ids=msg.page_ids,
+                                            prefill_aux_slot=slot, decode_aux_slot=msg.aux_slot)
+            notif = wire.encode(wire.Notification(room=room.room, decode_id=msg.decode_id, ok=True))
+            room.state = RoomState.WRITING
+            loop = asyncio.get_running_loop()
+            started = time.perf_counter()
+            write = loop.run_in_executor(self.executor, self._write, peer, xfer, notif, room)
+            try:
+                await asyncio.shield(write)
+            except asyncio.CancelledError:
+                # The caller is gone, but the pages stay busy until the WRITE is finished or cancelled.
+                room.is_aborted = True
+                room.error = room.error or f"room={room.room}: request cancelled during the WRITE"
+                await asyncio.wait([write])
+                raise
+            elapsed = time.perf_counter() - started
+        finally:
+            self.aux.release(slot)
+        room.state = RoomState.DONE
+        self.metrics.transfer_bytes.inc(xfer.num_bytes)
+        self.metrics.transfer_seconds.observe(elapsed)
+        await self._send(room.identity, wire.TransferResult(room=room.room, ok=True, error=None))
+        return elapsed
+
+    def _write(self, peer: DecodePeer, xfer: geometry.RequestXfer, notif: bytes, room: Room) -> None:
+        """Executor: post each group's WRITE (the aux group, carrying the notification, last)."""
+        deadline = time.monotonic() + self.xfer_timeout_s
+        last = len(xfer.per_group) - 1
+        for g, (local_idx, remote_idx) in enumerate(xfer.per_group):
+            local, remote = peer.prepped[g]
+            handle = self.engine.post_write(local, local_idx, remote, remote_idx, notif if g == last else None)
+            try:
+                self._wait(handle, deadline, room)
+            finally:
+                self.engine.release(handle)  # cancels a WRITE still in flight; idempotent
+
+    def _wait(self, handle, deadline: float, room: Room) -> None:
+        """Executor: poll to DONE; stop early when the room is aborted or the deadline passes."""
+        pause_s = 1e-5
+        while True:
+            state = self.engine.poll(handle)
+            if state is XferState.DONE:
+                return
+            if state is XferState.ERR:
+                raise TransferError(f"room={room.room}: NIXL WRITE to peer={handle.peer} failed (state ERR)")
+            if room.is_aborted:
+                raise TransferError(room.error or f"room={room.room}: aborted during the WRITE")
+            if time.monotonic() >= deadline:
+                self.metrics.timeouts.labels(stage="xfer").inc()
+                raise TransferError(f"room={room.room}: NIXL WRITE to peer={handle.peer} timed out after "
+                                    f"{self.xfer_timeout_s:.1f}s; cancelled (is the decode frozen?)")
+            time.sleep(pause_s)
+            pause_s = min(pause_s * 2, 5e-4)
+
+    # -- housekeeping ------------------------------------------------------------------------------
+    async def sweep(self) -> None:
+        """Expire transfer requests whose room never came, and peers that went silent."""
+        now = time.monotonic()
+        for room_id, (msg, identity, deadline) in list(self.early.items()):
+            if now > deadline:
+                del self.early[room_id]
+                self.metrics.timeouts.labels(stage="wait_room").inc()
+                await self._send(identity, wire.TransferResult(
+                    room=room_id, ok=False, error=f"no request for room {room_id} reached prefill {self.prefill_id} "
+                                                  f"within {self.transfer_wait_timeout_s:.1f}s"))
+        for peer in [p for p in self.peers.values() if now - p.last_seen > self.peer_timeout_s]:
+            # A decode that stopped pinging is dead or frozen: its rooms fail, its agent goes.
+            self.metrics.heartbeat_misses.inc()
+            del self.peers[peer.decode_id]
+            for room in self.rooms.values():
+                if room.transfer is not None and room.transfer.decode_id == peer.decode_id:
+                    room.is_aborted = True
+                    room.error = f"room={room.room}: decode_id={peer.decode_id} stopped answering heartbeats"
+                    room.arrived.set()
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self.executor, self._drop_peer, peer,
+                                       f"silent for {now - peer.last_seen:.1f}s")
+
+    def close(self) -> None:
+        for peer in list(self.peers.values()):
+            self._drop_peer(peer, "prefill shutting down")
+        self.peers.clear()
+
+
+def _reason_label(reason: str) -> str:
+    lowered = reason.lower()
+    for key in ("timed out", "abort", "geometry", "registered", "tokenizer", "duplicate", "shutting"):
+        if key in lowered:
+            return key.replace(" ", "_")
+    return "other"
