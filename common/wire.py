@@ -116,8 +116,8 @@ class RegisterAck(Message):
     prefill_id: str
     accepted: bool
     error: str | None
-    written: list[list]  # region keys [model, layer, kind] the prefill will write
-    ignored: list[list]  # decode region keys the prefill leaves alone (decode-only draft)
+    written: list[RegionKey]  # region keys (model, layer, kind) the prefill will write
+    ignored: list[RegionKey]  # decode region keys the prefill leaves alone (decode-only draft)
     decode_only_spec_dec: bool
 
 
@@ -227,7 +227,8 @@ def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Message:
     if not isinstance(body, dict):
         raise ProtocolError(f"frame must be a msgpack map, got {type(body).__name__}")
     version = body.get("v")
-    if version != PROTOCOL_VERSION or isinstance(version, bool):
+    # Exact type: 1.0 and True compare equal to 1 but are not what a v1 peer sends.
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(f"unsupported protocol version {version!r}; this side speaks {PROTOCOL_VERSION}")
     kind = body.get("kind")
     cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
@@ -239,7 +240,8 @@ def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Message:
 def _build(cls: type, body: dict, where: str):
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(body) - known - {"v", "kind"}
+    envelope = {"v", "kind"} if issubclass(cls, Message) else set()  # nested maps have no envelope
+    unknown = set(body) - known - envelope
     if unknown:
         raise ProtocolError(f"{where}: unknown field(s) {sorted(map(str, unknown))}")
     kwargs = {}
@@ -268,6 +270,10 @@ def _check(hint, value, where: str):
         if item is None:
             return list(value)
         return [_check(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple:  # fixed-length tuples (region keys) travel as msgpack arrays
+        if not isinstance(value, list) or len(value) != len(args):
+            raise ProtocolError(f"{where}: expected a list of {len(args)} items, got {value!r:.80}")
+        return tuple(_check(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")

@@ -1,0 +1,436 @@
+"""KV geometry (DESIGN §4): matching by key, grouping by memory kind, per-room index lists."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from common import geometry as g
+from common.errors import GeometryMismatchError
+from common.wire import AuxInfo, Region, Register, Transfer
+
+ITEM = 256
+PAGES = 8
+AUX = AuxInfo(mem="DRAM", device=0, addr=0x9000_0000, item_len=64, num_slots=4)
+
+
+def table(model="target", layers=4, base=0x10_0000, mem="DRAM", item_len=ITEM, num_pages=PAGES):
+    """K and V regions of ``layers`` layers, packed back to back from ``base``."""
+    size = item_len * num_pages
+    return [Region(model=model, layer=layer, kind=kind, mem=mem, device=0, addr=base + (2 * layer + i) * size,
+                   item_len=item_len, num_pages=num_pages, head_start=0, num_heads=2)
+            for layer in range(layers) for i, kind in enumerate(("k", "v"))]
+
+
+def layout(regions, aux=AUX, **kw) -> g.KvLayout:
+    fields = dict(model="llama-3-8b/fp1", page_size=16, kv_dtype="bfloat16", tp_size=1, tp_rank=0)
+    return g.KvLayout(regions=tuple(regions), aux=aux, **(fields | kw))
+
+
+def plan_ranges(plan):
+    """Everything a plan can write, as comparable data: per group, both memory kinds and both lists."""
+    return [(x.prefill_mem, x.decode_mem, x.prefill_descs(), x.decode_descs()) for x in plan.groups]
+
+
+def selected(plan, xfer):
+    """One room's WRITEs as ((prefill mem, addr, nbytes, device), (decode mem, addr, nbytes, device))."""
+    out = []
+    for grp, (p_idx, d_idx) in zip(plan.groups, xfer.per_group):
+        p_descs, d_descs = grp.prefill_descs(), grp.decode_descs()
+        assert len(p_idx) == len(d_idx)
+        out += [((grp.prefill_mem, *p_descs[i]), (grp.decode_mem, *d_descs[j])) for i, j in zip(p_idx, d_idx)]
+    return out
+
+
+def room(plan, n_tokens, decode_ids=None, aux_slot=1):
+    pages = math.ceil(n_tokens / plan.page_size)
+    ids = list(range(pages)) if decode_ids is None else decode_ids
+    return g.request_indices(plan, prefill_page_ids=list(range(pages)), decode_page_ids=ids,
+                             prefill_aux_slot=0, decode_aux_slot=aux_slot)
+
+
+def transfer(page_ids, n_tokens, aux_slot=0):
+    return Transfer(room=42, decode_id="dec-1", page_ids=page_ids, aux_slot=aux_slot, num_prompt_tokens=n_tokens)
+
+
+def test_identical_tables():
+    plan = g.build_plan(layout(table()), layout(table(base=0x20_0000)))
+    assert plan.written == tuple(r.key for r in table()) and plan.ignored == ()
+    assert not plan.decode_only_spec_dec
+    (grp,) = plan.groups
+    assert grp.has_aux and len(grp.pairs) == 8
+    assert len(grp.prefill_descs()) == len(grp.decode_descs()) == 8 * PAGES + AUX.num_slots
+    assert grp.decode_descs()[PAGES + 3] == (0x20_0000 + ITEM * PAGES + 3 * ITEM, ITEM, 0)  # target 0 v, page 3
+    assert grp.decode_descs()[-1] == (AUX.addr + 3 * AUX.item_len, AUX.item_len, 0)
+    xfer = room(plan, 40)  # 3 pages
+    assert xfer.num_bytes == 3 * 8 * ITEM + AUX.item_len
+    assert xfer.per_group[0][1][:4] == (0, 1, 2, PAGES)
+
+
+def _with_draft(order):
+    target, draft = table(base=0x20_0000), table("draft", layers=2, base=0x40_0000)
+    if order == "appended":
+        return target + draft
+    if order == "prepended":
+        return draft + target
+    return [r for i, t in enumerate(target) for r in ([t, draft[i]] if i < len(draft) else [t])]
+
+
+@pytest.mark.parametrize("order", ["appended", "prepended", "interleaved"])
+def test_decode_only_draft_regions_are_ignored_in_any_order(order):
+    decode_regions = _with_draft(order)
+    assert sorted(r.key for r in decode_regions) == sorted(r.key for r in _with_draft("appended"))
+    plan = g.build_plan(layout(table()), layout(decode_regions))
+    assert plan.decode_only_spec_dec
+    assert set(plan.ignored) == {r.key for r in table("draft", layers=2)}
+    assert plan.written == tuple(r.key for r in table())
+    reference = g.build_plan(layout(table()), layout(table(base=0x20_0000)))
+    assert plan_ranges(plan) == plan_ranges(reference)
+    assert selected(plan, room(plan, 50, [5, 6, 7, 0])) == selected(reference, room(reference, 50, [5, 6, 7, 0]))
+
+
+@pytest.mark.parametrize("dropped,extra,match", [
+    (("target", 3, "v"), [], "decode registered fewer KV regions than prefill: missing target layer 3 v"),
+    (("target", 1, "k"), table("draft", 1, 0x40_0000)[:1], "do not cover the prefill's: missing target layer 1 k")])
+def test_decode_with_fewer_regions_is_refused_naming_the_missing_key(dropped, extra, match):
+    decode = [r for r in table(base=0x20_0000) if r.key != dropped] + extra
+    with pytest.raises(GeometryMismatchError, match=match):
+        g.build_plan(layout(table()), layout(decode))
+
+
+def test_extra_target_region_on_decode_is_refused():
+    with pytest.raises(GeometryMismatchError, match="target regions the prefill does not have: target layer 4 k"):
+        g.build_plan(layout(table()), layout(table(layers=5, base=0x20_0000)))
+
+
+def test_prefill_with_a_draft_writes_the_draft_regions():
+    prefill = table() + table("draft", 2, 0x40_0000)
+    decode = table("draft", 2, 0x60_0000) + table(base=0x20_0000)
+    plan = g.build_plan(layout(prefill), layout(decode))
+    assert plan.written == tuple(r.key for r in prefill) and plan.ignored == ()
+    assert not plan.decode_only_spec_dec
+    assert sum(len(x.pairs) for x in plan.groups) == 12
+
+
+def test_prefill_and_decode_with_different_draft_models_are_refused():
+    with pytest.raises(GeometryMismatchError, match="draft regions the prefill does not have: draft layer 1 k"):
+        g.build_plan(layout(table() + table("draft", 1, 0x40_0000)),
+                     layout(table(base=0x20_0000) + table("draft", 2, 0x60_0000)))
+
+
+def test_vram_target_and_dram_draft_on_decode_only_spec_dec_is_accepted():
+    prefill = layout(table(mem="VRAM"))
+    decode = layout(table(mem="VRAM", base=0x20_0000) + table("draft", 2, 0x40_0000, mem="DRAM"))
+    plan = g.build_plan(prefill, decode)
+    assert plan.decode_only_spec_dec and len(plan.ignored) == 4
+    assert [(x.prefill_mem, x.decode_mem, x.has_aux) for x in plan.groups] == [
+        ("VRAM", "VRAM", False), ("DRAM", "DRAM", True)]
+    assert plan.groups[-1].pairs == ()  # aux lives in DRAM, no KV region does on the prefill
+    assert {r.mem for x in plan.groups[:1] for pair in x.pairs for r in pair} == {"VRAM"}
+
+
+def test_vram_target_and_dram_draft_on_both_sides_makes_two_groups_aux_last():
+    prefill = layout(table(mem="VRAM") + table("draft", 2, 0x40_0000, mem="DRAM"))
+    decode = layout(table("draft", 2, 0x60_0000, mem="DRAM") + table(mem="VRAM", base=0x20_0000))
+    plan = g.build_plan(prefill, decode)
+    vram, dram = plan.groups
+    assert (vram.prefill_mem, vram.decode_mem, vram.has_aux) == ("VRAM", "VRAM", False)
+    assert (dram.prefill_mem, dram.decode_mem, dram.has_aux) == ("DRAM", "DRAM", True)
+    assert [p.key[0] for p, _ in vram.pairs] == ["target"] * 8
+    assert [p.key[0] for p, _ in dram.pairs] == ["draft"] * 4
+    xfer = room(plan, 17)
+    assert len(xfer.per_group[0][0]) == 2 * 8 and len(xfer.per_group[1][0]) == 2 * 4 + 1
+
+
+@pytest.mark.parametrize("field,prefill_value,decode_value", [
+    ("model", "llama-3-8b/fp1", "qwen2-7b/fp9"), ("page_size", 16, 32), ("kv_dtype", "bfloat16", "float16"),
+    ("tp_size", 1, 2)])
+def test_layout_mismatch_shows_both_values(field, prefill_value, decode_value):
+    with pytest.raises(GeometryMismatchError, match=f"{field}.*mismatch") as err:
+        g.build_plan(layout(table(), **{field: prefill_value}), layout(table(base=0x20_0000), **{field: decode_value}))
+    assert repr(prefill_value) in str(err.value) and repr(decode_value) in str(err.value)
+
+
+@pytest.mark.parametrize("field,value", [("item_len", 512), ("head_start", 2), ("num_heads", 4)])
+def test_region_mismatch_shows_both_values(field, value):
+    decode = table(base=0x20_0000)
+    decode[7] = dataclasses.replace(decode[7], **{field: value})  # the last region: growing it overlaps nothing
+    with pytest.raises(GeometryMismatchError,
+                       match=f"target layer 3 v: {field} mismatch: prefill has {getattr(decode[6], field)}, "
+                             f"decode has {value}"):
+        g.build_plan(layout(table()), layout(decode))
+
+
+def test_mismatch_names_the_peer():
+    with pytest.raises(GeometryMismatchError, match=r"page_size.*\(decode peer dec-7\)"):
+        g.build_plan(layout(table()), layout(table(base=0x20_0000), page_size=8), peer="dec-7")
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_duplicate_keys_are_refused(side):
+    dup = table() + [dataclasses.replace(table()[2], addr=0x80_0000)]
+    sides = {"prefill": layout(table()), "decode": layout(table(base=0x20_0000)), side: layout(dup)}
+    with pytest.raises(GeometryMismatchError, match=f"{side}: region target layer 1 k registered twice"):
+        g.build_plan(sides["prefill"], sides["decode"])
+
+
+def test_address_overflow_is_refused():
+    end_fits = [dataclasses.replace(r, addr=(1 << 64) - ITEM * PAGES * (8 - i)) for i, r in enumerate(table())]
+    g.check_layout(layout(end_fits), "decode")  # ends exactly at 2**64: the last byte is addressable
+    past = end_fits[:-1] + [dataclasses.replace(end_fits[-1], addr=end_fits[-1].addr + 1)]
+    with pytest.raises(GeometryMismatchError, match="decode region target layer 3 v: addr .* past the 64-bit"):
+        g.build_plan(layout(table()), layout(past))
+    with pytest.raises(GeometryMismatchError, match="decode aux: .* past the 64-bit"):
+        g.build_plan(layout(table()), layout(table(base=0x20_0000), aux=dataclasses.replace(AUX, addr=(1 << 64) - 64)))
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("model", "medusa", "one of"), ("kind", "kv", "one of"), ("mem", "HBM", "one of"), ("layer", -1, ">= 0"),
+    ("item_len", 0, "> 0"), ("num_pages", 0, "> 0"), ("addr", -8, ">= 0"), ("num_heads", 0, "> 0")])
+def test_insane_region_is_refused_naming_the_field(field, value, expected):
+    bad = table(base=0x20_0000)
+    bad[0] = dataclasses.replace(bad[0], **{field: value})
+    with pytest.raises(GeometryMismatchError, match=f"decode region .*: {field} must be {expected}.*{value!r}"):
+        g.build_plan(layout(table()), layout(bad))
+
+
+@pytest.mark.parametrize("field,value", [("item_len", 16), ("num_slots", 0), ("mem", "GPU")])
+def test_insane_aux_is_refused(field, value):
+    with pytest.raises(GeometryMismatchError, match=f"decode aux: {field} must be"):
+        g.build_plan(layout(table()), layout(table(), aux=dataclasses.replace(AUX, **{field: value})))
+
+
+def test_decode_aux_slot_smaller_than_prefill_record_is_refused():
+    with pytest.raises(GeometryMismatchError, match="prefill writes 128-byte aux records, decode slots hold 64"):
+        g.build_plan(layout(table(), aux=dataclasses.replace(AUX, item_len=128)), layout(table()))
+    plan = g.build_plan(layout(table()), layout(table(), aux=dataclasses.replace(AUX, item_len=128)))
+    assert plan.groups[-1].aux_nbytes == 64 and plan.groups[-1].decode_descs()[-1][:2] == (AUX.addr + 3 * 128, 64)
+
+
+def test_overlapping_regions_are_refused():
+    bad = table(base=0x20_0000)
+    bad[3] = dataclasses.replace(bad[3], addr=bad[2].addr + ITEM)
+    with pytest.raises(GeometryMismatchError, match="decode: target layer 1 k .* and target layer 1 v .* overlap"):
+        g.build_plan(layout(table()), layout(bad))
+    with pytest.raises(GeometryMismatchError, match="overlap on DRAM device 0"):
+        g.check_layout(layout(table(), aux=dataclasses.replace(AUX, addr=0x10_0000)), "prefill")
+    moved = bad[:3] + [dataclasses.replace(bad[3], device=1)] + bad[4:]
+    g.check_layout(layout(moved), "decode")  # same addresses on another device do not overlap
+
+
+def test_from_register_keeps_every_field():
+    reg = Register(decode_id="d", agent_name="a", agent_metadata=b"", model="m", page_size=8, kv_dtype="fp8",
+                   tp_size=2, tp_rank=1, regions=table(), aux=AUX)
+    assert g.KvLayout.from_register(reg) == layout(table(), model="m", page_size=8, kv_dtype="fp8",
+                                                   tp_size=2, tp_rank=1)
+
+
+PLAN = g.build_plan(layout(table()), layout(table(base=0x20_0000)))
+
+
+@pytest.mark.parametrize("ids,match", [
+    ([0, 8, 1], r"decode page id 8 outside the KV pool \[0, 8\)"), ([0, -1, 1], "decode page id -1 outside"),
+    ([4, 2, 4], "decode page id 4 appears more than once"),
+    ([0, 1], "2 page ids for 33 prompt tokens at page_size 16; expected 3"),
+    ([0, 1, 2, 3], "4 page ids for 33 prompt tokens")])
+def test_bad_page_ids_are_refused(ids, match):
+    g.validate_transfer(PLAN, transfer([7, 0, 3], 33, aux_slot=3), prefill_num_prompt_tokens=33)  # the valid case
+    with pytest.raises(GeometryMismatchError, match=f"room 42 from decode dec-1: .*{match}"):
+        g.validate_transfer(PLAN, transfer(ids, 33), prefill_num_prompt_tokens=33)
+
+
+def test_page_range_uses_the_smallest_written_decode_region():
+    decode = table(base=0x20_0000)
+    decode[6] = dataclasses.replace(decode[6], num_pages=5)
+    plan = g.build_plan(layout(table()), layout(decode + table("draft", 1, 0x40_0000, num_pages=2)))
+    assert plan.num_decode_pages == 5  # the ignored 2-page draft does not count
+    g.validate_transfer(plan, transfer([4], 16), prefill_num_prompt_tokens=16)
+    with pytest.raises(GeometryMismatchError, match=r"page id 5 outside the KV pool \[0, 5\)"):
+        g.validate_transfer(plan, transfer([5], 16), prefill_num_prompt_tokens=16)
+
+
+@pytest.mark.parametrize("slot", [4, -1, 100])
+def test_wrong_aux_slot_is_refused(slot):
+    with pytest.raises(GeometryMismatchError, match=rf"room 42 .*aux_slot {slot} outside \[0, 4\)"):
+        g.validate_transfer(PLAN, transfer([0], 5, aux_slot=slot), prefill_num_prompt_tokens=5)
+
+
+def test_wrong_prompt_length_is_refused_as_a_tokenizer_mismatch():
+    with pytest.raises(GeometryMismatchError,
+                       match="room 42 .*decode counted 33, prefill counted 34; tokenizer mismatch likely"):
+        g.validate_transfer(PLAN, transfer([0, 1, 2], 33), prefill_num_prompt_tokens=34)
+    with pytest.raises(GeometryMismatchError, match="num_prompt_tokens must be > 0"):
+        g.validate_transfer(PLAN, transfer([], 0), prefill_num_prompt_tokens=0)
+
+
+def test_request_indices_refuses_bad_local_input():
+    with pytest.raises(GeometryMismatchError, match="2 prefill pages but 1 decode pages"):
+        g.request_indices(PLAN, prefill_page_ids=[0, 1], decode_page_ids=[0], prefill_aux_slot=0, decode_aux_slot=0)
+    with pytest.raises(GeometryMismatchError, match="prefill page id 9 outside"):
+        g.request_indices(PLAN, prefill_page_ids=[9], decode_page_ids=[0], prefill_aux_slot=0, decode_aux_slot=0)
+    with pytest.raises(GeometryMismatchError, match=r"prefill aux_slot 4 outside \[0, 4\)"):
+        g.request_indices(PLAN, prefill_page_ids=[0], decode_page_ids=[0], prefill_aux_slot=4, decode_aux_slot=0)
+
+
+def test_contiguous_pages_merge_into_one_descriptor_per_run():
+    gapped = [dataclasses.replace(r, addr=r.addr + i * 4096) for i, r in enumerate(table(base=0x20_0000))]
+    plan = g.build_plan(layout([dataclasses.replace(r, addr=r.addr + i * 4096) for i, r in enumerate(table())]),
+                        layout(gapped))
+    (grp,) = plan.groups
+    p_descs, d_descs = grp.prefill_descs(), grp.decode_descs()
+
+    def merged(xfer):
+        p_idx, d_idx = xfer.per_group[0]
+        return g.count_merged_descs([p_descs[i] for i in p_idx], [d_descs[i] for i in d_idx])
+
+    assert merged(room(plan, 80)) == 8 + 1  # 5 contiguous pages per region, plus the aux slot
+    assert merged(room(plan, 80, [0, 1, 4, 5, 6])) == 8 * 2 + 1
+    assert merged(room(plan, 80, [4, 3, 2, 1, 0])) == 8 * 5 + 1  # reversed pages never merge
+
+
+@st.composite
+def layout_pairs(draw):
+    """A compatible (prefill, decode) pair: random page counts, memory kinds, devices, gaps and order."""
+    num_layers = draw(st.integers(1, 3))
+    prefill_draft = draw(st.integers(0, 2))
+    decode_only_draft = 0 if prefill_draft else draw(st.integers(0, 2))
+    keys = [(m, layer, kind) for m, n in (("target", num_layers), ("draft", prefill_draft))
+            for layer in range(n) for kind in ("k", "v")]
+    extra = [("draft", layer, kind) for layer in range(decode_only_draft) for kind in ("k", "v")]
+    item_len = {k: draw(st.sampled_from([8, 16, 24, 64])) for k in keys + extra}
+    mems = {(side, m): draw(st.sampled_from(["DRAM", "VRAM"])) for side in "pd" for m in ("target", "draft")}
+    aux_len = draw(st.integers(32, 48))
+    sides = []
+    for side, side_keys in (("p", keys), ("d", keys + extra)):
+        order = draw(st.permutations(side_keys))
+        cursor, regions = draw(st.integers(0, 1 << 40)), []
+        for key in order:
+            n_pages = draw(st.integers(1, 6))
+            regions.append(Region(model=key[0], layer=key[1], kind=key[2], mem=mems[side, key[0]],
+                                  device=draw(st.integers(0, 1)), addr=cursor, item_len=item_len[key],
+                                  num_pages=n_pages, head_start=0, num_heads=1))
+            cursor += n_pages * item_len[key] + draw(st.sampled_from([0, 0, 8, 4096]))
+        aux = AuxInfo(mem=draw(st.sampled_from(["DRAM", "VRAM"])), device=0, addr=cursor,
+                      item_len=aux_len + (side == "d") * draw(st.integers(0, 16)), num_slots=draw(st.integers(1, 3)))
+        sides.append(layout(regions, aux=aux, page_size=draw(st.integers(1, 4))))
+    return sides[0], dataclasses.replace(sides[1], page_size=sides[0].page_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Room:
+    plan: g.TransferPlan
+    xfer: g.RequestXfer
+    prefill_ids: list[int]
+    decode_ids: list[int]
+    prefill_aux_slot: int
+    decode_aux_slot: int
+    n_tokens: int
+
+
+@st.composite
+def rooms(draw):
+    prefill, decode = draw(layout_pairs())
+    plan = g.build_plan(prefill, decode)
+    num_pages = draw(st.integers(0, min(plan.num_prefill_pages, plan.num_decode_pages)))
+    n_tokens = num_pages * plan.page_size - draw(st.integers(0, plan.page_size - 1)) if num_pages else 0
+    prefill_ids = draw(st.permutations(range(plan.num_prefill_pages)))[:num_pages]
+    decode_ids = draw(st.permutations(range(plan.num_decode_pages)))[:num_pages]
+    slots = draw(st.integers(0, prefill.aux.num_slots - 1)), draw(st.integers(0, decode.aux.num_slots - 1))
+    xfer = g.request_indices(plan, prefill_page_ids=prefill_ids, decode_page_ids=decode_ids,
+                             prefill_aux_slot=slots[0], decode_aux_slot=slots[1])
+    return Room(plan, xfer, prefill_ids, decode_ids, *slots, n_tokens)
+
+
+def _locate(layout_: g.KvLayout, mem, addr, nbytes, device):
+    """(region key or "aux", page or slot index) of the byte range, or None if no single page holds it."""
+    a = layout_.aux
+    spans = [(r.key, r.mem, r.device, r.addr, r.item_len, r.num_pages) for r in layout_.regions]
+    spans.append(("aux", a.mem, a.device, a.addr, a.item_len, a.num_slots))
+    for key, m, dev, start, stride, count in spans:
+        index, offset = divmod(addr - start, stride)
+        if (m, dev) == (mem, device) and 0 <= index < count and offset == 0 and nbytes <= stride:
+            return key, index
+    return None
+
+
+@given(rooms())
+def test_every_written_range_lies_inside_its_matched_regions(room_):
+    for (p_mem, p_addr, p_len, p_dev), (d_mem, d_addr, d_len, d_dev) in selected(room_.plan, room_.xfer):
+        assert p_len == d_len > 0
+        p_at = _locate(room_.plan.prefill, p_mem, p_addr, p_len, p_dev)
+        d_at = _locate(room_.plan.decode, d_mem, d_addr, d_len, d_dev)
+        assert p_at is not None and d_at is not None and p_at[0] == d_at[0]
+
+
+@given(rooms())
+def test_token_page_j_goes_from_prefill_page_to_decode_page(room_):
+    plan = room_.plan
+    written = [(_locate(plan.prefill, *p), _locate(plan.decode, *d)) for p, d in selected(plan, room_.xfer)]
+    expected = [((key, p), (key, d)) for key in plan.written for p, d in zip(room_.prefill_ids, room_.decode_ids)]
+    expected.append((("aux", room_.prefill_aux_slot), ("aux", room_.decode_aux_slot)))
+    assert Counter(written) == Counter(expected)
+
+
+@given(layout_pairs())
+def test_written_keys_are_exactly_the_prefill_keys(pair):
+    prefill, decode = pair
+    plan = g.build_plan(prefill, decode)
+    assert plan.written == tuple(r.key for r in prefill.regions)
+    assert set(plan.ignored) == {r.key for r in decode.regions} - set(plan.written)
+    assert plan.decode_only_spec_dec == bool(plan.ignored)
+    assert sorted(p.key for x in plan.groups for p, _ in x.pairs) == sorted(plan.written)
+    for x in plan.groups:
+        positions = [plan.written.index(p.key) for p, _ in x.pairs]
+        assert positions == sorted(positions)  # each group keeps the prefill's table order
+        assert all(p.mem == x.prefill_mem and d.mem == x.decode_mem and p.key == d.key for p, d in x.pairs)
+    assert plan.groups[-1].has_aux and not any(x.has_aux for x in plan.groups[:-1])
+
+
+@given(rooms(), st.randoms(use_true_random=False))
+def test_shuffling_the_decode_table_never_changes_byte_ranges(room_, rnd):
+    plan, xfer = room_.plan, room_.xfer
+    shuffled = list(plan.decode.regions)
+    rnd.shuffle(shuffled)
+    other = g.build_plan(plan.prefill, dataclasses.replace(plan.decode, regions=tuple(shuffled)))
+    assert plan_ranges(other) == plan_ranges(plan)
+    assert set(other.ignored) == set(plan.ignored)
+    assert other.groups == plan.groups  # same pairs, so the same index lists too
+    assert selected(other, xfer) == selected(plan, xfer)
+
+
+@given(rooms())
+def test_room_writes_disjoint_decode_ranges_covering_exactly_its_pages(room_):
+    plan, xfer, num_pages, n_tokens = room_.plan, room_.xfer, len(room_.decode_ids), room_.n_tokens
+    if n_tokens:
+        assert math.ceil(n_tokens / plan.page_size) == num_pages
+    ranges = sorted((d[0], d[3], d[1], d[1] + d[2]) for _, d in selected(plan, xfer))
+    for a, b in zip(ranges, ranges[1:]):
+        assert a[:2] != b[:2] or a[3] <= b[2], f"overlap {a} {b}"
+    per_region = sum(num_pages * p.item_len for x in plan.groups for p, _ in x.pairs)
+    aux = plan.groups[-1].aux_nbytes
+    assert sum(end - start for *_, start, end in ranges) == per_region + aux == xfer.num_bytes
+    assert len(ranges) == num_pages * len(plan.written) + 1
+    owners = Counter(_locate(plan.decode, mem, start, end - start, dev)[0] for mem, dev, start, end in ranges)
+    assert owners == Counter({key: num_pages for key in plan.written if num_pages} | {"aux": 1})
+
+
+@given(st.lists(st.tuples(st.sampled_from(["DRAM", "VRAM"]), st.integers(0, 1), st.integers(0, 96),
+                          st.integers(1, 3), st.sampled_from([1, 8, 16])), min_size=1, max_size=6))
+def test_overlap_check_agrees_with_brute_force(spans):
+    regions = [Region(model="target", layer=i, kind="k", mem=mem, device=dev, addr=addr, item_len=item_len,
+                      num_pages=pages, head_start=0, num_heads=1)
+               for i, (mem, dev, addr, pages, item_len) in enumerate(spans)]
+    extents = [(r.mem, r.device, r.addr, r.addr + r.num_pages * r.item_len) for r in regions]
+    extents.append((AUX.mem, AUX.device, AUX.addr, AUX.addr + AUX.num_slots * AUX.item_len))
+    overlapping = any(a[:2] == b[:2] and a[2] < b[3] and b[2] < a[3]
+                      for i, a in enumerate(extents) for b in extents[i + 1:])
+    if overlapping:
+        with pytest.raises(GeometryMismatchError, match="overlap"):
+            g.check_layout(layout(regions), "decode")
+    else:
+        g.check_layout(layout(regions), "decode")

@@ -1,0 +1,304 @@
+"""Wire protocol v1: every kind round-trips, and nothing a peer sends raises anything but ProtocolError."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+import types
+import typing
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from common import wire
+from common.errors import ProtocolError
+
+KINDS = sorted(wire._REGISTRY.values(), key=lambda cls: cls.KIND)
+INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1  # what msgpack can carry
+
+TEXT = st.text(st.characters(codec="utf-8"), max_size=12)
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(INT_MIN, INT_MAX),
+                    st.floats(allow_nan=False), TEXT, st.binary(max_size=12))
+# Any msgpack value: scalars, arrays and maps with string keys, nested.
+ANY_VALUE = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
+                         | st.dictionaries(TEXT, inner, max_size=4), max_leaves=12)
+
+
+def _is_optional(hint) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
+
+
+def _inner(hint):
+    return next(a for a in typing.get_args(hint) if a is not type(None))
+
+
+def value_strategy(hint) -> st.SearchStrategy:
+    """A strategy for valid values of one field, derived from its type hint."""
+    if _is_optional(hint):
+        return st.none() | value_strategy(_inner(hint))
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is list:
+        return st.lists(value_strategy(args[0]), max_size=4)
+    if origin is tuple:
+        return st.tuples(*(value_strategy(a) for a in args))
+    if dataclasses.is_dataclass(hint):
+        return message_strategy(hint)
+    return {int: st.integers(INT_MIN, INT_MAX), bool: st.booleans(), str: TEXT,
+            bytes: st.binary(max_size=64), float: st.floats(allow_nan=False)}[hint]
+
+
+def message_strategy(cls) -> st.SearchStrategy:
+    hints = typing.get_type_hints(cls)
+    return st.builds(cls, **{f.name: value_strategy(hints[f.name]) for f in dataclasses.fields(cls)})
+
+
+def wrong_value(hint) -> st.SearchStrategy:
+    """Values ``decode`` must refuse for a field of type ``hint`` (bools where ints go, and so on)."""
+    if _is_optional(hint):
+        return wrong_value(_inner(hint)).filter(lambda v: v is not None)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is list:
+        return SCALARS | st.dictionaries(TEXT, SCALARS, max_size=2)
+    if origin is tuple:
+        return SCALARS | st.lists(SCALARS, max_size=5).filter(lambda v: len(v) != len(args))
+    if dataclasses.is_dataclass(hint):
+        return SCALARS | st.lists(SCALARS, max_size=2)
+    accepted = {int: (int,), bool: (bool,), str: (str,), bytes: (bytes,), float: (int, float)}[hint]
+
+    def refused(v) -> bool:
+        if hint in (int, float) and isinstance(v, bool):
+            return True
+        return not isinstance(v, accepted)
+
+    return (SCALARS | st.lists(SCALARS, max_size=2)).filter(refused)
+
+
+def plain(msg) -> dict:
+    return msgpack.unpackb(wire.encode(msg), raw=False)
+
+
+def decodes_or_refuses(frame: bytes) -> None:
+    """The one promise about arbitrary input: a message, or ProtocolError, never anything else."""
+    try:
+        msg = wire.decode(frame)
+    except ProtocolError as exc:
+        assert str(exc)
+        return
+    assert isinstance(msg, wire.Message)
+
+
+@pytest.mark.parametrize("cls", KINDS, ids=lambda c: c.KIND)
+@given(data=st.data())
+def test_every_kind_round_trips(cls, data):
+    msg = data.draw(message_strategy(cls))
+    frame = wire.encode(msg)
+    back = wire.decode(frame)
+    assert back == msg
+    assert type(back) is cls
+    assert wire.encode(back) == frame
+    body = msgpack.unpackb(frame, raw=False)
+    assert body["v"] == wire.PROTOCOL_VERSION and body["kind"] == cls.KIND
+
+
+def test_registry_covers_every_message_class():
+    subclasses = {c for c in vars(wire).values()
+                  if isinstance(c, type) and issubclass(c, wire.Message) and c is not wire.Message}
+    assert subclasses == set(KINDS)
+    assert len({c.KIND for c in KINDS}) == len(KINDS)
+
+
+@given(st.binary(max_size=256))
+def test_random_bytes_only_raise_protocol_error(frame):
+    decodes_or_refuses(frame)
+
+
+@given(ANY_VALUE)
+def test_random_msgpack_values_only_raise_protocol_error(value):
+    decodes_or_refuses(msgpack.packb(value, use_bin_type=True))
+
+
+@given(kind=st.sampled_from([c.KIND for c in KINDS]), fields=st.dictionaries(TEXT, ANY_VALUE, max_size=6))
+def test_random_maps_with_valid_envelope_only_raise_protocol_error(kind, fields):
+    decodes_or_refuses(msgpack.packb({**fields, "v": 1, "kind": kind}, use_bin_type=True))
+
+
+@pytest.mark.parametrize("cls", KINDS, ids=lambda c: c.KIND)
+@given(data=st.data())
+def test_wrong_type_in_any_field_is_refused_naming_it(cls, data):
+    body = plain(data.draw(message_strategy(cls)))
+    hints = typing.get_type_hints(cls)
+    name = data.draw(st.sampled_from([f.name for f in dataclasses.fields(cls)]))
+    body[name] = data.draw(wrong_value(hints[name]))
+    with pytest.raises(ProtocolError, match=f"{cls.KIND}.{name}"):
+        wire.decode(msgpack.packb(body, use_bin_type=True))
+
+
+@pytest.mark.parametrize("cls", KINDS, ids=lambda c: c.KIND)
+@given(data=st.data())
+def test_missing_required_field_is_refused_naming_it(cls, data):
+    body = plain(data.draw(message_strategy(cls)))
+    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+    name = data.draw(st.sampled_from(required))
+    del body[name]
+    with pytest.raises(ProtocolError, match=f"missing field '{name}'"):
+        wire.decode(msgpack.packb(body, use_bin_type=True))
+
+
+@pytest.mark.parametrize("cls", KINDS, ids=lambda c: c.KIND)
+@given(data=st.data())
+def test_extra_field_is_refused_naming_it(cls, data):
+    body = plain(data.draw(message_strategy(cls)))
+    extra = data.draw(st.from_regex(r"\Ax_[a-z]{1,8}\Z"))
+    body[extra] = data.draw(ANY_VALUE)
+    with pytest.raises(ProtocolError, match=f"unknown field.*{extra}"):
+        wire.decode(msgpack.packb(body, use_bin_type=True))
+
+
+def test_optional_field_with_default_may_be_absent():
+    body = plain(wire.Error(reason="bad frame", room=7))
+    del body["room"]
+    assert wire.decode(msgpack.packb(body)) == wire.Error(reason="bad frame", room=None)
+
+
+NESTED = {"regions": wire.Region, "aux": wire.AuxInfo}
+
+
+@given(data=st.data())
+def test_broken_nested_region_or_aux_is_refused_naming_the_path(data):
+    reg = data.draw(message_strategy(wire.Register).filter(lambda r: r.regions))
+    body = plain(reg)
+    where = data.draw(st.sampled_from(["regions", "aux"]))
+    target = body["regions"][data.draw(st.integers(0, len(reg.regions) - 1))] if where == "regions" else body["aux"]
+    cls = NESTED[where]
+    names = [f.name for f in dataclasses.fields(cls)]
+    how = data.draw(st.sampled_from(["missing", "extra", "wrong"]))
+    if how == "missing":
+        del target[data.draw(st.sampled_from(names))]
+    elif how == "extra":
+        target[data.draw(st.sampled_from(["v", "x", "key", "room"]))] = data.draw(SCALARS)
+    else:
+        name = data.draw(st.sampled_from(names))
+        target[name] = data.draw(wrong_value(typing.get_type_hints(cls)[name]))
+    with pytest.raises(ProtocolError, match=f"register.{where}"):
+        wire.decode(msgpack.packb(body, use_bin_type=True))
+
+
+def test_register_regions_not_a_list_of_maps_is_refused():
+    body = plain(wire.Register(decode_id="d", agent_name="a", agent_metadata=b"m", model="m", page_size=16,
+                               kv_dtype="bf16", tp_size=1, tp_rank=0, regions=[],
+                               aux=wire.AuxInfo(mem="DRAM", device=0, addr=0, item_len=32, num_slots=1)))
+    for broken in ({"model": "target"}, [1, 2], "regions", [[1]]):
+        body["regions"] = broken
+        with pytest.raises(ProtocolError, match="register.regions"):
+            wire.decode(msgpack.packb(body))
+
+
+@pytest.mark.parametrize("field,value", [("room", True), ("room", 1.5), ("room", "7"), ("room", None),
+                                         ("page_ids", [1, True]), ("page_ids", [1, 2.0]), ("aux_slot", False)])
+def test_bools_floats_and_strings_are_not_ints(field, value):
+    body = plain(wire.Transfer(room=1, decode_id="d", page_ids=[0, 1], aux_slot=0, num_prompt_tokens=20))
+    body[field] = value
+    with pytest.raises(ProtocolError, match=f"transfer.{field}"):
+        wire.decode(msgpack.packb(body))
+
+
+def test_register_ack_keys_decode_as_tuples_and_are_checked():
+    ack = wire.RegisterAck(prefill_id="p", accepted=True, error=None, written=[("target", 0, "k")],
+                           ignored=[("draft", 1, "v")], decode_only_spec_dec=True)
+    assert wire.decode(wire.encode(ack)) == ack
+    for bad in (["target", 0], ["target", "0", "k"], ["target", 0, "k", 1], "target layer 0 k"):
+        body = plain(ack)
+        body["written"] = [bad]
+        with pytest.raises(ProtocolError, match=r"register_ack.written\[0\]"):
+            wire.decode(msgpack.packb(body))
+
+
+@pytest.mark.parametrize("version", [0, 2, -1, 1 << 40, "1", 1.0, True, None, [1]])
+def test_unknown_version_is_refused_naming_it(version):
+    frame = msgpack.packb({"v": version, "kind": "ping", "t": 0.0})
+    with pytest.raises(ProtocolError, match="unsupported protocol version") as err:
+        wire.decode(frame)
+    assert repr(version) in str(err.value)
+
+
+def test_missing_version_is_refused():
+    with pytest.raises(ProtocolError, match="unsupported protocol version None"):
+        wire.decode(msgpack.packb({"kind": "ping", "t": 0.0}))
+
+
+@pytest.mark.parametrize("kind", ["bogus", "Register", "", 7, None, b"ping"])
+def test_unknown_kind_is_refused_naming_it(kind):
+    with pytest.raises(ProtocolError, match="unknown message kind") as err:
+        wire.decode(msgpack.packb({"v": 1, "kind": kind, "t": 0.0}, use_bin_type=True))
+    assert repr(kind) in str(err.value)
+
+
+@pytest.mark.parametrize("value", [[1, 2], "text", 3, None, True, b"\x01"])
+def test_frame_that_is_not_a_map_is_refused(value):
+    with pytest.raises(ProtocolError, match="must be a msgpack map"):
+        wire.decode(msgpack.packb(value, use_bin_type=True))
+
+
+@pytest.mark.parametrize("frame", [b"", b"\xc1", b"\x81", b"\xdd\xff\xff\xff\xff", b"\x92\x01"])
+def test_truncated_or_invalid_msgpack_is_refused(frame):
+    with pytest.raises(ProtocolError, match="not valid msgpack"):
+        wire.decode(frame)
+
+
+@pytest.mark.parametrize("frame", ["text", None, 12, [1]])
+def test_non_bytes_frame_is_refused(frame):
+    with pytest.raises(ProtocolError, match="frame must be bytes"):
+        wire.decode(frame)
+
+
+def test_frame_size_cap():
+    big = wire.Register(decode_id="d", agent_name="a", agent_metadata=b"x" * (wire.MAX_FRAME_BYTES - 512),
+                        model="m", page_size=16, kv_dtype="bf16", tp_size=1, tp_rank=0, regions=[],
+                        aux=wire.AuxInfo(mem="DRAM", device=0, addr=0, item_len=32, num_slots=1))
+    frame = wire.encode(big)
+    assert len(frame) <= wire.MAX_FRAME_BYTES
+    assert wire.decode(frame) == big
+    with pytest.raises(ProtocolError, match=f"frame of {len(frame)} bytes exceeds the limit of 100 bytes"):
+        wire.decode(frame, max_bytes=100)
+    over = b"\x00" * (wire.MAX_FRAME_BYTES + 1)
+    with pytest.raises(ProtocolError, match=f"exceeds the limit of {wire.MAX_FRAME_BYTES} bytes"):
+        wire.decode(over)
+    at_limit = wire.encode(wire.Ping(t=1.0))
+    assert wire.decode(at_limit, max_bytes=len(at_limit)) == wire.Ping(t=1.0)
+
+
+AUX_RECORDS = st.builds(wire.AuxRecord, room=st.integers(0, (1 << 64) - 1),
+                        first_token_id=st.integers(-(1 << 63), (1 << 63) - 1),
+                        first_token_logprob=st.floats(allow_nan=False),
+                        num_prompt_tokens=st.integers(0, (1 << 32) - 1))
+
+
+@given(AUX_RECORDS, st.binary(max_size=32))
+def test_aux_record_round_trips_inside_a_larger_slot(record, tail):
+    packed = record.pack()
+    assert len(packed) == wire.AUX_RECORD_BYTES == 32
+    assert wire.AuxRecord.unpack(packed) == record
+    assert wire.AuxRecord.unpack(packed + tail) == record
+
+
+def test_aux_record_nan_logprob_survives_bit_for_bit():
+    back = wire.AuxRecord.unpack(wire.AuxRecord(room=1, first_token_id=2, first_token_logprob=math.nan,
+                                                num_prompt_tokens=3).pack())
+    assert math.isnan(back.first_token_logprob) and back.room == 1
+
+
+@given(AUX_RECORDS, st.integers(0, (1 << 32) - 1).filter(lambda m: m != wire.AUX_MAGIC))
+def test_aux_record_bad_magic_is_refused(record, magic):
+    data = struct.pack("<I", magic) + record.pack()[4:]
+    with pytest.raises(ProtocolError, match=f"magic {magic:#x}, expected {wire.AUX_MAGIC:#x}"):
+        wire.AuxRecord.unpack(data)
+
+
+def test_aux_record_unwritten_or_short_slot_is_refused():
+    with pytest.raises(ProtocolError, match="never written"):
+        wire.AuxRecord.unpack(bytes(64))
+    with pytest.raises(ProtocolError, match="aux record of 31 bytes is shorter than 32"):
+        wire.AuxRecord.unpack(wire.AuxRecord(1, 2, 0.5, 3).pack()[:31])
