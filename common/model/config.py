@@ -1,0 +1,271 @@
+"""Model configuration parsed from a Hugging Face ``config.json`` (transformers 4 and 5 field names).
+
+Only the Llama family is accepted: Llama 2/3/3.1, Mistral, Qwen2/2.5 and Qwen3. Everything the
+forward pass, the KV layout and the fingerprint need is read here, once; nothing else opens
+``config.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# architecture -> short family name; the family decides biases and q/k norm.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. ``rope_type`` is "linear" (positions / factor) or "llama3" (Llama 3.1)."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The fields of one checkpoint that the model code reads. Built by ``from_dir``/``from_dict``.
+
+    ``sliding_windows`` holds one entry per layer: None for full attention, else the window in
+    tokens (a query at position p sees keys at positions > p - window).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    has_qkv_bias: bool
+    has_o_bias: bool
+    has_mlp_bias: bool
+    has_qk_norm: bool
+    has_tied_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str
+    sliding_windows: tuple[int | None, ...]
+    source: str = "<dict>"
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: file not found; --model must name a Hugging Face checkpoint folder")
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ModelLoadError(f"{path}: cannot read JSON: {exc}") from exc
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "<dict>") -> "ModelConfig":
+        return _parse(_Fields(raw, source))
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def fingerprint(self) -> str:
+        """16 hex digits over what fixes the KV layout and the numerics; both daemons compare it."""
+        rope = None if self.rope_scaling is None else vars(self.rope_scaling)
+        key = {
+            "architecture": self.architecture,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": rope,
+            "sliding_windows": list(self.sliding_windows),
+        }
+        blob = json.dumps(key, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+class _Fields:
+    """Typed access to config.json entries; every failure names the file and the field."""
+
+    def __init__(self, raw: dict[str, Any], source: str) -> None:
+        self.raw = raw
+        self.source = source
+
+    def error(self, field: str, problem: str) -> ModelLoadError:
+        return ModelLoadError(f"{self.source}: field '{field}' {problem}")
+
+    def get(self, field: str, kind: type, default: Any = ..., within: str = "") -> Any:
+        """``within`` names a nested table ("rope_parameters") to read from instead of the top level."""
+        table = (self.raw.get(within) or {}) if within else self.raw
+        label = f"{within}.{field}" if within else field
+        value = table.get(field)
+        if value is None:
+            if default is ...:
+                raise self.error(label, "is missing")
+            return default
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise self.error(label, f"has type {type(value).__name__}, expected {kind.__name__}")
+        return value
+
+    def positive(self, field: str, default: Any = ...) -> int:
+        value = self.get(field, int, default)
+        if value <= 0:
+            raise self.error(field, f"is {value}, expected > 0")
+        return value
+
+
+def _parse(f: _Fields) -> ModelConfig:
+    architecture = _architecture(f)
+    family = SUPPORTED_ARCHITECTURES[architecture]
+    hidden = f.positive("hidden_size")
+    heads = f.positive("num_attention_heads")
+    kv_heads = f.positive("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise f.error("num_key_value_heads", f"is {kv_heads}, which does not divide num_attention_heads={heads}")
+    head_dim = f.positive("head_dim", hidden // heads)
+    if head_dim % 2:
+        raise f.error("head_dim", f"is {head_dim}, expected an even number (rotary pairs)")
+    num_layers = f.positive("num_hidden_layers")
+    attention_bias = f.get("attention_bias", bool, False)
+    theta, scaling = _rope(f)
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=f.positive("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=f.positive("intermediate_size"),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=f.get("rms_norm_eps", float, 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=f.positive("max_position_embeddings", 4096),
+        # Qwen2 always biases q/k/v and never o; Llama/Qwen3 bias all four when attention_bias is set.
+        has_qkv_bias=family == "qwen2" or attention_bias,
+        has_o_bias=family != "qwen2" and attention_bias,
+        has_mlp_bias=family == "llama" and f.get("mlp_bias", bool, False),
+        has_qk_norm=family == "qwen3",
+        has_tied_embeddings=f.get("tie_word_embeddings", bool, False),
+        bos_token_id=f.get("bos_token_id", int, None),
+        eos_token_ids=_eos_ids(f),
+        torch_dtype=_dtype_name(f),
+        sliding_windows=_sliding_windows(f, family, num_layers),
+        source=f.source,
+    )
+
+
+def _architecture(f: _Fields) -> str:
+    names = f.get("architectures", list)
+    supported = [name for name in names if name in SUPPORTED_ARCHITECTURES]
+    if not supported:
+        raise f.error(
+            "architectures",
+            f"is {names}; supported: {sorted(SUPPORTED_ARCHITECTURES)}",
+        )
+    return supported[0]
+
+
+def _rope(f: _Fields) -> tuple[float, RopeScaling | None]:
+    # transformers 5 writes "rope_parameters" (theta inside); transformers 4 writes "rope_theta" plus
+    # an optional "rope_scaling" whose type key is "rope_type" or the older "type".
+    within = "rope_parameters" if f.raw.get("rope_parameters") is not None else "rope_scaling"
+    params = f.get(within, dict, {})
+    if any(isinstance(v, dict) for v in params.values()):
+        raise f.error(within, "holds per-layer-type RoPE parameters, which this model code does not support")
+    theta = f.get("rope_theta", float, None, within=within)
+    if theta is None:
+        theta = f.get("rope_theta", float, 10000.0)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise f.error(f"{within}.rope_type", f"is {rope_type!r}; supported: {list(ROPE_TYPES)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise f.error(f"{within}.partial_rotary_factor", "is not 1.0; partial rotary is not supported")
+    if rope_type == "default":
+        return theta, None
+    factor = f.get("factor", float, within=within)
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", factor)
+    # Like transformers, a llama3 table without original_max_position_embeddings uses the model's own.
+    original = f.get("original_max_position_embeddings", int, None, within=within)
+    if original is None:
+        original = f.positive("max_position_embeddings")
+    return theta, RopeScaling(
+        "llama3",
+        factor,
+        low_freq_factor=f.get("low_freq_factor", float, within=within),
+        high_freq_factor=f.get("high_freq_factor", float, within=within),
+        original_max_position_embeddings=original,
+    )
+
+
+def _eos_ids(f: _Fields) -> tuple[int, ...]:
+    value = f.raw.get("eos_token_id")
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise f.error("eos_token_id", f"is {value!r}, expected an int or a list of ints")
+    return tuple(values)
+
+
+def _dtype_name(f: _Fields) -> str:
+    # transformers 5 writes "dtype", transformers 4 "torch_dtype".
+    name = f.raw.get("dtype") or f.raw.get("torch_dtype") or "float32"
+    if name not in ("float32", "float16", "bfloat16"):
+        raise f.error("dtype", f"is {name!r}; supported: float32, float16, bfloat16")
+    return name
+
+
+def _sliding_windows(f: _Fields, family: str, num_layers: int) -> tuple[int | None, ...]:
+    if family == "mistral":
+        window = f.get("sliding_window", int, None)
+        return (window,) * num_layers
+    if family not in ("qwen2", "qwen3"):
+        return (None,) * num_layers
+    layer_types = f.raw.get("layer_types")
+    if layer_types is None:
+        if f.raw.get("use_sliding_window"):
+            raise f.error("layer_types", "is missing while use_sliding_window is true; cannot tell which layers slide")
+        return (None,) * num_layers
+    if len(layer_types) != num_layers:
+        raise f.error("layer_types", f"has {len(layer_types)} entries, expected num_hidden_layers={num_layers}")
+    window = f.get("sliding_window", int, None)
+    if "sliding_attention" in layer_types and window is None:
+        raise f.error("sliding_window", "is missing while layer_types names sliding_attention layers")
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)

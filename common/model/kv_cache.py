@@ -1,0 +1,161 @@
+"""Paged KV cache: page ids (``PageAllocator``) and the page tensors (``KvCache``).
+
+Layout: one contiguous buffer holds every layer's K and V::
+
+    buffer: [num_layers, 2 (k, v), num_pages, page_size, num_kv_heads, head_dim]
+    kv.k[layer] = buffer[layer, 0]   # [num_pages, page_size, num_kv_heads, head_dim], contiguous
+    page p of kv.k[layer] = bytes [addr + p * page_bytes, addr + (p + 1) * page_bytes)
+
+so each (layer, K|V) tensor is one wire ``Region`` whose ``item_len`` is one page, and token t of a
+sequence lives in page ``page_ids[t // page_size]`` at row ``t % page_size``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+
+import torch
+
+from common.errors import DisaggError, OverloadedError
+from common.model.config import ModelConfig
+from common.wire import MODEL_KINDS, Region
+
+logger = logging.getLogger(__name__)
+
+
+class PageOwnershipError(DisaggError):
+    """A page was freed twice, or a page id outside the pool was freed: a bookkeeping bug."""
+
+    http_status = 500
+
+
+class PageAllocator:
+    """Hands out page ids in ``[0, num_pages)``. Lowest free ids first, so that a fresh pool gives
+    contiguous runs (fewer NIXL descriptors after merging). Not thread-safe: one owner thread."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages <= 0:
+            raise ValueError(f"num_pages is {num_pages}, expected > 0")
+        self.num_pages = num_pages
+        self._free_heap = list(range(num_pages))
+        self._is_free = [True] * num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_heap)
+
+    def can_allocate(self, num: int) -> bool:
+        return 0 <= num <= len(self._free_heap)
+
+    def allocate(self, num: int) -> list[int]:
+        if num < 0:
+            raise ValueError(f"cannot allocate {num} pages")
+        if num > len(self._free_heap):
+            raise OverloadedError(
+                f"KV pool has {len(self._free_heap)} free pages of {self.num_pages}, request needs {num}; "
+                "retry later or raise --max-total-tokens"
+            )
+        pages = [heapq.heappop(self._free_heap) for _ in range(num)]
+        for page in pages:
+            self._is_free[page] = False
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        """Return ``pages``. Checks every id first, so a bad call changes nothing."""
+        seen: set[int] = set()
+        for page in pages:
+            if not isinstance(page, int) or not 0 <= page < self.num_pages:
+                raise PageOwnershipError(f"page {page!r} is not in this pool of {self.num_pages} pages")
+            if self._is_free[page] or page in seen:
+                raise PageOwnershipError(f"page {page} freed twice (it is already free)")
+            seen.add(page)
+        for page in pages:
+            self._is_free[page] = True
+            heapq.heappush(self._free_heap, page)
+
+
+class KvCache:
+    """K and V pages of every layer of one model ("target" or "draft") on one device."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        model_name: str = "target",
+    ) -> None:
+        if model_name not in MODEL_KINDS:
+            raise ValueError(f"model_name is {model_name!r}, expected one of {MODEL_KINDS}")
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError(f"num_pages={num_pages} and page_size={page_size} must both be > 0")
+        self.config = config
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.model_name = model_name
+        shape = (
+            config.num_hidden_layers, 2, num_pages, page_size, config.num_key_value_heads, config.head_dim
+        )
+        # Zeros, not empty: padded attention reads unused rows with zero weight, and 0 * NaN is NaN.
+        self.buffer = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k = [self.buffer[layer, 0] for layer in range(config.num_hidden_layers)]
+        self.v = [self.buffer[layer, 1] for layer in range(config.num_hidden_layers)]
+        logger.info(
+            "KV cache model=%s layers=%d pages=%d page_size=%d bytes=%d device=%s",
+            model_name, config.num_hidden_layers, num_pages, page_size, self.num_bytes, self.device,
+        )
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one (layer, K|V) region."""
+        return self.page_size * self.config.num_key_value_heads * self.config.head_dim * self.buffer.element_size()
+
+    @property
+    def num_bytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    @property
+    def kv_dtype(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def mem(self) -> str:
+        return "VRAM" if self.device.type == "cuda" else "DRAM"
+
+    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``layer`` viewed as token slots: [num_pages * page_size, num_kv_heads, head_dim]."""
+        num_slots = self.num_pages * self.page_size
+        shape = (num_slots, self.config.num_key_value_heads, self.config.head_dim)
+        return self.k[layer].view(shape), self.v[layer].view(shape)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every region's tensor, in ``regions()`` order (layer 0 k, layer 0 v, layer 1 k, ...)."""
+        return [t for layer in range(self.config.num_hidden_layers) for t in (self.k[layer], self.v[layer])]
+
+    def regions(self) -> list[Region]:
+        """The wire region table of this cache: one region per (layer, K|V), addresses from data_ptr()."""
+        device_index = 0
+        if self.device.type == "cuda":
+            device_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        out = []
+        for layer in range(self.config.num_hidden_layers):
+            for kind, tensor in (("k", self.k[layer]), ("v", self.v[layer])):
+                out.append(
+                    Region(
+                        model=self.model_name,
+                        layer=layer,
+                        kind=kind,
+                        mem=self.mem,
+                        device=device_index,
+                        addr=tensor.data_ptr(),
+                        item_len=self.page_bytes,
+                        num_pages=self.num_pages,
+                        head_start=0,
+                        num_heads=self.config.num_key_value_heads,
+                    )
+                )
+        return out

@@ -1,0 +1,98 @@
+"""Load a Hugging Face checkpoint folder (safetensors, single or sharded) into ``LlamaForCausalLM``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from common.errors import ModelLoadError
+from common.model.config import ModelConfig
+from common.model.llama import LlamaForCausalLM, TensorSlot
+
+logger = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Tensors some checkpoints carry that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ModelLoadError(f"dtype is {name!r}; supported: {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(
+    model_dir: str | Path, *, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> LlamaForCausalLM:
+    """Read ``config.json`` and the safetensors of ``model_dir``; ``dtype`` None keeps the checkpoint's."""
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_dir(model_dir)
+    torch_dtype = parse_dtype(dtype if dtype is not None else config.torch_dtype)
+    model = LlamaForCausalLM(config, torch_dtype, device)
+    slots = model.hf_tensor_map()
+    loaded: set[str] = set()
+    ignored: list[str] = []
+    for path, names in _shards(model_dir).items():
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            present = set(f.keys())
+            for name in names if names is not None else sorted(present):
+                if name not in present:
+                    raise ModelLoadError(
+                        f"{model_dir / INDEX_FILE}: maps tensor '{name}' to {path.name}, which lacks it"
+                    )
+                if name not in slots:
+                    ignored.append(name)
+                    continue
+                _copy(f.get_tensor(name), slots[name], name, path)
+                loaded.add(name)
+    missing = sorted(set(slots) - loaded)
+    if missing:
+        where = model_dir / (INDEX_FILE if (model_dir / INDEX_FILE).is_file() else SINGLE_FILE)
+        raise ModelLoadError(f"{where}: missing tensor '{missing[0]}' ({len(missing)} missing in all)")
+    unexpected = [n for n in ignored if not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight"]
+    if unexpected:
+        logger.warning("model=%s ignored %d unknown tensors, first %s", model_dir, len(unexpected), unexpected[0])
+    logger.info(
+        "loaded model=%s arch=%s layers=%d dtype=%s device=%s fingerprint=%s",
+        model_dir, config.architecture, config.num_hidden_layers, torch_dtype, device, config.fingerprint,
+    )
+    return model
+
+
+def _shards(model_dir: Path) -> dict[Path, list[str] | None]:
+    """Safetensors file -> tensor names to read from it (None: all of them)."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"{index_path}: cannot read 'weight_map': {exc}") from exc
+        shards: dict[Path, list[str]] = {}
+        for name, file_name in weight_map.items():
+            shards.setdefault(model_dir / file_name, []).append(name)
+        for path in shards:
+            if not path.is_file():
+                raise ModelLoadError(f"{index_path}: names shard '{path.name}', which is not in {model_dir}")
+        return shards
+    single = model_dir / SINGLE_FILE
+    if not single.is_file():
+        raise ModelLoadError(f"{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    return {single: None}
+
+
+def _copy(tensor: torch.Tensor, slot: TensorSlot, name: str, path: Path) -> None:
+    expected = (slot.num_rows, *slot.target.shape[1:])
+    if tuple(tensor.shape) != expected:
+        raise ModelLoadError(
+            f"{path}: tensor '{name}' has shape {tuple(tensor.shape)}, config.json implies {expected}"
+        )
+    slot.target.narrow(0, slot.row_start, slot.num_rows).copy_(tensor)

@@ -1,0 +1,282 @@
+"""The embedded default model: seeded, download-free Llama checkpoints (``kvferry make-tiny-model DIR``).
+
+``make_tiny_model(out_dir, seed)`` writes two real Hugging Face checkpoint folders:
+
+- ``out_dir/target``: a Llama whose layers past the first ``draft_layers`` have small output
+  projections (``o_proj``, ``down_proj`` scaled by ``late_scale``), so they nudge the residual
+  stream rather than rewrite it;
+- ``out_dir/draft``: the target's first ``draft_layers`` layers with the same embedding, final norm
+  and lm_head. It predicts the target's greedy token most of the time, so speculative decoding
+  shows real acceptance.
+
+Both carry a byte-level BPE tokenizer trained here on ``tiny_corpus.CORPUS``, a Llama-3-style chat
+template and a generation config. The same seed gives the same bytes.
+
+``presets`` also holds "llama-3.1-8b": the real 8B shapes (32 layers, 8 KV heads, head_dim 128,
+llama3 RoPE) with random weights, for transfer and throughput work. Its vocabulary stays the tiny
+tokenizer's (512), so its embedding and lm_head are far smaller than the real model's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from common.model.tiny_corpus import CORPUS
+
+logger = logging.getLogger(__name__)
+
+BOS, EOS, START_HEADER, END_HEADER, EOT = (
+    "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
+)
+SPECIAL_TOKENS = [BOS, EOS, START_HEADER, END_HEADER, EOT]
+VOCAB_SIZE = 512
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role: ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Shapes and init scales of a generated checkpoint pair."""
+
+    hidden_size: int = 128
+    num_layers: int = 6
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 256
+    draft_layers: int = 2
+    late_scale: float = 0.05  # multiplies o_proj/down_proj of layers >= draft_layers
+    logit_scale: float = 4.0  # std of the logits of a unit-RMS hidden state
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    dtype: str = "float32"
+    max_shard_bytes: int = 2 << 30
+
+
+presets: dict[str, TinySpec] = {
+    "tiny": TinySpec(),
+    "llama-3.1-8b": TinySpec(
+        hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
+        rope_theta=500000.0, max_position_embeddings=131072, dtype="bfloat16",
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    ),
+}
+
+
+def make_tiny_model(out_dir: str | Path, seed: int = 0, preset: str | TinySpec = "tiny") -> tuple[Path, Path]:
+    """Write ``out_dir/target`` and ``out_dir/draft``; returns both paths."""
+    spec = presets[preset] if isinstance(preset, str) else preset
+    if not 0 < spec.draft_layers <= spec.num_layers:
+        raise ValueError(f"draft_layers is {spec.draft_layers}, expected 1..num_layers={spec.num_layers}")
+    tokenizer = train_tokenizer()
+    if tokenizer.get_vocab_size() != VOCAB_SIZE:  # the corpus is fixed, so this is a code bug
+        raise RuntimeError(f"tokenizer training gave {tokenizer.get_vocab_size()} tokens, expected {VOCAB_SIZE}")
+    target_dir, draft_dir = Path(out_dir) / "target", Path(out_dir) / "draft"
+    for folder, num_layers in ((target_dir, spec.num_layers), (draft_dir, spec.draft_layers)):
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_side_files(folder, spec, num_layers, tokenizer)
+    element_bytes = getattr(torch, spec.dtype).itemsize
+    target_specs = _tensor_specs(spec, spec.num_layers)
+    draft_specs = _tensor_specs(spec, spec.draft_layers)
+    # The draft's tensors are the target's (same names): keep them while the target streams out.
+    kept: dict[str, torch.Tensor] = dict.fromkeys(name for name, _ in draft_specs)
+    tensors = _generate(spec, target_specs, seed, _lm_head_row_scale(tokenizer))
+    _write_shards(target_dir, target_specs, tensors, spec.max_shard_bytes, element_bytes, kept)
+    draft_tensors = iter([kept[name] for name, _ in draft_specs])
+    _write_shards(draft_dir, draft_specs, draft_tensors, spec.max_shard_bytes, element_bytes)
+    logger.info("wrote tiny model seed=%d target=%s draft=%s", seed, target_dir, draft_dir)
+    return target_dir, draft_dir
+
+
+def train_tokenizer() -> Tokenizer:
+    """Byte-level BPE trained on the built-in corpus; BOS added by the post-processor (like Llama 3)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS.strip().splitlines(), trainer)
+    bos_id = tokenizer.token_to_id(BOS)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, bos_id)]
+    )
+    return tokenizer
+
+
+def _write_side_files(folder: Path, spec: TinySpec, num_layers: int, tokenizer: Tokenizer) -> None:
+    ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+    vocab_size = tokenizer.get_vocab_size()
+    _write_json(folder / "config.json", _config_json(spec, num_layers, vocab_size, ids[BOS], [ids[EOS], ids[EOT]]))
+    _write_json(folder / "generation_config.json", {"bos_token_id": ids[BOS], "eos_token_id": [ids[EOS], ids[EOT]]})
+    _write_json(folder / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOT,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": spec.max_position_embeddings,
+    })
+    (folder / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n")
+
+
+def _config_json(spec: TinySpec, num_layers: int, vocab_size: int, bos: int, eos: list[int]) -> dict:
+    # The fields and names transformers 5 writes for a LlamaConfig.
+    rope = {"rope_theta": spec.rope_theta, "rope_type": "default", **(spec.rope_scaling or {})}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "dtype": spec.dtype,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": spec.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": spec.intermediate_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "mlp_bias": False,
+        "num_attention_heads": spec.num_heads,
+        "num_hidden_layers": num_layers,
+        "num_key_value_heads": spec.num_kv_heads,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": rope,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": vocab_size,
+    }
+
+
+def _write_json(path: Path, value: dict) -> None:
+    path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
+
+
+def _tensor_specs(spec: TinySpec, num_layers: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(Hugging Face name, shape) of every tensor, in the order they are generated and written."""
+    h, inter = spec.hidden_size, spec.intermediate_size
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    out = [("model.embed_tokens.weight", (VOCAB_SIZE, h))]
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "input_layernorm.weight", (h,)),
+            (p + "self_attn.q_proj.weight", (q, h)),
+            (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.weight", (kv, h)),
+            (p + "self_attn.o_proj.weight", (h, q)),
+            (p + "post_attention_layernorm.weight", (h,)),
+            (p + "mlp.gate_proj.weight", (inter, h)),
+            (p + "mlp.up_proj.weight", (inter, h)),
+            (p + "mlp.down_proj.weight", (h, inter)),
+        ]
+    return out + [("model.norm.weight", (h,)), ("lm_head.weight", (VOCAB_SIZE, h))]
+
+
+def _init_std(spec: TinySpec, name: str, shape: tuple[int, ...]) -> float | None:
+    """Std of a normal init, or None for norm weights (ones)."""
+    if name.endswith("norm.weight"):
+        return None
+    if name == "model.embed_tokens.weight":
+        return 1.0
+    if name == "lm_head.weight":
+        return spec.logit_scale / math.sqrt(spec.hidden_size)
+    std = 1.0 / math.sqrt(shape[1])  # unit-variance outputs for unit-RMS inputs
+    layer = int(name.split(".")[2])
+    if layer >= spec.draft_layers and name.endswith(("o_proj.weight", "down_proj.weight")):
+        std *= spec.late_scale
+    return std
+
+
+def _lm_head_row_scale(tokenizer: Tokenizer) -> torch.Tensor:
+    """[vocab] 1.0 for tokens that decode to printable ASCII (and EOS/EOT), 0.02 for the rest.
+
+    A near-zero lm_head row gives a near-zero logit, far below the top logits (std ``logit_scale``),
+    so generated text is readable word fragments instead of stray UTF-8 bytes and BOS.
+    """
+    scale = torch.full((tokenizer.get_vocab_size(),), 0.02)
+    for token_id in range(tokenizer.get_vocab_size()):
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        if (text.isascii() and text.isprintable() and text) or text in (EOS, EOT):
+            scale[token_id] = 1.0
+    return scale
+
+
+def _generate(
+    spec: TinySpec, specs: list[tuple[str, tuple[int, ...]]], seed: int, lm_head_row_scale: torch.Tensor
+) -> Iterator[torch.Tensor]:
+    """One tensor at a time from one seeded CPU generator, so an 8B checkpoint never sits in memory."""
+    generator = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, spec.dtype)
+    for name, shape in specs:
+        std = _init_std(spec, name, shape)
+        if std is None:
+            yield torch.ones(shape, dtype=dtype)
+            continue
+        tensor = torch.randn(shape, generator=generator) * std
+        if name == "lm_head.weight":
+            tensor *= lm_head_row_scale[:, None]
+        yield tensor.to(dtype)
+
+
+def _write_shards(
+    folder: Path,
+    specs: list[tuple[str, tuple[int, ...]]],
+    tensors: Iterator[torch.Tensor],
+    max_shard_bytes: int,
+    element_bytes: int,
+    kept: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Write ``model.safetensors``, or numbered shards plus an index past ``max_shard_bytes``.
+
+    ``tensors`` is consumed lazily, one shard at a time; names already in ``kept`` get their tensor.
+    """
+    groups: list[list[str]] = [[]]
+    group_bytes = 0
+    for name, shape in specs:
+        num_bytes = math.prod(shape) * element_bytes
+        if groups[-1] and group_bytes + num_bytes > max_shard_bytes:
+            groups.append([])
+            group_bytes = 0
+        groups[-1].append(name)
+        group_bytes += num_bytes
+    for stale in folder.glob("model*.safetensors*"):  # an earlier run may have sharded differently
+        stale.unlink()
+    weight_map = {}
+    for index, group in enumerate(groups, start=1):
+        file_name = "model.safetensors" if len(groups) == 1 else f"model-{index:05d}-of-{len(groups):05d}.safetensors"
+        shard = {name: next(tensors) for name in group}
+        for name, tensor in shard.items():
+            weight_map[name] = file_name
+            if kept is not None and name in kept:
+                kept[name] = tensor
+        save_file(shard, str(folder / file_name), metadata={"format": "pt"})
+    if len(groups) > 1:
+        total = sum(math.prod(shape) * element_bytes for _, shape in specs)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _write_json(folder / "model.safetensors.index.json", index)
