@@ -115,7 +115,7 @@ class DecodeDaemon:
             return None
         public, secret = load_keys(c.curve_secret_key)
         server_public, _ = load_keys(c.curve_server_key)
-        return {"curve_public_key": public, "curve_secret_key": secret, "curve_server_key": server_public}
+        return {"curve_public_key": public, "curve_secret_key": secret, "server_public_key": server_public}
 
     async def _poll_notifications(self) -> None:
         """Drain NIXL notifications; fast while rooms wait for KV, slow otherwise."""

@@ -47,6 +47,7 @@ class PrefillLink:
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
+        self.client.start()
         self._tasks = [asyncio.create_task(self._read_loop(), name=f"link-read-{self.address}"),
                        asyncio.create_task(self._heartbeat_loop(), name=f"link-ping-{self.address}")]
 

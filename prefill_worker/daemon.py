@@ -23,7 +23,7 @@ from common.lifecycle import start_http, stop_http
 from common.metrics import Metrics
 from common.model.tokenizer import Tokenizer
 from common.transport.nixl import NixlEngine
-from common.transport.zmq import BootstrapServer, load_keys
+from common.transport.zmq import BootstrapServer, load_keys, load_public_keys
 from prefill_worker.config import PrefillConfig
 from prefill_worker.kv_transfer import KvSender, Room
 from prefill_worker.scheduler import PrefillScheduler
@@ -68,6 +68,7 @@ class PrefillDaemon:
         self.engine.register_tensor(self.aux.buffer)
         self.layout = self._layout()
         self.server = BootstrapServer(c.bootstrap_host, c.bootstrap_port, **self._curve())
+        self.server.start()
         self.sender = KvSender(engine=self.engine, layout=self.layout, server=self.server, executor=self.xfer_executor,
                                aux=self.aux, prefill_id=self.prefill_id, metrics=self.metrics,
                                transfer_wait_timeout_s=c.transfer_wait_timeout_s, xfer_timeout_s=c.xfer_timeout_s,
@@ -130,7 +131,8 @@ class PrefillDaemon:
         if not c.curve_secret_key:
             return {}
         public, secret = load_keys(c.curve_secret_key)
-        return {"curve_public_key": public, "curve_secret_key": secret, "authorized_keys_dir": c.curve_authorized_keys}
+        return {"curve_public_key": public, "curve_secret_key": secret,
+                "allowed_client_keys": load_public_keys(c.curve_authorized_keys)}
 
     async def _serve_bootstrap(self) -> None:
         while True:

@@ -125,7 +125,7 @@ class PrefillBackend:
         meta = {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": 1,
                 "e2e_latency": time.monotonic() - started, **extra}
         if seq.input_logprobs is not None:
-            meta["input_token_logprobs"] = seq.input_logprobs
+            meta["input_token_logprobs"] = seq.input_logprobs[inp.logprob_start_len:]
         text = self.tokenizer.decode(seq.output_ids[:1], skip_special_tokens=True)
         return GenerateEvent(token_ids=seq.output_ids[:1], logprobs=seq.output_logprobs[:1], text=text,
                              finished=True, finish_reason={"type": "length", "length": 1}, meta=meta)

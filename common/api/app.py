@@ -1,0 +1,242 @@
+"""`create_app(backend, ...)`: the HTTP API every kvferry daemon serves (FastAPI, run by uvicorn).
+
+Generation: `POST /generate` (SGLang native), `POST /v1/completions`, `POST /v1/chat/completions`.
+Operations: `/health`, `/readiness`, `/health_generate`, `/server_info`, `/model_info` (and their
+`/get_` aliases), `/get_load`, `/flush_cache`, `/v1/models`, `/metrics`, `/version`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from common.api.auth import ApiKeyMiddleware
+from common.api.backend import Backend, GenerateEvent, GenerateInput
+from common.api.info import add_info_routes
+from common.api.openai_schema import OpenAIRequest, parse_openai
+from common.api.responses import (
+    ItemOutput, error_info, generate_response, openai_response, simple_error,
+)
+from common.api.schema import FieldError, ParseContext, PromptItem, parse_generate
+from common.api.sse import (
+    ClientGone, SSEResponse, StreamFormatter, close_all, dumps, merge_events, sse_body,
+    until_disconnect,
+)
+from common.api.streams import OpenAIStream, SGLangStream
+from common.errors import ConfigError, DisaggError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BOOTSTRAP_PORT = 8998
+CLIENT_GONE_STATUS = 499  # nobody reads it; it marks the access log line
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(dumps(obj), status_code=status, headers=headers,
+                    media_type="application/json")
+
+
+class _Api:
+    """The generation routes; one instance per app, holding the backend and the settings."""
+
+    def __init__(self, backend: Backend, request_timeout_s: float,
+                 default_bootstrap_port: int) -> None:
+        self.backend, self.timeout_s = backend, request_timeout_s
+        self.default_bootstrap_port = default_bootstrap_port
+        vocab_size = getattr(backend.tokenizer, "vocab_size", None)
+        self.vocab_size = vocab_size if isinstance(vocab_size, int) else None
+
+    def context(self, request: Request) -> ParseContext:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request.state.request_id = request_id
+        return ParseContext(role=self.backend.role, tokenizer=self.backend.tokenizer,
+                            max_context_tokens=self.backend.max_context_tokens,
+                            vocab_size=self.vocab_size,
+                            default_bootstrap_port=self.default_bootstrap_port,
+                            request_id=request_id)
+
+    def inputs(self, items: Sequence[PromptItem], stream: bool, return_logprob: bool,
+               kv: dict[str, Any] | None) -> list[GenerateInput]:
+        return [GenerateInput(request_id=it.request_id, prompt_ids=it.prompt_ids,
+                              params=it.params, stream=stream, return_logprob=return_logprob,
+                              logprob_start_len=it.logprob_start_len, bootstrap=it.bootstrap,
+                              kv_transfer_params=kv) for it in items]
+
+    async def open(self, inputs: Sequence[GenerateInput]) -> list[Any]:
+        gens: list[Any] = []
+        try:
+            for inp in inputs:
+                gens.append(self.backend.generate(inp))
+        except BaseException:
+            # A backend may refuse synchronously (OverloadedError) after accepting a sibling.
+            await close_all(gens)
+            raise
+        return gens
+
+    async def collect(self, request: Request, inputs: Sequence[GenerateInput],
+                      outs: Sequence[ItemOutput], deadline: float) -> None:
+        gens = await self.open(inputs)
+        events = merge_events(gens, deadline)
+
+        async def drain() -> None:
+            async for index, ev in events:
+                outs[index].add(ev)
+
+        try:
+            await until_disconnect(request.receive, drain)
+        finally:
+            await events.aclose()
+            await close_all(gens)
+
+    async def stream(self, request: Request, inputs: Sequence[GenerateInput],
+                     fmt: StreamFormatter, deadline: float) -> Response:
+        gens = await self.open(inputs)
+        events = merge_events(gens, deadline)
+        try:
+            # The first event decides the status: an early OverloadedError is still a 503.
+            first: tuple[int, GenerateEvent] = await until_disconnect(
+                request.receive, lambda: anext(events))
+        except BaseException:
+            await events.aclose()
+            await close_all(gens)
+            raise
+        request_id = request.state.request_id
+        return SSEResponse(sse_body(first, events, fmt, request_id, self.timeout_s), request_id)
+
+    async def generate(self, request: Request) -> Response:
+        started = asyncio.get_running_loop().time()
+        ctx = self.context(request)
+        req = parse_generate(ctx, await read_json(request))
+        inputs = self.inputs(req.items, req.stream, req.return_logprob, req.kv_transfer_params)
+        outs = [ItemOutput(item) for item in req.items]
+        tokenizer = self.backend.tokenizer
+
+        def elapsed() -> float:
+            return asyncio.get_running_loop().time() - started
+
+        deadline = started + self.timeout_s
+        if req.stream:
+            return await self.stream(request, inputs, SGLangStream(req, outs, tokenizer, elapsed),
+                                     deadline)
+        await self.collect(request, inputs, outs, deadline)
+        log_done(ctx.request_id, "/generate", outs)
+        return json_response(generate_response(outs, req, tokenizer, elapsed()))
+
+    async def openai(self, request: Request, is_chat: bool) -> Response:
+        started = asyncio.get_running_loop().time()
+        ctx = self.context(request)
+        req: OpenAIRequest = parse_openai(ctx, await read_json(request), is_chat)
+        inputs = self.inputs(req.items, req.stream, req.logprobs, req.kv_transfer_params)
+        outs = [ItemOutput(item) for item in req.items]
+        base_id = req.items[0].request_id if len(req.items) == 1 else ctx.request_id
+        naming = {"model": req.model or self.backend.model_name, "created": int(time.time()),
+                  "response_id": ("chatcmpl-" if is_chat else "cmpl-") + base_id}
+        deadline = started + self.timeout_s
+        if req.stream:
+            fmt = OpenAIStream(req, outs, self.backend.tokenizer, **naming)
+            return await self.stream(request, inputs, fmt, deadline)
+        await self.collect(request, inputs, outs, deadline)
+        log_done(ctx.request_id, "/v1/chat/completions" if is_chat else "/v1/completions", outs)
+        return json_response(openai_response(outs, is_chat=is_chat, logprobs=req.logprobs,
+                                             tokenizer=self.backend.tokenizer, **naming))
+
+
+def log_done(request_id: str, route: str, outs: Sequence[ItemOutput]) -> None:
+    logger.debug("request done request_id=%s route=%s prompt_tokens=%d completion_tokens=%d "
+                 "finish=%s", request_id, route, sum(o.num_prompt_tokens for o in outs),
+                 sum(o.num_completion_tokens for o in outs), [o.finish_reason for o in outs])
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise FieldError(None, f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise FieldError(None, f"the request body must be a JSON object, got "
+                               f"{type(body).__name__}")
+    return body
+
+
+def guarded(timeout_s: float) -> Callable[[Callable[[Request], Awaitable[Response]]],
+                                          Callable[[Request], Awaitable[Response]]]:
+    """Turn every way a request can fail into an error answer: the route's task boundary."""
+    def wrap(route: Callable[[Request], Awaitable[Response]]
+             ) -> Callable[[Request], Awaitable[Response]]:
+        @functools.wraps(route)
+        async def run(request: Request) -> Response:
+            try:
+                return await route(request)
+            except ClientGone:
+                logger.info("client disconnected request_id=%s peer=%s",
+                            getattr(request.state, "request_id", None), _peer(request))
+                return Response(status_code=CLIENT_GONE_STATUS)
+            except (DisaggError, TimeoutError) as exc:
+                status, body, headers = error_info(exc, timeout_s)
+                level = logging.INFO if status < 500 else logging.WARNING
+                logger.log(level, "request failed request_id=%s peer=%s status=%d: %s",
+                           getattr(request.state, "request_id", None), _peer(request), status,
+                           body["error"]["message"])
+                return json_response(body, status, headers)
+            except Exception as exc:
+                logger.exception("request crashed request_id=%s peer=%s",
+                                 getattr(request.state, "request_id", None), _peer(request))
+                status, body, headers = error_info(exc)
+                return json_response(body, status, headers)
+        return run
+    return wrap
+
+
+def _peer(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else "-"
+
+
+def create_app(backend: Backend, *, api_key: str | None, request_timeout_s: float,
+               default_bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT) -> FastAPI:
+    """The HTTP app for `backend`. With `api_key`, every route but the health and metrics ones
+    needs `Authorization: Bearer <api_key>`. `request_timeout_s` bounds each request from arrival
+    to its last byte. `default_bootstrap_port` stands in for a `bootstrap_port: null` (a router
+    given a prefill URL without a port)."""
+    if not request_timeout_s > 0:
+        raise ConfigError(f"request_timeout_s must be > 0, got {request_timeout_s!r}")
+    app = FastAPI(title="kvferry", docs_url=None, redoc_url=None, openapi_url=None)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    api = _Api(backend, request_timeout_s, default_bootstrap_port)
+    guard = guarded(request_timeout_s)
+
+    @app.post("/generate")
+    @guard
+    async def generate(request: Request) -> Response:
+        return await api.generate(request)
+
+    @app.post("/v1/completions")
+    @guard
+    async def completions(request: Request) -> Response:
+        return await api.openai(request, is_chat=False)
+
+    @app.post("/v1/chat/completions")
+    @guard
+    async def chat_completions(request: Request) -> Response:
+        return await api.openai(request, is_chat=True)
+
+    add_info_routes(app, backend, guard, request_timeout_s)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return json_response(simple_error(exc.status_code, f"{request.method} {request.url.path}"
+                                          f": {exc.detail}", kind), exc.status_code)
+
+    return app

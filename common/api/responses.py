@@ -1,0 +1,212 @@
+"""Answer bodies: SGLang `/generate` objects, OpenAI completion/chat objects, their stream chunks,
+and the error object. Pure functions of the accumulated events.
+
+Shapes (what the reference servers send):
+- SGLang `/generate`: `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
+  "completion_tokens", "cached_tokens", "e2e_latency"[final], "input_token_logprobs",
+  "output_token_logprobs"[return_logprob]}}`; logprob entries are `[logprob, token_id, text|null]`
+  (sglang `tokenizer_manager.detokenize_logprob_tokens`). Streams are cumulative: every event
+  repeats the whole text and output_ids so far (SGLang without `--incremental-streaming-output`).
+- OpenAI: `cmpl-`/`chatcmpl-` objects with `usage`; `kv_transfer_params` at the top level when the
+  backend returns one (vLLM's `CompletionResponse.kv_transfer_params`; vllm-router reads it there).
+- Errors: `{"error": {"message", "type", "param", "code"}}` on every route, in streams too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.api.backend import GenerateEvent, TokenizerLike
+from common.api.schema import GenerateRequest, PromptItem, error_param
+from common.errors import DisaggError, RequestError
+
+NEG_INF_LOGPROB = -999999999.0  # SGLang's stand-in for -inf, which JSON cannot carry
+RETRY_AFTER_S = 1
+
+
+@dataclass(slots=True)
+class ItemOutput:
+    """Everything one prompt produced so far; `add` folds in an event's deltas."""
+
+    item: PromptItem
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    finished: bool = False
+    meta: dict[str, Any] = field(default_factory=dict)
+    num_offset_chars: int = 0  # OpenAI completion logprobs' text_offset so far
+
+    def add(self, ev: GenerateEvent) -> None:
+        self.text += ev.text
+        self.token_ids.extend(ev.token_ids)
+        self.logprobs.extend(ev.logprobs)
+        self.meta.update(ev.meta)
+        if ev.finished:
+            self.finished, self.finish_reason = True, ev.finish_reason
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return int(self.meta.get("prompt_tokens", len(self.item.prompt_ids)))
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return int(self.meta.get("completion_tokens", len(self.token_ids)))
+
+
+def clean_logprob(value: float | None) -> float | None:
+    if value is None or math.isnan(value):
+        return None
+    return value if math.isfinite(value) else NEG_INF_LOGPROB
+
+
+def sglang_logprobs(token_ids: Sequence[int], logprobs: Sequence[Any],
+                    tokenizer: TokenizerLike | None) -> list[list[Any]]:
+    """`[[logprob, token_id, text or None], ...]`; entries already shaped so pass through."""
+    out = []
+    for token_id, lp in zip(token_ids, logprobs):
+        if isinstance(lp, (list, tuple)):
+            out.append(list(lp))
+            continue
+        text = tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else None
+        out.append([clean_logprob(lp), token_id, text])
+    return out
+
+
+def sglang_output(out: ItemOutput, req: GenerateRequest, tokenizer: TokenizerLike,
+                  elapsed_s: float) -> dict[str, Any]:
+    """One prompt's SGLang object, cumulative over everything received so far."""
+    meta: dict[str, Any] = {"id": out.item.request_id, "finish_reason": out.finish_reason,
+                            "prompt_tokens": out.num_prompt_tokens,
+                            "completion_tokens": out.num_completion_tokens,
+                            "cached_tokens": out.meta.get("cached_tokens", 0)}
+    for key, value in out.meta.items():
+        if key not in meta and key != "input_token_logprobs":
+            meta[key] = value
+    if out.finished:
+        meta.setdefault("e2e_latency", elapsed_s)
+    else:
+        meta.pop("e2e_latency", None)
+    if req.return_logprob:
+        text_tok = tokenizer if req.return_text_in_logprobs else None
+        start = out.item.logprob_start_len
+        meta["input_token_logprobs"] = sglang_logprobs(
+            out.item.prompt_ids[start:], out.meta.get("input_token_logprobs", []), text_tok)
+        meta["output_token_logprobs"] = sglang_logprobs(out.token_ids, out.logprobs, text_tok)
+    return {"text": out.text, "output_ids": list(out.token_ids), "meta_info": meta}
+
+
+def generate_response(outs: Sequence[ItemOutput], req: GenerateRequest, tokenizer: TokenizerLike,
+                      elapsed_s: float) -> dict[str, Any] | list[dict[str, Any]]:
+    objs = [sglang_output(o, req, tokenizer, elapsed_s) for o in outs]
+    if req.is_batch:
+        return objs
+    kv = outs[0].meta.get("kv_transfer_params")
+    if kv is not None:
+        # vllm-router reads the prefill's kv_transfer_params at the top level, on /generate too.
+        objs[0]["kv_transfer_params"] = kv
+    return objs[0]
+
+
+def openai_finish(finish_reason: dict[str, Any] | None) -> str | None:
+    return None if finish_reason is None else finish_reason.get("type")
+
+
+def matched_stop(finish_reason: dict[str, Any] | None) -> Any:
+    if finish_reason is None or finish_reason.get("type") != "stop":
+        return None
+    return finish_reason.get("matched")
+
+
+def completion_logprobs(tokenizer: TokenizerLike, token_ids: Sequence[int],
+                        logprobs: Sequence[float], offset: int) -> dict[str, Any]:
+    """OpenAI legacy completions logprobs; `offset` is the text_offset of the first token."""
+    tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": [clean_logprob(lp) for lp in logprobs],
+            "top_logprobs": None, "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer: TokenizerLike, token_ids: Sequence[int],
+                  logprobs: Sequence[float]) -> dict[str, Any]:
+    content = []
+    for token_id, lp in zip(token_ids, logprobs):
+        token = tokenizer.decode([token_id], skip_special_tokens=False)
+        content.append({"token": token, "logprob": clean_logprob(lp),
+                        "bytes": list(token.encode("utf-8")), "top_logprobs": []})
+    return {"content": content}
+
+
+def usage(outs: Sequence[ItemOutput]) -> dict[str, int]:
+    prompt = sum(o.num_prompt_tokens for o in outs)
+    completion = sum(o.num_completion_tokens for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def openai_response(outs: Sequence[ItemOutput], *, is_chat: bool, logprobs: bool, model: str,
+                    response_id: str, created: int,
+                    tokenizer: TokenizerLike) -> dict[str, Any]:
+    choices = []
+    for i, o in enumerate(outs):
+        choice: dict[str, Any] = {"index": i}
+        if is_chat:
+            choice["message"] = {"role": "assistant", "content": o.text}
+            choice["logprobs"] = (chat_logprobs(tokenizer, o.token_ids, o.logprobs)
+                                  if logprobs else None)
+        else:
+            choice["text"] = o.text
+            choice["logprobs"] = (completion_logprobs(tokenizer, o.token_ids, o.logprobs, 0)
+                                  if logprobs else None)
+        choice["finish_reason"] = openai_finish(o.finish_reason)
+        choice["matched_stop"] = matched_stop(o.finish_reason)
+        choices.append(choice)
+    body = {"id": response_id, "object": "chat.completion" if is_chat else "text_completion",
+            "created": created, "model": model, "choices": choices, "usage": usage(outs)}
+    kv = outs[0].meta.get("kv_transfer_params") if len(outs) == 1 else None
+    if kv is not None:
+        body["kv_transfer_params"] = kv
+    return body
+
+
+def _error_type(exc: BaseException) -> str:
+    if isinstance(exc, RequestError):
+        return "invalid_request_error"
+    if isinstance(exc, TimeoutError):
+        return "timeout_error"
+    if isinstance(exc, DisaggError):
+        name = type(exc).__name__
+        return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+    return "internal_server_error"
+
+
+def error_info(exc: BaseException, timeout_s: float | None = None
+               ) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """(status, body, headers) for an exception that ends a request."""
+    if isinstance(exc, TimeoutError):
+        status = 504
+        message = f"request deadline of {timeout_s} s passed before the answer was complete"
+    elif isinstance(exc, DisaggError):
+        status, message = exc.http_status, str(exc)
+    else:
+        status, message = 500, f"internal error: {type(exc).__name__}; see the server log"
+    param = error_param(exc) if isinstance(exc, RequestError) else None
+    body = {"error": {"message": message, "type": _error_type(exc), "param": param,
+                      "code": status}}
+    headers = {}
+    if status == 503:
+        # An OverloadedError may say how long to wait; every other 503 gets the default.
+        retry = getattr(exc, "retry_after_s", RETRY_AFTER_S)
+        headers["Retry-After"] = str(max(1, math.ceil(retry)))
+    return status, body, headers
+
+
+def simple_error(status: int, message: str, kind: str,
+                 param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}

@@ -1,0 +1,97 @@
+"""Stream formatters: turn `(prompt index, GenerateEvent)` pairs into SSE payload objects.
+
+A formatter has `start()`, `event(index, ev)` and `end()`, each returning the JSON objects to send
+as `data:` lines. `common.api.sse.sse_body` drives it and adds the error event and `[DONE]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from common.api.backend import GenerateEvent, TokenizerLike
+from common.api.openai_schema import OpenAIRequest
+from common.api.responses import (
+    ItemOutput, chat_logprobs, completion_logprobs, matched_stop, openai_finish, sglang_output,
+    usage,
+)
+from common.api.schema import GenerateRequest
+
+
+class SGLangStream:
+    """SGLang `/generate` streaming: each event is the prompt's cumulative object; a batch adds
+    `"index"` (the prompt's position), as SGLang's batch streams do."""
+
+    def __init__(self, req: GenerateRequest, outs: Sequence[ItemOutput],
+                 tokenizer: TokenizerLike, elapsed_s: Callable[[], float]) -> None:
+        self._req, self._outs, self._tokenizer, self._elapsed_s = req, outs, tokenizer, elapsed_s
+
+    def start(self) -> list[dict[str, Any]]:
+        return []
+
+    def event(self, index: int, ev: GenerateEvent) -> list[dict[str, Any]]:
+        out = self._outs[index]
+        out.add(ev)
+        obj = sglang_output(out, self._req, self._tokenizer, self._elapsed_s())
+        if self._req.is_batch:
+            obj["index"] = index
+        return [obj]
+
+    def end(self) -> list[dict[str, Any]]:
+        return []
+
+
+class OpenAIStream:
+    """OpenAI chunk objects: `chat.completion.chunk` (a first chunk carries the role) or
+    `text_completion`; with `stream_options.include_usage`, every chunk has `"usage": null` and a
+    last chunk with no choices carries the totals."""
+
+    def __init__(self, req: OpenAIRequest, outs: Sequence[ItemOutput], tokenizer: TokenizerLike,
+                 *, model: str, response_id: str, created: int) -> None:
+        self._req, self._outs, self._tokenizer = req, outs, tokenizer
+        self._head = {"id": response_id,
+                      "object": "chat.completion.chunk" if req.is_chat else "text_completion",
+                      "created": created, "model": model}
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = {**self._head, "choices": choices}
+        if self._req.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def start(self) -> list[dict[str, Any]]:
+        if not self._req.is_chat:
+            return []
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}
+                             for i in range(len(self._outs))])]
+
+    def _logprobs(self, out: ItemOutput, ev: GenerateEvent) -> dict[str, Any] | None:
+        if not self._req.logprobs:
+            return None
+        if self._req.is_chat:
+            return chat_logprobs(self._tokenizer, ev.token_ids, ev.logprobs)
+        lp = completion_logprobs(self._tokenizer, ev.token_ids, ev.logprobs, out.num_offset_chars)
+        out.num_offset_chars += sum(len(t) for t in lp["tokens"])
+        return lp
+
+    def event(self, index: int, ev: GenerateEvent) -> list[dict[str, Any]]:
+        out = self._outs[index]
+        out.add(ev)
+        if not ev.text and not ev.finished and not (self._req.logprobs and ev.token_ids):
+            return []
+        choice: dict[str, Any] = {"index": index}
+        if self._req.is_chat:
+            choice["delta"] = {"content": ev.text} if ev.text else {}
+        else:
+            choice["text"] = ev.text
+        choice["logprobs"] = self._logprobs(out, ev)
+        choice["finish_reason"] = openai_finish(out.finish_reason) if ev.finished else None
+        if ev.finished:
+            choice["matched_stop"] = matched_stop(out.finish_reason)
+        return [self._chunk([choice])]
+
+    def end(self) -> list[dict[str, Any]]:
+        if not self._req.include_usage:
+            return []
+        return [{**self._head, "choices": [], "usage": usage(self._outs)}]
