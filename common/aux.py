@@ -18,8 +18,7 @@ class AuxSlots:
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
         # buffer: [num_slots, item_len] bytes; one contiguous block so one NIXL registration covers it
-        pin = device == "cpu" and torch.cuda.is_available()
-        self.buffer = torch.zeros((num_slots, item_len), dtype=torch.uint8, device=device, pin_memory=pin)
+        self.buffer = torch.zeros((num_slots, item_len), dtype=torch.uint8, device=device)
         self.item_len = item_len
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
@@ -52,5 +51,6 @@ class AuxSlots:
 
     def info(self) -> AuxInfo:
         is_cuda = self.buffer.is_cuda
-        return AuxInfo(mem="VRAM" if is_cuda else "DRAM", device=self.buffer.device.index or 0 if is_cuda else 0,
+        device = (self.buffer.device.index or 0) if is_cuda else 0
+        return AuxInfo(mem="VRAM" if is_cuda else "DRAM", device=device,
                        addr=self.buffer.data_ptr(), item_len=self.item_len, num_slots=self.num_slots)

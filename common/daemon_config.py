@@ -16,6 +16,8 @@ class CommonConfig:
 
     model: str = flag(help="checkpoint folder (config.json, safetensors, tokenizer.json)")
     draft_model: str | None = flag(None, help="draft checkpoint folder for speculative decoding")
+    draft_device: str | None = flag(None, help="device of the draft model and its KV (default: --device); "
+                                               "cpu with a cuda target keeps the draft KV in DRAM")
     host: str = flag("127.0.0.1", help="HTTP bind address (explicit; 0.0.0.0 to listen on all)")
     port: int = flag(30000, help="HTTP port")
     device: str = flag("cpu", help="cpu or cuda:N")
@@ -38,6 +40,8 @@ class CommonConfig:
                 f"--max-total-tokens ({self.max_total_tokens}) must hold at least one page ({self.page_size})")
         require(0 < self.port < 65536, f"--port must be in 1..65535, got {self.port}")
         require(self.device == "cpu" or self.device.startswith("cuda"), f"--device must be cpu or cuda:N, got {self.device!r}")
+        require(self.draft_device is None or self.draft_device == "cpu" or self.draft_device.startswith("cuda"),
+                f"--draft-device must be cpu or cuda:N, got {self.draft_device!r}")
         require(self.max_running_requests > 0, "--max-running-requests must be positive")
         require(self.max_queued_requests >= 0, "--max-queued-requests must be >= 0")
         for name in ("request_timeout_s", "drain_timeout_s", "heartbeat_interval_s", "xfer_timeout_s"):

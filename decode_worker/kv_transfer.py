@@ -54,6 +54,7 @@ class KvReceiver:
         self.waiters: dict[int, Waiter] = {}
         self.quarantined: dict[int, tuple[Callable[[], None], float]] = {}
         self._recent: OrderedDict[int, None] = OrderedDict()  # rooms completed lately (late notifs are not stale)
+        self._background: set[asyncio.Task] = set()
 
     # -- links ---------------------------------------------------------------------------------------
     async def link(self, host: str, port: int) -> PrefillLink:
@@ -92,12 +93,31 @@ class KvReceiver:
         On failure raises a DisaggError whose ``pages_safe`` attribute says whether the pages may be
         freed now (the prefill confirmed nothing will be written) or must go to ``quarantine``.
         """
-        if room in self.waiters:
-            raise _unsafe(TransferError(f"request_id={request_id}: bootstrap_room {room} is already waiting for KV "
-                                        f"on this decode; every request needs its own room"), safe=True)
+        if room in self.waiters or room in self.quarantined:
+            # A quarantined room's earlier WRITE may still land; a second request under that id
+            # would make the prefill's answer to one release the other's pages.
+            raise _unsafe(TransferError(f"request_id={request_id}: bootstrap_room {room} is already in use on this "
+                                        f"decode; every request needs its own room"), safe=True)
         deadline = time.monotonic() + timeout_s
         try:
-            link = await asyncio.wait_for(self.link(host, port), timeout_s)
+            return await self._fetch_once(request_id, host, port, room, page_ids, num_prompt_tokens, deadline,
+                                          timeout_s)
+        except DisaggError as exc:
+            if not getattr(exc, "is_not_registered", False):
+                raise
+            # The prefill restarted, or dropped this decode while it was silent, and refused the
+            # transfer unseen: nothing was written. Register again and ask once more, same deadline.
+            logger.info("room=%d request_id=%s peer=%s: prefill forgot this decode; registering again", room,
+                        request_id, f"{host}:{port}")
+            return await self._fetch_once(request_id, host, port, room, page_ids, num_prompt_tokens, deadline,
+                                          timeout_s)
+
+    async def _fetch_once(self, request_id: str, host: str, port: int, room: int, page_ids: list[int],
+                          num_prompt_tokens: int, deadline: float, timeout_s: float
+                          ) -> tuple[wire.AuxRecord, PrefillLink]:
+        """One attempt of ``fetch`` under its ``deadline``; ``timeout_s`` (the whole wait) names it in errors."""
+        try:
+            link = await asyncio.wait_for(self.link(host, port), _remaining_s(deadline))
         except asyncio.TimeoutError:
             raise _unsafe(PeerUnavailableError(f"request_id={request_id}: prefill {host}:{port} did not acknowledge "
                                                f"registration within {timeout_s:.1f}s"), safe=True) from None
@@ -107,18 +127,22 @@ class KvReceiver:
         waiter = Waiter(room, request_id, link, slot, asyncio.get_running_loop().create_future())
         self.waiters[room] = waiter
         try:
-            await link.send(wire.Transfer(room=room, decode_id=link.decode_id, page_ids=page_ids, aux_slot=slot,
-                                          num_prompt_tokens=num_prompt_tokens))
-            await asyncio.wait_for(asyncio.shield(waiter.future), max(deadline - time.monotonic(), 0.0))
+            msg = wire.Transfer(room=room, decode_id=link.decode_id, page_ids=page_ids, aux_slot=slot,
+                                num_prompt_tokens=num_prompt_tokens)
+            try:
+                await link.send(msg, timeout_s=_remaining_s(deadline))
+            except DisaggError as exc:  # the request never left this process: nothing will be written
+                raise _unsafe(exc, safe=True) from None
+            await asyncio.wait_for(asyncio.shield(waiter.future), _remaining_s(deadline))
             self.metrics.kv_wait_seconds.observe(time.perf_counter() - waiter.sent_at)
             return self._read_aux(waiter, num_prompt_tokens), link
         except asyncio.TimeoutError:
             self.metrics.timeouts.labels(stage="wait_kv").inc()
-            await self._abort(link, room, f"decode waited {timeout_s:.1f}s for the KV")
+            self._abort_soon(link, room, f"decode waited {timeout_s:.1f}s for the KV")
             raise _unsafe(TransferError(f"room={room} request_id={request_id}: KV from prefill {link.address} did not "
                                         f"arrive within {timeout_s:.1f}s"), safe=False) from None
         except asyncio.CancelledError:
-            await self._abort(link, room, "client disconnected")
+            self._abort_soon(link, room, "client disconnected")
             raise
         finally:
             self.waiters.pop(room, None)
@@ -140,10 +164,17 @@ class KvReceiver:
                 f"{num_prompt_tokens}; KV discarded"), safe=True)
         return record
 
-    async def _abort(self, link: PrefillLink, room: int, reason: str) -> None:
+    def _abort_soon(self, link: PrefillLink, room: int, reason: str) -> None:
+        """Tell the prefill in the background: the client's answer must not wait on a dead peer."""
         self.metrics.aborts.labels(side="decode").inc()
+        task = asyncio.get_running_loop().create_task(self._abort(link, room, reason))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort(self, link: PrefillLink, room: int, reason: str) -> None:
         try:
-            await link.send(wire.Abort(room=room, reason=reason))
+            await link.send(wire.Abort(room=room, reason=reason),
+                            timeout_s=self.heartbeat_interval_s * self.heartbeat_misses)
         except DisaggError as exc:
             logger.warning("could not send abort for room=%d to peer=%s: %s", room, link.address, exc)
 
@@ -159,8 +190,10 @@ class KvReceiver:
             waiter.future.set_result(None)
         else:
             err = GeometryMismatchError if "geometry" in (msg.error or "").lower() else TransferError
-            self._fail(msg.room, _unsafe(err(f"room={msg.room} request_id={waiter.request_id}: prefill "
-                                             f"{waiter.link.address} failed the transfer: {msg.error}"), safe=True))
+            exc = _unsafe(err(f"room={msg.room} request_id={waiter.request_id}: prefill {waiter.link.address} "
+                              f"failed the transfer: {msg.error}"), safe=True)
+            exc.is_not_registered = "not registered" in (msg.error or "")
+            self._fail(msg.room, exc)
 
     def _fail(self, room: int, exc: Exception) -> None:
         waiter = self.waiters.get(room)
@@ -213,6 +246,9 @@ class KvReceiver:
                 release()
 
     async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         for room in list(self.waiters):
             self._fail(room, _unsafe(PeerUnavailableError(f"room={room}: decode shutting down"), safe=False))
         for link in list(self.links.values()):
@@ -221,6 +257,10 @@ class KvReceiver:
         for room, (release, _) in list(self.quarantined.items()):
             release()
         self.quarantined.clear()
+
+
+def _remaining_s(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.0)
 
 
 def _unsafe(exc: Exception, *, safe: bool) -> Exception:

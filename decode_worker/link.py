@@ -51,8 +51,9 @@ class PrefillLink:
         self._tasks = [asyncio.create_task(self._read_loop(), name=f"link-read-{self.address}"),
                        asyncio.create_task(self._heartbeat_loop(), name=f"link-ping-{self.address}")]
 
-    async def send(self, msg: wire.Message) -> None:
-        await self.client.send(msg)
+    async def send(self, msg: wire.Message, timeout_s: float = 5.0) -> None:
+        """Send ``msg``; PeerUnavailableError when no connection is up within ``timeout_s``."""
+        await self.client.send(msg, timeout_s=timeout_s)
 
     async def ensure_registered(self, timeout_s: float) -> wire.RegisterAck:
         async with self._register_lock:
@@ -91,6 +92,8 @@ class PrefillLink:
         while True:
             try:
                 msg = await self.client.recv(timeout_s=self.receiver.heartbeat_interval_s)
+            except ProtocolError as exc:
+                msg = exc  # a malformed frame is counted and dropped; the link keeps reading
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # task boundary: log and keep reading
@@ -123,9 +126,9 @@ class PrefillLink:
         else:
             self.receiver.on_link_message(self, msg)
 
-    async def _send_quietly(self, msg: wire.Message) -> None:
+    async def _send_quietly(self, msg: wire.Message, timeout_s: float = 1.0) -> None:
         try:
-            await self.client.send(msg)
+            await self.client.send(msg, timeout_s=timeout_s)
         except DisaggError as exc:
             logger.debug("send of %s to peer=%s failed: %s", msg.KIND, self.address, exc)
 
@@ -134,7 +137,9 @@ class PrefillLink:
         limit = interval * self.receiver.heartbeat_misses
         while True:
             await asyncio.sleep(interval)
-            await self._send_quietly(wire.Ping(t=time.monotonic()))
+            # Bounded by the interval: with the prefill down a send would otherwise block for
+            # seconds and delay the silence check below past every room's deadline.
+            await self._send_quietly(wire.Ping(t=time.monotonic()), timeout_s=interval)
             silent_s = time.monotonic() - self._last_pong
             if silent_s > interval * 1.5:
                 self.receiver.metrics.heartbeat_misses.inc()

@@ -55,13 +55,14 @@ class PrefillDaemon:
         loop = asyncio.get_running_loop()
         self.runner = await loop.run_in_executor(self.model_executor, lambda: build_runner(
             c.model, c.draft_model, device=c.device, dtype=c.torch_dtype_name, page_size=c.page_size,
-            max_total_tokens=c.max_total_tokens, spec_k=0))
+            max_total_tokens=c.max_total_tokens, draft_device=c.draft_device, spec_k=0))
         self.device = self.runner.target.kv.device
         self.tokenizer = Tokenizer.from_dir(c.model)
         cfg = self.runner.target.model.config
         self.model_name = Path(c.model).name
         self.max_context_tokens = min(cfg.max_position_embeddings, c.max_total_tokens)
-        self.aux = AuxSlots(c.max_running_requests + c.max_queued_requests)
+        # Aux slots live beside the target KV so that KV and aux travel in one WRITE (one list per side).
+        self.aux = AuxSlots(c.max_running_requests + c.max_queued_requests, device=str(self.device))
         self.engine = NixlEngine("prefill")
         for slot in self._slots():
             self.engine.register_tensor(slot.kv.buffer)

@@ -286,7 +286,10 @@ class KvSender:
         last = len(xfer.per_group) - 1
         for g, (local_idx, remote_idx) in enumerate(xfer.per_group):
             local, remote = peer.prepped[g]
-            handle = self.engine.post_write(local, local_idx, remote, remote_idx, notif if g == last else None)
+            try:
+                handle = self.engine.post_write(local, local_idx, remote, remote_idx, notif if g == last else None)
+            except DisaggError as exc:  # the NIXL text names the peer; the client needs the room too
+                raise type(exc)(f"room={room.room} request_id={room.request_id}: {exc}") from exc
             try:
                 self._wait(handle, deadline, room)
             finally:

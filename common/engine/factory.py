@@ -17,7 +17,9 @@ def build_slot(model_dir: str, *, model_name: str, device: str, dtype: str | Non
 
 
 def build_runner(target_dir: str, draft_dir: str | None = None, *, device: str = "cpu", dtype: str | None = None,
-                 page_size: int = 16, max_total_tokens: int = 65536, spec_k: int = 4) -> ModelRunner:
+                 page_size: int = 16, max_total_tokens: int = 65536, spec_k: int = 4,
+                 draft_device: str | None = None) -> ModelRunner:
+    """Target (and draft) with their KV pools; ``draft_device`` defaults to ``device``."""
     num_pages = max_total_tokens // page_size
     target = build_slot(target_dir, model_name="target", device=device, dtype=dtype, page_size=page_size,
                         num_pages=num_pages)
@@ -27,6 +29,7 @@ def build_runner(target_dir: str, draft_dir: str | None = None, *, device: str =
         if draft_cfg.vocab_size != target_cfg.vocab_size:
             raise ConfigError(f"draft model {draft_dir} has vocab_size {draft_cfg.vocab_size}, target has "
                               f"{target_cfg.vocab_size}; speculative decoding needs one vocabulary")
-        draft = build_slot(draft_dir, model_name="draft", device=device, dtype=dtype, page_size=page_size,
+        draft = build_slot(draft_dir, model_name="draft", device=draft_device or device, dtype=dtype,
+                           page_size=page_size,
                            num_pages=num_pages)
     return ModelRunner(target, draft, spec_k=spec_k)

@@ -95,6 +95,7 @@ class ModelRunner:
             s.output_logprobs.append(lp)
         if with_draft and self.draft is not None:
             self.prefill_draft(seqs)
+        _synchronize(self.target.kv.device)  # the KV must be in memory before NIXL reads it
 
     @torch.inference_mode()
     def prefill_draft(self, seqs: list[Sequence]) -> None:
@@ -159,7 +160,9 @@ class ModelRunner:
                 if s.params.is_greedy:
                     tok = int(logits[i].argmax())
                 else:
-                    q = probs(logits[i : i + 1], [s.params])[0]
+                    # The draft may live on another device (DRAM draft, VRAM target): sample where
+                    # the request's generator and the target's probabilities live.
+                    q = probs(logits[i : i + 1], [s.params])[0].to(self.target.kv.device)
                     tok = int(torch.multinomial(q, 1, generator=s.generator).item())
                     q_rows[i].append(q)
                 proposals[i].append(tok)
@@ -170,6 +173,11 @@ class ModelRunner:
             # Proposals d0..d(k-2) were fed to the draft; d(k-1) was not.
             s.draft_num_cached = s.num_tokens + k - 1
         return proposals, q_rows
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _input_logprobs(logits: torch.Tensor, prompt_ids: list[int]) -> list[float | None]:

@@ -1,0 +1,81 @@
+"""The daemons on CUDA: VRAM KV pools registered with NIXL, the disaggregated output equal to the
+colocated engine's, and the mixed layout (target KV in VRAM, draft KV in DRAM, decode-only
+speculative decoding) that upstream SGLang refuses."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from common.engine.colocated import ColocatedEngine
+from common.engine.factory import build_runner
+from common.model.sampling import SamplingParams
+from common.model.tokenizer import Tokenizer
+from tests.cluster import free_pages, send_pair
+
+pytestmark = pytest.mark.gpu
+
+LENGTHS = [1, 15, 16, 17, 64, 100, 255, 256, 1000, 1024, 2000]
+CUDA = ["--device", "cuda:0", "--dtype", "float32"]
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(3)
+    return [[rng.randrange(5, 512) for _ in range(n)] for n in LENGTHS]
+
+
+def _reference(target: str, draft: str | None, draft_device: str | None = None) -> list[list[int]]:
+    runner = build_runner(target, draft, device="cuda:0", dtype="float32", max_total_tokens=65536,
+                          draft_device=draft_device)
+    engine = ColocatedEngine(runner, Tokenizer.from_dir(target))
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    return [r.output_ids for r in engine.generate(_prompts(), params)]
+
+
+def _disagg(prefill, decode) -> list[list[int]]:
+    out = []
+    for ids in _prompts():
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+        (ps, pa), (ds, da) = send_pair(prefill, decode, body)
+        assert ps == 200 and ds == 200, (pa, da)
+        out.append(da["output_ids"])
+    return out
+
+
+def test_vram_pools_disagg_equals_colocated(cluster, tiny_models):
+    target, _ = tiny_models
+    prefill, decode = cluster.prefill(extra=CUDA), cluster.decode(extra=CUDA)
+    before = free_pages(prefill), free_pages(decode)
+    assert _disagg(prefill, decode) == _reference(target, None)
+    assert (free_pages(prefill), free_pages(decode)) == before
+
+
+def test_mixed_layout_vram_target_dram_draft(cluster, tiny_models):
+    """Decode: target KV in VRAM, draft model and KV on the CPU (DRAM); the prefill has no draft,
+    so the plan writes the VRAM target regions and ignores the DRAM draft regions."""
+    target, draft = tiny_models
+    prefill = cluster.prefill(extra=CUDA)
+    decode = cluster.decode(draft=True, extra=CUDA + ["--draft-device", "cpu"])
+    got = _disagg(prefill, decode)
+    assert got == _reference(target, None)
+    assert got == _reference(target, draft, draft_device="cpu")
+
+
+def test_draft_on_both_sides_vram(cluster, tiny_models):
+    target, draft = tiny_models
+    prefill, decode = cluster.prefill(draft=True, extra=CUDA), cluster.decode(draft=True, extra=CUDA)
+    assert _disagg(prefill, decode) == _reference(target, draft)
+
+
+def test_bf16_default_on_cuda(cluster, tiny_models):
+    """--dtype auto means bf16 on CUDA; the pair serves and answers with the expected lengths."""
+    prefill = cluster.prefill(extra=["--device", "cuda:0"])
+    decode = cluster.decode(extra=["--device", "cuda:0"])
+    body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                                             "ignore_eos": True}}
+    (_, _), (ds, da) = send_pair(prefill, decode, body)
+    assert ds == 200, da
+    assert len(da["output_ids"]) == 8
+    assert torch.cuda.is_available()
