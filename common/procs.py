@@ -116,13 +116,41 @@ def worker_proc(role: str, model: str, *, port: int, log_dir: Path, draft: str |
     return Proc(f"{role}:{port}", args, f"http://127.0.0.1:{port}", log_dir / f"{role}-{port}.log", env=env or {})
 
 
+def _prometheus_args(extra: list[str]) -> list[str]:
+    # Both routers' Prometheus listeners default to 0.0.0.0:29000, which two routers on one host
+    # (or tests running side by side) would fight over.
+    if "--prometheus-port" in extra:
+        return []
+    return ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+
+
 def router_proc(prefills: list[tuple[str, int]], decodes: list[str], *, port: int, log_dir: Path,
                 extra: list[str] | None = None) -> Proc:
+    """sglang-router in PD mode on loopback (ready when ``GET /readiness`` answers 200)."""
     args = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
             "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
     for url, bootstrap_port in prefills:
         args += ["--prefill", url, str(bootstrap_port)]
     for url in decodes:
         args += ["--decode", url]
-    args += extra or []
+    args += _prometheus_args(extra or []) + (extra or [])
     return Proc(f"router:{port}", args, f"http://127.0.0.1:{port}", log_dir / f"router-{port}.log")
+
+
+def vllm_router_proc(prefills: list[tuple[str, int]], decodes: list[str], *, port: int, log_dir: Path,
+                     api_key: str = "", extra: list[str] | None = None) -> Proc:
+    """vllm-router in its two-stage PD mode on loopback (ready when ``GET /readiness`` answers 200).
+
+    It sends ``Authorization: Bearer $OPENAI_API_KEY`` to both daemons, so ``api_key`` must be the
+    daemons' ``--api-key`` (empty when they run without one). It only starts listening once every
+    worker answers ``/health``; the check interval is 1 s instead of its default 30 s."""
+    args = [str(Path(sys.executable).with_name("vllm-router")), "--vllm-pd-disaggregation",
+            "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+            "--worker-startup-check-interval", "1"]
+    for url, bootstrap_port in prefills:
+        args += ["--prefill", url, str(bootstrap_port)]
+    for url in decodes:
+        args += ["--decode", url]
+    args += _prometheus_args(extra or []) + (extra or [])
+    return Proc(f"vllm-router:{port}", args, f"http://127.0.0.1:{port}", log_dir / f"vllm-router-{port}.log",
+                env={"OPENAI_API_KEY": api_key})

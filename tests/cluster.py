@@ -4,13 +4,17 @@ engine, and a cluster of real daemon processes on loopback."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from common.procs import Proc, free_port, http_json, router_proc, worker_proc
+from common.procs import Proc, free_port, http_json, router_proc, vllm_router_proc, worker_proc
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_DIR = REPO / ".tiny" / "seed0"
@@ -42,22 +46,28 @@ class Cluster:
         self.env = {"OMP_NUM_THREADS": "1", "KVFERRY_HEARTBEAT_INTERVAL_S": "0.5"}
 
     def prefill(self, *, draft: bool = False, extra: list[str] | None = None, port: int | None = None,
-                bootstrap_port: int | None = None, start: bool = True) -> Proc:
+                bootstrap_port: int | None = None, start: bool = True, env: dict | None = None) -> Proc:
         p = worker_proc("prefill", self.target, port=port or free_port(), log_dir=self.log_dir,
                         draft=self.draft if draft else None, bootstrap_port=bootstrap_port or free_port(),
-                        extra=extra, env=self.env)
+                        extra=extra, env={**self.env, **(env or {})})
         p.bootstrap_port = int(p.args[p.args.index("--bootstrap-port") + 1])
         return self._add(p, start)
 
     def decode(self, *, draft: bool = False, extra: list[str] | None = None, port: int | None = None,
-               start: bool = True) -> Proc:
+               start: bool = True, env: dict | None = None) -> Proc:
         p = worker_proc("decode", self.target, port=port or free_port(), log_dir=self.log_dir,
-                        draft=self.draft if draft else None, extra=extra, env=self.env)
+                        draft=self.draft if draft else None, extra=extra, env={**self.env, **(env or {})})
         return self._add(p, start)
 
     def router(self, prefills: list[Proc], decodes: list[Proc], extra: list[str] | None = None) -> Proc:
         p = router_proc([(x.url, x.bootstrap_port) for x in prefills], [x.url for x in decodes],
                         port=free_port(), log_dir=self.log_dir, extra=extra)
+        return self._add(p, True, ready_path="/readiness")
+
+    def vllm_router(self, prefills: list[Proc], decodes: list[Proc], extra: list[str] | None = None) -> Proc:
+        """vllm-router (two-stage PD); the workers must already answer /health."""
+        p = vllm_router_proc([(x.url, x.bootstrap_port) for x in prefills], [x.url for x in decodes],
+                             port=free_port(), log_dir=self.log_dir, extra=extra)
         return self._add(p, True, ready_path="/readiness")
 
     def _add(self, p: Proc, start: bool, ready_path: str = "/health") -> Proc:
@@ -135,3 +145,38 @@ def send_pair(prefill: Proc, decode: Proc, body: dict, *, order: str = "concurre
     t1.join(timeout_s + 5)
     t2.join(timeout_s + 5)
     return results["prefill"], results["decode"]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One HTTP answer as a client sees it: status, content type and the raw body text."""
+
+    status: int
+    content_type: str
+    raw: str
+
+    @property
+    def is_sse(self) -> bool:
+        return self.content_type.startswith("text/event-stream")
+
+    def json(self):
+        return json.loads(self.raw)
+
+    def events(self) -> list:
+        """The `data:` payloads of an SSE body, JSON-decoded, without the final `[DONE]`."""
+        assert self.is_sse, (self.status, self.content_type, self.raw[:500])
+        blocks = [b for b in self.raw.split("\n\n") if b.strip()]
+        assert blocks and blocks[-1] == "data: [DONE]", self.raw[-500:]
+        assert all(b.startswith("data: ") for b in blocks), self.raw[:500]
+        return [json.loads(b[len("data: "):]) for b in blocks[:-1]]
+
+
+def post(url: str, body: dict, *, timeout_s: float = 120.0, headers: dict | None = None) -> Answer:
+    """POST JSON and read the whole answer, whatever its status or type."""
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return Answer(resp.status, resp.headers.get("content-type", ""), resp.read().decode())
+    except urllib.error.HTTPError as exc:
+        return Answer(exc.code, exc.headers.get("content-type", ""), exc.read().decode())

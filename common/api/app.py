@@ -13,12 +13,12 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from common.api.auth import ApiKeyMiddleware
 from common.api.backend import Backend, GenerateEvent, GenerateInput
@@ -46,6 +46,21 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
                     media_type="application/json")
 
 
+def error_response(request: Request, body: dict[str, Any], status: int,
+                   headers: dict[str, str] | None) -> Response:
+    """The error object as JSON. To a `stream: true` request it goes chunked (no Content-Length):
+    sglang-router wraps a decode's error into a longer SSE event but keeps the decode's
+    Content-Length, which cuts the client's copy short (docs/routers.md)."""
+    if not getattr(request.state, "is_stream", False):
+        return json_response(body, status, headers)
+
+    async def one_chunk() -> AsyncIterator[bytes]:
+        yield dumps(body)
+
+    return StreamingResponse(one_chunk(), status_code=status, headers=headers,
+                             media_type="application/json")
+
+
 class _Api:
     """The generation routes; one instance per app, holding the backend and the settings."""
 
@@ -71,6 +86,13 @@ class _Api:
                               params=it.params, stream=stream, return_logprob=return_logprob,
                               logprob_start_len=it.logprob_start_len, bootstrap=it.bootstrap,
                               kv_transfer_params=kv) for it in items]
+
+    def streams(self, is_stream: bool) -> bool:
+        """Whether to answer with SSE. A prefill answers one JSON object even to `stream: true`:
+        it has a single event, sglang-router reads its whole answer before the decode's first
+        byte anyway, and only a JSON prefill answer lets the router merge the prompt's
+        `input_token_logprobs` into the decode's stream chunks (docs/routers.md)."""
+        return is_stream and self.backend.role != "prefill"
 
     async def open(self, inputs: Sequence[GenerateInput]) -> list[Any]:
         gens: list[Any] = []
@@ -125,7 +147,7 @@ class _Api:
             return asyncio.get_running_loop().time() - started
 
         deadline = started + self.timeout_s
-        if req.stream:
+        if self.streams(req.stream):
             return await self.stream(request, inputs, SGLangStream(req, outs, tokenizer, elapsed),
                                      deadline)
         await self.collect(request, inputs, outs, deadline)
@@ -142,7 +164,7 @@ class _Api:
         naming = {"model": req.model or self.backend.model_name, "created": int(time.time()),
                   "response_id": ("chatcmpl-" if is_chat else "cmpl-") + base_id}
         deadline = started + self.timeout_s
-        if req.stream:
+        if self.streams(req.stream):
             fmt = OpenAIStream(req, outs, self.backend.tokenizer, **naming)
             return await self.stream(request, inputs, fmt, deadline)
         await self.collect(request, inputs, outs, deadline)
@@ -158,6 +180,7 @@ def log_done(request_id: str, route: str, outs: Sequence[ItemOutput]) -> None:
 
 
 async def read_json(request: Request) -> dict[str, Any]:
+    """The body as a JSON object; notes `stream: true` so that an error answer goes chunked."""
     raw = await request.body()
     try:
         body = json.loads(raw)
@@ -166,6 +189,7 @@ async def read_json(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise FieldError(None, f"the request body must be a JSON object, got "
                                f"{type(body).__name__}")
+    request.state.is_stream = body.get("stream") is True
     return body
 
 
@@ -188,12 +212,12 @@ def guarded(timeout_s: float) -> Callable[[Callable[[Request], Awaitable[Respons
                 logger.log(level, "request failed request_id=%s peer=%s status=%d: %s",
                            getattr(request.state, "request_id", None), _peer(request), status,
                            body["error"]["message"])
-                return json_response(body, status, headers)
+                return error_response(request, body, status, headers)
             except Exception as exc:
                 logger.exception("request crashed request_id=%s peer=%s",
                                  getattr(request.state, "request_id", None), _peer(request))
                 status, body, headers = error_info(exc)
-                return json_response(body, status, headers)
+                return error_response(request, body, status, headers)
         return run
     return wrap
 

@@ -1,0 +1,102 @@
+"""`kvferry up` as an operator runs it: prefill, decode (with the draft) and sglang-router on free
+loopback ports; a request through the router gets the colocated engine's answer; SIGTERM stops all
+three, exits 0, and leaves no process and no listening port behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common.model.sampling import SamplingParams
+from common.procs import free_port, http_json
+from tests.cluster import REPO, TINY_DIR, post
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (children, their children, ...), from /proc."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue  # the task ended meanwhile
+            for child in map(int, children):
+                if child not in found:
+                    found.add(child)
+                    todo.append(child)
+    return found
+
+
+def is_running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def wait_for_text(path: Path, text: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if text in path.read_text(errors="replace"):
+            return
+        assert proc.poll() is None, f"kvferry up exited with {proc.returncode}:\n{path.read_text()[-4000:]}"
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not printed within {timeout_s}s:\n{path.read_text()[-4000:]}")
+
+
+def test_up_serves_through_the_router_and_stops_cleanly(tmp_path, tiny_models, colocated):
+    ports = {name: free_port() for name in ("prefill-port", "bootstrap-port", "decode-port", "router-port")}
+    args = [sys.executable, "-m", "common.cli", "up", "--model-dir", str(TINY_DIR), "--log-dir",
+            str(tmp_path / "logs"), "--timeout-s", "180"]
+    for name, port in ports.items():
+        args += [f"--{name}", str(port)]
+    out_path = tmp_path / "up.out"
+    with open(out_path, "wb") as out:
+        up = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        wait_for_text(out_path, "kvferry is up", up, timeout_s=240)
+        router = f"http://127.0.0.1:{ports['router-port']}"
+        assert router in out_path.read_text()
+
+        status, info = http_json(f"http://127.0.0.1:{ports['decode-port']}/server_info", timeout_s=10)
+        assert status == 200 and info["draft_model"] is True, info
+        sampling = {"max_new_tokens": 16, "temperature": 0}
+        prompt = "The capital of France is"
+        answer = post(router + "/generate", {"text": prompt, "sampling_params": sampling})
+        assert answer.status == 200, answer
+        ref = colocated(False).generate([prompt], SamplingParams.from_sglang(sampling))[0]
+        assert (answer.json()["output_ids"], answer.json()["text"]) == (ref.output_ids, ref.text)
+
+        children = descendants(up.pid)
+        assert len(children) >= 3, children  # prefill, decode, router
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(90) == 0, out_path.read_text()[-4000:]
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(is_running(pid) for pid in children):
+        time.sleep(0.2)
+    assert not [pid for pid in children if is_running(pid)], "processes left behind by kvferry up"
+    assert all(port_is_free(port) for port in ports.values()), ports
