@@ -1,0 +1,306 @@
+"""End-to-end TTFT and throughput: disaggregated against colocated, measured in the same run.
+
+    python bench/e2e.py [--prompt-tokens 128,1024] [--concurrency 1,8] [--new-tokens 32] [--reps 20]
+
+Three servers on loopback, started once: a prefill and a decode daemon, and a colocated server
+(``--serve-colocated``: the daemons' HTTP layer, prefill batching and continuous batcher over one
+runner, no KV transfer). Disaggregated requests send both legs at once (same body, bootstrap
+fields, ``stream: true``), as sglang-router does; TTFT is send to the decode's first SSE event.
+Colocated TTFT is send to the colocated server's first SSE event, so the difference
+(``ttft_overhead_ms``) is the cost of disaggregation alone. ``kv_transfer_ms_p50`` is the prefill's
+``kvferry_transfer_seconds`` (one room's WRITE, post to DONE), the mean of each wave from the
+/metrics deltas (a wave is ``concurrency`` requests sent together; at concurrency 1, one request).
+``ttft_ms_p50_inprocess`` is the bare prefill forward of the same wave in this process (no HTTP,
+no executor), a floor (``--no-inprocess`` skips it: one model copy less on a GPU). The KV pool of
+each server holds one wave at the largest size unless ``--max-total-tokens`` says otherwise.
+One JSON line per (prompt_tokens, concurrency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import random
+import re
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import emit, git_hash, hardware  # noqa: E402
+from bench.spec import tiny_dirs  # noqa: E402
+from common.procs import Proc, free_port, worker_proc  # noqa: E402
+
+
+class ColocatedServer:
+    """The baseline server (a `Backend` and a lifecycle daemon in one): prefill then decode in
+    one process, with the same HTTP app, scheduler, batcher and executor structure as the pair."""
+
+    name, drain_timeout_s, role = "colocated-bench", 1.0, "colocated"
+
+    def __init__(self, a, target: str, draft: str | None):
+        self.a, self.target, self.draft = a, target, draft
+        self.model_name, self.model_path = Path(target).name, target
+
+    async def start(self) -> None:
+        from common.api.app import create_app
+        from common.engine.batcher import DecodeBatcher
+        from common.engine.factory import build_runner
+        from common.lifecycle import start_http
+        from common.model.tokenizer import Tokenizer
+        from prefill_worker.scheduler import PrefillScheduler
+
+        self.executor = ThreadPoolExecutor(1)
+        self.runner = build_runner(self.target, self.draft, device=self.a.device, max_total_tokens=self.a.max_total_tokens)
+        self.tokenizer = Tokenizer.from_dir(self.target)
+        self.max_context_tokens = self.runner.target.model.config.max_position_embeddings
+        self.scheduler = PrefillScheduler(self.runner, self.executor, max_prefill_tokens=8192, with_draft=True)
+        self.batcher = DecodeBatcher(self.runner, self.executor, max_running=64, on_finish=self.runner.release)
+        self.scheduler.start()
+        self.batcher.start()
+        self.http = await start_http(create_app(self, api_key=None, request_timeout_s=600), "127.0.0.1",
+                                     self.a.serve_colocated)
+
+    async def stop(self, timeout_s: float) -> None:
+        from common.lifecycle import stop_http
+
+        await stop_http(*self.http)
+        await self.scheduler.stop()
+        await self.batcher.stop()
+        self.executor.shutdown()
+
+    def is_ready(self) -> bool:
+        return True
+
+    def server_info(self) -> dict:
+        return {}
+
+    def metrics_text(self) -> None:
+        return None
+
+    async def health_generate(self) -> None:
+        return None
+
+    async def generate(self, inp):
+        from common.api.backend import GenerateEvent
+        from common.engine.colocated import decode_seed
+        from common.engine.output import OutputTracker
+        from common.engine.sequence import Sequence
+        from common.model.sampling import make_generator
+
+        device = self.runner.target.kv.device
+        seq = Sequence(inp.request_id, list(inp.prompt_ids), inp.params, make_generator(inp.params.seed, device))
+        self.runner.admit(seq)
+        try:
+            await self.scheduler.prefill(seq)
+        except BaseException:
+            self.runner.release(seq)
+            raise
+        seq.generator = make_generator(decode_seed(inp.params.seed), device)
+        tracker = OutputTracker(seq, self.tokenizer.decode, self.tokenizer.eos_token_ids)
+        job = self.batcher.submit(seq, tracker, needs_draft_prefill=False)
+        try:
+            while True:
+                out = await job.queue.get()
+                yield GenerateEvent(out.token_ids, out.logprobs, out.text, out.finished,
+                                    out.finish_reason.to_sglang() if out.finished else None)
+                if out.finished:
+                    return
+        finally:
+            if not seq.is_done:
+                self.batcher.abort(job, "client disconnected")
+
+
+def post(url: str, body: dict) -> tuple[int, float, float]:
+    """POST ``body``; returns (status, time of the first SSE event or of the headers, time done).
+    A prefill answers one JSON object even to a stream (docs/routers.md)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=300)
+    conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    is_sse = resp.status == 200 and resp.getheader("content-type", "").startswith("text/event-stream")
+    first = None if is_sse else time.perf_counter()
+    for line in resp if is_sse else ():
+        if line.startswith(b"data:") and first is None:
+            first = time.perf_counter()
+        if b'"error"' in line[:16]:
+            raise SystemExit(f"{url}: stream ended with {line.decode()[:300]}")
+        if line.strip() == b"data: [DONE]":
+            break
+    resp.read()
+    conn.close()
+    return resp.status, first, time.perf_counter()
+
+
+def histogram(url: str, name: str) -> tuple[float, float]:
+    """(sum, count) of a Prometheus histogram on ``url``/metrics."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return tuple(float(re.search(rf"^{name}_{k} (\S+)$", text, re.M).group(1)) for k in ("sum", "count"))
+
+
+def wave(pool, servers: list[Proc], prompts, sampling, bootstrap_port: int) -> dict:
+    """One wave: each prompt goes to every server at once (prefill and decode, or the colocated
+    server). TTFT is the last server's first SSE event; also the first server's answer time."""
+    started, legs = time.perf_counter(), []
+    for ids in prompts:
+        body = {"input_ids": ids, "sampling_params": sampling, "stream": True, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": bootstrap_port, "bootstrap_room": random.getrandbits(63)}
+        legs.append(([pool.submit(post, s.url, body) for s in servers], time.perf_counter()))
+    out = {"ttft": [], "first_answer": [], "seconds": 0.0}
+    for futures, sent in legs:
+        answers = [f.result() for f in futures]
+        if any(status != 200 for status, _, _ in answers):
+            raise SystemExit(f"request failed: {[(s.name, a[0]) for s, a in zip(servers, answers)]}")
+        out["ttft"].append(answers[-1][1] - sent)
+        out["first_answer"].append(answers[0][2] - sent)
+        out["seconds"] = max(out["seconds"], answers[-1][2] - started)
+    return out
+
+
+def inprocess_ttft(runner, tokenizer, prompts, params) -> list[float]:
+    """Bare prefill forward of a wave, in batches of at most 8,192 tokens as the servers run them
+    (each batch's pages freed before the next, so the pool needs one batch only)."""
+    from common.engine.sequence import Sequence
+
+    batches, num_tokens = [[]], 0
+    for i, p in enumerate(prompts):
+        if batches[-1] and num_tokens + len(p) > 8192:
+            batches, num_tokens = batches + [[]], 0
+        batches[-1].append(Sequence(str(i), list(p), params))
+        num_tokens += len(p)
+    ttfts, started = [], time.perf_counter()
+    for batch in batches:
+        for s in batch:
+            runner.admit(s)
+        runner.prefill(batch, with_draft=True)
+        tokenizer.decode([s.output_ids[0] for s in batch])
+        ttfts += [time.perf_counter() - started] * len(batch)
+        for s in batch:
+            runner.release(s)
+    return ttfts
+
+
+def measure(a, pool, local, servers, num_prompt_tokens: int, concurrency: int) -> dict:
+    from common.model.sampling import SamplingParams
+
+    prefill, decode, colocated = servers
+    rng = random.Random(a.seed)
+    sampling = {"max_new_tokens": a.new_tokens, "temperature": 0, "ignore_eos": True}
+    waves = [[[rng.randrange(5, 512) for _ in range(num_prompt_tokens)] for _ in range(concurrency)]
+             for _ in range(a.reps + 1)]
+    got = {k: [] for k in ("col", "dis", "inproc", "write", "kv_wait", "prefill_answer")}
+    seconds = {"col": 0.0, "dis": 0.0}
+    for rep, prompts in enumerate(waves):  # wave 0 warms every path up
+        inproc = inprocess_ttft(*local, prompts, SamplingParams(max_new_tokens=1, temperature=0.0)) if local else []
+        col = wave(pool, [colocated], prompts, sampling, prefill.bootstrap_port)
+        before = histogram(prefill.url, "kvferry_transfer_seconds"), histogram(decode.url, "kvferry_kv_wait_seconds")
+        dis = wave(pool, [prefill, decode], prompts, sampling, prefill.bootstrap_port)
+        after = histogram(prefill.url, "kvferry_transfer_seconds"), histogram(decode.url, "kvferry_kv_wait_seconds")
+        if rep:
+            got["inproc"] += inproc
+            got["col"] += col["ttft"]
+            got["dis"] += dis["ttft"]
+            got["prefill_answer"] += dis["first_answer"]
+            for key, b, e in zip(("write", "kv_wait"), before, after):
+                got[key].append((e[0] - b[0]) / max(e[1] - b[1], 1))
+            seconds["col"] += col["seconds"]
+            seconds["dis"] += dis["seconds"]
+    p50 = {k: round(1e3 * statistics.median(v), 3) if v else None for k, v in got.items()}
+    overhead = round(p50["dis"] - p50["col"], 3)
+    num_tokens = a.reps * concurrency * a.new_tokens
+    return {"bench": "e2e", "prompt_tokens": num_prompt_tokens, "concurrency": concurrency,
+            "new_tokens": a.new_tokens, "reps": a.reps, "colocated_mode": "http",
+            "ttft_ms_p50_colocated": p50["col"], "ttft_ms_p50_disagg": p50["dis"], "ttft_overhead_ms": overhead,
+            "kv_transfer_ms_p50": p50["write"], "overhead_minus_transfer_ms": round(overhead - p50["write"], 3),
+            "kv_wait_ms_p50": p50["kv_wait"], "prefill_answer_ms_p50": p50["prefill_answer"],
+            "ttft_ms_p50_inprocess": p50["inproc"],
+            "tokens_per_s_colocated": round(num_tokens / seconds["col"], 1),
+            "tokens_per_s_disagg": round(num_tokens / seconds["dis"], 1)}
+
+
+def start_servers(a, target: str, draft: str | None, log_dir: Path) -> list[Proc]:
+    """Prefill, decode, colocated server, one after the other: each picks its ports only once the
+    previous one is up, since a starting daemon's UCX listeners take ephemeral ports too."""
+    flags = ["--device", a.device, "--max-total-tokens", str(a.max_total_tokens)]
+    env = {"OMP_NUM_THREADS": str(a.threads)}
+    quiet = flags + ["--log-level", "warning"]
+
+    def colocated(port: int) -> Proc:
+        args = [sys.executable, __file__, "--serve-colocated", str(port), "--model", target,
+                *(["--draft", draft] if draft else []), *flags]
+        return Proc(f"colocated:{port}", args, f"http://127.0.0.1:{port}", log_dir / f"colocated-{port}.log", env=env)
+
+    makers = [lambda: worker_proc("prefill", target, port=free_port(), log_dir=log_dir, bootstrap_port=free_port(),
+                                  extra=quiet, env=env),
+              lambda: worker_proc("decode", target, port=free_port(), log_dir=log_dir, draft=draft, extra=quiet,
+                                  env=env),
+              lambda: colocated(free_port())]
+    servers = []
+    try:
+        for make in makers:
+            servers.append(make().start())
+            servers[-1].wait_ready(600)
+    except BaseException:
+        for proc in reversed(servers):
+            proc.stop(30)
+        raise
+    prefill = servers[0]
+    prefill.bootstrap_port = int(prefill.args[prefill.args.index("--bootstrap-port") + 1])
+    return servers
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model"), ap.add_argument("--draft", help="draft model of the decode and colocated servers")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--prompt-tokens", default="128,1024")
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of every process")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-total-tokens", type=int, help="KV pool of each server (default: enough for the run)")
+    ap.add_argument("--no-inprocess", action="store_true", help="skip the in-process floor (one model copy less)")
+    ap.add_argument("--serve-colocated", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    lengths, levels = [int(x) for x in a.prompt_tokens.split(",")], [int(x) for x in a.concurrency.split(",")]
+    a.max_total_tokens = a.max_total_tokens or max(65536, max(levels) * (max(lengths) + a.new_tokens + 64))
+    target, draft = (a.model, a.draft) if a.model else (tiny_dirs()[0], None)
+    import torch
+
+    torch.set_num_threads(a.threads)
+    if a.serve_colocated:
+        from common.lifecycle import run
+
+        sys.exit(run(ColocatedServer(a, target, draft)))
+    from common.engine.factory import build_runner
+    from common.model.tokenizer import Tokenizer
+
+    local = None if a.no_inprocess else (build_runner(target, draft, device=a.device,
+                                                       max_total_tokens=max(lengths) + 8192 + 1024),
+                                          Tokenizer.from_dir(target))
+    with tempfile.TemporaryDirectory(prefix="kvferry-e2e-") as logs:
+        servers = start_servers(a, target, draft, Path(logs))
+        try:
+            with ThreadPoolExecutor(2 * max(levels)) as pool:
+                for num_prompt_tokens in lengths:
+                    for concurrency in levels:
+                        record = measure(a, pool, local, servers, num_prompt_tokens, concurrency)
+                        emit({**record, "device": a.device, "model": Path(target).name, "draft": bool(draft),
+                              "threads": a.threads, "hw": hardware([a.device]), "git": git_hash()})
+        finally:
+            for proc in reversed(servers):
+                proc.stop(30)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""The benchmarks run end to end at tiny sizes and print the JSON they promise (no timing checks:
+figures on a shared CI machine mean nothing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.cluster import tiny_model_dirs
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_bench(script: str, *args: str) -> list[dict]:
+    tiny_model_dirs()  # made once, under the lock the benchmarks share
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / script), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    return [json.loads(line) for line in lines]
+
+
+def test_spec_bench_prints_one_json_line():
+    (record,) = run_bench("spec.py", "--new-tokens", "12", "--reps", "1", "--batch", "2")
+    assert record["bench"] == "spec"
+    assert {"k", "acceptance_rate", "tokens_per_s_plain", "tokens_per_s_spec", "speedup", "hw", "git"} <= record.keys()
+    assert record["k"] == 4 and record["batch"] == 2 and record["outputs_equal"] is True
+    assert 0 < record["acceptance_rate"] <= 1
+    assert record["tokens_per_s_plain"] > 0 and record["tokens_per_s_spec"] > 0 and record["speedup"] > 0
+
+
+def test_e2e_bench_prints_one_json_line_per_configuration():
+    records = run_bench("e2e.py", "--prompt-tokens", "20,40", "--concurrency", "2", "--new-tokens", "3",
+                        "--reps", "1")
+    assert [(r["prompt_tokens"], r["concurrency"]) for r in records] == [(20, 2), (40, 2)]
+    keys = {"ttft_ms_p50_colocated", "ttft_ms_p50_disagg", "ttft_overhead_ms", "kv_transfer_ms_p50",
+            "tokens_per_s_colocated", "tokens_per_s_disagg", "overhead_minus_transfer_ms",
+            "kv_wait_ms_p50", "prefill_answer_ms_p50", "ttft_ms_p50_inprocess"}
+    for r in records:
+        assert r["bench"] == "e2e" and r["colocated_mode"] == "http" and keys <= r.keys()
+        assert r["ttft_ms_p50_colocated"] > 0 and r["ttft_ms_p50_disagg"] > 0
+        assert r["kv_transfer_ms_p50"] > 0  # every wave's WRITE showed up in the prefill's metrics
+        assert r["tokens_per_s_colocated"] > 0 and r["tokens_per_s_disagg"] > 0
