@@ -1,16 +1,19 @@
-"""KV transfer bandwidth: kvferry's WRITE path against one raw NIXL WRITE and a memcpy of the same bytes.
+"""KV transfer bandwidth: kvferry's WRITE path against the best raw NIXL WRITE and a memcpy of the same bytes.
 
 Two processes: this one is the prefill (NIXL initiator), a spawned child the decode (the target, which
 polls notifications as the decode daemon does). Llama-3-8B KV: 32 layers, 8 KV heads, head_dim 128,
-bf16, 16-token pages, laid out as in common/model/kv_cache.py; the decode pool holds 4x the prompt's
-pages, so "fragmented" scatters the prompt over random decode pages. Per (layout, tokens): medians of
---iters interleaved iterations after one warm-up whose bytes are checked on the decode; ratio_vs_raw
-is the median of per-iteration ratios (raw and kvferry timed back to back), which cancels drift.
-  raw_nixl  one WRITE, one descriptor per region, contiguous on both sides: NIXL's best case
+bf16, 16-token pages, in real ``KvCache`` pools (--kv-layout for both sides, --decode-kv-layout to
+pair two layouts); the decode pool holds 4x the prompt's pages, so "fragmented" scatters the prompt
+over random decode pages. Per (layout, tokens): medians of --iters interleaved iterations after one
+warm-up whose bytes are checked on the decode; ratio_vs_raw is the median of per-iteration ratios
+(raw and kvferry timed back to back), which cancels drift.
+  raw_nixl  one WRITE of the prompt's KV on pages 0..n-1 of both sides in the fewest descriptors any
+            NIXL WRITE can use for those bytes (the maximal runs contiguous on both sides): one per
+            region layer-major, ONE for the whole prompt page-major, one per page per region mixed
   kvferry   request_indices, then one prepared WRITE per group, notification on the last (as KvSender);
             aux slots sit beside the KV as in the daemons, so that is one WRITE of KV pages + aux record
-  memcpy    one torch copy of the same bytes in this process, single-threaded like the UCX copy
-CUDA (--device cuda, or --prefill-device cuda:0 --decode-device cuda:1) is written but untested.
+  memcpy    one contiguous torch copy of as many bytes in this process, single-threaded like UCX's
+CUDA: --device cuda, or --prefill-device cuda:0 --decode-device cuda:1.
 """
 
 from __future__ import annotations
@@ -33,39 +36,39 @@ from bench._common import emit, git_hash, hardware, median  # noqa: E402
 from common import geometry, wire  # noqa: E402
 from common.aux import AuxSlots  # noqa: E402
 from common.geometry import KvLayout  # noqa: E402
+from common.model.config import ModelConfig  # noqa: E402
+from common.model.kv_cache import KV_LAYOUTS, KvCache  # noqa: E402
 from common.transport.nixl import NixlEngine  # noqa: E402
-from common.wire import Region  # noqa: E402
 
-PAGE_SIZE, KV_HEADS, HEAD_DIM = 16, 8, 128
+PAGE_SIZE = 16
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+             "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}
 POOL_FACTOR = 4  # decode pages per prompt page
 logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL logs INFO to stdout, where the JSON goes
 
 
-def kv_pool(num_layers: int, num_pages: int, device: str) -> torch.Tensor:
-    # pool: [layer, 2 (k, v), page, page_size, kv_heads, head_dim]
-    return torch.zeros(num_layers, 2, num_pages, PAGE_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+def kv_pool(num_layers: int, num_pages: int, device: str, layout: str) -> KvCache:
+    config = ModelConfig.from_dict({**LLAMA3_8B, "num_hidden_layers": num_layers})
+    return KvCache(config, num_pages, PAGE_SIZE, torch.bfloat16, device, layout=layout)
 
 
-def kv_layout(pool: torch.Tensor, aux: AuxSlots) -> KvLayout:
-    mem, device = ("DRAM", 0) if pool.device.type == "cpu" else ("VRAM", pool.device.index or 0)
-    regions = tuple(Region(model="target", layer=layer, kind=kind, mem=mem, device=device,
-                           addr=pool[layer, i].data_ptr(), item_len=pool[0, 0, 0].nbytes,
-                           num_pages=pool.shape[2], head_start=0, num_heads=KV_HEADS)
-                    for layer in range(pool.shape[0]) for i, kind in enumerate("kv"))
+def kv_layout(kv: KvCache, aux: AuxSlots) -> KvLayout:
     return KvLayout(model="llama-3-8b", page_size=PAGE_SIZE, kv_dtype="bfloat16", tp_size=1, tp_rank=0,
-                    regions=regions, aux=aux.info())
+                    regions=tuple(kv.regions()), aux=aux.info())
 
 
-def digest(pool: torch.Tensor, page_ids: list[int]) -> str:
-    return hashlib.blake2b(pool[:, :, page_ids].cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
+def digest(kv: KvCache, page_ids: list[int]) -> str:
+    """Hash of the pages' K/V region by region, the same bytes whatever the pool's layout."""
+    pages = torch.stack([t[page_ids] for t in kv.tensors()])  # [regions, pages, page_size, heads, dim]
+    return hashlib.blake2b(pages.cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
 
 
-def decode_main(conn, num_layers: int, num_pages: int, device: str, num_threads: int) -> None:
+def decode_main(conn, num_layers: int, num_pages: int, device: str, num_threads: int, layout: str) -> None:
     """The decode process: register a pool and aux slots, send metadata, poll until told to exit."""
     torch.set_num_threads(1)
     engine = NixlEngine("bench-decode", num_threads=num_threads)
-    pool, aux = kv_pool(num_layers, num_pages, device), AuxSlots(4, device=device)  # aux beside the KV, as the daemons
-    engine.register_tensor(pool)
+    pool, aux = kv_pool(num_layers, num_pages, device, layout), AuxSlots(4, device=device)  # aux beside the KV
+    engine.register_tensor(pool.buffer)
     engine.register_tensor(aux.buffer)
     conn.send((engine.metadata(), kv_layout(pool, aux)))
     while True:
@@ -77,16 +80,18 @@ def decode_main(conn, num_layers: int, num_pages: int, device: str, num_threads:
         if cmd == "exit":
             break
         if cmd == "clear":
-            pool.zero_()
+            pool.buffer.zero_()
         conn.send(digest(pool, page_ids) if cmd == "digest" else None)
     engine.close()
 
 
-def write(engine: NixlEngine, local, local_idx, remote, remote_idx, notif: bytes | None) -> None:
-    """KvSender._write for one group: post, poll to DONE with the same backoff, release."""
+def write(engine: NixlEngine, local, local_idx, remote, remote_idx, notif: bytes | None, counts: list) -> None:
+    """KvSender._write for one group: post, poll to DONE with the same backoff, release. Appends the
+    descriptors NIXL reports after merging to ``counts`` (the engine captures telemetry)."""
     handle = engine.post_write(local, local_idx, remote, remote_idx, notif)
     try:
         engine.wait(handle, 60.0, poll_interval_s=5e-4)
+        counts.append(engine.num_descriptors(handle))
     finally:
         engine.release(handle)
 
@@ -94,24 +99,25 @@ def write(engine: NixlEngine, local, local_idx, remote, remote_idx, notif: bytes
 class Prefill:
     """The initiator: the prefill pool, the plan toward the decode process, its prepared lists."""
 
-    def __init__(self, engine: NixlEngine, conn, num_layers: int, num_pages: int, devices: list[str]) -> None:
+    def __init__(self, engine: NixlEngine, conn, args, num_pages: int, devices: list[str]) -> None:
         self.engine, self.conn, self.devices = engine, conn, devices
         # both stay registered for the whole run; aux beside the KV, as the daemons place it
-        self.pool, self.aux = kv_pool(num_layers, num_pages, devices[0]), AuxSlots(4, device=devices[0])
-        self.pool.view(torch.uint8).random_(0, 256)
-        engine.register_tensor(self.pool)
+        self.kv = kv_pool(args.layers, num_pages, devices[0], args.kv_layout)
+        self.aux = AuxSlots(4, device=devices[0])
+        self.kv.buffer.view(torch.uint8).random_(0, 256)
+        engine.register_tensor(self.kv.buffer)
         engine.register_tensor(self.aux.buffer)
         if not conn.poll(120):
             raise TimeoutError("the decode process sent no NIXL metadata within 120 s")
         metadata, decode_layout = conn.recv()
         self.peer = engine.add_peer(metadata)
-        self.plan = geometry.build_plan(kv_layout(self.pool, self.aux), decode_layout, peer=self.peer)
+        self.plan = geometry.build_plan(kv_layout(self.kv, self.aux), decode_layout, peer=self.peer)
         self.descs = [(g.prefill_descs(), g.decode_descs()) for g in self.plan.groups]
         self.prepped = [(engine.prep_local(p, g.prefill_mem), engine.prep_remote(self.peer, d, g.decode_mem))
                         for g, (p, d) in zip(self.plan.groups, self.descs)]
         # a WRITE is complete at DONE; the sync only fences the device-to-device memcpy
-        is_cuda = self.pool.is_cuda
-        self.sync = (lambda: torch.cuda.synchronize(self.pool.device)) if is_cuda else (lambda: None)
+        is_cuda = self.kv.buffer.is_cuda
+        self.sync = (lambda: torch.cuda.synchronize(self.kv.device)) if is_cuda else (lambda: None)
 
     def ask(self, cmd: str, page_ids: list[int] | None = None):
         self.conn.send((cmd, page_ids))
@@ -124,35 +130,56 @@ class Prefill:
         self.sync()
         return 0.0, time.perf_counter() - start
 
-    def kvferry_write(self, prefill_ids: list[int], decode_ids: list[int], notif: bytes) -> tuple[float, float]:
+    def kvferry_write(self, prefill_ids: list[int], decode_ids: list[int], notif: bytes, counts: list
+                      ) -> tuple[float, float]:
         """One room as KvSender sends it; returns (index-building seconds, total seconds)."""
         start = time.perf_counter()
         xfer = geometry.request_indices(self.plan, prefill_page_ids=prefill_ids, decode_page_ids=decode_ids,
                                         prefill_aux_slot=0, decode_aux_slot=0)
         indexed = time.perf_counter()
         for g, ((local, remote), (local_idx, remote_idx)) in enumerate(zip(self.prepped, xfer.per_group)):
-            write(self.engine, local, local_idx, remote, remote_idx, notif if g == len(self.prepped) - 1 else None)
+            write(self.engine, local, local_idx, remote, remote_idx,
+                  notif if g == len(self.prepped) - 1 else None, counts)
         return indexed - start, time.perf_counter() - start
 
-    def run(self, tokens: int, iters: int, rng: random.Random) -> tuple[dict, dict]:
-        """Warm up and check each method, then time ``iters`` rotations; returns (page ids, times) by name."""
+    def selected(self, xfer: geometry.RequestXfer, with_aux: bool) -> list[tuple[list, list]]:
+        """Per group, the (prefill, decode) descriptors the room's index lists select, in list order."""
+        out = []
+        for grp, (p, d), (p_idx, d_idx) in zip(self.plan.groups, self.descs, xfer.per_group):
+            keep = len(p_idx) - (grp.has_aux and not with_aux)
+            out.append(([p[i] for i in p_idx[:keep]], [d[i] for i in d_idx[:keep]]))
+        return out
+
+    def raw_lists(self, n: int):
+        """The prompt's KV on pages 0..n-1 of both sides as the fewest descriptors any WRITE can use:
+        the maximal runs that are contiguous on both sides (kvferry's own merge of that room)."""
+        xfer = geometry.request_indices(self.plan, prefill_page_ids=list(range(n)), decode_page_ids=list(range(n)),
+                                        prefill_aux_slot=0, decode_aux_slot=0)
+        runs = [geometry.merge_runs(p, d) for p, d in self.selected(xfer, with_aux=False)]
+        p_runs, d_runs = [r for p, _ in runs for r in p], [r for _, d in runs for r in d]
+        group = self.plan.groups[0]
+        return (self.engine.prep_local(p_runs, group.prefill_mem),
+                self.engine.prep_remote(self.peer, d_runs, group.decode_mem), list(range(len(p_runs))))
+
+    def run(self, tokens: int, iters: int, rng: random.Random) -> tuple[dict, dict, dict]:
+        """Warm up and check each method, then time ``iters`` rotations; returns page ids, times and the
+        descriptor counts NIXL reported, by method name."""
         n = math.ceil(tokens / PAGE_SIZE)
         prefill_ids = list(range(n))
-        pairs = [pair for g in self.plan.groups for pair in g.pairs]
-        # raw: one descriptor per region over the first n pages on both sides
-        raw = (self.engine.prep_local([(p.addr, n * p.item_len, p.device) for p, _ in pairs], pairs[0][0].mem),
-               self.engine.prep_remote(self.peer, [(d.addr, n * d.item_len, d.device) for _, d in pairs],
-                                       pairs[0][1].mem))
-        raw_idx = list(range(len(pairs)))
+        raw_local, raw_remote, raw_idx = self.raw_lists(n)
         notif = wire.encode(wire.Notification(room=tokens, decode_id="bench", ok=True))
-        src, dst = self.pool[:, :, :n], torch.empty_like(self.pool[:, :, :n])
+        nbytes = n * sum(p.item_len for g in self.plan.groups for p, _ in g.pairs)
+        src = self.kv.buffer.view(torch.uint8).flatten()[:nbytes]
+        dst = torch.empty_like(src)
         fragmented = rng.sample(range(self.plan.num_decode_pages), n)
         ids = {"raw": prefill_ids, "contiguous": prefill_ids, "fragmented": fragmented}
-        runs = {"raw": lambda: self.timed(lambda: write(self.engine, raw[0], raw_idx, raw[1], raw_idx, notif)),
-                "contiguous": lambda: self.kvferry_write(prefill_ids, ids["contiguous"], notif),
-                "fragmented": lambda: self.kvferry_write(prefill_ids, ids["fragmented"], notif),
+        counts: dict[str, list[int]] = {name: [] for name in ids}
+        runs = {"raw": lambda: self.timed(lambda: write(self.engine, raw_local, raw_idx, raw_remote, raw_idx, notif,
+                                                        counts["raw"])),
+                "contiguous": lambda: self.kvferry_write(prefill_ids, ids["contiguous"], notif, counts["contiguous"]),
+                "fragmented": lambda: self.kvferry_write(prefill_ids, ids["fragmented"], notif, counts["fragmented"]),
                 "memcpy": lambda: self.timed(lambda: dst.copy_(src))}
-        expected = digest(self.pool, prefill_ids)
+        expected = digest(self.kv, prefill_ids)
         for name, fn in runs.items():  # warm-up; each WRITE must land exactly where the plan says
             self.ask("clear")
             fn()
@@ -163,11 +190,11 @@ class Prefill:
         for it in range(iters):  # rotate the order each iteration so that drift hits every method alike
             for name in names[it % len(names):] + names[:it % len(names)]:
                 times[name].append(runs[name]())
-        for p in raw:
+        for p in (raw_local, raw_remote):
             self.engine.release_prepped(p)
-        return ids, times
+        return ids, times, {name: sum(c[:len(self.plan.groups)]) for name, c in counts.items()}
 
-    def report(self, tokens: int, ids: dict, times: dict) -> None:
+    def report(self, tokens: int, ids: dict, times: dict, nixl_counts: dict, args) -> None:
         n = math.ceil(tokens / PAGE_SIZE)
         nbytes = n * sum(p.item_len for g in self.plan.groups for p, _ in g.pairs)
         raw_s, memcpy_s = (median([t for _, t in times[k]]) for k in ("raw", "memcpy"))
@@ -175,16 +202,20 @@ class Prefill:
         for layout in ("contiguous", "fragmented"):
             xfer = geometry.request_indices(self.plan, prefill_page_ids=list(range(n)), decode_page_ids=ids[layout],
                                             prefill_aux_slot=0, decode_aux_slot=0)
-            num_descs = sum(geometry.count_merged_descs([p[i] for i in p_idx], [d[i] for i in d_idx])
-                            for (p, d), (p_idx, d_idx) in zip(self.descs, xfer.per_group))
+            num_descs = sum(geometry.count_merged_descs(p, d) for p, d in self.selected(xfer, with_aux=True))
+            if num_descs != nixl_counts[layout]:
+                raise RuntimeError(f"{layout}: NIXL merged into {nixl_counts[layout]} descriptors, "
+                                   f"count_merged_descs says {num_descs}")
             kv_s = median([t for _, t in times[layout]])
             ratio = median([raw_t / kv_t for (_, raw_t), (_, kv_t) in zip(times["raw"], times[layout])])
-            emit({"bench": "transfer", "device": device, "layout": layout, "tokens": tokens, "bytes": nbytes,
-                  "descriptors": num_descs, "raw_nixl_gbps": round(nbytes / raw_s / 1e9, 3),
+            emit({"bench": "transfer", "device": device, "layout": layout, "kv_layout": args.kv_layout,
+                  "decode_kv_layout": args.decode_kv_layout, "tokens": tokens, "bytes": nbytes,
+                  "descriptors": num_descs, "raw_descriptors": nixl_counts["raw"],
+                  "raw_nixl_gbps": round(nbytes / raw_s / 1e9, 3),
                   "kvferry_gbps": round(nbytes / kv_s / 1e9, 3), "memcpy_gbps": round(nbytes / memcpy_s / 1e9, 3),
                   "ratio_vs_raw": round(ratio, 4), "kvferry_ms": round(kv_s * 1e3, 3),
                   "raw_ms": round(raw_s * 1e3, 3), "index_ms": round(median([i for i, _ in times[layout]]) * 1e3, 3),
-                  "iters": len(times[layout]), "layers": self.pool.shape[0], "git": git_hash(),
+                  "iters": len(times[layout]), "layers": args.layers, "git": git_hash(),
                   "hw": hardware(self.devices)})
 
 
@@ -196,8 +227,11 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--prefill-device", help="default: cpu, or cuda:0 with --device cuda")
     ap.add_argument("--decode-device", help="default: the prefill device")
+    ap.add_argument("--kv-layout", choices=KV_LAYOUTS, default="page-major", help="KV pool layout of both sides")
+    ap.add_argument("--decode-kv-layout", choices=KV_LAYOUTS, help="the decode's layout (default: --kv-layout)")
     ap.add_argument("--num-threads", type=int, default=0, help="NIXL UCX backend threads")
     args = ap.parse_args()
+    args.decode_kv_layout = args.decode_kv_layout or args.kv_layout
     token_counts = [int(t) for t in args.tokens.split(",")]
     prefill_dev = args.prefill_device or ("cpu" if args.device == "cpu" else "cuda:0")
     decode_dev = args.decode_device or prefill_dev
@@ -207,14 +241,14 @@ def main() -> None:
     mp_ctx = mp.get_context("spawn")
     conn, child_conn = mp_ctx.Pipe()
     child = mp_ctx.Process(target=decode_main, daemon=True, args=(
-        child_conn, args.layers, POOL_FACTOR * max_pages, decode_dev, args.num_threads))
+        child_conn, args.layers, POOL_FACTOR * max_pages, decode_dev, args.num_threads, args.decode_kv_layout))
     child.start()
-    engine = NixlEngine("bench-prefill", num_threads=args.num_threads)
+    engine = NixlEngine("bench-prefill", num_threads=args.num_threads, capture_telemetry=True)
     try:
-        prefill = Prefill(engine, conn, args.layers, max_pages, [prefill_dev, decode_dev])
+        prefill = Prefill(engine, conn, args, max_pages, [prefill_dev, decode_dev])
         rng = random.Random(0)
         for tokens in token_counts:
-            prefill.report(tokens, *prefill.run(tokens, args.iters, rng))
+            prefill.report(tokens, *prefill.run(tokens, args.iters, rng), args)
     finally:
         engine.close()
         if child.is_alive():

@@ -8,6 +8,7 @@ from common.config import flag, require
 from common.log import LEVELS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_LAYOUTS = ("page-major", "layer-major")  # common/model/kv_cache.py has the same tuple (a test checks)
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ class CommonConfig:
     dtype: str = flag("auto", help="weights and KV dtype; auto = float32 on cpu, bfloat16 on cuda", choices=DTYPES)
     page_size: int = flag(16, help="tokens per KV page (must equal the peer's)")
     max_total_tokens: int = flag(65536, help="KV pool size in tokens (per model)")
+    kv_layout: str = flag("page-major", choices=KV_LAYOUTS,
+                          help="KV pool layout: page-major keeps one page of every layer in one block (one "
+                               "NIXL descriptor per page), layer-major one block per layer; the peer may differ")
     max_running_requests: int = flag(64, help="requests decoded (or rooms held) at once")
     max_queued_requests: int = flag(256, help="requests waiting beyond that; more get HTTP 503")
     api_key: str | None = flag(None, help="require 'Authorization: Bearer KEY' on HTTP (health stays open)")

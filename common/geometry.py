@@ -5,28 +5,39 @@ each room into index lists into the plan's prepared descriptor lists. Nothing he
 ZeroMQ, a device, a clock or a logger; every check raises ``GeometryMismatchError`` naming the field
 and both values.
 
-Descriptor lists of one ``DescGroup`` (the same shape on both sides, each with its own page counts)::
+Page p of a region lies at ``addr + p * page_stride``: back to back in a layer-major pool
+(stride = item_len), one block per page holding every region in a page-major pool::
 
-    index:  0 .. n0-1          n0 .. n0+n1-1        ...   A .. A+num_slots-1
-            pages of pair 0    pages of pair 1      ...   aux slots (only in the aux group)
+    layer-major  [L0k p0 p1 p2 ...][L0v p0 p1 p2 ...][L1k ...]     a region is contiguous
+    page-major   [p0: L0k L0v L1k ...][p1: L0k L0v L1k ...] ...     a page is contiguous
 
-    token-page j of pair i  →  offset_i + page_ids[j]        aux  →  A + aux_slot
+NIXL (1.5.1, measured) merges two successive entries of a request only when their list indices are
+consecutive (i, i + 1) on both sides and their bytes touch on both sides; entries that touch in
+memory but not in the list never merge. So each side's prepared list holds its pages in address
+order (``ListOrder``), aux slots last::
 
-Regions are the outer loop and pages the inner one, so a room's consecutive pages sit next to each
-other in the index lists, and NIXL merges descriptors adjacent on both sides into one.
+    index:  0 .. size-1                                      size .. size+num_slots-1
+            every page of the group's regions, by address    aux slots (only in the aux group)
+
+and ``request_indices`` orders each room's entries by prefill address. Then every pair of entries
+that touch on both sides sits side by side in the lists: the most merging any order can give. Two
+page-major sides make a room of n scattered pages n descriptors (plus aux), two layer-major sides
+one per region per run of consecutive pages, a mixed pair one per page per region.
 
 Matching is by key ``(model, layer, kind)``, never by position: the decode's table may list draft
-regions first, last or interleaved, and the written byte ranges do not change. Descriptor order
-follows the prefill's table.
+regions first, last or interleaved, and the written byte ranges do not change.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
+
+import numpy as np
 
 from common.errors import GeometryMismatchError
 from common.wire import (AUX_RECORD_BYTES, KV_KINDS, MEM_KINDS, MODEL_KINDS, AuxInfo, Region,
@@ -79,6 +90,7 @@ _REGION_RULES: tuple[_Rule, ...] = (
     ("device", lambda r: r.device >= 0, ">= 0"),
     ("addr", lambda r: r.addr >= 0, ">= 0"),
     ("item_len", lambda r: r.item_len > 0, "> 0"),
+    ("stride", lambda r: r.stride == 0 or r.stride >= r.item_len, "0 or >= item_len (pages must not overlap)"),
     ("num_pages", lambda r: r.num_pages > 0, "> 0"),
     ("head_start", lambda r: r.head_start >= 0, ">= 0"),
     ("num_heads", lambda r: r.num_heads > 0, "> 0"),
@@ -102,9 +114,12 @@ def check_layout(layout: KvLayout, side: str) -> None:
     """Raise unless ``layout`` is sane on its own; ``side`` ("prefill"/"decode") names it in messages.
 
     Invariants: ``page_size > 0``; ``0 <= tp_rank < tp_size``; at least one region; every region has
-    a known model/kind/mem, ``item_len > 0``, ``num_pages > 0`` and ends inside 64-bit space; no key
-    appears twice; the aux area holds ``num_slots > 0`` slots of at least one aux record each; no two
-    regions (or a region and the aux area) share a byte on one (mem, device).
+    a known model/kind/mem, ``item_len > 0``, ``stride`` 0 or ``>= item_len``, ``num_pages > 0`` and
+    ends inside 64-bit space; no key appears twice; the aux area holds ``num_slots > 0`` slots of at
+    least one aux record each; no two regions (or a region and the aux area) share a byte on one
+    (mem, device). Regions may interleave (page-major pools) when their strides are equal; regions
+    with different strides must not even interleave, a conservative rule that no pool layout kvferry
+    builds comes near.
     """
     if layout.page_size <= 0:
         raise GeometryMismatchError(f"{side}: page_size must be > 0, got {layout.page_size}")
@@ -117,36 +132,221 @@ def check_layout(layout: KvLayout, side: str) -> None:
     for r in layout.regions:
         where = f"{side} region {format_key(r.key)}"
         _apply_rules(r, _REGION_RULES, where)
-        _check_end(r.addr, r.num_pages, r.item_len, where, "pages")
+        _check_end(_Span.of_region(r), where, "pages")
         if r.key in seen:
             raise GeometryMismatchError(f"{side}: region {format_key(r.key)} registered twice")
         seen.add(r.key)
     _apply_rules(layout.aux, _AUX_RULES, f"{side} aux")
-    _check_end(layout.aux.addr, layout.aux.num_slots, layout.aux.item_len, f"{side} aux", "slots")
+    _check_end(_Span.of_aux(layout.aux), f"{side} aux", "slots")
     _check_disjoint(layout, side)
 
 
-def _check_end(addr: int, count: int, item_len: int, where: str, unit: str) -> None:
-    end = addr + count * item_len
-    if end > ADDR_LIMIT:
-        raise GeometryMismatchError(f"{where}: addr {addr:#x} + {count} {unit} × {item_len} bytes "
-                                    f"ends at {end:#x}, past the 64-bit address space")
+@dataclass(frozen=True, slots=True)
+class _Span:
+    """``count`` items of ``item_len`` bytes, ``stride`` bytes apart, from ``addr`` on (mem, device)."""
+
+    name: str
+    mem: str
+    device: int
+    addr: int
+    item_len: int
+    stride: int
+    count: int
+
+    @classmethod
+    def of_region(cls, r: Region) -> _Span:
+        return cls(format_key(r.key), r.mem, r.device, r.addr, r.item_len, r.page_stride, r.num_pages)
+
+    @classmethod
+    def of_aux(cls, a: AuxInfo) -> _Span:
+        return cls("aux", a.mem, a.device, a.addr, a.item_len, a.item_len, a.num_slots)
+
+    @property
+    def end(self) -> int:
+        """One past the last byte of the last item."""
+        return self.addr + (self.count - 1) * self.stride + self.item_len
+
+    def __str__(self) -> str:
+        return f"{self.name} [{self.addr:#x}, {self.end:#x})"
+
+
+def _check_end(span: _Span, where: str, unit: str) -> None:
+    if span.end > ADDR_LIMIT:
+        raise GeometryMismatchError(
+            f"{where}: addr {span.addr:#x} + {span.count} {unit} × {span.item_len} bytes every {span.stride} "
+            f"bytes ends at {span.end:#x}, past the 64-bit address space")
 
 
 def _check_disjoint(layout: KvLayout, side: str) -> None:
     # A shared byte would let one tensor's WRITE land in another's pages.
-    spans = [(r.mem, r.device, r.addr, r.addr + r.num_pages * r.item_len, format_key(r.key))
-             for r in layout.regions]
-    a = layout.aux
-    spans.append((a.mem, a.device, a.addr, a.addr + a.num_slots * a.item_len, "aux"))
-    spans.sort()
-    # Sorted by start, checking neighbours is enough: if span k starts inside an earlier span i,
-    # then span i+1 does too (start_i <= start_i+1 <= start_k < end_i).
-    for prev, span in zip(spans, spans[1:]):
-        if prev[:2] == span[:2] and span[2] < prev[3]:
+    by_place: dict[tuple[str, int], list[_Span]] = {}
+    for span in [_Span.of_region(r) for r in layout.regions] + [_Span.of_aux(layout.aux)]:
+        by_place.setdefault((span.mem, span.device), []).append(span)
+    for (mem, device), spans in by_place.items():
+        by_stride: dict[int, list[_Span]] = {}
+        for span in spans:
+            by_stride.setdefault(span.stride, []).append(span)
+        for stride, group in by_stride.items():
+            hit = _shared_byte(group, stride)
+            if hit is not None:
+                a, b, byte = hit
+                raise GeometryMismatchError(f"{side}: {a} and {b} overlap on {mem} device {device}: "
+                                            f"byte {byte:#x} lies in a page of both")
+        clash = _interleaved_strides(spans)
+        if clash is not None:
+            a, b = clash
             raise GeometryMismatchError(
-                f"{side}: {prev[4]} [{prev[2]:#x}, {prev[3]:#x}) and {span[4]} [{span[2]:#x}, "
-                f"{span[3]:#x}) overlap on {span[0]} device {span[1]}")
+                f"{side}: {a} and {b} overlap on {mem} device {device} with different page strides "
+                f"({a.stride} and {b.stride} bytes); only regions of equal stride may interleave")
+
+
+def _shared_byte(spans: Sequence[_Span], stride: int) -> tuple[_Span, _Span, int] | None:
+    """Exact check for spans of one stride: (span, span, a byte in both), lower address first, or None.
+
+    Byte ``x`` is (block ``x // stride``, phase ``x % stride``). An item of a span covers one phase
+    interval in one block, or, when it crosses a block edge, a head and a tail interval in two; so a
+    span is at most two rectangles (block range × phase interval). A sweep over blocks keeps the
+    phase intervals present at the current block sorted; they are disjoint unless two spans share a
+    byte, so a new interval need only be compared with its two neighbours. O(n log n) for n spans.
+    """
+    events = []  # (block, 0 = leave / 1 = enter, (phase_lo, phase_hi, span index))
+    for i, span in enumerate(spans):
+        block, phase = divmod(span.addr, stride)
+        parts = [(block, (phase, min(phase + span.item_len, stride), i))]
+        if phase + span.item_len > stride:
+            parts.append((block + 1, (0, phase + span.item_len - stride, i)))
+        for first, interval in parts:
+            events += [(first, 1, interval), (first + span.count, 0, interval)]
+    events.sort()
+    present: list[tuple[int, int, int]] = []
+    for block, kind, interval in events:
+        at = bisect.bisect_left(present, interval)
+        if kind == 0:
+            del present[at]
+            continue
+        lo, hi, i = interval
+        for other in (present[at - 1] if at else None, present[at] if at < len(present) else None):
+            if other is not None and other[0] < hi and lo < other[1]:
+                pair = sorted((spans[i], spans[other[2]]), key=lambda s: s.addr)
+                return pair[0], pair[1], block * stride + max(lo, other[0])
+        present.insert(at, interval)
+    return None
+
+
+def _interleaved_strides(spans: Sequence[_Span]) -> tuple[_Span, _Span] | None:
+    """Two spans of different strides whose [addr, end) extents overlap, or None. One sweep by start,
+    keeping the largest end so far and the largest end of any other stride."""
+    best: _Span | None = None  # the largest end so far
+    second: _Span | None = None  # the largest end among spans whose stride differs from best's
+    for span in sorted(spans, key=lambda s: s.addr):
+        other = best if best is not None and best.stride != span.stride else second
+        if other is not None and other.end > span.addr:
+            return other, span
+        if best is None or (span.stride == best.stride and span.end > best.end):
+            best = span
+        elif span.stride != best.stride and span.end > best.end:
+            best, second = span, best
+        elif span.stride != best.stride and (second is None or span.end > second.end):
+            second = span
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class ListOrder:
+    """Where page p of pair i sits in one side's prepared list of one group.
+
+    The list holds every page of the group's regions in (device, address) order, because NIXL
+    merges two entries of a request only when their list indices are consecutive (i, i + 1) on both
+    sides *and* their bytes touch: in address order, touching pages are consecutive entries.
+
+    The regions fall into clusters: a lone region, or regions interleaved as blocks (a page-major
+    pool: equal stride and page count, page p of every member inside one stride). Page p of pair i
+    is then entry ``first[i] + p * step[i]``, and ``clusters`` names each cluster's pairs by address,
+    clusters in list order. Any other interleaving uses ``table`` (pair-major position → entry) and
+    has no clusters.
+    """
+
+    first: tuple[int, ...]
+    step: tuple[int, ...]
+    clusters: tuple[tuple[int, ...], ...]
+    size: int  # entries of pages; aux slots, if any, follow
+    table: np.ndarray | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, regions: Sequence[Region]) -> ListOrder:
+        clusters: list[list[int]] = []
+        end = 0
+        for i in sorted(range(len(regions)), key=lambda i: (regions[i].device, regions[i].addr)):
+            r, r_end = regions[i], _Span.of_region(regions[i]).end
+            if clusters and regions[clusters[-1][0]].device == r.device and r.addr < end:
+                clusters[-1].append(i)  # interleaves with the cluster so far
+                end = max(end, r_end)
+            else:
+                clusters.append([i])
+                end = r_end
+        first, step, base = [0] * len(regions), [1] * len(regions), 0
+        for members in clusters:
+            if len(members) > 1 and not _is_block([regions[i] for i in members]):
+                return cls._by_table(regions)
+            for rank, i in enumerate(members):
+                first[i], step[i] = base + rank, len(members)
+            base += len(members) * regions[members[0]].num_pages
+        return cls(tuple(first), tuple(step), tuple(map(tuple, clusters)), base)
+
+    @classmethod
+    def _by_table(cls, regions: Sequence[Region]) -> ListOrder:
+        counts = [r.num_pages for r in regions]
+        addrs = np.concatenate([np.uint64(r.addr) + np.arange(r.num_pages, dtype=np.uint64) * np.uint64(r.page_stride)
+                                for r in regions])
+        order = np.lexsort((addrs, np.repeat([r.device for r in regions], counts)))
+        table = np.empty(len(order), dtype=np.int64)
+        table[order] = np.arange(len(order))
+        table.flags.writeable = False
+        offsets = tuple(accumulate(counts, initial=0))
+        return cls(offsets[:-1], (1,) * len(regions), (), offsets[-1], table)
+
+    def grid(self, page_ids: np.ndarray) -> np.ndarray:
+        """[pairs, len(page_ids)] entries: row i holds pages ``page_ids`` of pair i."""
+        flat = self.entries(np.arange(len(self.first)), page_ids, is_pages_outer=False)
+        return flat.reshape(len(self.first), len(page_ids))
+
+    def entries(self, pairs: np.ndarray, page_ids: np.ndarray, *, is_pages_outer: bool) -> np.ndarray:
+        """Entries of pages ``page_ids`` of ``pairs``, flattened pages outer (all pairs of page 0, then
+        of page 1, ...) or pairs outer."""
+        first = np.asarray(self.first, dtype=np.int64)[pairs]
+        step = np.asarray(self.step, dtype=np.int64)[pairs]
+        if is_pages_outer:
+            raw = (first[None, :] + page_ids[:, None] * step[None, :]).ravel()
+        else:
+            raw = (first[:, None] + page_ids[None, :] * step[:, None]).ravel()
+        return raw if self.table is None else self.table[raw]
+
+    def blocks(self, page_ids: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, bool]] | None:
+        """The entries of ``page_ids`` of every pair in ascending order, as (pairs, positions in
+        ``page_ids``, is_pages_outer) blocks for ``entries``; None when only sorting every entry
+        can tell (``table``). Per cluster, pages ascend; a block's regions come inner."""
+        if self.table is not None:
+            return None
+        by_page = np.argsort(page_ids, kind="stable")
+        out, lone = [], []
+        for members in self.clusters:
+            if len(members) == 1:  # runs of lone regions: one block, regions outer
+                lone.append(members[0])
+                continue
+            if lone:
+                out.append((np.asarray(lone), by_page, False))
+                lone = []
+            out.append((np.asarray(members), by_page, True))
+        if lone:
+            out.append((np.asarray(lone), by_page, False))
+        return out
+
+
+def _is_block(regions: Sequence[Region]) -> bool:
+    """Interleaved regions, by address, that form one block per page (the page-major pool)."""
+    stride, count = regions[0].page_stride, regions[0].num_pages
+    return (all(r.page_stride == stride and r.num_pages == count for r in regions)
+            and max(r.addr + r.item_len for r in regions) - regions[0].addr <= stride)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +355,8 @@ class DescGroup:
 
     Invariants: every prefill region of ``pairs`` has memory kind ``prefill_mem`` and every decode
     region ``decode_mem`` (a NIXL list holds one memory kind; devices are per descriptor); matched
-    regions have equal ``item_len``; the aux slots, when present, come after all pages and are
+    regions have equal ``item_len``; each list holds its side's pages in address order
+    (``prefill_order``/``decode_order``); the aux slots, when present, come after all pages and are
     ``aux_nbytes`` long on both sides.
     """
 
@@ -165,30 +366,33 @@ class DescGroup:
     prefill_aux: AuxInfo | None = None
     decode_aux: AuxInfo | None = None
     aux_nbytes: int = 0  # bytes written into the decode's aux slot (the prefill's slot size)
+    prefill_order: ListOrder = field(init=False)
+    decode_order: ListOrder = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefill_order", ListOrder.of([p for p, _ in self.pairs]))
+        object.__setattr__(self, "decode_order", ListOrder.of([d for _, d in self.pairs]))
 
     @property
     def has_aux(self) -> bool:
         return self.prefill_aux is not None
 
-    def prefill_offsets(self) -> tuple[int, ...]:
-        """Index of each pair's page 0 in the prefill list, then the index of aux slot 0."""
-        return tuple(accumulate((p.num_pages for p, _ in self.pairs), initial=0))
-
-    def decode_offsets(self) -> tuple[int, ...]:
-        """Index of each pair's page 0 in the decode list, then the index of aux slot 0."""
-        return tuple(accumulate((d.num_pages for _, d in self.pairs), initial=0))
-
     def prefill_descs(self) -> list[Desc]:
-        """Every page of every prefill region in pair order, then every prefill aux slot."""
-        return _descs([p for p, _ in self.pairs], self.prefill_aux, self.aux_nbytes)
+        """Every page of every prefill region in address order, then every prefill aux slot. Page p
+        of a region is ``(addr + p * page_stride, item_len, device)``."""
+        return _descs([p for p, _ in self.pairs], self.prefill_order, self.prefill_aux, self.aux_nbytes)
 
     def decode_descs(self) -> list[Desc]:
-        """Every page of every decode region in pair order, then every decode aux slot."""
-        return _descs([d for _, d in self.pairs], self.decode_aux, self.aux_nbytes)
+        """Every page of every decode region in address order, then every decode aux slot."""
+        return _descs([d for _, d in self.pairs], self.decode_order, self.decode_aux, self.aux_nbytes)
 
 
-def _descs(regions: Sequence[Region], aux: AuxInfo | None, aux_nbytes: int) -> list[Desc]:
-    out = [(r.addr + p * r.item_len, r.item_len, r.device) for r in regions for p in range(r.num_pages)]
+def _descs(regions: Sequence[Region], order: ListOrder, aux: AuxInfo | None, aux_nbytes: int) -> list[Desc]:
+    out: list[Desc | None] = [None] * order.size
+    for i, r in enumerate(regions):
+        at = order.first[i] + np.arange(r.num_pages, dtype=np.int64) * order.step[i]
+        for p, entry in enumerate((at if order.table is None else order.table[at]).tolist()):
+            out[entry] = (r.addr + p * r.page_stride, r.item_len, r.device)
     if aux is not None:
         out.extend((aux.addr + s * aux.item_len, aux_nbytes, aux.device) for s in range(aux.num_slots))
     return out
@@ -337,21 +541,25 @@ def _check_page_ids(page_ids: Sequence[int], num_pages: int, where: str) -> None
         raise GeometryMismatchError(f"{where} page id {dup} appears more than once")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class RequestXfer:
     """One room's WRITEs: per group (same order as ``plan.groups``), the index lists into its prepared
-    prefill and decode lists. Equal lengths per group; ``num_bytes`` is everything written."""
+    prefill and decode lists, as int64 arrays of equal length (``NixlEngine.post_write`` takes them
+    as they are). ``num_bytes`` is everything written."""
 
-    per_group: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+    per_group: tuple[tuple[np.ndarray, np.ndarray], ...]
     num_bytes: int
 
 
 def request_indices(plan: TransferPlan, *, prefill_page_ids: Sequence[int], decode_page_ids: Sequence[int],
                     prefill_aux_slot: int, decode_aux_slot: int) -> RequestXfer:
-    """Index lists for one room: token-page j of pair i maps prefill ``offset_i + prefill_page_ids[j]``
-    to decode ``offset_i + decode_page_ids[j]``; the aux group also maps one aux slot to one.
+    """Index lists for one room: token page j of pair i maps prefill page ``prefill_page_ids[j]`` of
+    the pair's prefill region to decode page ``decode_page_ids[j]`` of its decode region (list
+    entries from ``ListOrder.grid``); the aux group also maps one aux slot to one, last.
 
-    Invariant: the decode byte ranges selected are pairwise disjoint and lie inside their regions.
+    Entries come in prefill address order (see the module docstring), so that NIXL merges every run
+    that is adjacent on both sides. Invariant: the decode byte ranges selected are pairwise disjoint
+    and lie inside their regions; the (prefill, decode) pairs do not depend on the order.
     """
     if len(prefill_page_ids) != len(decode_page_ids):
         raise GeometryMismatchError(f"{len(prefill_page_ids)} prefill pages but {len(decode_page_ids)} "
@@ -362,30 +570,58 @@ def request_indices(plan: TransferPlan, *, prefill_page_ids: Sequence[int], deco
                             ("decode", decode_aux_slot, plan.decode.aux)):
         if not 0 <= slot < aux.num_slots:
             raise GeometryMismatchError(f"{side} aux_slot {slot} outside [0, {aux.num_slots})")
+    prefill_ids = np.asarray(prefill_page_ids, dtype=np.int64)
+    decode_ids = np.asarray(decode_page_ids, dtype=np.int64)
     per_group, num_bytes = [], 0
     for g in plan.groups:
-        p_off, d_off = g.prefill_offsets(), g.decode_offsets()
-        p_idx = [p_off[i] + pid for i in range(len(g.pairs)) for pid in prefill_page_ids]
-        d_idx = [d_off[i] + pid for i in range(len(g.pairs)) for pid in decode_page_ids]
-        num_bytes += len(decode_page_ids) * sum(p.item_len for p, _ in g.pairs)
+        p_parts, d_parts = _by_prefill_address(g, prefill_ids, decode_ids)
+        num_bytes += len(decode_ids) * sum(p.item_len for p, _ in g.pairs)
         if g.has_aux:
-            p_idx.append(p_off[-1] + prefill_aux_slot)
-            d_idx.append(d_off[-1] + decode_aux_slot)
+            p_parts.append(np.array([g.prefill_order.size + prefill_aux_slot]))
+            d_parts.append(np.array([g.decode_order.size + decode_aux_slot]))
             num_bytes += g.aux_nbytes
-        per_group.append((tuple(p_idx), tuple(d_idx)))
+        per_group.append(tuple(np.concatenate(parts).astype(np.int64, copy=False) if parts
+                               else np.zeros(0, dtype=np.int64) for parts in (p_parts, d_parts)))
     return RequestXfer(per_group=tuple(per_group), num_bytes=num_bytes)
 
 
-def count_merged_descs(prefill_descs: Sequence[Desc], decode_descs: Sequence[Desc]) -> int:
-    """How many descriptors remain once entries adjacent on both sides merge, as NIXL's prepared
-    lists do. Inputs are one WRITE's selected descriptors, in index-list order, of equal length."""
+def _by_prefill_address(g: DescGroup, prefill_ids: np.ndarray, decode_ids: np.ndarray
+                        ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Both sides' entries of one group's room, in the prefill list's order (its address order)."""
+    blocks = g.prefill_order.blocks(prefill_ids)
+    if blocks is None:  # an irregular prefill layout: sort every entry
+        p_grid = g.prefill_order.grid(prefill_ids).ravel()
+        order = np.argsort(p_grid, kind="stable")
+        return [p_grid[order]], [g.decode_order.grid(decode_ids).ravel()[order]]
+    p_parts = [g.prefill_order.entries(pairs, prefill_ids[pos], is_pages_outer=outer) for pairs, pos, outer in blocks]
+    d_parts = [g.decode_order.entries(pairs, decode_ids[pos], is_pages_outer=outer) for pairs, pos, outer in blocks]
+    return p_parts, d_parts
+
+
+def merge_runs(prefill_descs: Sequence[Desc], decode_descs: Sequence[Desc]) -> tuple[list[Desc], list[Desc]]:
+    """One WRITE's selected descriptors (index-list order, equal length) merged as NIXL's prepared
+    lists merge them: an entry adjacent to the previous one on both sides (same device, starting
+    where it ends) extends it. Returns the merged (prefill, decode) lists, of equal length.
+
+    NIXL also needs the two entries at consecutive list indices on both sides; the plan's lists are
+    in address order, where touching entries are consecutive, so the count here is NIXL's."""
     if len(prefill_descs) != len(decode_descs):
         raise ValueError(f"{len(prefill_descs)} prefill descriptors but {len(decode_descs)} decode ones")
-    runs = 0
-    for i, (p, d) in enumerate(zip(prefill_descs, decode_descs)):
-        if i == 0 or not (_adjacent(prefill_descs[i - 1], p) and _adjacent(decode_descs[i - 1], d)):
-            runs += 1
-    return runs
+    merged_p: list[Desc] = []
+    merged_d: list[Desc] = []
+    for p, d in zip(prefill_descs, decode_descs):
+        if merged_p and _adjacent(merged_p[-1], p) and _adjacent(merged_d[-1], d):
+            merged_p[-1] = (merged_p[-1][0], merged_p[-1][1] + p[1], p[2])
+            merged_d[-1] = (merged_d[-1][0], merged_d[-1][1] + d[1], d[2])
+        else:
+            merged_p.append(tuple(p))
+            merged_d.append(tuple(d))
+    return merged_p, merged_d
+
+
+def count_merged_descs(prefill_descs: Sequence[Desc], decode_descs: Sequence[Desc]) -> int:
+    """How many descriptors remain once entries adjacent on both sides merge (see ``merge_runs``)."""
+    return len(merge_runs(prefill_descs, decode_descs)[0])
 
 
 def _adjacent(prev: Desc, cur: Desc) -> bool:

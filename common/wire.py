@@ -8,16 +8,20 @@ on anything else. Nothing in this module touches a socket.
 Layout of one region entry (DESIGN §3)::
 
     Region(model="target", layer=3, kind="v", mem="VRAM", device=0, addr=0x7f..., item_len=32768,
-           num_pages=4096, head_start=0, num_heads=8)
-    key = ("target", 3, "v");  page p of the region occupies [addr + p*item_len, addr + (p+1)*item_len)
+           num_pages=4096, head_start=0, num_heads=8, stride=2097152)
+    key = ("target", 3, "v");  page p of the region occupies [addr + p*stride, addr + p*stride + item_len)
+    (stride 0 means item_len: the region's pages lie back to back)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import reprlib
 import struct
+import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import msgpack
@@ -26,10 +30,15 @@ from common.errors import ProtocolError
 
 # PROTOCOL_VERSION is bumped when a field is removed or renamed, a field's type or meaning changes,
 # a kind is removed, or the aux record layout changes. Adding a kind, or a field with a default,
-# does not force a bump (the decoder fills the default; old peers ignore nothing: see decode()).
+# does not force a bump: the decoder fills the default, and encode() leaves a field that holds its
+# default out of the frame, so a peer that predates the field still decodes it. A peer that
+# predates a field refuses a frame where the field holds anything else ("unknown field"), which is
+# right: it could not honour the value.
 # History:
 #   1 (kvferry 0.1): register, register_ack, transfer, transfer_result, abort, ping, pong, error;
 #                    NIXL notification {room, decode_id, ok}; 32-byte aux record.
+#   1 (kvferry 0.2): Region.stride (default 0 = item_len), for page-major KV pools where one page of
+#                    every region forms one block; a layer-major pool still sends frames 0.1 reads.
 PROTOCOL_VERSION = 1
 
 # A register frame carries two entries per layer per model; 1 MiB holds ~5,000 regions.
@@ -48,9 +57,13 @@ RegionKey = tuple[str, int, str]
 class Region:
     """One registered KV region: all pages of one (model, layer, K|V) tensor.
 
-    Invariants (checked by ``geometry``, not here): ``item_len > 0``, ``num_pages > 0``, and
-    ``addr + num_pages * item_len`` fits in 64 bits. ``head_start``/``num_heads`` describe which KV
-    heads this rank holds (for heterogeneous TP; equal on both sides today).
+    Page p occupies ``[addr + p * page_stride, addr + p * page_stride + item_len)``. ``stride`` is
+    the bytes from one page of the region to the next; 0 means ``item_len`` (pages back to back,
+    the layer-major pool). A page-major pool interleaves regions: stride = bytes of one page of
+    every region. Invariants (checked by ``geometry``, not here): ``item_len > 0``,
+    ``num_pages > 0``, ``stride`` is 0 or ``>= item_len``, and the last page ends inside 64-bit
+    space. ``head_start``/``num_heads`` describe which KV heads this rank holds (for heterogeneous
+    TP; equal on both sides today).
     """
 
     model: str
@@ -63,10 +76,16 @@ class Region:
     num_pages: int
     head_start: int
     num_heads: int
+    stride: int = 0
 
     @property
     def key(self) -> RegionKey:
         return (self.model, self.layer, self.kind)
+
+    @property
+    def page_stride(self) -> int:
+        """Bytes from one page of the region to the next (``stride``, or ``item_len`` when 0)."""
+        return self.stride or self.item_len
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,16 +218,22 @@ _NESTED: dict[str, type] = {"regions": Region, "aux": AuxInfo}
 
 
 def encode(msg: Message) -> bytes:
-    """Serialize one message to one msgpack frame."""
-    body = {"v": PROTOCOL_VERSION, "kind": msg.KIND}
-    for f in dataclasses.fields(msg):
-        body[f.name] = _to_plain(getattr(msg, f.name))
+    """Serialize one message to one msgpack frame. Fields holding their default are left out (see
+    the note above ``PROTOCOL_VERSION``); ``decode`` fills them back in."""
+    body = {"v": PROTOCOL_VERSION, "kind": msg.KIND, **_to_plain(msg)}
     return msgpack.packb(body, use_bin_type=True)
+
+
+def _holds_default(obj, f: dataclasses.Field) -> bool:
+    # Exact type too: False == 0, but a bool in an int field is not the default.
+    value = getattr(obj, f.name)
+    return f.default is not dataclasses.MISSING and type(value) is type(f.default) and value == f.default
 
 
 def _to_plain(value):
     if dataclasses.is_dataclass(value):
-        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if not _holds_default(value, f)}
     if isinstance(value, (list, tuple)):
         return [_to_plain(v) for v in value]
     return value
@@ -229,21 +254,41 @@ def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Message:
     version = body.get("v")
     # Exact type: 1.0 and True compare equal to 1 but are not what a v1 peer sends.
     if type(version) is not int or version != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {version!r}; this side speaks {PROTOCOL_VERSION}")
+        raise ProtocolError(f"unsupported protocol version {_short(version)}; this side speaks {PROTOCOL_VERSION}")
     kind = body.get("kind")
     cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise ProtocolError(f"unknown message kind {kind!r}; known: {sorted(_REGISTRY)}")
+        raise ProtocolError(f"unknown message kind {_short(kind)}; known: {sorted(_REGISTRY)}")
     return _build(cls, body, kind)
 
 
+# Error texts quote what the peer sent, shortened: the error frame that answers a frame must not
+# be bigger than it (a 250 KB kind string would otherwise come back as a 1 MB error).
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlist = _REPR.maxdict = 4
+_REPR.maxlevel = 2
+
+
+def _short(value) -> str:
+    return _REPR.repr(value)
+
+
+@functools.cache
+def _hints(cls: type) -> dict:
+    # get_type_hints re-evaluates every annotation; a register frame builds thousands of regions.
+    return typing.get_type_hints(cls)
+
+
 def _build(cls: type, body: dict, where: str):
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     envelope = {"v", "kind"} if issubclass(cls, Message) else set()  # nested maps have no envelope
     unknown = set(body) - known - envelope
     if unknown:
-        raise ProtocolError(f"{where}: unknown field(s) {sorted(map(str, unknown))}")
+        names = sorted(_short(k) for k in unknown)
+        more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+        raise ProtocolError(f"{where}: unknown field(s) {', '.join(names[:8])}{more}")
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name not in body:
@@ -256,9 +301,11 @@ def _build(cls: type, body: dict, where: str):
 
 def _check(hint, value, where: str):
     """Return ``value`` converted to ``hint``'s type, or raise ProtocolError naming ``where``."""
+    if hint in _SCALARS:
+        return _check_scalar(hint, value, where)
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
@@ -269,6 +316,12 @@ def _check(hint, value, where: str):
         item = args[0] if args else None
         if item is None:
             return list(value)
+        if item in _SCALARS:  # page ids: thousands per frame, so the path is built only on error
+            out = [_SCALARS[item](v) for v in value]
+            if None in out:
+                i = out.index(None)
+                _check_scalar(item, value[i], f"{where}[{i}]")
+            return out
         return [_check(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is tuple:  # fixed-length tuples (region keys) travel as msgpack arrays
         if not isinstance(value, list) or len(value) != len(args):
@@ -278,27 +331,26 @@ def _check(hint, value, where: str):
         if not isinstance(value, dict):
             raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
         return _build(hint, value, where)
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ProtocolError(f"{where}: expected a bool, got {type(value).__name__}")
-        return value
-    if hint is int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ProtocolError(f"{where}: expected an int, got {type(value).__name__}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ProtocolError(f"{where}: expected a number, got {type(value).__name__}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ProtocolError(f"{where}: expected a string, got {type(value).__name__}")
-        return value
-    if hint is bytes:
-        if not isinstance(value, (bytes, bytearray)):
-            raise ProtocolError(f"{where}: expected bytes, got {type(value).__name__}")
-        return bytes(value)
     raise ProtocolError(f"{where}: unsupported type {hint!r}")  # pragma: no cover (our own table)
+
+
+# Each scalar type's conversion: the value as that type, or None when it has another type. bool is
+# never an int or a number here, although Python says it is one.
+_SCALARS = {
+    bool: lambda v: v if isinstance(v, bool) else None,
+    int: lambda v: v if isinstance(v, int) and not isinstance(v, bool) else None,
+    float: lambda v: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None,
+    str: lambda v: v if isinstance(v, str) else None,
+    bytes: lambda v: bytes(v) if isinstance(v, (bytes, bytearray)) else None,
+}
+_SCALAR_NAMES = {bool: "a bool", int: "an int", float: "a number", str: "a string", bytes: "bytes"}
+
+
+def _check_scalar(hint: type, value, where: str):
+    out = _SCALARS[hint](value)
+    if out is None:
+        raise ProtocolError(f"{where}: expected {_SCALAR_NAMES[hint]}, got {type(value).__name__}")
+    return out
 
 
 # The aux record the prefill WRITEs into the decode's aux slot with the KV (one WRITE, one notif).

@@ -52,7 +52,7 @@ class DecodeDaemon:
         loop = asyncio.get_running_loop()
         self.runner = await loop.run_in_executor(self.model_executor, lambda: build_runner(
             c.model, c.draft_model, device=c.device, dtype=c.torch_dtype_name, page_size=c.page_size,
-            max_total_tokens=c.max_total_tokens, draft_device=c.draft_device, spec_k=c.spec_k))
+            max_total_tokens=c.max_total_tokens, draft_device=c.draft_device, kv_layout=c.kv_layout, spec_k=c.spec_k))
         self.device = self.runner.target.kv.device
         self.tokenizer = Tokenizer.from_dir(c.model)
         self.model_name = Path(c.model).name

@@ -55,7 +55,7 @@ class PrefillDaemon:
         loop = asyncio.get_running_loop()
         self.runner = await loop.run_in_executor(self.model_executor, lambda: build_runner(
             c.model, c.draft_model, device=c.device, dtype=c.torch_dtype_name, page_size=c.page_size,
-            max_total_tokens=c.max_total_tokens, draft_device=c.draft_device, spec_k=0))
+            max_total_tokens=c.max_total_tokens, draft_device=c.draft_device, kv_layout=c.kv_layout, spec_k=0))
         self.device = self.runner.target.kv.device
         self.tokenizer = Tokenizer.from_dir(c.model)
         cfg = self.runner.target.model.config

@@ -1,13 +1,16 @@
 """Paged attention over a packed batch of sequence chunks, built on torch SDPA.
 
 A forward call packs the new tokens of every chunk into one [T, ...] batch. ``BatchPlan`` turns the
-chunks' page tables into index tensors once per call; every layer reuses them:
+chunks' page tables into index tensors once per call; every layer reuses them. The KV of a layer is
+[num_pages, page_size, Hkv, D], contiguous or not (a page-major pool interleaves layers), so K/V
+are only ever addressed as (page, row), never as a flat slot:
 
-- ``write_slots[t]``: the KV slot (``page * page_size + row``) where token t's K/V is stored;
-- per-chunk path: for each chunk, the slots of its whole context (cached prefix + new tokens);
-  SDPA runs once per chunk. Used for prefill, where one chunk is long.
-- padded path: chunks are padded to [B, max_q] queries and [B, max_kv] keys with a mask; SDPA runs
-  once for the batch. Used when every chunk is short (decode: 1 token; spec-dec verify: k + 1).
+- ``write_pages[t]``, ``write_rows[t]``: where token t's K/V is stored;
+- per-chunk path: for each chunk, the pages of its whole context (cached prefix + new tokens),
+  gathered whole and cut to its length; SDPA runs once per chunk. Used for prefill (long chunks).
+- padded path: chunks are padded to [B, max_q] queries and [B, max_pages * page_size] keys with a
+  mask; SDPA runs once for the batch. Used when every chunk is short (decode: 1 token; spec-dec
+  verify: k + 1).
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ class PaddedIndex:
 
     batch_idx: torch.Tensor  # [T] chunk of each packed token
     query_idx: torch.Tensor  # [T] row of each packed token inside its chunk
-    kv_slots: torch.Tensor  # [B, max_kv] slots; padding points at slot 0 and is masked out
+    kv_pages: torch.Tensor  # [B, max_pages] pages; padding points at page 0 and is masked out
     kv_lens: torch.Tensor  # [B]
     query_pos: torch.Tensor  # [B, max_q] absolute positions; padding rows hold 0
     max_query: int
+    max_kv: int  # max_pages * page_size: keys per chunk after the gather
 
 
 @dataclass(frozen=True)
@@ -38,11 +42,12 @@ class BatchPlan:
     """What every layer needs to write and read the paged KV of one packed batch."""
 
     positions: torch.Tensor  # [T] absolute position of each new token
-    write_slots: torch.Tensor  # [T]
+    write_pages: torch.Tensor  # [T] page of each new token's K/V
+    write_rows: torch.Tensor  # [T] row inside that page
     last_index: torch.Tensor  # [B] packed index of each chunk's last token
     query_lens: list[int]
     starts: list[int]
-    chunk_slots: list[torch.Tensor] | None  # per-chunk path: [kv_len_i] slots
+    chunk_pages: list[torch.Tensor] | None  # per-chunk path: [ceil(kv_len_i / page_size)] pages
     padded: PaddedIndex | None  # padded path
     _masks: dict = field(default_factory=dict, compare=False)
 
@@ -55,49 +60,63 @@ def build_plan(
     query_lens: list[int], starts: list[int], page_tables: list[list[int]], page_size: int, device: torch.device
 ) -> BatchPlan:
     """Index tensors for chunks i with ``query_lens[i]`` new tokens after ``starts[i]`` cached ones."""
-    kv_slots = []
-    for num_new, start, pages in zip(query_lens, starts, page_tables):
-        kv_len = start + num_new
-        num_pages = -(-kv_len // page_size)
-        table = torch.tensor(pages[:num_pages], dtype=torch.int64)
-        slots = (table[:, None] * page_size + torch.arange(page_size)[None, :]).flatten()[:kv_len]
-        kv_slots.append(slots)
+    tables = [torch.tensor(pages[: -(-(start + num_new) // page_size)], dtype=torch.int64)
+              for num_new, start, pages in zip(query_lens, starts, page_tables)]
     positions = torch.cat([torch.arange(s, s + n) for n, s in zip(query_lens, starts)])
-    write_slots = torch.cat([slots[s:] for slots, s in zip(kv_slots, starts)])
+    write_pages = torch.cat([table[torch.arange(s, s + n) // page_size]
+                             for table, n, s in zip(tables, query_lens, starts)])
     last_index = torch.tensor(query_lens).cumsum(0) - 1
     is_padded = len(query_lens) > 1 and max(query_lens) <= PADDED_MAX_QUERY_TOKENS
-    padded = _padded_index(query_lens, starts, kv_slots, device) if is_padded else None
+    padded = _padded_index(query_lens, starts, tables, page_size, device) if is_padded else None
     return BatchPlan(
         positions=positions.to(device),
-        write_slots=write_slots.to(device),
+        write_pages=write_pages.to(device),
+        write_rows=(positions % page_size).to(device),
         last_index=last_index.to(device),
         query_lens=list(query_lens),
         starts=list(starts),
-        chunk_slots=None if is_padded else [s.to(device) for s in kv_slots],
+        chunk_pages=None if is_padded else [t.to(device) for t in tables],
         padded=padded,
     )
 
 
-def _padded_index(query_lens, starts, kv_slots, device) -> PaddedIndex:
+def _padded_index(query_lens, starts, tables, page_size: int, device) -> PaddedIndex:
     num_chunks = len(query_lens)
     max_query = max(query_lens)
-    max_kv = max(len(s) for s in kv_slots)
-    slots = torch.zeros(num_chunks, max_kv, dtype=torch.int64)
+    max_pages = max(len(t) for t in tables)
+    pages = torch.zeros(num_chunks, max_pages, dtype=torch.int64)
     query_pos = torch.zeros(num_chunks, max_query, dtype=torch.int64)
-    for i, (num_new, start, chunk_slots) in enumerate(zip(query_lens, starts, kv_slots)):
-        slots[i, : len(chunk_slots)] = chunk_slots
+    for i, (num_new, start, table) in enumerate(zip(query_lens, starts, tables)):
+        pages[i, : len(table)] = table
         query_pos[i, :num_new] = torch.arange(start, start + num_new)
     batch_idx = torch.repeat_interleave(torch.arange(num_chunks), torch.tensor(query_lens))
     query_idx = torch.cat([torch.arange(n) for n in query_lens])
-    kv_lens = torch.tensor([len(s) for s in kv_slots])
+    kv_lens = torch.tensor([s + n for s, n in zip(starts, query_lens)])
     return PaddedIndex(
         batch_idx=batch_idx.to(device),
         query_idx=query_idx.to(device),
-        kv_slots=slots.to(device),
+        kv_pages=pages.to(device),
         kv_lens=kv_lens.to(device),
         query_pos=query_pos.to(device),
         max_query=max_query,
+        max_kv=max_pages * page_size,
     )
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BatchPlan) -> None:
+    """Store the new tokens' K/V: k, v [T, Hkv, D] into k_cache, v_cache [num_pages, page_size, Hkv, D]
+    (strided views of the pool are fine: index_put_ writes through them)."""
+    index = (plan.write_pages, plan.write_rows)
+    k_cache.index_put_(index, k.to(k_cache.dtype))
+    v_cache.index_put_(index, v.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """cache [num_pages, page_size, Hkv, D], pages [n] -> [n * page_size, Hkv, D], contiguous.
+
+    One row per page (a page is contiguous in either layout), so the copy is n plain block copies.
+    """
+    return cache.flatten(1).index_select(0, pages).view(-1, *cache.shape[2:])
 
 
 def _allowed(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -113,7 +132,7 @@ def _padded_mask(plan: BatchPlan, window: int | None, group: int) -> torch.Tenso
     key = ("padded", window, group)
     if key not in plan._masks:
         index = plan.padded
-        key_pos = torch.arange(index.kv_slots.shape[1], device=index.kv_slots.device)
+        key_pos = torch.arange(index.max_kv, device=index.kv_pages.device)
         allowed = _allowed(index.query_pos, key_pos, window)  # [B, Q, K]
         allowed &= (key_pos[None, :] < index.kv_lens[:, None])[:, None, :]
         # Padding query rows sit at position 0, so they see key 0 and never produce NaN.
@@ -144,16 +163,18 @@ def paged_attention(
     window: int | None,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D] (new K/V already written) -> [T, Hq, D]."""
+    """q: [T, Hq, D]; k_cache, v_cache: [num_pages, page_size, Hkv, D] (new K/V already written)
+    -> [T, Hq, D]."""
     if plan.padded is not None:
         return _attend_padded(q, k_cache, v_cache, plan, window, scale)
     out = torch.empty_like(q)
     offset = 0
-    for i, slots in enumerate(plan.chunk_slots):
+    for i, pages in enumerate(plan.chunk_pages):
         num_new = plan.query_lens[i]
+        kv_len = plan.starts[i] + num_new
         q_i = q[offset : offset + num_new].transpose(0, 1)[None]  # [1, Hq, n, D]
-        k_i = k_cache.index_select(0, slots).transpose(0, 1)[None]  # [1, Hkv, kv_len, D]
-        v_i = v_cache.index_select(0, slots).transpose(0, 1)[None]
+        k_i = _gather(k_cache, pages)[:kv_len].transpose(0, 1)[None]  # [1, Hkv, kv_len, D]
+        v_i = _gather(v_cache, pages)[:kv_len].transpose(0, 1)[None]
         mask = _chunk_mask(plan, i, window)
         is_causal = mask is None and plan.starts[i] == 0 and num_new > 1
         o_i = F.scaled_dot_product_attention(
@@ -166,18 +187,18 @@ def paged_attention(
 
 def _attend_padded(q, k_cache, v_cache, plan: BatchPlan, window, scale) -> torch.Tensor:
     index = plan.padded
-    num_chunks, max_kv = index.kv_slots.shape
+    num_chunks, max_kv = index.kv_pages.shape[0], index.max_kv
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
+    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     q_pad = q.new_zeros(num_chunks, index.max_query, num_heads, head_dim)
     q_pad[index.batch_idx, index.query_idx] = q
     # Fold each KV head's query heads into the query axis: [B, Hkv, group * max_q, D]. Same result as
     # GQA, without expanding K/V, and one plain SDPA call (measured ~30% faster on CPU than enable_gqa).
     q_fold = q_pad.permute(0, 2, 1, 3).reshape(num_chunks, num_kv_heads, group * index.max_query, head_dim)
-    flat_slots = index.kv_slots.flatten()
-    k = k_cache.index_select(0, flat_slots).view(num_chunks, max_kv, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_cache.index_select(0, flat_slots).view(num_chunks, max_kv, num_kv_heads, head_dim).transpose(1, 2)
+    flat_pages = index.kv_pages.flatten()
+    k = _gather(k_cache, flat_pages).view(num_chunks, max_kv, num_kv_heads, head_dim).transpose(1, 2)
+    v = _gather(v_cache, flat_pages).view(num_chunks, max_kv, num_kv_heads, head_dim).transpose(1, 2)
     o = F.scaled_dot_product_attention(q_fold, k, v, attn_mask=_padded_mask(plan, window, group), scale=scale)
     o = o.reshape(num_chunks, num_heads, index.max_query, head_dim).transpose(1, 2)  # [B, max_q, Hq, D]
     return o[index.batch_idx, index.query_idx]

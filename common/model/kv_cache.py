@@ -1,13 +1,18 @@
 """Paged KV cache: page ids (``PageAllocator``) and the page tensors (``KvCache``).
 
-Layout: one contiguous buffer holds every layer's K and V::
+One contiguous buffer holds every layer's K and V, in one of two layouts::
 
-    buffer: [num_layers, 2 (k, v), num_pages, page_size, num_kv_heads, head_dim]
-    kv.k[layer] = buffer[layer, 0]   # [num_pages, page_size, num_kv_heads, head_dim], contiguous
-    page p of kv.k[layer] = bytes [addr + p * page_bytes, addr + (p + 1) * page_bytes)
+    page-major (default): [num_pages, num_layers, 2 (k, v), page_size, num_kv_heads, head_dim]
+        kv.k[layer] = buffer[:, layer, 0]   # [num_pages, page_size, num_kv_heads, head_dim], strided
+        page p of kv.k[layer] = [addr + p * block_bytes, + page_bytes), block_bytes = layers * 2 * page_bytes
+    layer-major:          [num_layers, 2 (k, v), num_pages, page_size, num_kv_heads, head_dim]
+        kv.k[layer] = buffer[layer, 0]      # contiguous
+        page p of kv.k[layer] = [addr + p * page_bytes, + page_bytes)
 
-so each (layer, K|V) tensor is one wire ``Region`` whose ``item_len`` is one page, and token t of a
-sequence lives in page ``page_ids[t // page_size]`` at row ``t % page_size``.
+Either way each (layer, K|V) tensor is one wire ``Region`` (``item_len`` = one page, ``stride`` =
+bytes between its pages), and token t of a sequence lives in page ``page_ids[t // page_size]`` at
+row ``t % page_size``. Page-major keeps one page of every layer in one block, so a prompt on
+scattered pages is one NIXL descriptor per page instead of one per page per region.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from common.model.config import ModelConfig
 from common.wire import MODEL_KINDS, Region
 
 logger = logging.getLogger(__name__)
+
+KV_LAYOUTS = ("page-major", "layer-major")
 
 
 class PageOwnershipError(DisaggError):
@@ -86,9 +93,12 @@ class KvCache:
         dtype: torch.dtype,
         device: torch.device | str,
         model_name: str = "target",
+        layout: str = "page-major",
     ) -> None:
         if model_name not in MODEL_KINDS:
             raise ValueError(f"model_name is {model_name!r}, expected one of {MODEL_KINDS}")
+        if layout not in KV_LAYOUTS:
+            raise ValueError(f"layout is {layout!r}, expected one of {KV_LAYOUTS}")
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"num_pages={num_pages} and page_size={page_size} must both be > 0")
         self.config = config
@@ -97,16 +107,18 @@ class KvCache:
         self.dtype = dtype
         self.device = torch.device(device)
         self.model_name = model_name
-        shape = (
-            config.num_hidden_layers, 2, num_pages, page_size, config.num_key_value_heads, config.head_dim
-        )
+        self.layout = layout
+        num_layers, page_shape = config.num_hidden_layers, (page_size, config.num_key_value_heads, config.head_dim)
+        is_page_major = layout == "page-major"
+        shape = (num_pages, num_layers, 2) if is_page_major else (num_layers, 2, num_pages)
         # Zeros, not empty: padded attention reads unused rows with zero weight, and 0 * NaN is NaN.
-        self.buffer = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.k = [self.buffer[layer, 0] for layer in range(config.num_hidden_layers)]
-        self.v = [self.buffer[layer, 1] for layer in range(config.num_hidden_layers)]
+        self.buffer = torch.zeros(shape + page_shape, dtype=dtype, device=self.device)
+        views = self.buffer.permute(1, 2, 0, 3, 4, 5) if is_page_major else self.buffer  # [L, 2, N, ...]
+        self.k = [views[layer, 0] for layer in range(num_layers)]  # each [num_pages, page_size, Hkv, D]
+        self.v = [views[layer, 1] for layer in range(num_layers)]
         logger.info(
-            "KV cache model=%s layers=%d pages=%d page_size=%d bytes=%d device=%s",
-            model_name, config.num_hidden_layers, num_pages, page_size, self.num_bytes, self.device,
+            "KV cache model=%s layout=%s layers=%d pages=%d page_size=%d bytes=%d device=%s",
+            model_name, layout, num_layers, num_pages, page_size, self.num_bytes, self.device,
         )
 
     @property
@@ -126,21 +138,23 @@ class KvCache:
     def mem(self) -> str:
         return "VRAM" if self.device.type == "cuda" else "DRAM"
 
-    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``layer`` viewed as token slots: [num_pages * page_size, num_kv_heads, head_dim]."""
-        num_slots = self.num_pages * self.page_size
-        shape = (num_slots, self.config.num_key_value_heads, self.config.head_dim)
-        return self.k[layer].view(shape), self.v[layer].view(shape)
+    @property
+    def page_stride_bytes(self) -> int:
+        """Bytes from one page of a region to the next: ``page_bytes`` layer-major, every region's
+        page (one block) page-major."""
+        return self.k[0].stride(0) * self.buffer.element_size()
 
     def tensors(self) -> list[torch.Tensor]:
         """Every region's tensor, in ``regions()`` order (layer 0 k, layer 0 v, layer 1 k, ...)."""
         return [t for layer in range(self.config.num_hidden_layers) for t in (self.k[layer], self.v[layer])]
 
     def regions(self) -> list[Region]:
-        """The wire region table of this cache: one region per (layer, K|V), addresses from data_ptr()."""
+        """The wire region table of this cache: one region per (layer, K|V), addresses from data_ptr().
+        ``stride`` stays 0 (pages back to back) in the layer-major layout, as older peers expect."""
         device_index = 0
         if self.device.type == "cuda":
             device_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        stride = 0 if self.page_stride_bytes == self.page_bytes else self.page_stride_bytes
         out = []
         for layer in range(self.config.num_hidden_layers):
             for kind, tensor in (("k", self.k[layer]), ("v", self.v[layer])):
@@ -156,6 +170,7 @@ class KvCache:
                         num_pages=self.num_pages,
                         head_start=0,
                         num_heads=self.config.num_key_value_heads,
+                        stride=stride,
                     )
                 )
         return out

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.model import rope
-from common.model.attention import BatchPlan, build_plan, paged_attention
+from common.model.attention import BatchPlan, build_plan, paged_attention, write_kv
 from common.model.config import ModelConfig
 from common.model.kv_cache import KvCache
 
@@ -124,9 +124,8 @@ class DecoderLayer(nn.Module):
         cos, sin = cos_sin
         q = rope.apply_rotary(q, cos, sin)
         k = rope.apply_rotary(k, cos, sin)
-        k_cache, v_cache = kv.flat(self.layer)  # [num_slots, Hkv, D]
-        k_cache.index_copy_(0, plan.write_slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, plan.write_slots, v.to(v_cache.dtype))
+        k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]  # [num_pages, page_size, Hkv, D]
+        write_kv(k_cache, v_cache, k, v, plan)
         out = paged_attention(q, k_cache, v_cache, plan, self.window, c.head_dim**-0.5)
         return F.linear(out.reshape(num_tokens, c.q_size), self.o_weight, self.o_bias)
 

@@ -18,8 +18,9 @@ pytestmark = pytest.mark.timeout(180)
 
 REPO = Path(__file__).resolve().parents[2]
 LAYERS, TOKENS, PAGE_BYTES = 2, 64, 16 * 8 * 128 * 2  # page: 16 tokens x 8 heads x 128 dims x bf16
-KEYS = {"bench", "device", "layout", "tokens", "bytes", "descriptors", "raw_nixl_gbps", "kvferry_gbps",
-        "memcpy_gbps", "ratio_vs_raw", "kvferry_ms", "raw_ms", "index_ms", "git", "hw"}
+KEYS = {"bench", "device", "layout", "kv_layout", "decode_kv_layout", "tokens", "bytes", "descriptors",
+        "raw_descriptors", "raw_nixl_gbps", "kvferry_gbps", "memcpy_gbps", "ratio_vs_raw", "kvferry_ms", "raw_ms",
+        "index_ms", "git", "hw"}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,20 @@ def test_bytes_and_descriptors_follow_the_geometry(lines):
     contiguous, fragmented = lines
     for r in lines:
         assert r["bytes"] == num_regions * num_pages * PAGE_BYTES
-    # contiguous: one merged run per region, plus the aux record
-    assert contiguous["descriptors"] == num_regions + 1
-    # fragmented: random decode pages break most runs, but never more than one descriptor per page
+        assert (r["kv_layout"], r["decode_kv_layout"]) == ("page-major", "page-major")  # the default
+    # page-major pools: the whole contiguous prompt is one block on both sides, plus the aux record
+    assert contiguous["descriptors"] == 1 + 1 and contiguous["raw_descriptors"] == 1
+    # fragmented: one block per page at most (random pages may still touch), plus the aux record
+    assert 1 + 1 < fragmented["descriptors"] <= num_pages + 1
+
+
+def test_layer_major_descriptors():
+    proc = subprocess.run([sys.executable, "bench/transfer.py", "--layers", str(LAYERS), "--tokens", str(TOKENS),
+                           "--iters", "1", "--kv-layout", "layer-major"], cwd=REPO, capture_output=True, text=True,
+                          timeout=150)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    contiguous, fragmented = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    num_pages, num_regions = TOKENS // 16, 2 * LAYERS
+    # contiguous: one merged run per region, plus the aux record; raw is one descriptor per region
+    assert contiguous["descriptors"] == num_regions + 1 and contiguous["raw_descriptors"] == num_regions
     assert num_regions + 1 < fragmented["descriptors"] <= num_regions * num_pages + 1

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections import Counter
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -20,11 +22,17 @@ AUX = AuxInfo(mem="DRAM", device=0, addr=0x9000_0000, item_len=64, num_slots=4)
 
 
 def table(model="target", layers=4, base=0x10_0000, mem="DRAM", item_len=ITEM, num_pages=PAGES):
-    """K and V regions of ``layers`` layers, packed back to back from ``base``."""
+    """K and V regions of ``layers`` layers, packed back to back from ``base`` (layer-major)."""
     size = item_len * num_pages
     return [Region(model=model, layer=layer, kind=kind, mem=mem, device=0, addr=base + (2 * layer + i) * size,
                    item_len=item_len, num_pages=num_pages, head_start=0, num_heads=2)
             for layer in range(layers) for i, kind in enumerate(("k", "v"))]
+
+
+def page_major(model="target", layers=4, base=0x10_0000, mem="DRAM", item_len=ITEM, num_pages=PAGES):
+    """The same regions in a page-major pool: page p of every region in one block of 2 * layers pages."""
+    return [dataclasses.replace(r, addr=base + i * item_len, stride=2 * layers * item_len)
+            for i, r in enumerate(table(model, layers, base, mem, item_len, num_pages))]
 
 
 def layout(regions, aux=AUX, **kw) -> g.KvLayout:
@@ -69,7 +77,9 @@ def test_identical_tables():
     assert grp.decode_descs()[-1] == (AUX.addr + 3 * AUX.item_len, AUX.item_len, 0)
     xfer = room(plan, 40)  # 3 pages
     assert xfer.num_bytes == 3 * 8 * ITEM + AUX.item_len
-    assert xfer.per_group[0][1][:4] == (0, 1, 2, PAGES)
+    p_idx, d_idx = xfer.per_group[0]
+    assert d_idx.dtype == np.int64 and d_idx[:4].tolist() == [0, 1, 2, PAGES]  # region by region
+    assert d_idx[-1] == 8 * PAGES + 1 and p_idx[-1] == 8 * PAGES  # the aux slots, last
 
 
 def _with_draft(order):
@@ -293,9 +303,44 @@ def test_contiguous_pages_merge_into_one_descriptor_per_run():
     assert merged(room(plan, 80, [4, 3, 2, 1, 0])) == 8 * 5 + 1  # reversed pages never merge
 
 
+def _side(draw, keys, item_len, mems, side, cursor):
+    """One side's regions from ``cursor`` on: each model's regions either page-major (interleaved,
+    one block per page, random gaps inside and after a block) or one after another with random
+    strides; random devices, gaps and table order. Returns (regions, end of the last one)."""
+    regions = []
+    for model in draw(st.permutations(["target", "draft"])):
+        model_keys = draw(st.permutations([k for k in keys if k[0] == model]))
+        if not model_keys:
+            continue
+        make = lambda key, **kw: Region(model=key[0], layer=key[1], kind=key[2], mem=mems[side, model],
+                                        item_len=item_len[key], head_start=0, num_heads=1, **kw)
+        if draw(st.booleans()):  # page-major
+            device, num_pages, offsets, block = draw(st.integers(0, 1)), draw(st.integers(1, 6)), [], 0
+            for key in model_keys:
+                block += draw(st.sampled_from([0, 0, 8]))
+                offsets.append(block)
+                block += item_len[key]
+            stride = block + draw(st.sampled_from([0, 0, 16]))
+            short = draw(st.sampled_from([None] * 4 + list(model_keys))) if num_pages > 1 else None
+            regions += [make(key, device=device, addr=cursor + off, num_pages=num_pages - (key == short),
+                             stride=stride) for key, off in zip(model_keys, offsets)]
+            cursor += (num_pages - 1) * stride + block
+        else:
+            for key in model_keys:
+                num_pages, stride = draw(st.integers(1, 6)), item_len[key] + draw(st.sampled_from([0, 0, 8, 64]))
+                wire_stride = draw(st.sampled_from([0, stride])) if stride == item_len[key] else stride
+                regions.append(make(key, device=draw(st.integers(0, 1)), addr=cursor, num_pages=num_pages,
+                                    stride=wire_stride))
+                cursor += (num_pages - 1) * stride + item_len[key] + draw(st.sampled_from([0, 0, 8]))
+        cursor += draw(st.sampled_from([0, 0, 8, 4096]))
+    return draw(st.permutations(regions)), cursor
+
+
 @st.composite
 def layout_pairs(draw):
-    """A compatible (prefill, decode) pair: random page counts, memory kinds, devices, gaps and order."""
+    """A compatible (prefill, decode) pair: random page counts, memory kinds, devices, gaps, strides,
+    layouts (page-major, layer-major, mixed) and order. Half the time the decode mirrors the
+    prefill's layout at another address, the case where descriptors merge across regions."""
     num_layers = draw(st.integers(1, 3))
     prefill_draft = draw(st.integers(0, 2))
     decode_only_draft = 0 if prefill_draft else draw(st.integers(0, 2))
@@ -305,20 +350,21 @@ def layout_pairs(draw):
     item_len = {k: draw(st.sampled_from([8, 16, 24, 64])) for k in keys + extra}
     mems = {(side, m): draw(st.sampled_from(["DRAM", "VRAM"])) for side in "pd" for m in ("target", "draft")}
     aux_len = draw(st.integers(32, 48))
+    prefill, cursor = _side(draw, keys, item_len, mems, "p", draw(st.integers(0, 1 << 40)))
+    if draw(st.booleans()):
+        shift = draw(st.integers(0, 1 << 40))
+        mirrored = [dataclasses.replace(r, addr=r.addr + shift) for r in prefill]
+        more, d_cursor = _side(draw, extra, item_len, mems, "d", cursor + shift)
+        decode = draw(st.permutations(mirrored + more))
+    else:
+        decode, d_cursor = _side(draw, keys + extra, item_len, mems, "d", draw(st.integers(0, 1 << 40)))
     sides = []
-    for side, side_keys in (("p", keys), ("d", keys + extra)):
-        order = draw(st.permutations(side_keys))
-        cursor, regions = draw(st.integers(0, 1 << 40)), []
-        for key in order:
-            n_pages = draw(st.integers(1, 6))
-            regions.append(Region(model=key[0], layer=key[1], kind=key[2], mem=mems[side, key[0]],
-                                  device=draw(st.integers(0, 1)), addr=cursor, item_len=item_len[key],
-                                  num_pages=n_pages, head_start=0, num_heads=1))
-            cursor += n_pages * item_len[key] + draw(st.sampled_from([0, 0, 8, 4096]))
-        aux = AuxInfo(mem=draw(st.sampled_from(["DRAM", "VRAM"])), device=0, addr=cursor,
-                      item_len=aux_len + (side == "d") * draw(st.integers(0, 16)), num_slots=draw(st.integers(1, 3)))
-        sides.append(layout(regions, aux=aux, page_size=draw(st.integers(1, 4))))
-    return sides[0], dataclasses.replace(sides[1], page_size=sides[0].page_size)
+    for regions, end, extra_len in ((prefill, cursor, 0), (decode, d_cursor, draw(st.integers(0, 16)))):
+        aux = AuxInfo(mem=draw(st.sampled_from(["DRAM", "VRAM"])), device=0, addr=end, item_len=aux_len + extra_len,
+                      num_slots=draw(st.integers(1, 3)))
+        sides.append(layout(regions, aux=aux))
+    page_size = draw(st.integers(1, 4))
+    return dataclasses.replace(sides[0], page_size=page_size), dataclasses.replace(sides[1], page_size=page_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,11 +395,11 @@ def rooms(draw):
 def _locate(layout_: g.KvLayout, mem, addr, nbytes, device):
     """(region key or "aux", page or slot index) of the byte range, or None if no single page holds it."""
     a = layout_.aux
-    spans = [(r.key, r.mem, r.device, r.addr, r.item_len, r.num_pages) for r in layout_.regions]
-    spans.append(("aux", a.mem, a.device, a.addr, a.item_len, a.num_slots))
-    for key, m, dev, start, stride, count in spans:
+    spans = [(r.key, r.mem, r.device, r.addr, r.item_len, r.page_stride, r.num_pages) for r in layout_.regions]
+    spans.append(("aux", a.mem, a.device, a.addr, a.item_len, a.item_len, a.num_slots))
+    for key, m, dev, start, item_len, stride, count in spans:
         index, offset = divmod(addr - start, stride)
-        if (m, dev) == (mem, device) and 0 <= index < count and offset == 0 and nbytes <= stride:
+        if (m, dev) == (mem, device) and 0 <= index < count and offset == 0 and nbytes <= item_len:
             return key, index
     return None
 
@@ -420,17 +466,206 @@ def test_room_writes_disjoint_decode_ranges_covering_exactly_its_pages(room_):
 
 
 @given(st.lists(st.tuples(st.sampled_from(["DRAM", "VRAM"]), st.integers(0, 1), st.integers(0, 96),
-                          st.integers(1, 3), st.sampled_from([1, 8, 16])), min_size=1, max_size=6))
+                          st.integers(1, 4), st.sampled_from([1, 8, 16]), st.sampled_from([0, 0, 0, 1, 8, 16, 24, 40])),
+                min_size=1, max_size=6))
 def test_overlap_check_agrees_with_brute_force(spans):
+    """Refused exactly when two regions share a byte, or (the documented conservative rule) when two
+    regions of different page strides interleave."""
     regions = [Region(model="target", layer=i, kind="k", mem=mem, device=dev, addr=addr, item_len=item_len,
-                      num_pages=pages, head_start=0, num_heads=1)
-               for i, (mem, dev, addr, pages, item_len) in enumerate(spans)]
-    extents = [(r.mem, r.device, r.addr, r.addr + r.num_pages * r.item_len) for r in regions]
-    extents.append((AUX.mem, AUX.device, AUX.addr, AUX.addr + AUX.num_slots * AUX.item_len))
-    overlapping = any(a[:2] == b[:2] and a[2] < b[3] and b[2] < a[3]
+                      num_pages=pages, head_start=0, num_heads=1, stride=item_len + extra if extra else 0)
+               for i, (mem, dev, addr, pages, item_len, extra) in enumerate(spans)]
+    items = [(i, r.mem, r.device, r.addr + p * r.page_stride, r.item_len)
+             for i, r in enumerate(regions) for p in range(r.num_pages)]
+    items += [(-1, AUX.mem, AUX.device, AUX.addr + s * AUX.item_len, AUX.item_len) for s in range(AUX.num_slots)]
+    sharing = any(a[0] != b[0] and a[1:3] == b[1:3] and a[3] < b[3] + b[4] and b[3] < a[3] + a[4]
+                  for i, a in enumerate(items) for b in items[i + 1:])
+    extents = [(r.mem, r.device, r.page_stride, r.addr, r.addr + (r.num_pages - 1) * r.page_stride + r.item_len)
+               for r in regions]
+    interleaved = any(a[:2] == b[:2] and a[2] != b[2] and a[3] < b[4] and b[3] < a[4]
                       for i, a in enumerate(extents) for b in extents[i + 1:])
-    if overlapping:
-        with pytest.raises(GeometryMismatchError, match="overlap"):
+    if sharing:
+        with pytest.raises(GeometryMismatchError, match="overlap on") as err:
+            g.check_layout(layout(regions), "decode")
+        shown = re.search(r"on (\w+) device (\d): byte (0x[0-9a-f]+) lies in a page of both", str(err.value))
+        if shown:  # the byte named is really in two regions' pages
+            mem, dev, byte = shown[1], int(shown[2]), int(shown[3], 16)
+            assert len({i for i, m, d, start, n in items if (m, d) == (mem, dev) and start <= byte < start + n}) >= 2
+        else:
+            assert "different page strides" in str(err.value)
+    elif interleaved:
+        with pytest.raises(GeometryMismatchError, match="overlap on .* with different page strides"):
             g.check_layout(layout(regions), "decode")
     else:
         g.check_layout(layout(regions), "decode")
+
+
+def test_page_major_regions_interleave_without_sharing_a_byte():
+    g.check_layout(layout(page_major()), "decode")
+    block = 8 * ITEM
+    # one region shifted by half a page into its neighbour's bytes
+    bad = page_major()
+    bad[5] = dataclasses.replace(bad[5], addr=bad[5].addr + ITEM // 2)
+    with pytest.raises(GeometryMismatchError, match=r"decode: target layer 2 v \[.*\) and target layer 3 k .* "
+                                                    r"overlap on DRAM device 0: byte 0x100600 lies in a page of both"):
+        g.check_layout(layout(bad), "decode")
+    # a stride one page short of the block: page 1 of layer 0 k lands on page 0 of layer 3 v
+    short = [dataclasses.replace(r, stride=block - ITEM) for r in page_major()]
+    with pytest.raises(GeometryMismatchError, match="target layer 0 k .* and target layer 3 v .* byte 0x100700"):
+        g.check_layout(layout(short), "decode")
+    # a page-major pool beside a layer-major one (another model) in its own span is fine
+    g.check_layout(layout(page_major() + table("draft", 2, base=0x10_0000 + PAGES * block)), "decode")
+    with pytest.raises(GeometryMismatchError, match="different page strides"):
+        g.check_layout(layout(page_major() + table("draft", 2, base=0x10_0000 + PAGES * block - ITEM)), "decode")
+
+
+def test_stride_is_checked():
+    with pytest.raises(GeometryMismatchError, match=r"decode region target layer 0 k: stride must be 0 or >= "
+                                                    r"item_len.*got 255"):
+        g.build_plan(layout(table()), layout([dataclasses.replace(table()[0], stride=ITEM - 1)] + table()[1:]))
+    last = dataclasses.replace(page_major()[0], addr=(1 << 64) - (PAGES - 1) * 8 * ITEM - ITEM)
+    g.check_layout(layout([last]), "decode")  # the last page ends exactly at 2**64
+    with pytest.raises(GeometryMismatchError, match="every 2048 bytes ends at 0x10000000000000001, past the 64-bit"):
+        g.check_layout(layout([dataclasses.replace(last, addr=last.addr + 1)]), "decode")
+    assert page_major()[0].page_stride == 8 * ITEM and table()[0].page_stride == ITEM
+
+
+def nixl_merged(plan, xfer) -> int:
+    """Descriptors left by NIXL 1.5.1's rule (measured): successive entries merge when their list
+    indices are consecutive on both sides and their bytes touch on both sides."""
+    total = 0
+    for grp, (p_idx, d_idx) in zip(plan.groups, xfer.per_group):
+        p_descs, d_descs = grp.prefill_descs(), grp.decode_descs()
+        for k in range(len(p_idx)):
+            joins = k > 0 and p_idx[k] == p_idx[k - 1] + 1 and d_idx[k] == d_idx[k - 1] + 1 and all(
+                g._adjacent(descs[idx[k - 1]], descs[idx[k]]) for descs, idx in ((p_descs, p_idx), (d_descs, d_idx)))
+            total += not joins
+    return total
+
+
+def _merged(plan, xfer) -> int:
+    return sum(g.count_merged_descs([grp.prefill_descs()[i] for i in p_idx], [grp.decode_descs()[i] for i in d_idx])
+               for grp, (p_idx, d_idx) in zip(plan.groups, xfer.per_group))
+
+
+@pytest.mark.parametrize("prefill_pool,decode_pool,contiguous,fragmented", [
+    (page_major, page_major, 1 + 1, 5 + 1),  # one block per page; consecutive pages merge into one
+    (table, table, 8 + 1, 8 * 5 + 1),  # one descriptor per region per run of pages
+    (page_major, table, 8 * 5 + 1, 8 * 5 + 1),  # nothing is adjacent on both sides
+    (table, page_major, 8 * 5 + 1, 8 * 5 + 1)])
+def test_descriptors_per_layout_pair(prefill_pool, decode_pool, contiguous, fragmented):
+    plan = g.build_plan(layout(prefill_pool()), layout(decode_pool(base=0x20_0000)))
+    assert _merged(plan, room(plan, 80)) == contiguous
+    assert _merged(plan, room(plan, 80, [6, 2, 4, 0, 7])) == fragmented
+    # whatever the prefill's layout, the decode receives the same bytes in the same places
+    same = g.build_plan(layout(table()), layout(decode_pool(base=0x20_0000)))
+    for ids in (None, [6, 2, 4, 0, 7]):
+        assert sorted(d for _, d in selected(plan, room(plan, 80, ids))) == sorted(
+            d for _, d in selected(same, room(same, 80, ids)))
+
+
+def test_entries_follow_prefill_addresses_so_runs_merge_whatever_the_token_order():
+    plan = g.build_plan(layout(page_major()), layout(page_major(base=0x20_0000)))
+    # token page 0 sits on prefill page 1 and decode page 3, token page 1 on prefill 0 and decode 2:
+    # in token order nothing is adjacent, in prefill order prefill 0-1 go to decode 2-3, one run
+    xfer = g.request_indices(plan, prefill_page_ids=[1, 0], decode_page_ids=[3, 2],
+                             prefill_aux_slot=0, decode_aux_slot=0)
+    assert _merged(plan, xfer) == 1 + 1
+    p_idx, d_idx = xfer.per_group[0]  # the lists hold pages by address: page p of region r at 8 * p + r
+    assert p_idx.tolist() == list(range(16)) + [8 * PAGES] and d_idx.tolist() == list(range(16, 32)) + [8 * PAGES]
+    assert nixl_merged(plan, xfer) == 2
+
+
+@given(rooms())
+def test_entries_come_in_prefill_address_order(room_):
+    for grp, (p_idx, _) in zip(room_.plan.groups, room_.xfer.per_group):
+        descs = grp.prefill_descs()
+        kv = [(descs[i][2], descs[i][0]) for i in p_idx[:len(p_idx) - grp.has_aux]]
+        assert kv == sorted(kv) and len(set(kv)) == len(kv)
+
+
+@given(rooms())
+def test_lists_hold_every_page_by_address_and_grid_finds_it(room_):
+    for grp in room_.plan.groups:
+        for regions, order, descs, aux in (
+                ([p for p, _ in grp.pairs], grp.prefill_order, grp.prefill_descs(), grp.prefill_aux),
+                ([d for _, d in grp.pairs], grp.decode_order, grp.decode_descs(), grp.decode_aux)):
+            pages = descs[:order.size]
+            keys = [(dev, addr) for addr, _, dev in pages]
+            assert keys == sorted(keys) and len(set(keys)) == len(keys) == sum(r.num_pages for r in regions)
+            usable = min(r.num_pages for r in regions) if regions else 0  # what grid() may be asked for
+            for i, r in enumerate(regions):
+                at = order.grid(np.arange(usable, dtype=np.int64))[i]
+                assert [descs[e] for e in at] == [(r.addr + p * r.page_stride, r.item_len, r.device)
+                                                  for p in range(usable)]
+            assert len(descs) - order.size == (aux.num_slots if aux else 0)
+
+
+@given(rooms())
+def test_merge_count_is_what_nixl_does(room_):
+    assert _merged(room_.plan, room_.xfer) == nixl_merged(room_.plan, room_.xfer)
+
+
+def test_irregular_interleaving_falls_back_to_a_table():
+    regions = page_major(layers=1)  # k and v interleaved; v one page short: not one block per page
+    regions[1] = dataclasses.replace(regions[1], num_pages=PAGES - 1)
+    plan = g.build_plan(layout(regions), layout(table(layers=1, base=0x20_0000)))
+    order = plan.groups[0].prefill_order
+    assert order.table is not None and order.clusters == () and order.size == 2 * PAGES - 1
+    descs = plan.groups[0].prefill_descs()
+    assert [d[0] for d in descs[:4]] == [0x10_0000, 0x10_0000 + ITEM, 0x10_0000 + 2 * ITEM, 0x10_0000 + 3 * ITEM]
+    xfer = room(plan, 3 * 16, [4, 5, 6])
+    assert _merged(plan, xfer) == nixl_merged(plan, xfer) == 2 * 3 + 1  # decode layer-major: nothing merges
+    assert Counter(_locate(plan.prefill, *p) for p, _ in selected(plan, xfer)) == Counter(
+        {(key, page): 1 for key in plan.written for page in range(3)} | {("aux", 0): 1})
+
+
+@given(rooms())
+def test_merging_is_the_most_any_order_can_give(room_):
+    """Entry b can only merge into entry a if b starts where a ends on both sides; every such link is
+    realised, so no order of the same entries gives fewer descriptors."""
+    for grp, (p_idx, d_idx) in zip(room_.plan.groups, room_.xfer.per_group):
+        p_sel = [grp.prefill_descs()[i] for i in p_idx]
+        d_sel = [grp.decode_descs()[i] for i in d_idx]
+        ends = {(p[2], p[0] + p[1], d[2], d[0] + d[1]) for p, d in zip(p_sel, d_sel)}
+        links = sum((p[2], p[0], d[2], d[0]) in ends for p, d in zip(p_sel, d_sel))
+        assert g.count_merged_descs(p_sel, d_sel) == len(p_sel) - links
+        merged_p, merged_d = g.merge_runs(p_sel, d_sel)
+        assert [n for _, n, _ in merged_p] == [n for _, n, _ in merged_d]
+        assert sum(n for _, n, _ in merged_p) == sum(p[1] for p in p_sel)
+
+
+def _repack(regions, *, is_page_major: bool, base: int) -> list[Region]:
+    """The same regions (keys, sizes, memory) in a fresh pool at ``base``: per (mem, device), one
+    page-major block per page, or regions one after another. Page counts become the smallest one."""
+    num_pages, out = min(r.num_pages for r in regions), []
+    places = sorted({(r.mem, r.device) for r in regions})
+    for place in places:
+        group = [r for r in regions if (r.mem, r.device) == place]
+        block, cursor = sum(r.item_len for r in group), base
+        for r in group:
+            if is_page_major:
+                out.append(dataclasses.replace(r, addr=cursor, num_pages=num_pages, stride=block))
+                cursor += r.item_len
+            else:
+                out.append(dataclasses.replace(r, addr=cursor, num_pages=num_pages, stride=0))
+                cursor += num_pages * r.item_len
+    return out
+
+
+@given(rooms(), st.booleans())
+def test_the_prefill_layout_never_changes_what_the_decode_receives(room_, is_page_major):
+    """Interop: relay the prefill's pool out page-major or layer-major; token page j of every key still
+    goes to the same decode bytes (the decode's own layout decides where those are)."""
+    plan = room_.plan
+    aux = plan.prefill.aux
+    relaid = dataclasses.replace(plan.prefill, regions=tuple(_repack(
+        plan.prefill.regions, is_page_major=is_page_major, base=aux.addr + aux.num_slots * aux.item_len)))
+    other = g.build_plan(relaid, plan.decode)
+    xfer = g.request_indices(other, prefill_page_ids=room_.prefill_ids, decode_page_ids=room_.decode_ids,
+                             prefill_aux_slot=room_.prefill_aux_slot, decode_aux_slot=room_.decode_aux_slot)
+
+    def received(plan_, xfer_):
+        return Counter((_locate(plan_.prefill, *p), d) for p, d in selected(plan_, xfer_))
+
+    assert received(other, xfer) == received(plan, room_.xfer)
+    assert xfer.num_bytes == room_.xfer.num_bytes

@@ -8,9 +8,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from common.daemon_config import CommonConfig
 from common.errors import OverloadedError
+from common.model.attention import build_plan, write_kv
 from common.model.config import ModelConfig
-from common.model.kv_cache import KvCache, PageAllocator, PageOwnershipError
+from common.model.kv_cache import KV_LAYOUTS, KvCache, PageAllocator, PageOwnershipError
 
 
 class AllocatorMachine(RuleBasedStateMachine):
@@ -110,37 +112,75 @@ def _config(layers: int = 3, kv_heads: int = 2, head_dim: int = 8) -> ModelConfi
     })
 
 
+@pytest.mark.parametrize("layout", KV_LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_regions_match_tensors(dtype):
+def test_regions_match_tensors(dtype, layout):
     config = _config()
-    kv = KvCache(config, num_pages=5, page_size=4, dtype=dtype, device="cpu", model_name="draft")
+    kv = KvCache(config, num_pages=5, page_size=4, dtype=dtype, device="cpu", model_name="draft", layout=layout)
     regions = kv.regions()
     tensors = kv.tensors()
     page_bytes = 4 * 2 * 8 * dtype.itemsize
-    assert kv.page_bytes == page_bytes
+    block_bytes = 3 * 2 * page_bytes  # one page of all 3 layers' K and V
+    assert kv.page_bytes == page_bytes and kv.layout == layout
+    assert kv.page_stride_bytes == (block_bytes if layout == "page-major" else page_bytes)
     assert [r.key for r in regions] == [("draft", layer, kind) for layer in range(3) for kind in ("k", "v")]
     for region, tensor in zip(regions, tensors, strict=True):
-        assert tensor.shape == (5, 4, 2, 8) and tensor.is_contiguous() and tensor.dtype == dtype
+        assert tensor.shape == (5, 4, 2, 8) and tensor.dtype == dtype
+        assert tensor.is_contiguous() == (layout == "layer-major") and tensor[0].is_contiguous()
         assert region.addr == tensor.data_ptr()
         assert region.item_len == page_bytes
+        # layer-major keeps stride 0 on the wire: a peer that predates the field reads the same region
+        assert region.stride == (block_bytes if layout == "page-major" else 0)
         assert region.num_pages == 5 and region.num_heads == 2 and region.head_start == 0
         assert (region.mem, region.device) == ("DRAM", 0)
         # page p of the region is exactly tensor[p]
-        assert tensor[3].data_ptr() == region.addr + 3 * region.item_len
-    # One contiguous block: regions tile the buffer without gaps or overlap.
+        assert tensor[3].data_ptr() == region.addr + 3 * region.page_stride
     starts = sorted(r.addr for r in regions)
-    assert all(b - a == 5 * page_bytes for a, b in zip(starts, starts[1:]))
     assert starts[0] == kv.buffer.data_ptr() and kv.num_bytes == 6 * 5 * page_bytes
+    if layout == "layer-major":  # regions tile the buffer one after another
+        assert all(b - a == 5 * page_bytes for a, b in zip(starts, starts[1:]))
+    else:  # page 0 of every region tiles the first block, and so on for every page
+        assert all(b - a == page_bytes for a, b in zip(starts, starts[1:]))
+    every_page = sorted(r.addr + p * r.page_stride for r in regions for p in range(5))
+    assert every_page == [kv.buffer.data_ptr() + i * page_bytes for i in range(30)]  # no gap, no overlap
     assert kv.kv_dtype == str(dtype).removeprefix("torch.")
 
 
-def test_flat_view_writes_land_in_pages():
-    kv = KvCache(_config(), num_pages=3, page_size=4, dtype=torch.float32, device="cpu")
-    k_flat, v_flat = kv.flat(1)
-    k_flat[2 * 4 + 1] = 7.0  # page 2, row 1
-    v_flat[0] = -1.0
-    assert torch.all(kv.k[1][2, 1] == 7.0) and torch.all(kv.v[1][0, 0] == -1.0)
-    assert kv.k[0].abs().sum() == 0 and kv.k[1].abs().sum() == 7.0 * 2 * 8
+@pytest.mark.parametrize("layout", KV_LAYOUTS)
+def test_page_major_block_holds_one_page_of_every_region(layout):
+    kv = KvCache(_config(), num_pages=3, page_size=4, dtype=torch.float32, device="cpu", layout=layout)
+    for i, t in enumerate(kv.tensors()):
+        t[2].fill_(i + 1)  # page 2 of region i
+    raw = kv.buffer.flatten()
+    page_elems = 4 * 2 * 8
+    if layout == "page-major":  # page 2 is one block: region 0, region 1, ... region 5
+        block = raw[2 * 6 * page_elems: 3 * 6 * page_elems].view(6, page_elems)
+    else:  # page 2 of region i sits inside region i's own span
+        block = torch.stack([raw[(i * 3 + 2) * page_elems: (i * 3 + 3) * page_elems] for i in range(6)])
+    assert torch.equal(block, torch.arange(1, 7, dtype=torch.float32)[:, None].expand(6, page_elems))
+    assert raw.sum() == 4 * 2 * 8 * sum(range(1, 7))  # nothing landed anywhere else
+
+
+@pytest.mark.parametrize("layout", KV_LAYOUTS)
+def test_kv_writes_and_page_gathers_work_on_strided_views(layout):
+    kv = KvCache(_config(), num_pages=3, page_size=4, dtype=torch.float32, device="cpu", layout=layout)
+    # chunk 0: 3 tokens at 2..4 on pages [2, 0]; chunk 1: 1 token at 5 on pages [1, 0] (after 5 cached)
+    plan = build_plan([3, 1], [2, 5], [[2, 0], [1, 0]], page_size=4, device=torch.device("cpu"))
+    k = torch.arange(4, dtype=torch.float32)[:, None, None].expand(4, 2, 8) + 1
+    write_kv(kv.k[1], kv.v[1], k, -k, plan)
+    assert plan.write_pages.tolist() == [2, 2, 0, 0] and plan.write_rows.tolist() == [2, 3, 0, 1]
+    assert torch.all(kv.k[1][2, 2] == 1) and torch.all(kv.k[1][2, 3] == 2) and torch.all(kv.k[1][0, 0] == 3)
+    assert torch.all(kv.k[1][0, 1] == 4) and torch.all(kv.v[1][0, 1] == -4)
+    assert kv.k[0].abs().sum() == 0 and kv.k[2].abs().sum() == 0 and kv.k[1].abs().sum() == 10 * 2 * 8
+    gathered = kv.k[1].flatten(1).index_select(0, torch.tensor([2, 0])).view(8, 2, 8)
+    assert gathered[:, 0, 0].tolist() == [0, 0, 1, 2, 3, 4, 0, 0]  # token order follows the page table
+
+
+def test_layout_choices_match_the_daemon_flag():
+    assert KV_LAYOUTS == CommonConfig.__dataclass_fields__["kv_layout"].metadata["choices"]
+    assert CommonConfig.__dataclass_fields__["kv_layout"].default == KV_LAYOUTS[0] == "page-major"
+    with pytest.raises(ValueError, match="layout is 'row-major', expected one of"):
+        KvCache(_config(), 2, 4, torch.float32, "cpu", layout="row-major")
 
 
 def test_bad_model_name_rejected():

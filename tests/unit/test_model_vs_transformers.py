@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from common.errors import ModelLoadError  # noqa: E402
 from common.model.config import ModelConfig  # noqa: E402
-from common.model.kv_cache import KvCache, PageAllocator  # noqa: E402
+from common.model.kv_cache import KV_LAYOUTS, KvCache, PageAllocator  # noqa: E402
 from common.model.llama import LlamaForCausalLM, SeqChunk  # noqa: E402
 from common.model.loader import load_model  # noqa: E402
 
@@ -65,12 +65,21 @@ def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).abs().max() / ref.abs().max())
 
 
-def _kv(model: LlamaForCausalLM, num_pages: int = 256) -> tuple[KvCache, PageAllocator]:
-    return KvCache(model.config, num_pages, PAGE_SIZE, torch.float32, "cpu"), PageAllocator(num_pages)
+@pytest.fixture(params=KV_LAYOUTS)
+def layout(request) -> str:
+    return request.param
+
+
+def _kv(model: LlamaForCausalLM, layout: str, num_pages: int = 256) -> tuple[KvCache, PageAllocator]:
+    return KvCache(model.config, num_pages, PAGE_SIZE, torch.float32, "cpu", layout=layout), PageAllocator(num_pages)
 
 
 def _pages_for(alloc: PageAllocator, num_tokens: int) -> list[int]:
-    return alloc.allocate(-(-num_tokens // PAGE_SIZE))
+    """Pages for ``num_tokens``, shuffled: a sequence's pages are scattered and out of order in a
+    long-lived pool, and the gather must not depend on their order."""
+    pages = alloc.allocate(-(-num_tokens // PAGE_SIZE))
+    random.Random(num_tokens).shuffle(pages)
+    return pages
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
@@ -84,10 +93,10 @@ def test_sharded_checkpoint_was_written(pair):
     assert ours.config.fingerprint == ModelConfig.from_dir(path).fingerprint
 
 
-def test_prefill_logits_match(pair):
+def test_prefill_logits_match(pair, layout):
     hf, ours, _ = pair
     prompt = _prompt(random.Random(1), 13)
-    kv, alloc = _kv(ours)
+    kv, alloc = _kv(ours, layout)
     logits = ours.forward([SeqChunk(prompt, 0, _pages_for(alloc, 13))], kv, all_logits=True)[0]
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].float()
@@ -95,13 +104,13 @@ def test_prefill_logits_match(pair):
     assert _rel_err(logits, ref) <= REL_TOL
 
 
-def test_paged_decode_matches_transformers_cache(pair):
+def test_paged_decode_matches_transformers_cache(pair, layout):
     hf, ours, _ = pair
     # transformers 5 renamed past_key_values to cache
     cache_kwarg = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
     rng = random.Random(2)
     prompt, steps = _prompt(rng, 7), _prompt(rng, 16)
-    kv, alloc = _kv(ours)
+    kv, alloc = _kv(ours, layout)
     pages = _pages_for(alloc, 7 + 16)
     ours.forward([SeqChunk(prompt, 0, pages)], kv)
     with torch.no_grad():
@@ -114,9 +123,9 @@ def test_paged_decode_matches_transformers_cache(pair):
             assert _rel_err(mine, out.logits[0, -1].float()) <= REL_TOL, f"step {i}"
 
 
-def _greedy(model: LlamaForCausalLM, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+def _greedy(model: LlamaForCausalLM, prompts: list[list[int]], max_new: int, layout: str) -> list[list[int]]:
     """Batched prefill, then batched one-token decode steps (the padded attention path)."""
-    kv, alloc = _kv(model)
+    kv, alloc = _kv(model, layout)
     pages = [_pages_for(alloc, len(p) + max_new) for p in prompts]
     logits = model.forward([SeqChunk(p, 0, pg) for p, pg in zip(prompts, pages)], kv)
     outs = [[int(row.argmax())] for row in logits]
@@ -133,37 +142,38 @@ def test_greedy_equals_generate(pair):
     # Lengths include exact page boundaries (4, 8, 12, 16, 24) and a single token.
     lengths = [1, 2, 3, 4, 5, 7, 8, 9, 11, 12, 13, 15, 16, 17, 19, 21, 23, 24, 25, 30]
     prompts = [_prompt(rng, n) for n in lengths]
-    mine = _greedy(ours, prompts, max_new=10)
-    for prompt, got in zip(prompts, mine):
+    mine = {layout: _greedy(ours, prompts, max_new=10, layout=layout) for layout in KV_LAYOUTS}
+    for i, prompt in enumerate(prompts):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10, min_new_tokens=10)
-        assert got == ref[0, len(prompt):].tolist(), f"prompt length {len(prompt)}"
+        for layout, outs in mine.items():
+            assert outs[i] == ref[0, len(prompt):].tolist(), f"{layout}, prompt length {len(prompt)}"
 
 
-def test_batched_prefill_equals_separate(pair):
+def test_batched_prefill_equals_separate(pair, layout):
     _, ours, _ = pair
     rng = random.Random(4)
     prompts = [_prompt(rng, n) for n in (5, 12, 1, 9, 16)]
-    kv, alloc = _kv(ours)
+    kv, alloc = _kv(ours, layout)
     chunks = [SeqChunk(p, 0, _pages_for(alloc, len(p))) for p in prompts]
     batched = ours.forward(chunks, kv, all_logits=True)
     for chunk, got in zip(chunks, batched):
-        kv_one, alloc_one = _kv(ours)
+        kv_one, alloc_one = _kv(ours, layout)
         alone = ours.forward([SeqChunk(chunk.token_ids, 0, _pages_for(alloc_one, len(chunk.token_ids)))],
                              kv_one, all_logits=True)[0]
         assert got.shape == alone.shape
         assert _rel_err(got, alone) <= REL_TOL
 
 
-def test_chunked_extend_equals_one_prefill(pair):
+def test_chunked_extend_equals_one_prefill(pair, layout):
     """Prefill in pieces, and a mixed batch (extend + decode), give the same logits as one prefill."""
     _, ours, _ = pair
     rng = random.Random(5)
     prompt, other = _prompt(rng, 19), _prompt(rng, 6)
-    kv, alloc = _kv(ours)
+    kv, alloc = _kv(ours, layout)
     pages = _pages_for(alloc, 19)
     whole = ours.forward([SeqChunk(prompt, 0, pages)], kv, all_logits=True)[0]
-    kv2, alloc2 = _kv(ours)
+    kv2, alloc2 = _kv(ours, layout)
     pages2, pages_other = _pages_for(alloc2, 19), _pages_for(alloc2, 7)
     first = ours.forward([SeqChunk(prompt[:8], 0, pages2), SeqChunk(other, 0, pages_other)], kv2,
                          all_logits=True)[0]
@@ -172,6 +182,25 @@ def test_chunked_extend_equals_one_prefill(pair):
                           all_logits=True)
     last = ours.forward([SeqChunk(prompt[13:], 13, pages2)], kv2, all_logits=True)[0]
     assert _rel_err(torch.cat([first, mid, last]), whole) <= REL_TOL
+
+
+def test_both_layouts_store_the_same_kv_bit_for_bit(pair):
+    """The layout moves bytes, never values: a prefill then a batched decode step leave identical K/V
+    in every (layer, page) of both pools, and identical logits."""
+    _, ours, _ = pair
+    rng = random.Random(6)
+    prompts = [_prompt(rng, n) for n in (9, 3)]
+    results = {}
+    for layout in KV_LAYOUTS:
+        kv, alloc = _kv(ours, layout, num_pages=16)
+        pages = [_pages_for(alloc, len(p) + 1) for p in prompts]
+        first = ours.forward([SeqChunk(p, 0, pg) for p, pg in zip(prompts, pages)], kv)
+        step = ours.forward([SeqChunk([1], len(p), pg) for p, pg in zip(prompts, pages)], kv)
+        results[layout] = (torch.stack(kv.tensors()), first, step)
+        assert kv.layout == layout and kv.tensors()[0].is_contiguous() == (layout == "layer-major")
+    (kv_a, *logits_a), (kv_b, *logits_b) = results.values()
+    assert kv_a.abs().sum() > 0 and torch.equal(kv_a, kv_b)
+    assert all(torch.equal(a, b) for a, b in zip(logits_a, logits_b))
 
 
 def _config_dict(**overrides) -> dict:

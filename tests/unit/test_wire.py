@@ -174,9 +174,10 @@ def test_broken_nested_region_or_aux_is_refused_naming_the_path(data):
     target = body["regions"][data.draw(st.integers(0, len(reg.regions) - 1))] if where == "regions" else body["aux"]
     cls = NESTED[where]
     names = [f.name for f in dataclasses.fields(cls)]
+    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
     how = data.draw(st.sampled_from(["missing", "extra", "wrong"]))
     if how == "missing":
-        del target[data.draw(st.sampled_from(names))]
+        del target[data.draw(st.sampled_from(required))]
     elif how == "extra":
         target[data.draw(st.sampled_from(["v", "x", "key", "room"]))] = data.draw(SCALARS)
     else:
@@ -184,6 +185,38 @@ def test_broken_nested_region_or_aux_is_refused_naming_the_path(data):
         target[name] = data.draw(wrong_value(typing.get_type_hints(cls)[name]))
     with pytest.raises(ProtocolError, match=f"register.{where}"):
         wire.decode(msgpack.packb(body, use_bin_type=True))
+
+
+REGION_V01_FIELDS = {"model", "layer", "kind", "mem", "device", "addr", "item_len", "num_pages", "head_start",
+                     "num_heads"}
+
+
+def _register(regions) -> wire.Register:
+    return wire.Register(decode_id="d", agent_name="a", agent_metadata=b"m", model="m", page_size=16,
+                         kv_dtype="bf16", tp_size=1, tp_rank=0, regions=regions,
+                         aux=wire.AuxInfo(mem="DRAM", device=0, addr=0, item_len=32, num_slots=1))
+
+
+def test_region_stride_travels_only_when_set():
+    """A layer-major region (stride 0) is the 0.1 frame, field for field, so a 0.1 prefill reads it; a
+    page-major one carries stride, which a 0.1 peer refuses by name instead of writing to wrong pages."""
+    layer_major = wire.Region(model="target", layer=3, kind="v", mem="VRAM", device=0, addr=0x7F00_0000,
+                              item_len=32768, num_pages=4096, head_start=0, num_heads=8)
+    page_major = dataclasses.replace(layer_major, stride=64 * 32768)
+    assert layer_major.stride == 0 and layer_major.page_stride == 32768 and page_major.page_stride == 64 * 32768
+    body = plain(_register([layer_major, page_major]))
+    assert set(body["regions"][0]) == REGION_V01_FIELDS
+    assert body["regions"][1] == {**body["regions"][0], "stride": 64 * 32768}
+    assert wire.decode(wire.encode(_register([layer_major, page_major]))).regions == [layer_major, page_major]
+    body["regions"][1]["stride"] = True  # a bool is not the int 0 or 1
+    with pytest.raises(ProtocolError, match=r"register.regions\[1\].stride: expected an int"):
+        wire.decode(msgpack.packb(body))
+
+
+def test_fields_holding_their_default_are_left_out_of_the_frame():
+    assert "room" not in plain(wire.Error(reason="x")) and plain(wire.Error(reason="x", room=0))["room"] == 0
+    for msg in (wire.Error(reason="x"), wire.Error(reason="x", room=5)):
+        assert wire.decode(wire.encode(msg)) == msg
 
 
 def test_register_regions_not_a_list_of_maps_is_refused():
