@@ -79,7 +79,7 @@ class DecodeBackend:
             if getattr(exc, "pages_safe", False):
                 d.runner.release(seq)
             else:
-                d.receiver.quarantine(b.room, lambda: d.runner.release(seq))
+                d.receiver.quarantine(b.room, lambda: d.runner.release(seq), abort=getattr(exc, "abort", None))
             d.metrics.requests.labels(outcome="kv_failed").inc()
             raise
         seq.num_cached = seq.num_prompt_tokens

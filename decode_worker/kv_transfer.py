@@ -37,6 +37,39 @@ class Waiter:
     sent_at: float = field(default_factory=time.perf_counter)
 
 
+@dataclass(eq=False)
+class AbortNote:
+    """An abort on its way to ``link``'s prefill: ``sent_at`` (this clock) once it left, or
+    ``is_lost`` when no connection took it."""
+
+    link: PrefillLink
+    sent_at: float | None = None
+    is_lost: bool = False
+
+
+@dataclass(eq=False)
+class Hold:
+    """Quarantined pages of one room: ``release`` frees them; not before ``until``."""
+
+    release: Callable[[], None]
+    until: float
+    abort: AbortNote | None
+
+
+def _prefill_is_past(note: AbortNote | None) -> bool:
+    """Whether the prefill can no longer start a WRITE for the aborted room.
+
+    It can't once it has read the abort: it then answered a ping sent after it (one connection
+    keeps order; it handles frames one by one). Nor once it is gone: nothing could be sent to it
+    (a killed process closes its connection; a restarted one never had the room). A frozen or
+    cut-off prefill is neither, however long the hold: a timer alone would hand its pages to
+    another request, and the prefill could WRITE into them when it wakes.
+    """
+    if note is None or note.is_lost or not note.link.is_connected:
+        return True
+    return note.sent_at is not None and note.link.last_pong_t >= note.sent_at
+
+
 class KvReceiver:
     def __init__(self, *, engine: NixlEngine, register_msg: Callable[[], wire.Register], aux: AuxSlots,
                  metrics: Metrics, register_timeout_s: float, heartbeat_interval_s: float,
@@ -52,9 +85,10 @@ class KvReceiver:
         self.client_keys = client_keys
         self.links: dict[tuple[str, int], PrefillLink] = {}
         self.waiters: dict[int, Waiter] = {}
-        self.quarantined: dict[int, tuple[Callable[[], None], float]] = {}
+        self.quarantined: dict[int, Hold] = {}
         self._recent: OrderedDict[int, None] = OrderedDict()  # rooms completed lately (late notifs are not stale)
         self._background: set[asyncio.Task] = set()
+        self._held_slots: dict[int, int] = {}  # room -> aux slot of a failed room, until ``quarantine`` takes it
 
     # -- links ---------------------------------------------------------------------------------------
     async def link(self, host: str, port: int) -> PrefillLink:
@@ -119,35 +153,55 @@ class KvReceiver:
         try:
             link = await asyncio.wait_for(self.link(host, port), _remaining_s(deadline))
         except asyncio.TimeoutError:
-            raise _unsafe(PeerUnavailableError(f"request_id={request_id}: prefill {host}:{port} did not acknowledge "
-                                               f"registration within {timeout_s:.1f}s"), safe=True) from None
+            raise _unsafe(PeerUnavailableError(
+                f"room={room} request_id={request_id}: prefill {host}:{port} did not acknowledge registration "
+                f"within {timeout_s:.1f}s"), safe=True) from None
         except DisaggError as exc:
             raise _unsafe(exc, safe=True) from None
         slot = self.aux.acquire()
         waiter = Waiter(room, request_id, link, slot, asyncio.get_running_loop().create_future())
         self.waiters[room] = waiter
         try:
-            msg = wire.Transfer(room=room, decode_id=link.decode_id, page_ids=page_ids, aux_slot=slot,
-                                num_prompt_tokens=num_prompt_tokens)
-            try:
-                await link.send(msg, timeout_s=_remaining_s(deadline))
-            except DisaggError as exc:  # the request never left this process: nothing will be written
-                raise _unsafe(exc, safe=True) from None
-            await asyncio.wait_for(asyncio.shield(waiter.future), _remaining_s(deadline))
+            await self._ask(waiter, page_ids, num_prompt_tokens, deadline, timeout_s)
             self.metrics.kv_wait_seconds.observe(time.perf_counter() - waiter.sent_at)
             return self._read_aux(waiter, num_prompt_tokens), link
-        except asyncio.TimeoutError:
-            self.metrics.timeouts.labels(stage="wait_kv").inc()
-            self._abort_soon(link, room, f"decode waited {timeout_s:.1f}s for the KV")
-            raise _unsafe(TransferError(f"room={room} request_id={request_id}: KV from prefill {link.address} did not "
-                                        f"arrive within {timeout_s:.1f}s"), safe=False) from None
-        except asyncio.CancelledError:
-            self._abort_soon(link, room, "client disconnected")
+        except asyncio.CancelledError as exc:
+            exc.abort = self._abort_soon(link, room, "client disconnected")
+            self._held_slots[room], slot = slot, None  # the WRITE may still fill it: held with the pages
+            raise
+        except DisaggError as exc:
+            if not getattr(exc, "pages_safe", False):  # the prefill may still WRITE: tell it to stop
+                exc.abort = self._abort_soon(link, room, str(exc))
+                self._held_slots[room], slot = slot, None
             raise
         finally:
             self.waiters.pop(room, None)
-            self.aux.release(slot)
+            if not waiter.future.done():
+                waiter.future.cancel()
+            elif not waiter.future.cancelled():
+                waiter.future.exception()  # a failure that lost the race with the deadline is not "unretrieved"
+            if slot is not None:
+                self.aux.release(slot)
             self._remember(room)
+
+    async def _ask(self, waiter: Waiter, page_ids: list[int], num_prompt_tokens: int, deadline: float,
+                   timeout_s: float) -> None:
+        """Send the transfer request and wait until its outcome is settled (read it with ``_read_aux``)."""
+        link = waiter.link
+        msg = wire.Transfer(room=waiter.room, decode_id=link.decode_id, page_ids=page_ids, aux_slot=waiter.aux_slot,
+                            num_prompt_tokens=num_prompt_tokens)
+        try:
+            await link.send(msg, timeout_s=_remaining_s(deadline))
+        except DisaggError as exc:  # the request never left this process: nothing will be written
+            raise _unsafe(exc, safe=True) from None
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter.future), _remaining_s(deadline))
+        except asyncio.TimeoutError:
+            if waiter.future.done():
+                return  # settled just at the deadline: that outcome stands
+            self.metrics.timeouts.labels(stage="wait_kv").inc()
+            raise _unsafe(TransferError(f"room={waiter.room} request_id={waiter.request_id}: KV from prefill "
+                                        f"{link.address} did not arrive within {timeout_s:.1f}s"), safe=False) from None
 
     def _read_aux(self, waiter: Waiter, num_prompt_tokens: int) -> wire.AuxRecord:
         exc = waiter.future.exception() if waiter.future.done() else None
@@ -164,24 +218,30 @@ class KvReceiver:
                 f"{num_prompt_tokens}; KV discarded"), safe=True)
         return record
 
-    def _abort_soon(self, link: PrefillLink, room: int, reason: str) -> None:
+    def _abort_soon(self, link: PrefillLink, room: int, reason: str) -> "AbortNote":
         """Tell the prefill in the background: the client's answer must not wait on a dead peer."""
         self.metrics.aborts.labels(side="decode").inc()
-        task = asyncio.get_running_loop().create_task(self._abort(link, room, reason))
+        note = AbortNote(link)
+        task = asyncio.get_running_loop().create_task(self._abort(note, room, reason))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return note
 
-    async def _abort(self, link: PrefillLink, room: int, reason: str) -> None:
+    async def _abort(self, note: "AbortNote", room: int, reason: str) -> None:
+        link = note.link
         try:
             await link.send(wire.Abort(room=room, reason=reason),
                             timeout_s=self.heartbeat_interval_s * self.heartbeat_misses)
         except DisaggError as exc:
+            note.is_lost = True
             logger.warning("could not send abort for room=%d to peer=%s: %s", room, link.address, exc)
+        else:
+            note.sent_at = time.monotonic()
 
     def _on_result(self, msg: wire.TransferResult) -> None:
         hold = self.quarantined.pop(msg.room, None)
         if hold is not None:
-            hold[0]()  # the prefill confirmed: nothing more will be written into those pages
+            hold.release()  # the prefill confirmed: nothing more will be written into those pages
             return
         waiter = self.waiters.get(msg.room)
         if waiter is None or waiter.future.done():
@@ -219,14 +279,23 @@ class KvReceiver:
                 logger.warning("notification for unknown or expired room=%d from peer=%s ignored", notif.room, agent)
             hold = self.quarantined.pop(notif.room, None)
             if hold is not None:
-                hold[0]()  # the WRITE finished: the pages are quiet again
+                hold.release()  # the WRITE finished: the pages are quiet again
             return
         if not waiter.future.done():
             waiter.future.set_result(None)
 
-    def quarantine(self, room: int, release: Callable[[], None]) -> None:
-        """Hold pages of a room whose WRITE may still land; release on confirmation or after the hold."""
-        self.quarantined[room] = (release, time.monotonic() + self.quarantine_s)
+    def quarantine(self, room: int, release: Callable[[], None], abort: "AbortNote | None" = None) -> None:
+        """Hold pages (and the aux slot) of a room whose WRITE may still land. They go back when the
+        prefill confirms (its transfer_result, or the WRITE's notification), else once the hold time
+        has passed and the prefill can no longer start that WRITE (see ``_prefill_is_past``)."""
+        slot = self._held_slots.pop(room, None)
+
+        def release_all() -> None:
+            release()
+            if slot is not None:
+                self.aux.release(slot)
+
+        self.quarantined[room] = Hold(release_all, time.monotonic() + self.quarantine_s, abort)
 
     def _remember(self, room: int) -> None:
         self._recent[room] = None
@@ -239,11 +308,11 @@ class KvReceiver:
 
     def sweep(self) -> None:
         now = time.monotonic()
-        for room, (release, until) in list(self.quarantined.items()):
-            if now >= until:
+        for room, hold in list(self.quarantined.items()):
+            if now >= hold.until and _prefill_is_past(hold.abort):
                 del self.quarantined[room]
                 logger.info("room=%d: quarantine over, pages released", room)
-                release()
+                hold.release()
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -254,8 +323,8 @@ class KvReceiver:
         for link in list(self.links.values()):
             await link.close()
         self.links.clear()
-        for room, (release, _) in list(self.quarantined.items()):
-            release()
+        for hold in list(self.quarantined.values()):
+            hold.release()
         self.quarantined.clear()
 
 

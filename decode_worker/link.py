@@ -44,6 +44,8 @@ class PrefillLink:
         self._ack_future: asyncio.Future | None = None
         self._register_lock = asyncio.Lock()
         self._last_pong = time.monotonic()
+        self.last_pong_t = 0.0  # send time (this clock) of the latest ping the prefill answered
+        self.is_connected = True  # False while pings find no connection to the prefill
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -108,6 +110,12 @@ class PrefillLink:
         if isinstance(msg, ProtocolError):
             self.receiver.metrics.protocol_errors.inc()
             logger.warning("malformed frame from prefill peer=%s: %s", self.address, msg)
+            asyncio.create_task(self._send_quietly(wire.Error(reason=f"decode could not parse a frame: {msg}")))
+            return
+        if isinstance(msg, (wire.Register, wire.Transfer, wire.Notification)):
+            self.receiver.metrics.protocol_errors.inc()
+            logger.warning("prefill peer=%s sent a %s message, which only a decode sends", self.address, msg.KIND)
+            asyncio.create_task(self._send_quietly(wire.Error(reason=f"decode does not accept {msg.KIND!r} messages")))
             return
         self._last_pong = time.monotonic()
         if isinstance(msg, wire.RegisterAck):
@@ -122,15 +130,19 @@ class PrefillLink:
         elif isinstance(msg, wire.Ping):
             asyncio.create_task(self._send_quietly(wire.Pong(t=msg.t)))
         elif isinstance(msg, wire.Pong):
-            return
+            # A pong echoes one of our pings; a time not reached yet (inf, nan, garbage) is none of them.
+            if msg.t <= time.monotonic():
+                self.last_pong_t = max(self.last_pong_t, msg.t)
         else:
             self.receiver.on_link_message(self, msg)
 
-    async def _send_quietly(self, msg: wire.Message, timeout_s: float = 1.0) -> None:
+    async def _send_quietly(self, msg: wire.Message, timeout_s: float = 1.0) -> bool:
         try:
             await self.client.send(msg, timeout_s=timeout_s)
         except DisaggError as exc:
             logger.debug("send of %s to peer=%s failed: %s", msg.KIND, self.address, exc)
+            return False
+        return True
 
     async def _heartbeat_loop(self) -> None:
         interval = self.receiver.heartbeat_interval_s
@@ -139,7 +151,7 @@ class PrefillLink:
             await asyncio.sleep(interval)
             # Bounded by the interval: with the prefill down a send would otherwise block for
             # seconds and delay the silence check below past every room's deadline.
-            await self._send_quietly(wire.Ping(t=time.monotonic()), timeout_s=interval)
+            self.is_connected = await self._send_quietly(wire.Ping(t=time.monotonic()), timeout_s=interval)
             silent_s = time.monotonic() - self._last_pong
             if silent_s > interval * 1.5:
                 self.receiver.metrics.heartbeat_misses.inc()

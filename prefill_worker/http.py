@@ -99,6 +99,8 @@ class PrefillBackend:
             raise
         room.first_token_id = seq.output_ids[0]
         room.first_token_logprob = seq.output_logprobs[0]
+        # The transfer wait counts from here: a long prompt on a busy prefill must not use it up.
+        room.deadline = time.monotonic() + self.daemon.config.transfer_wait_timeout_s
 
     async def _send_or_fail(self, room: Room, started: float) -> None:
         d = self.daemon

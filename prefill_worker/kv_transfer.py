@@ -85,11 +85,23 @@ class KvSender:
 
     # -- control plane ---------------------------------------------------------------------------
     async def handle(self, identity: bytes, msg: wire.Message | DisaggError) -> None:
+        """Answer one frame. Whatever fails while handling it, the sender gets an answer."""
         if isinstance(msg, DisaggError):
             self.metrics.protocol_errors.inc()
             logger.warning("bad frame from peer=%s: %s", identity.hex(), msg)
             await self._send(identity, wire.Error(reason=str(msg)))
             return
+        try:
+            await self._dispatch(identity, msg)
+        except Exception as exc:  # task boundary per frame: log, fail the request, answer the peer
+            logger.exception("handling %s from peer=%s failed", msg.KIND, identity.hex())
+            reason = f"prefill {self.prefill_id} failed to handle {msg.KIND}: {type(exc).__name__}: {exc}"
+            if isinstance(msg, wire.Register):
+                await self._reject(identity, msg, reason)
+            else:
+                await self._send(identity, wire.Error(reason=reason, room=getattr(msg, "room", None)))
+
+    async def _dispatch(self, identity: bytes, msg: wire.Message) -> None:
         if isinstance(msg, wire.Register):
             await self._on_register(identity, msg)
         elif isinstance(msg, wire.Transfer):
@@ -101,6 +113,10 @@ class KvSender:
             await self._send(identity, wire.Pong(t=msg.t))
         elif isinstance(msg, wire.Pong):
             self._touch(identity)
+        elif isinstance(msg, wire.Error):
+            # Logged, never answered: two peers that answer errors with errors trade them forever.
+            logger.warning("peer=%s reported an error%s: %s", identity.hex(),
+                           "" if msg.room is None else f" for room={msg.room}", msg.reason)
         else:
             await self._send(identity, wire.Error(reason=f"prefill does not accept {msg.KIND!r} messages"))
 
@@ -117,11 +133,17 @@ class KvSender:
 
     async def _on_register(self, identity: bytes, msg: wire.Register) -> None:
         peer_name = f"decode_id={msg.decode_id} agent={msg.agent_name}"
+        old = self.peers.get(msg.decode_id)
         try:
             plan = geometry.build_plan(self.layout, KvLayout.from_register(msg), peer=peer_name)
-            loop = asyncio.get_running_loop()
-            prepped = await asyncio.wait_for(
-                loop.run_in_executor(self.executor, self._connect_peer, msg, plan), self.register_timeout_s)
+            if old is not None and old.agent_name == msg.agent_name and old.plan == plan:
+                # The same process again (it lost sight of us for a while, or a frame came twice):
+                # keep its agent and prepared lists, which a WRITE in flight may be using.
+                prepped = old.prepped
+            else:
+                loop = asyncio.get_running_loop()
+                prepped = await asyncio.wait_for(
+                    loop.run_in_executor(self.executor, self._connect_peer, msg, plan), self.register_timeout_s)
         except asyncio.TimeoutError:
             await self._reject(identity, msg, f"prefill could not add NIXL agent {msg.agent_name} "
                                               f"within {self.register_timeout_s}s")
@@ -129,9 +151,10 @@ class KvSender:
         except DisaggError as exc:
             await self._reject(identity, msg, str(exc))
             return
-        old = self.peers.get(msg.decode_id)
         if old is not None and old.agent_name != msg.agent_name:
             self._drop_peer(old, "re-registered with a new agent")
+        elif old is not None and old.prepped is not prepped:
+            self._release_local(old)  # its remote lists went with the agent in _connect_peer
         self.peers[msg.decode_id] = DecodePeer(msg.decode_id, msg.agent_name, identity, plan, prepped)
         self.metrics.registrations.labels(result="accepted").inc()
         logger.info("registered decode %s: %d regions written, %d ignored, decode_only_spec_dec=%s",
@@ -160,16 +183,19 @@ class KvSender:
 
     def _drop_peer(self, peer: DecodePeer, reason: str) -> None:
         logger.info("dropping decode_id=%s agent=%s: %s", peer.decode_id, peer.agent_name, reason)
-        for local, remote in peer.prepped:
-            for p in (local, remote):
-                try:
-                    self.engine.release_prepped(p)
-                except DisaggError as exc:
-                    logger.warning("release of prepared list failed peer=%s: %s", peer.agent_name, exc)
+        self._release_local(peer, with_remote=True)
         try:
             self.engine.remove_peer(peer.agent_name)
         except DisaggError as exc:
             logger.warning("remove of agent failed peer=%s: %s", peer.agent_name, exc)
+
+    def _release_local(self, peer: DecodePeer, *, with_remote: bool = False) -> None:
+        for local, remote in peer.prepped:
+            for p in (local, remote) if with_remote else (local,):
+                try:
+                    self.engine.release_prepped(p)
+                except DisaggError as exc:
+                    logger.warning("release of prepared list failed peer=%s: %s", peer.agent_name, exc)
 
     async def _on_transfer(self, identity: bytes, msg: wire.Transfer) -> None:
         room = self.rooms.get(msg.room)
@@ -180,17 +206,26 @@ class KvSender:
             return
         if room is None:
             if msg.room in self.early:
-                await self._send(identity, wire.TransferResult(room=msg.room, ok=False,
-                                                               error=f"duplicate transfer for room {msg.room}"))
+                await self._refuse_duplicate(identity, msg, self.early[msg.room][0])
                 return
             self.early[msg.room] = (msg, identity, time.monotonic() + self.transfer_wait_timeout_s)
             return
         if room.transfer is not None:
-            await self._send(identity, wire.TransferResult(room=msg.room, ok=False,
-                                                           error=f"duplicate transfer for room {msg.room}"))
+            await self._refuse_duplicate(identity, msg, room.transfer)
             return
         room.transfer, room.identity = msg, identity
         room.arrived.set()
+
+    async def _refuse_duplicate(self, identity: bytes, msg: wire.Transfer, first: wire.Transfer) -> None:
+        """A second transfer request for a room. The same request again (a duplicated or resent
+        frame) is ignored: answering it with a failure would make the decode free the pages that
+        the first request's WRITE is about to fill."""
+        if msg == first:
+            logger.info("room=%d: duplicate of decode_id=%s's transfer request ignored", msg.room, msg.decode_id)
+            return
+        await self._send(identity, wire.TransferResult(
+            room=msg.room, ok=False, error=f"duplicate transfer for room {msg.room}: decode_id={first.decode_id} "
+                                           f"already asked for it; every request needs its own room"))
 
     async def _on_abort(self, identity: bytes, msg: wire.Abort) -> None:
         """The decode gave up on a room. Its pages there stay quarantined until we confirm that
@@ -238,7 +273,8 @@ class KvSender:
         """Wait for the decode's transfer, WRITE, poll to DONE. Returns the WRITE time in seconds."""
         remaining = min(deadline, room.deadline) - time.monotonic()
         try:
-            await asyncio.wait_for(room.arrived.wait(), max(remaining, 0.0))
+            if not room.arrived.is_set():  # wait_for(..., 0) would time out even on a set event
+                await asyncio.wait_for(room.arrived.wait(), max(remaining, 0.0))
         except asyncio.TimeoutError:
             self.metrics.timeouts.labels(stage="wait_transfer").inc()
             raise TransferError(f"room={room.room} request_id={room.request_id}: no transfer request from a decode "

@@ -1,0 +1,89 @@
+"""Requests the pair must refuse, clearly and without leaking: a decode whose KV geometry does not
+match the prefill's, two legs that tokenized the prompt differently, and two requests that share
+one bootstrap room.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from tests.faults.harness import (
+    DECODE_DEADLINE_S, DECODE_FLAGS, PREFILL_DEADLINE_S, Pending, assert_answered, assert_clear_error, assert_within,
+    body, boot, counter, metrics, new_room, pages, prompt, wait_pages,
+)
+
+
+def _leg(name: str, proc, ids, room, port) -> Pending:
+    return Pending(name, proc.url + "/generate", {**body(ids), **boot(port, room)})
+
+
+def test_geometry_refusal(healthy):
+    """A decode with 32-token pages registers with a 16-token prefill: the prefill refuses and says
+    both values; the decode's request fails with that reason; the prefill keeps serving the
+    decode that matches, at the same time."""
+    pair = healthy
+    wrong = pair.cluster.decode(extra=DECODE_FLAGS + ["--page-size", "32"], start=False)
+    pair.start(wrong)
+    try:
+        wrong_pages = pages(wrong)
+        before = metrics(pair.prefill)
+        ids, room = prompt(40, seed=51), new_room()
+        p_leg, d_leg = _leg("prefill", pair.prefill, ids, room, pair.prefill.bootstrap_port), \
+            _leg("decode", wrong, ids, room, pair.prefill.bootstrap_port)
+        with ThreadPoolExecutor(1) as pool:
+            meanwhile = pool.submit(pair.check_serving)
+            d, p = d_leg.result(), p_leg.result()
+            meanwhile.result(60)  # the matching decode was served all along
+        assert_within(d, DECODE_DEADLINE_S)
+        assert_clear_error(d, "rejected", "page_size", "16", "32")
+        assert d.status == 502, d
+        assert_within(p, PREFILL_DEADLINE_S)
+        assert_clear_error(p, "no transfer request")
+        assert counter(metrics(pair.prefill), "kvferry_registrations_total", result="rejected") == \
+            counter(before, "kvferry_registrations_total", result="rejected") + 1
+        wait_pages(wrong, wrong_pages, 5, "decode with 32-token pages")
+        pair.wait_pages()
+        pair.check_serving()
+    finally:
+        wrong.stop(20)
+
+
+def test_tokenizer_mismatch(healthy):
+    """The two legs of one room carry prompts of different lengths (as two tokenizers would make):
+    the prefill refuses the transfer naming both counts, and both clients hear it."""
+    pair = healthy
+    room = new_room()
+    p_leg = _leg("prefill", pair.prefill, prompt(20, seed=52), room, pair.prefill.bootstrap_port)
+    d_leg = _leg("decode", pair.decode, prompt(24, seed=52), room, pair.prefill.bootstrap_port)
+    p, d = p_leg.result(), d_leg.result()
+    for leg in (p, d):
+        assert_clear_error(leg, "num_prompt_tokens", "20", "24", "tokenizer")
+    assert_within(p, PREFILL_DEADLINE_S)
+    assert_within(d, DECODE_DEADLINE_S)
+    pair.wait_pages()
+    pair.check_serving()
+
+
+def test_duplicate_rooms(healthy):
+    """Two requests (different prompts) share one room, all four legs at once. The second claim on
+    each side is refused with a message that says so; whatever pairs up either succeeds with the
+    right output for its prompt or fails cleanly; no page leaks."""
+    pair = healthy
+    room = new_room()
+    prompts = {"a": prompt(30, seed=53), "b": prompt(45, seed=54)}
+    want = {k: pair.reference(ids) for k, ids in prompts.items()}
+    legs = {}
+    for k, ids in prompts.items():
+        legs[("prefill", k)] = _leg("prefill", pair.prefill, ids, room, pair.prefill.bootstrap_port)
+        legs[("decode", k)] = _leg("decode", pair.decode, ids, room, pair.prefill.bootstrap_port)
+    got = {key: leg.result() for key, leg in legs.items()}
+    for (side, k), leg in got.items():
+        assert_within(leg, PREFILL_DEADLINE_S if side == "prefill" else DECODE_DEADLINE_S)
+        assert_answered(leg)
+        if side == "decode" and leg.is_ok:
+            assert leg.answer["output_ids"] == want[k]
+    refusals = [leg for leg in got.values() if not leg.is_ok and ("already in use" in leg.message
+                                                                 or "duplicate transfer" in leg.message)]
+    assert refusals, got
+    pair.wait_pages()
+    pair.check_serving()
