@@ -8,6 +8,7 @@ HTTP; ``stop`` drains and reverses it (DESIGN §8).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -119,11 +120,26 @@ class DecodeDaemon:
         return {"curve_public_key": public, "curve_secret_key": secret, "server_public_key": server_public}
 
     async def _poll_notifications(self) -> None:
-        """Drain NIXL notifications; fast while rooms wait for KV, slow otherwise."""
+        """Drain NIXL notifications (which also drives this side's UCX progress).
+
+        While rooms wait for KV, poll every 0.1 ms backing off to 1 ms (a fast WRITE is seen at
+        once, a long prefill does not burn a core); otherwise sleep until a room starts waiting,
+        or 50 ms to drain late and stale notifications.
+        """
+        pause_s = 1e-4
+        wake = self.receiver.wake
         while True:
-            await asyncio.sleep(0.0002 if self.receiver.is_waiting else 0.05)
+            wake.clear()
+            if self.receiver.is_waiting:
+                await asyncio.sleep(pause_s)
+                pause_s = min(pause_s * 1.2, 1e-3)
+            else:
+                pause_s = 1e-4
+                with contextlib.suppress(asyncio.TimeoutError):  # the timeout is the periodic drain
+                    await asyncio.wait_for(wake.wait(), 0.05)
             try:
                 for agent, payloads in self.engine.get_notifs().items():
+                    pause_s = 1e-4
                     for payload in payloads:
                         self.receiver.on_notification(agent, payload)
             except asyncio.CancelledError:

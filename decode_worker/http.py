@@ -105,10 +105,12 @@ class DecodeBackend:
                 if finished and out.finish_reason.type == "abort":
                     d.metrics.requests.labels(outcome="failed").inc()
                     raise DisaggError(out.finish_reason.message or "request aborted")
+                if finished:
+                    # Counted before the last yield: the HTTP layer closes the stream once it has it.
+                    d.metrics.requests.labels(outcome="ok").inc()
                 yield GenerateEvent(token_ids=out.token_ids, logprobs=out.logprobs, text=out.text, finished=finished,
                                     finish_reason=out.finish_reason.to_sglang() if finished else None, meta=meta)
                 if finished:
-                    d.metrics.requests.labels(outcome="ok").inc()
                     return
         finally:
             if not seq.is_done:

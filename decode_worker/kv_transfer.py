@@ -89,6 +89,9 @@ class KvReceiver:
         self._recent: OrderedDict[int, None] = OrderedDict()  # rooms completed lately (late notifs are not stale)
         self._background: set[asyncio.Task] = set()
         self._held_slots: dict[int, int] = {}  # room -> aux slot of a failed room, until ``quarantine`` takes it
+        # Set when a room starts waiting: on loopback a WRITE completes only while this side makes
+        # UCX progress (get_notifs), so the poller must not sleep through a short prefill.
+        self.wake = asyncio.Event()
 
     # -- links ---------------------------------------------------------------------------------------
     async def link(self, host: str, port: int) -> PrefillLink:
@@ -161,6 +164,7 @@ class KvReceiver:
         slot = self.aux.acquire()
         waiter = Waiter(room, request_id, link, slot, asyncio.get_running_loop().create_future())
         self.waiters[room] = waiter
+        self.wake.set()
         try:
             await self._ask(waiter, page_ids, num_prompt_tokens, deadline, timeout_s)
             self.metrics.kv_wait_seconds.observe(time.perf_counter() - waiter.sent_at)
