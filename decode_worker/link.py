@@ -65,9 +65,14 @@ class PrefillLink:
             msg = self.receiver.register_msg()
             self.decode_id = msg.decode_id
             self._ack_future = asyncio.get_running_loop().create_future()
-            await self.client.send(msg)
+            deadline = time.monotonic() + timeout_s
             try:
-                ack = await asyncio.wait_for(self._ack_future, timeout_s)
+                await self.client.send(msg, timeout_s=timeout_s)
+            except PeerUnavailableError:
+                self.state = LinkState.LOST
+                raise
+            try:
+                ack = await asyncio.wait_for(self._ack_future, max(deadline - time.monotonic(), 0.0))
             except asyncio.TimeoutError:
                 self.state = LinkState.LOST
                 raise PeerUnavailableError(f"prefill {self.address} did not answer register within {timeout_s:.1f}s "
@@ -164,9 +169,7 @@ class PrefillLink:
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
+        for result in await asyncio.gather(*self._tasks, return_exceptions=True):
+            if isinstance(result, Exception):
+                logger.warning("link task for peer=%s ended with %r", self.address, result)
         self.client.close()

@@ -17,7 +17,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from common import geometry, wire
-from common.errors import DisaggError, GeometryMismatchError, PeerUnavailableError, TransferError
+from common.errors import DisaggError, GeometryMismatchError, PeerUnavailableError, ProtocolError, TransferError
 from common.geometry import KvLayout, TransferPlan
 from common.metrics import Metrics
 from common.transport.nixl import NixlEngine, XferState
@@ -143,7 +143,7 @@ class KvSender:
             else:
                 loop = asyncio.get_running_loop()
                 prepped = await asyncio.wait_for(
-                    loop.run_in_executor(self.executor, self._connect_peer, msg, plan), self.register_timeout_s)
+                    loop.run_in_executor(self.executor, self._connect_peer, msg, plan, old), self.register_timeout_s)
         except asyncio.TimeoutError:
             await self._reject(identity, msg, f"prefill could not add NIXL agent {msg.agent_name} "
                                               f"within {self.register_timeout_s}s")
@@ -170,10 +170,16 @@ class KvSender:
         await self._send(identity, wire.RegisterAck(prefill_id=self.prefill_id, accepted=False, error=reason,
                                                     written=[], ignored=[], decode_only_spec_dec=False))
 
-    def _connect_peer(self, msg: wire.Register, plan: TransferPlan) -> list:
-        """Executor: add the decode's agent (replacing a stale one) and prepare one list pair per group."""
-        self.engine.remove_peer(msg.agent_name)  # a stale agent of the same name (unknown names are ignored)
+    def _connect_peer(self, msg: wire.Register, plan: TransferPlan, old: DecodePeer | None) -> list:
+        """Executor: add the decode's agent (replacing its own stale one) and prepare one list pair per group."""
+        if old is not None and old.agent_name == msg.agent_name:
+            self.engine.remove_peer(msg.agent_name)  # only ever this decode's own agent, never another's
         name = self.engine.add_peer(msg.agent_metadata)
+        if name != msg.agent_name:
+            if all(p.agent_name != name for p in self.peers.values()):
+                self.engine.remove_peer(name)
+            raise ProtocolError(f"decode_id={msg.decode_id}: register names agent {msg.agent_name!r} but its NIXL "
+                                f"metadata is for agent {name!r}")
         prepped = []
         for group in plan.groups:
             local = self.engine.prep_local(group.prefill_descs(), group.prefill_mem)

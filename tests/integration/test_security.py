@@ -114,7 +114,7 @@ def test_decode_with_unlisted_key_cannot_register(secure):
     assert status == 503, answer
     message = answer["error"]["message"]
     assert f"127.0.0.1:{secure.prefill.bootstrap_port}" in message and "CURVE key" in message, message
-    assert elapsed_s < INTRUDER_REGISTER_TIMEOUT_S, f"the refusal took {elapsed_s:.1f}s"
+    assert elapsed_s < INTRUDER_REGISTER_TIMEOUT_S + 2, f"the refusal took {elapsed_s:.1f}s"
     # Nothing of the intruder's reached the prefill's handler; its ZAP check logged the key.
     assert metric(secure.prefill, "kvferry_registrations_total") == registrations
     assert metric(secure.prefill, "kvferry_protocol_errors_total") == bad_frames
