@@ -12,7 +12,6 @@ one JSON line.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import random
 import statistics
 import sys
@@ -27,15 +26,10 @@ from bench._common import emit, git_hash, hardware  # noqa: E402
 
 def tiny_dirs() -> tuple[str, str]:
     """The embedded tiny checkpoint (target, draft) under .tiny/seed0, made on first use."""
-    from common.model.tiny import make_tiny_model
+    from common.model.tiny import ensure_tiny_model
 
-    root = REPO / ".tiny" / "seed0"
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.parent / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (root / "draft" / "model.safetensors").exists():
-            make_tiny_model(root, seed=0)
-    return str(root / "target"), str(root / "draft")
+    target, draft = ensure_tiny_model(REPO / ".tiny" / "seed0", seed=0)
+    return str(target), str(draft)
 
 
 def corpus_prompts(tokenizer, num_prompts: int, num_tokens: int, seed: int) -> list[list[int]]:

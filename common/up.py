@@ -48,7 +48,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def resolve_model(model_dir: Path | None, use_draft: bool) -> tuple[Path, Path | None]:
     """(target, draft or None); writes the tiny model when the folder does not exist yet."""
     folder = (model_dir or default_model_dir()).expanduser()
-    if not folder.exists() or (folder.is_dir() and not any(folder.iterdir())):
+    if model_dir is None:
+        from common.model.tiny import ensure_tiny_model
+
+        print(f"using the tiny model in {folder} (written on first use)", file=sys.stderr)
+        ensure_tiny_model(folder, seed=0)
+    elif not folder.exists() or (folder.is_dir() and not any(folder.iterdir())):
         from common.model.tiny import make_tiny_model
 
         print(f"writing the tiny model to {folder} (first use)", file=sys.stderr)

@@ -3,9 +3,7 @@ engine, and a cluster of real daemon processes on loopback."""
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -22,14 +20,10 @@ TINY_DIR = REPO / ".tiny" / "seed0"
 
 def tiny_model_dirs() -> tuple[str, str]:
     """The embedded tiny checkpoint (target, draft), made once per machine under .tiny/."""
-    from common.model.tiny import make_tiny_model
+    from common.model.tiny import ensure_tiny_model
 
-    TINY_DIR.parent.mkdir(parents=True, exist_ok=True)
-    with open(TINY_DIR.parent / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (TINY_DIR / "draft" / "model.safetensors").exists():
-            make_tiny_model(TINY_DIR, seed=0)
-    return str(TINY_DIR / "target"), str(TINY_DIR / "draft")
+    target, draft = ensure_tiny_model(TINY_DIR, seed=0)
+    return str(target), str(draft)
 
 
 @pytest.fixture(scope="session")

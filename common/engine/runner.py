@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.engine.sequence import Sequence, SeqState, pages_needed
+from common.engine.sequence import Sequence, pages_needed
 from common.engine.spec import verify_greedy, verify_sampled
 from common.errors import OverloadedError
 from common.model.kv_cache import KvCache, PageAllocator

@@ -46,7 +46,8 @@ def test_folders_hold_a_real_checkpoint(tiny):
         assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                 "generation_config.json"} <= names
     target, draft = (ModelConfig.from_dir(d) for d in tiny)
-    assert (target.num_hidden_layers, draft.num_hidden_layers) == (6, 2)
+    spec = presets["tiny"]
+    assert (target.num_hidden_layers, draft.num_hidden_layers) == (spec.num_layers, spec.draft_layers) == (10, 2)
     assert target.vocab_size == draft.vocab_size == Tokenizer.from_dir(tiny[0]).vocab_size == 512
     assert (target.hidden_size, target.num_key_value_heads, target.head_dim) == (128, 2, 32)
     assert target.fingerprint != draft.fingerprint
