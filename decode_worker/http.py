@@ -8,7 +8,6 @@ or, when a failed room's WRITE may still land, once the prefill confirms (or a h
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator

@@ -17,7 +17,7 @@ import torch
 
 from common.aux import AuxSlots
 from common.engine.factory import build_runner
-from common.errors import OverloadedError, ProtocolError
+from common.errors import OverloadedError
 from common.geometry import KvLayout
 from common.lifecycle import start_http, stop_http
 from common.metrics import Metrics

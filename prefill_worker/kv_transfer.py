@@ -17,7 +17,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from common import geometry, wire
-from common.errors import DisaggError, GeometryMismatchError, PeerUnavailableError, ProtocolError, TransferError
+from common.errors import DisaggError, PeerUnavailableError, ProtocolError, TransferError
 from common.geometry import KvLayout, TransferPlan
 from common.metrics import Metrics
 from common.transport.nixl import NixlEngine, XferState
