@@ -81,6 +81,8 @@ def decode_main(conn, num_layers: int, num_pages: int, device: str, num_threads:
             break
         if cmd == "clear":
             pool.buffer.zero_()
+            if pool.buffer.is_cuda:  # the kernel is asynchronous: finish it before the next WRITE lands
+                torch.cuda.synchronize(pool.buffer.device)
         conn.send(digest(pool, page_ids) if cmd == "digest" else None)
     engine.close()
 
