@@ -397,13 +397,13 @@ def main() -> None:
     refs = references(target, prompts)
     log_dir = Path(a.log_dir or tempfile.mkdtemp(prefix="kvferry-soak-"))
     fleet = Fleet(target, log_dir, 2 if a.topology == "2x2" else 1)
-    is_clean = False
+    is_clean, git = False, git_hash()  # the tree the daemons start from (restarts read it again)
     try:
         fleet.start()
         record = soak(a, fleet, prompts, refs)
         is_clean = not (record["lost"] or record["leaked_pages"])
         emit({**record, "log_dir": None if is_clean and not a.log_dir else str(log_dir),
-              "git": git_hash(), "hw": hardware(["cpu"])})
+              "git": git, "hw": hardware(["cpu"])})
     finally:
         fleet.stop()
         if is_clean and not a.log_dir:
