@@ -113,3 +113,18 @@ def run(daemon: Daemon) -> int:
     code = uvloop.run(_main(daemon))
     sys.stdout.flush()
     return code
+
+
+def daemon_main(argv: list[str] | None, config_cls: type, prog: str, make_daemon) -> int:
+    """The whole ``__main__`` of a daemon: config from flags and env, logging, then ``run``."""
+    from common.config import parse_config
+    from common.errors import ConfigError
+    from common.log import configure
+
+    try:
+        config = parse_config(config_cls, argv, prog=prog)
+    except ConfigError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    configure(config.log_level)
+    return run(make_daemon(config))

@@ -4,23 +4,17 @@ from __future__ import annotations
 
 import sys
 
-from common.config import parse_config
-from common.errors import ConfigError
-from common.lifecycle import run
-from common.log import configure
+from common.lifecycle import daemon_main
 from decode_worker.config import DecodeConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        config = parse_config(DecodeConfig, argv, prog="kvferry decode")
-    except ConfigError as exc:
-        print(f"kvferry decode: {exc}", file=sys.stderr)
-        return 2
-    configure(config.log_level)
-    from decode_worker.daemon import DecodeDaemon
+    def make_daemon(config: DecodeConfig):
+        from decode_worker.daemon import DecodeDaemon  # imports torch and the model: only when running
 
-    return run(DecodeDaemon(config))
+        return DecodeDaemon(config)
+
+    return daemon_main(argv, DecodeConfig, "kvferry decode", make_daemon)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from common.api.backend import GenerateEvent, GenerateInput
+from common.api.backend import DaemonBackend, GenerateEvent, GenerateInput
 from common.engine.colocated import decode_seed
 from common.engine.output import OutputTracker
 from common.engine.sequence import Sequence
@@ -26,28 +26,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class DecodeBackend:
+class DecodeBackend(DaemonBackend):
     role = "decode"
-
-    def __init__(self, daemon: "DecodeDaemon"):
-        self.daemon = daemon
-        self.tokenizer = daemon.tokenizer
-        self.model_name = daemon.model_name
-        self.model_path = daemon.config.model
-        self.max_context_tokens = daemon.max_context_tokens
-
-    def is_ready(self) -> bool:
-        return self.daemon.is_serving
-
-    def server_info(self) -> dict:
-        return self.daemon.server_info()
-
-    def metrics_text(self) -> bytes:
-        return self.daemon.metrics.render()
-
-    async def health_generate(self) -> None:
-        if not self.daemon.is_serving:
-            raise DisaggError("decode is not serving")
+    daemon: "DecodeDaemon"
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateEvent]:
         d = self.daemon

@@ -4,23 +4,17 @@ from __future__ import annotations
 
 import sys
 
-from common.config import parse_config
-from common.errors import ConfigError
-from common.lifecycle import run
-from common.log import configure
+from common.lifecycle import daemon_main
 from prefill_worker.config import PrefillConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        config = parse_config(PrefillConfig, argv, prog="kvferry prefill")
-    except ConfigError as exc:
-        print(f"kvferry prefill: {exc}", file=sys.stderr)
-        return 2
-    configure(config.log_level)
-    from prefill_worker.daemon import PrefillDaemon
+    def make_daemon(config: PrefillConfig):
+        from prefill_worker.daemon import PrefillDaemon  # imports torch and the model: only when running
 
-    return run(PrefillDaemon(config))
+        return PrefillDaemon(config)
+
+    return daemon_main(argv, PrefillConfig, "kvferry prefill", make_daemon)
 
 
 if __name__ == "__main__":

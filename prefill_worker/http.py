@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from common.api.backend import GenerateEvent, GenerateInput
+from common.api.backend import DaemonBackend, GenerateEvent, GenerateInput
 from common.engine.sequence import Sequence
 from common.errors import DisaggError, RequestError
 from common.model.sampling import make_generator
@@ -28,29 +28,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class PrefillBackend:
+class PrefillBackend(DaemonBackend):
     role = "prefill"
 
     def __init__(self, daemon: "PrefillDaemon"):
-        self.daemon = daemon
-        self.tokenizer = daemon.tokenizer
-        self.model_name = daemon.model_name
-        self.model_path = daemon.config.model
-        self.max_context_tokens = daemon.max_context_tokens
+        super().__init__(daemon)
         self._background: set[asyncio.Task] = set()
-
-    def is_ready(self) -> bool:
-        return self.daemon.is_serving
-
-    def server_info(self) -> dict:
-        return self.daemon.server_info()
-
-    def metrics_text(self) -> bytes:
-        return self.daemon.metrics.render()
-
-    async def health_generate(self) -> None:
-        if not self.daemon.is_serving:
-            raise DisaggError("prefill is not serving")
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateEvent]:
         d = self.daemon

@@ -111,3 +111,32 @@ class Backend(Protocol):
     def metrics_text(self) -> bytes | None: ...
 
     async def health_generate(self) -> None: ...
+
+
+class DaemonBackend:
+    """What the prefill and decode backends share: they read their identity and health from the
+    daemon that owns them. Subclasses set ``role`` and implement ``generate``."""
+
+    role = ""
+
+    def __init__(self, daemon: Any):
+        self.daemon = daemon
+        self.tokenizer = daemon.tokenizer
+        self.model_name = daemon.model_name
+        self.model_path = daemon.config.model
+        self.max_context_tokens = daemon.max_context_tokens
+
+    def is_ready(self) -> bool:
+        return self.daemon.is_serving
+
+    def server_info(self) -> dict:
+        return self.daemon.server_info()
+
+    def metrics_text(self) -> bytes:
+        return self.daemon.metrics.render()
+
+    async def health_generate(self) -> None:
+        from common.errors import OverloadedError
+
+        if not self.daemon.is_serving:
+            raise OverloadedError(f"{self.role} is not serving (starting or draining)")

@@ -173,12 +173,12 @@ class BootstrapServer:
         try:
             await sock.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
         except zmq.Again as exc:
-            raise PeerUnavailableError(f"bootstrap send of {msg.KIND} to peer={identity!r}: queue full "
+            raise PeerUnavailableError(f"bootstrap send of {msg.KIND} to peer={identity.hex()}: queue full "
                                        f"({self._hwm} frames); the peer is not reading") from exc
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
-            raise PeerUnavailableError(f"bootstrap send of {msg.KIND} to peer={identity!r}: not connected "
+            raise PeerUnavailableError(f"bootstrap send of {msg.KIND} to peer={identity.hex()}: not connected "
                                        "(disconnected or restarted)") from exc
 
     def close(self) -> None:
