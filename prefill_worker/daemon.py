@@ -23,6 +23,7 @@ from common.lifecycle import start_http, stop_http
 from common.metrics import Metrics
 from common.model.tokenizer import Tokenizer
 from common.transport.nixl import NixlEngine
+from common.transport.nixl_probe import MetadataProbe
 from common.transport.zmq import BootstrapServer, load_keys, load_public_keys
 from prefill_worker.config import PrefillConfig
 from prefill_worker.kv_transfer import KvSender, Room
@@ -64,6 +65,8 @@ class PrefillDaemon:
         # Aux slots live beside the target KV so that KV and aux travel in one WRITE (one list per side).
         self.aux = AuxSlots(c.max_running_requests + c.max_queued_requests, device=str(self.device))
         self.engine = NixlEngine("prefill")
+        self.probe = MetadataProbe(timeout_s=c.register_timeout_s)
+        self.probe.start()
         for slot in self._slots():
             self.engine.register_tensor(slot.kv.buffer)
         self.engine.register_tensor(self.aux.buffer)
@@ -74,7 +77,7 @@ class PrefillDaemon:
                                aux=self.aux, prefill_id=self.prefill_id, metrics=self.metrics,
                                transfer_wait_timeout_s=c.transfer_wait_timeout_s, xfer_timeout_s=c.xfer_timeout_s,
                                register_timeout_s=c.register_timeout_s,
-                               peer_timeout_s=c.heartbeat_interval_s * c.heartbeat_misses * 2)
+                               peer_timeout_s=c.heartbeat_interval_s * c.heartbeat_misses * 2, probe=self.probe)
         self.scheduler = PrefillScheduler(self.runner, self.model_executor, max_prefill_tokens=c.max_prefill_tokens,
                                           with_draft=self.runner.draft is not None)
         self.scheduler.start()
@@ -112,6 +115,8 @@ class PrefillDaemon:
             self.sender.close()
         if self.server is not None:
             self.server.close()
+        if getattr(self, "probe", None) is not None:
+            self.probe.close()
         if self.engine is not None:
             self.engine.close()
         self.model_executor.shutdown(wait=True)

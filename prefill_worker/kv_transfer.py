@@ -21,6 +21,7 @@ from common.errors import DisaggError, PeerUnavailableError, ProtocolError, Tran
 from common.geometry import KvLayout, TransferPlan
 from common.metrics import Metrics
 from common.transport.nixl import NixlEngine, XferState
+from common.transport.nixl_probe import MetadataProbe
 from common.transport.zmq import BootstrapServer
 from common.aux import AuxSlots
 
@@ -66,8 +67,10 @@ class Room:
 class KvSender:
     def __init__(self, *, engine: NixlEngine, layout: KvLayout, server: BootstrapServer, executor: Executor,
                  aux: AuxSlots, prefill_id: str, metrics: Metrics, transfer_wait_timeout_s: float,
-                 xfer_timeout_s: float, register_timeout_s: float, peer_timeout_s: float):
+                 xfer_timeout_s: float, register_timeout_s: float, peer_timeout_s: float,
+                 probe: MetadataProbe | None = None):
         self.engine = engine
+        self.probe = probe
         self.layout = layout
         self.server = server
         self.executor = executor
@@ -174,6 +177,8 @@ class KvSender:
         """Executor: add the decode's agent (replacing its own stale one) and prepare one list pair per group."""
         if old is not None and old.agent_name == msg.agent_name:
             self.engine.remove_peer(msg.agent_name)  # only ever this decode's own agent, never another's
+        if self.probe is not None:  # metadata that aborts a NIXL loader must not reach ours
+            self.probe.check(msg.agent_metadata, peer=f"decode_id={msg.decode_id}")
         name = self.engine.add_peer(msg.agent_metadata)
         if name != msg.agent_name:
             if all(p.agent_name != name for p in self.peers.values()):
