@@ -8,6 +8,7 @@ or, when a failed room's WRITE may still land, once the prefill confirms (or a h
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -61,6 +62,8 @@ class DecodeBackend(DaemonBackend):
             else:
                 d.receiver.quarantine(b.room, lambda: d.runner.release(seq), abort=getattr(exc, "abort", None))
             d.metrics.requests.labels(outcome="kv_failed").inc()
+            reason = "cancelled" if isinstance(exc, asyncio.CancelledError) else type(exc).__name__
+            d.metrics.failed_transfers.labels(reason=reason).inc()
             raise
         seq.num_cached = seq.num_prompt_tokens
         seq.output_ids.append(record.first_token_id)
