@@ -71,6 +71,7 @@ class KvSender:
                  probe: MetadataProbe | None = None):
         self.engine = engine
         self.probe = probe
+        self.max_early = 4096
         self.layout = layout
         self.server = server
         self.executor = executor
@@ -218,6 +219,11 @@ class KvSender:
         if room is None:
             if msg.room in self.early:
                 await self._refuse_duplicate(identity, msg, self.early[msg.room][0])
+                return
+            if len(self.early) >= self.max_early:  # bounded: a flood of unknown rooms cannot grow memory
+                await self._send(identity, wire.TransferResult(
+                    room=msg.room, ok=False, error=f"prefill {self.prefill_id} already holds {len(self.early)} "
+                                                   f"transfer requests for rooms it has not seen; retry later"))
                 return
             self.early[msg.room] = (msg, identity, time.monotonic() + self.transfer_wait_timeout_s)
             return
