@@ -236,7 +236,7 @@ class KvReceiver:
         try:
             await link.send(wire.Abort(room=room, reason=reason),
                             timeout_s=self.heartbeat_interval_s * self.heartbeat_misses)
-        except DisaggError as exc:
+        except Exception as exc:  # task boundary; includes a socket replaced mid-send (_rebuild_socket)
             note.is_lost = True
             logger.warning("could not send abort for room=%d to peer=%s: %s", room, link.address, exc)
         else:

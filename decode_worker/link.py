@@ -37,7 +37,8 @@ class PrefillLink:
         self.host, self.port = host, port
         self.address = f"{host}:{port}"
         self.receiver = receiver
-        self.client = BootstrapClient(host, port, **(client_keys or {}))
+        self._client_keys = client_keys or {}
+        self.client = BootstrapClient(host, port, **self._client_keys)
         self.state = LinkState.NEW
         self.ack: wire.RegisterAck | None = None
         self.decode_id = ""
@@ -46,6 +47,8 @@ class PrefillLink:
         self._last_pong = time.monotonic()
         self.last_pong_t = 0.0  # send time (this clock) of the latest ping the prefill answered
         self.is_connected = True  # False while pings find no connection to the prefill
+        self._num_failed_pings = 0
+        self._retired: list[BootstrapClient] = []  # replaced sockets, closed a little later
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -97,13 +100,16 @@ class PrefillLink:
 
     async def _read_loop(self) -> None:
         while True:
+            client = self.client
             try:
-                msg = await self.client.recv(timeout_s=self.receiver.heartbeat_interval_s)
+                msg = await client.recv(timeout_s=self.receiver.heartbeat_interval_s)
             except ProtocolError as exc:
                 msg = exc  # a malformed frame is counted and dropped; the link keeps reading
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # task boundary: log and keep reading
+                if client is not self.client:
+                    continue  # the socket was replaced under this read (_rebuild_socket)
                 logger.exception("link reader for peer=%s failed: %s", self.address, exc)
                 await asyncio.sleep(0.1)
                 continue
@@ -157,6 +163,7 @@ class PrefillLink:
             # Bounded by the interval: with the prefill down a send would otherwise block for
             # seconds and delay the silence check below past every room's deadline.
             self.is_connected = await self._send_quietly(wire.Ping(t=time.monotonic()), timeout_s=interval)
+            self._num_failed_pings = 0 if self.is_connected else self._num_failed_pings + 1
             silent_s = time.monotonic() - self._last_pong
             if silent_s > interval * 1.5:
                 self.receiver.metrics.heartbeat_misses.inc()
@@ -165,6 +172,29 @@ class PrefillLink:
                                silent_s)
                 self.state = LinkState.LOST
                 self.receiver.on_link_lost(self, f"did not answer heartbeats for {silent_s:.1f}s")
+            if self._num_failed_pings >= self.receiver.heartbeat_misses:
+                self._rebuild_socket()
+
+    def _rebuild_socket(self) -> None:
+        """Replace a DEALER that has had no connection for several pings. libzmq never reconnects
+        a connection it dropped for a protocol error (e.g. a frame over the size cap), so without
+        this one bad frame would cut this decode off from that prefill until a restart."""
+        logger.warning("no connection to prefill peer=%s for %d pings: new socket, will re-register",
+                       self.address, self._num_failed_pings)
+        old, self.client = self.client, BootstrapClient(self.host, self.port, **self._client_keys)
+        self.client.start()
+        # Reads and sends in flight may still be polling the old socket (each with a timeout of a
+        # few seconds at most); closing it under them would leave their polls hanging.
+        self._retired.append(old)
+        asyncio.get_running_loop().call_later(max(10.0, 4 * self.receiver.heartbeat_interval_s), self._retire, old)
+
+    def _retire(self, client: BootstrapClient) -> None:
+        if client in self._retired:
+            self._retired.remove(client)
+            client.close()
+        self._num_failed_pings = 0
+        if self.state is LinkState.REGISTERED:
+            self.state = LinkState.NEW
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -172,4 +202,7 @@ class PrefillLink:
         for result in await asyncio.gather(*self._tasks, return_exceptions=True):
             if isinstance(result, Exception):
                 logger.warning("link task for peer=%s ended with %r", self.address, result)
+        for client in self._retired:
+            client.close()
+        self._retired.clear()
         self.client.close()

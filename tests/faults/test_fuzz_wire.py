@@ -490,8 +490,9 @@ def test_decode_request_survives_fuzz_at_register_and_transfer(stack):
 
 def test_oversized_frame_to_decode_costs_only_that_link(stack):
     """libzmq drops a DEALER connection that receives a frame over MAXMSGSIZE and, as for any
-    protocol error, does not reconnect it. Only the link to that one prefill is lost: the decode
-    stays up, its other links work, and a request naming that prefill fails cleanly."""
+    protocol error, does not reconnect it (the decode replaces the socket after a few failed
+    pings). Only the link to that one prefill is hit: the decode stays up, its other links work,
+    and a request naming that prefill fails cleanly."""
     side = dataclasses.replace(stack, fake=End(stack.fake.sock.context))
     try:
         status, answer, _ = request_via_fake(side, random.getrandbits(63), Script())
