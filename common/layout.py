@@ -1,0 +1,225 @@
+"""One side's KV geometry: the region table and the checks that need only that side (DESIGN §4).
+
+``KvLayout`` is what a daemon derives from its own pools or reads from a ``register`` message;
+``check_layout`` refuses a table no plan could use (bad kinds, overflowing or overlapping regions,
+a page stride shorter than a page). Pure functions, like ``common.geometry``, which builds the
+transfer plan from two of these.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from common.errors import GeometryMismatchError
+from common.wire import (AUX_RECORD_BYTES, KV_KINDS, MEM_KINDS, MODEL_KINDS, AuxInfo, Region,
+                         RegionKey, Register)
+
+ADDR_LIMIT = 1 << 64  # one past the last byte a 64-bit descriptor address can name
+Desc = tuple[int, int, int]  # one NIXL descriptor: (addr, nbytes, device)
+_MAX_KEYS_SHOWN = 8
+
+
+def format_key(key: RegionKey) -> str:
+    """``("target", 3, "v")`` → ``"target layer 3 v"``, the form used in every message."""
+    return f"{key[0]} layer {key[1]} {key[2]}"
+
+
+def _format_keys(keys: Sequence[RegionKey]) -> str:
+    shown = ", ".join(format_key(k) for k in keys[:_MAX_KEYS_SHOWN])
+    more = len(keys) - _MAX_KEYS_SHOWN
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
+@dataclass(frozen=True, slots=True)
+class KvLayout:
+    """One side's KV geometry: the fields of ``Register`` that describe memory.
+
+    ``model`` is the architecture fingerprint (not a region's target/draft tag). ``check_layout``
+    states the invariants; ``build_plan`` enforces them on both sides.
+    """
+
+    model: str
+    page_size: int  # tokens per page
+    kv_dtype: str
+    tp_size: int
+    tp_rank: int
+    regions: tuple[Region, ...]
+    aux: AuxInfo
+
+    @classmethod
+    def from_register(cls, reg: Register) -> KvLayout:
+        return cls(model=reg.model, page_size=reg.page_size, kv_dtype=reg.kv_dtype,
+                   tp_size=reg.tp_size, tp_rank=reg.tp_rank, regions=tuple(reg.regions), aux=reg.aux)
+
+
+_Rule = tuple[str, Callable[[Any], bool], str]  # (field, predicate, what the field must be)
+_REGION_RULES: tuple[_Rule, ...] = (
+    ("model", lambda r: r.model in MODEL_KINDS, f"one of {MODEL_KINDS}"),
+    ("kind", lambda r: r.kind in KV_KINDS, f"one of {KV_KINDS}"),
+    ("mem", lambda r: r.mem in MEM_KINDS, f"one of {MEM_KINDS}"),
+    ("layer", lambda r: r.layer >= 0, ">= 0"),
+    ("device", lambda r: r.device >= 0, ">= 0"),
+    ("addr", lambda r: r.addr >= 0, ">= 0"),
+    ("item_len", lambda r: r.item_len > 0, "> 0"),
+    ("stride", lambda r: r.stride == 0 or r.stride >= r.item_len, "0 or >= item_len (pages must not overlap)"),
+    ("num_pages", lambda r: r.num_pages > 0, "> 0"),
+    ("head_start", lambda r: r.head_start >= 0, ">= 0"),
+    ("num_heads", lambda r: r.num_heads > 0, "> 0"),
+)
+_AUX_RULES: tuple[_Rule, ...] = (
+    ("mem", lambda a: a.mem in MEM_KINDS, f"one of {MEM_KINDS}"),
+    ("device", lambda a: a.device >= 0, ">= 0"),
+    ("addr", lambda a: a.addr >= 0, ">= 0"),
+    ("item_len", lambda a: a.item_len >= AUX_RECORD_BYTES, f">= {AUX_RECORD_BYTES} (one aux record)"),
+    ("num_slots", lambda a: a.num_slots > 0, "> 0"),
+)
+
+
+def _apply_rules(obj: object, rules: tuple[_Rule, ...], where: str) -> None:
+    for name, ok, expected in rules:
+        if not ok(obj):
+            raise GeometryMismatchError(f"{where}: {name} must be {expected}, got {getattr(obj, name)!r}")
+
+
+def check_layout(layout: KvLayout, side: str) -> None:
+    """Raise unless ``layout`` is sane on its own; ``side`` ("prefill"/"decode") names it in messages.
+
+    Invariants: ``page_size > 0``; ``0 <= tp_rank < tp_size``; at least one region; every region has
+    a known model/kind/mem, ``item_len > 0``, ``stride`` 0 or ``>= item_len``, ``num_pages > 0`` and
+    ends inside 64-bit space; no key appears twice; the aux area holds ``num_slots > 0`` slots of at
+    least one aux record each; no two regions (or a region and the aux area) share a byte on one
+    (mem, device). Regions may interleave (page-major pools) when their strides are equal; regions
+    with different strides must not even interleave, a conservative rule that no pool layout kvferry
+    builds comes near.
+    """
+    if layout.page_size <= 0:
+        raise GeometryMismatchError(f"{side}: page_size must be > 0, got {layout.page_size}")
+    if not 0 <= layout.tp_rank < layout.tp_size:
+        raise GeometryMismatchError(
+            f"{side}: tp_rank must be in [0, tp_size={layout.tp_size}), got {layout.tp_rank}")
+    if not layout.regions:
+        raise GeometryMismatchError(f"{side}: registered no KV regions")
+    seen: set[RegionKey] = set()
+    for r in layout.regions:
+        where = f"{side} region {format_key(r.key)}"
+        _apply_rules(r, _REGION_RULES, where)
+        _check_end(_Span.of_region(r), where, "pages")
+        if r.key in seen:
+            raise GeometryMismatchError(f"{side}: region {format_key(r.key)} registered twice")
+        seen.add(r.key)
+    _apply_rules(layout.aux, _AUX_RULES, f"{side} aux")
+    _check_end(_Span.of_aux(layout.aux), f"{side} aux", "slots")
+    _check_disjoint(layout, side)
+
+
+@dataclass(frozen=True, slots=True)
+class _Span:
+    """``count`` items of ``item_len`` bytes, ``stride`` bytes apart, from ``addr`` on (mem, device)."""
+
+    name: str
+    mem: str
+    device: int
+    addr: int
+    item_len: int
+    stride: int
+    count: int
+
+    @classmethod
+    def of_region(cls, r: Region) -> _Span:
+        return cls(format_key(r.key), r.mem, r.device, r.addr, r.item_len, r.page_stride, r.num_pages)
+
+    @classmethod
+    def of_aux(cls, a: AuxInfo) -> _Span:
+        return cls("aux", a.mem, a.device, a.addr, a.item_len, a.item_len, a.num_slots)
+
+    @property
+    def end(self) -> int:
+        """One past the last byte of the last item."""
+        return self.addr + (self.count - 1) * self.stride + self.item_len
+
+    def __str__(self) -> str:
+        return f"{self.name} [{self.addr:#x}, {self.end:#x})"
+
+
+def _check_end(span: _Span, where: str, unit: str) -> None:
+    if span.end > ADDR_LIMIT:
+        raise GeometryMismatchError(
+            f"{where}: addr {span.addr:#x} + {span.count} {unit} × {span.item_len} bytes every {span.stride} "
+            f"bytes ends at {span.end:#x}, past the 64-bit address space")
+
+
+def _check_disjoint(layout: KvLayout, side: str) -> None:
+    # A shared byte would let one tensor's WRITE land in another's pages.
+    by_place: dict[tuple[str, int], list[_Span]] = {}
+    for span in [_Span.of_region(r) for r in layout.regions] + [_Span.of_aux(layout.aux)]:
+        by_place.setdefault((span.mem, span.device), []).append(span)
+    for (mem, device), spans in by_place.items():
+        by_stride: dict[int, list[_Span]] = {}
+        for span in spans:
+            by_stride.setdefault(span.stride, []).append(span)
+        for stride, group in by_stride.items():
+            hit = _shared_byte(group, stride)
+            if hit is not None:
+                a, b, byte = hit
+                raise GeometryMismatchError(f"{side}: {a} and {b} overlap on {mem} device {device}: "
+                                            f"byte {byte:#x} lies in a page of both")
+        clash = _interleaved_strides(spans)
+        if clash is not None:
+            a, b = clash
+            raise GeometryMismatchError(
+                f"{side}: {a} and {b} overlap on {mem} device {device} with different page strides "
+                f"({a.stride} and {b.stride} bytes); only regions of equal stride may interleave")
+
+
+def _shared_byte(spans: Sequence[_Span], stride: int) -> tuple[_Span, _Span, int] | None:
+    """Exact check for spans of one stride: (span, span, a byte in both), lower address first, or None.
+
+    Byte ``x`` is (block ``x // stride``, phase ``x % stride``). An item of a span covers one phase
+    interval in one block, or, when it crosses a block edge, a head and a tail interval in two; so a
+    span is at most two rectangles (block range × phase interval). A sweep over blocks keeps the
+    phase intervals present at the current block sorted; they are disjoint unless two spans share a
+    byte, so a new interval need only be compared with its two neighbours. O(n log n) for n spans.
+    """
+    events = []  # (block, 0 = leave / 1 = enter, (phase_lo, phase_hi, span index))
+    for i, span in enumerate(spans):
+        block, phase = divmod(span.addr, stride)
+        parts = [(block, (phase, min(phase + span.item_len, stride), i))]
+        if phase + span.item_len > stride:
+            parts.append((block + 1, (0, phase + span.item_len - stride, i)))
+        for first, interval in parts:
+            events += [(first, 1, interval), (first + span.count, 0, interval)]
+    events.sort()
+    present: list[tuple[int, int, int]] = []
+    for block, kind, interval in events:
+        at = bisect.bisect_left(present, interval)
+        if kind == 0:
+            del present[at]
+            continue
+        lo, hi, i = interval
+        for other in (present[at - 1] if at else None, present[at] if at < len(present) else None):
+            if other is not None and other[0] < hi and lo < other[1]:
+                pair = sorted((spans[i], spans[other[2]]), key=lambda s: s.addr)
+                return pair[0], pair[1], block * stride + max(lo, other[0])
+        present.insert(at, interval)
+    return None
+
+
+def _interleaved_strides(spans: Sequence[_Span]) -> tuple[_Span, _Span] | None:
+    """Two spans of different strides whose [addr, end) extents overlap, or None. One sweep by start,
+    keeping the largest end so far and the largest end of any other stride."""
+    best: _Span | None = None  # the largest end so far
+    second: _Span | None = None  # the largest end among spans whose stride differs from best's
+    for span in sorted(spans, key=lambda s: s.addr):
+        other = best if best is not None and best.stride != span.stride else second
+        if other is not None and other.end > span.addr:
+            return other, span
+        if best is None or (span.stride == best.stride and span.end > best.end):
+            best = span
+        elif span.stride != best.stride and span.end > best.end:
+            best, second = span, best
+        elif span.stride != best.stride and (second is None or span.end > second.end):
+            second = span
+    return None
