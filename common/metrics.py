@@ -40,5 +40,12 @@ class Metrics:
         self.spec_proposed = Counter("kvferry_spec_proposed_tokens", "draft tokens proposed", registry=r)
         self.spec_accepted = Counter("kvferry_spec_accepted_tokens", "draft tokens accepted", registry=r)
 
+    def observe_pools(self, slots) -> None:
+        """Set the page gauges from ``ModelRunner.slots`` (each with ``kv`` and ``allocator``)."""
+        for slot in slots:
+            name = slot.kv.model_name
+            self.pages_total.labels(model=name).set(slot.kv.num_pages)
+            self.pages_in_use.labels(model=name).set(slot.kv.num_pages - slot.allocator.num_free)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

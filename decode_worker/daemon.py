@@ -61,7 +61,7 @@ class DecodeDaemon:
         # Aux slots live beside the target KV so that KV and aux travel in one WRITE (one list per side).
         self.aux = AuxSlots(c.max_running_requests + c.max_queued_requests, device=str(self.device))
         self.engine = NixlEngine("decode")
-        for slot in self._slots():
+        for slot in self.runner.slots:
             self.engine.register_tensor(slot.kv.buffer)
         self.engine.register_tensor(self.aux.buffer)
         self.receiver = KvReceiver(engine=self.engine, register_msg=self._register_msg, aux=self.aux,
@@ -100,12 +100,9 @@ class DecodeDaemon:
             self.engine.close()
         self.model_executor.shutdown(wait=True)
 
-    def _slots(self):
-        return [s for s in (self.runner.target, self.runner.draft) if s is not None]
-
     def _register_msg(self) -> wire.Register:
         kv = self.runner.target.kv
-        regions = [r for slot in self._slots() for r in slot.kv.regions()]
+        regions = [r for slot in self.runner.slots for r in slot.kv.regions()]
         return wire.Register(decode_id=self.decode_id, agent_name=self.engine.name,
                              agent_metadata=self.engine.metadata(), model=self.runner.target.model.config.fingerprint,
                              page_size=kv.page_size, kv_dtype=kv.kv_dtype, tp_size=1, tp_rank=0, regions=regions,
@@ -163,10 +160,7 @@ class DecodeDaemon:
         self.metrics.generated_tokens.inc(sum(len(o.token_ids) for o in outputs))
 
     def _update_gauges(self) -> None:
-        for slot in self._slots():
-            name = slot.kv.model_name
-            self.metrics.pages_total.labels(model=name).set(slot.kv.num_pages)
-            self.metrics.pages_in_use.labels(model=name).set(slot.kv.num_pages - slot.allocator.num_free)
+        self.metrics.observe_pools(self.runner.slots)
         self.metrics.rooms_waiting.set(len(self.receiver.waiters))
         self.metrics.requests_running.set(self.batcher.num_active)
 
@@ -185,4 +179,4 @@ class DecodeDaemon:
                 "prefills": {f"{h}:{p}": link.state.value for (h, p), link in self.receiver.links.items()}}
 
     def free_pages(self) -> dict:
-        return {s.kv.model_name: s.allocator.num_free for s in self._slots()}
+        return self.runner.free_pages()

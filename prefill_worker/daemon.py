@@ -67,7 +67,7 @@ class PrefillDaemon:
         self.engine = NixlEngine("prefill")
         self.probe = MetadataProbe(timeout_s=c.register_timeout_s)
         self.probe.start()
-        for slot in self._slots():
+        for slot in self.runner.slots:
             self.engine.register_tensor(slot.kv.buffer)
         self.engine.register_tensor(self.aux.buffer)
         self.layout = self._layout()
@@ -123,12 +123,9 @@ class PrefillDaemon:
         self.xfer_executor.shutdown(wait=True)
 
     # -- helpers ----------------------------------------------------------------------------------------
-    def _slots(self):
-        return [s for s in (self.runner.target, self.runner.draft) if s is not None]
-
     def _layout(self) -> KvLayout:
         kv = self.runner.target.kv
-        regions = tuple(r for slot in self._slots() for r in slot.kv.regions())
+        regions = tuple(r for slot in self.runner.slots for r in slot.kv.regions())
         return KvLayout(model=self.runner.target.model.config.fingerprint, page_size=kv.page_size,
                         kv_dtype=kv.kv_dtype, tp_size=1, tp_rank=0, regions=regions, aux=self.aux.info())
 
@@ -165,10 +162,7 @@ class PrefillDaemon:
                 logger.exception("sweep failed")
 
     def _update_gauges(self) -> None:
-        for slot in self._slots():
-            name = slot.kv.model_name
-            self.metrics.pages_total.labels(model=name).set(slot.kv.num_pages)
-            self.metrics.pages_in_use.labels(model=name).set(slot.kv.num_pages - slot.allocator.num_free)
+        self.metrics.observe_pools(self.runner.slots)
         self.metrics.rooms_waiting.set(len(self.rooms))
         self.metrics.requests_queued.set(self.scheduler.num_waiting)
 
@@ -196,4 +190,4 @@ class PrefillDaemon:
                 "free_pages": self.free_pages()}
 
     def free_pages(self) -> dict:
-        return {s.kv.model_name: s.allocator.num_free for s in self._slots()}
+        return self.runner.free_pages()

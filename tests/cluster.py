@@ -64,6 +64,15 @@ class Cluster:
                              port=free_port(), log_dir=self.log_dir, extra=extra)
         return self._add(p, True, ready_path="/readiness")
 
+    def pair(self) -> tuple[Proc, Proc, dict]:
+        """A prefill and a decode started side by side; returns them and their free pages now."""
+        prefill, decode = self.prefill(start=False), self.decode(start=False)
+        for p in (prefill, decode):
+            p.start()
+        for p in (prefill, decode):
+            p.wait_ready(180)
+        return prefill, decode, {p.name: free_pages(p) for p in (prefill, decode)}
+
     def _add(self, p: Proc, start: bool, ready_path: str = "/health") -> Proc:
         self.procs.append(p)
         if start:

@@ -43,6 +43,15 @@ class ModelRunner:
         self.sampler = Sampler()
 
     # -- pages ------------------------------------------------------------------------------
+    @property
+    def slots(self) -> list[ModelSlot]:
+        """The target, then the draft when there is one."""
+        return [s for s in (self.target, self.draft) if s is not None]
+
+    def free_pages(self) -> dict[str, int]:
+        """Free pages of each pool, by model name ("target", "draft")."""
+        return {s.kv.model_name: s.allocator.num_free for s in self.slots}
+
     def pages_for(self, seq: Sequence, *, prompt_only: bool = False) -> int:
         if prompt_only:
             return pages_needed(seq.num_prompt_tokens, self.page_size)

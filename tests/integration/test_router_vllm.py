@@ -26,12 +26,7 @@ def pd(tmp_path_factory, tiny_models):
     """(prefill, decode, router, free pages of both at the start) for the whole module."""
     c = Cluster(tmp_path_factory.mktemp("router-vllm") / "logs", *tiny_models)
     try:
-        prefill, decode = c.prefill(start=False), c.decode(start=False)
-        for p in (prefill, decode):
-            p.start()
-        for p in (prefill, decode):
-            p.wait_ready(180)
-        before = {p.name: free_pages(p) for p in (prefill, decode)}
+        prefill, decode, before = c.pair()
         yield prefill, decode, c.vllm_router([prefill], [decode]), before
     finally:
         c.stop_all()
