@@ -13,7 +13,8 @@ Colocated TTFT is send to the colocated server's first SSE event, so the differe
 ``ttft_ms_p50_inprocess`` is the bare prefill forward of the same wave in this process (no HTTP,
 no executor), a floor (``--no-inprocess`` skips it: one model copy less on a GPU). The KV pool of
 each server holds one wave at the largest size unless ``--max-total-tokens`` says otherwise.
-One JSON line per (prompt_tokens, concurrency).
+TPOT is (stream end - first event) / (new_tokens - 1) per request, of the colocated server and
+of the decode. One JSON line per (prompt_tokens, concurrency).
 """
 
 from __future__ import annotations
@@ -155,12 +156,13 @@ def wave(pool, servers: list[Proc], prompts, sampling, bootstrap_port: int) -> d
         body = {"input_ids": ids, "sampling_params": sampling, "stream": True, "bootstrap_host": "127.0.0.1",
                 "bootstrap_port": bootstrap_port, "bootstrap_room": random.getrandbits(63)}
         legs.append(([pool.submit(post, s.url, body) for s in servers], time.perf_counter()))
-    out = {"ttft": [], "first_answer": [], "seconds": 0.0}
+    out = {"ttft": [], "tpot": [], "first_answer": [], "seconds": 0.0}
     for futures, sent in legs:
         answers = [f.result() for f in futures]
         if any(status != 200 for status, _, _ in answers):
             raise SystemExit(f"request failed: {[(s.name, a[0]) for s, a in zip(servers, answers)]}")
         out["ttft"].append(answers[-1][1] - sent)
+        out["tpot"].append((answers[-1][2] - answers[-1][1]) / max(sampling["max_new_tokens"] - 1, 1))
         out["first_answer"].append(answers[0][2] - sent)
         out["seconds"] = max(out["seconds"], answers[-1][2] - started)
     return out
@@ -197,7 +199,7 @@ def measure(a, pool, local, servers, num_prompt_tokens: int, concurrency: int) -
     sampling = {"max_new_tokens": a.new_tokens, "temperature": 0, "ignore_eos": True}
     waves = [[[rng.randrange(5, 512) for _ in range(num_prompt_tokens)] for _ in range(concurrency)]
              for _ in range(a.reps + 1)]
-    got = {k: [] for k in ("col", "dis", "inproc", "write", "kv_wait", "prefill_answer")}
+    got = {k: [] for k in ("col", "dis", "col_tpot", "dis_tpot", "inproc", "write", "kv_wait", "prefill_answer")}
     seconds = {"col": 0.0, "dis": 0.0}
     for rep, prompts in enumerate(waves):  # wave 0 warms every path up
         inproc = inprocess_ttft(*local, prompts, SamplingParams(max_new_tokens=1, temperature=0.0)) if local else []
@@ -209,6 +211,8 @@ def measure(a, pool, local, servers, num_prompt_tokens: int, concurrency: int) -
             got["inproc"] += inproc
             got["col"] += col["ttft"]
             got["dis"] += dis["ttft"]
+            got["col_tpot"] += col["tpot"]
+            got["dis_tpot"] += dis["tpot"]
             got["prefill_answer"] += dis["first_answer"]
             for key, b, e in zip(("write", "kv_wait"), before, after):
                 got[key].append((e[0] - b[0]) / max(e[1] - b[1], 1))
@@ -223,6 +227,7 @@ def measure(a, pool, local, servers, num_prompt_tokens: int, concurrency: int) -
             "kv_transfer_ms_p50": p50["write"], "overhead_minus_transfer_ms": round(overhead - p50["write"], 3),
             "kv_wait_ms_p50": p50["kv_wait"], "prefill_answer_ms_p50": p50["prefill_answer"],
             "ttft_ms_p50_inprocess": p50["inproc"],
+            "tpot_ms_p50_colocated": p50["col_tpot"], "tpot_ms_p50_disagg": p50["dis_tpot"],
             "tokens_per_s_colocated": round(num_tokens / seconds["col"], 1),
             "tokens_per_s_disagg": round(num_tokens / seconds["dis"], 1)}
 

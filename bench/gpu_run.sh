@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
-#   bash bench/gpu_run.sh [tests|transfer|e2e|all]   (results land in $OUT, default ./gpu-out)
+#   bash bench/gpu_run.sh [tests|transfer|spec|e2e|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh ...). NVLink multicast stays off.
 set -uo pipefail
@@ -16,17 +16,33 @@ export PYTHONPATH=/tmp/site:$PWD
   python3 -c 'import torch, sys, importlib.metadata as m; print("python", sys.version.split()[0], "torch",
 torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "nixl", m.version("nixl_cu13"))'
 } 2>&1 | tee "$out/env.txt"
+# each step has its own time limit, so that one slow step still leaves the others' results in $OUT
 if [[ $what == tests || $what == all ]]; then
-  python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_nixl_engine.py tests/unit/test_model_vs_transformers.py \
-    2>&1 | tee "$out/tests.txt" | tail -25
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_nixl_engine.py \
+    tests/unit/test_model_vs_transformers.py 2>&1 | tee "$out/tests.txt" | tail -25
 fi
 if [[ $what == transfer || $what == all ]]; then
-  python3 bench/transfer.py --device cuda --tokens 1024,4096,16384 2>"$out/transfer.err" | tee "$out/transfer.jsonl"
-  python3 bench/transfer.py --device cuda --tokens 1024,4096,16384 --num-threads 4 2>>"$out/transfer.err" \
-    | tee -a "$out/transfer.jsonl"
+  for extra in "" "--num-threads 4"; do
+    timeout 150 python3 bench/transfer.py --device cuda --tokens 1024,4096,16384 --iters 10 $extra \
+      2>>"$out/transfer.err" | tee -a "$out/transfer.jsonl"
+  done
+  timeout 90 python3 bench/transfer.py --device cuda --tokens 1024 --iters 3 --kv-layout layer-major \
+    2>>"$out/transfer.err" | tee -a "$out/transfer.jsonl"
+fi
+m8b=/tmp/m8b
+if [[ $what == spec || $what == e2e || $what == all ]] && [[ ! -f $m8b/draft/config.json ]]; then
+  timeout 200 python3 -m common.cli make-tiny-model $m8b --preset llama-3.1-8b 2>&1 | tail -2
+fi
+if [[ $what == spec || $what == all ]]; then
+  for batch in 1 8; do
+    timeout 120 python3 bench/spec.py --device cuda --model $m8b/target --draft $m8b/draft --batch $batch \
+      --reps 5 2>>"$out/spec.err" | tee -a "$out/spec.jsonl"
+  done
 fi
 if [[ $what == e2e || $what == all ]]; then
-  python3 -m common.cli make-tiny-model /tmp/m8b --preset llama-3.1-8b 2>&1 | tail -2
-  python3 bench/e2e.py --device cuda --model /tmp/m8b/target --draft /tmp/m8b/draft \
-    --prompt-tokens 1024,8192 --concurrency 1,16,64 2>"$out/e2e.err" | tee "$out/e2e.jsonl"
+  # three 8B servers share one GPU: each KV pool holds 140k tokens (17 GiB), so a wave of 64 x 8k
+  # prompts queues for pages; the in-process floor would be a fourth model copy
+  timeout ${E2E_TIMEOUT:-400} python3 bench/e2e.py --device cuda --model $m8b/target --draft $m8b/draft \
+    --prompt-tokens ${E2E_PROMPTS:-1024,8192} --concurrency ${E2E_CONC:-1,16,64} --reps ${E2E_REPS:-5} \
+    --max-total-tokens 140000 --no-inprocess 2>"$out/e2e.err" | tee "$out/e2e.jsonl"
 fi

@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] (both engines)")
     a = ap.parse_args()
     import torch
 
@@ -65,8 +66,9 @@ def main() -> None:
     target, draft = (a.model, a.draft) if a.model else tiny_dirs()
     tok = Tokenizer.from_dir(target)
     room = a.batch * (a.prompt_tokens + a.new_tokens + 64)
-    engines = {"plain": ColocatedEngine(build_runner(target, None, max_total_tokens=room), tok),
-               "spec": ColocatedEngine(build_runner(target, draft, max_total_tokens=room, spec_k=a.k), tok)}
+    engines = {"plain": ColocatedEngine(build_runner(target, None, device=a.device, max_total_tokens=room), tok),
+               "spec": ColocatedEngine(build_runner(target, draft, device=a.device, max_total_tokens=room,
+                                                    spec_k=a.k), tok)}
     params = SamplingParams(max_new_tokens=a.new_tokens, temperature=0.0, ignore_eos=True)
     batches = [corpus_prompts(tok, a.batch, a.prompt_tokens, a.seed + rep) for rep in range(a.reps + 1)]
     seconds, ratios, accepted, proposed = {"plain": 0.0, "spec": 0.0}, [], 0, 0
@@ -91,7 +93,7 @@ def main() -> None:
           "tokens_per_s_plain": round(num_tokens / seconds["plain"], 1),
           "tokens_per_s_spec": round(num_tokens / seconds["spec"], 1),
           "speedup": round(statistics.median(ratios), 3), "outputs_equal": True,
-          "model": Path(target).name, "hw": hardware(), "git": git_hash()})
+          "model": Path(target).name, "device": a.device, "hw": hardware([a.device]), "git": git_hash()})
 
 
 if __name__ == "__main__":

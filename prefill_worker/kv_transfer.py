@@ -20,7 +20,7 @@ from common import geometry, wire
 from common.errors import DisaggError, PeerUnavailableError, ProtocolError, TransferError
 from common.geometry import KvLayout, TransferPlan
 from common.metrics import Metrics
-from common.transport.nixl import NixlEngine, XferState
+from common.transport.nixl import NixlEngine, XferState, poll_pauses
 from common.transport.nixl_probe import MetadataProbe
 from common.transport.zmq import BootstrapServer
 from common.aux import AuxSlots
@@ -350,7 +350,7 @@ class KvSender:
 
     def _wait(self, handle, deadline: float, room: Room) -> None:
         """Executor: poll to DONE; stop early when the room is aborted or the deadline passes."""
-        pause_s = 1e-5
+        pauses = poll_pauses()
         while True:
             state = self.engine.poll(handle)
             if state is XferState.DONE:
@@ -363,8 +363,7 @@ class KvSender:
                 self.metrics.timeouts.labels(stage="xfer").inc()
                 raise TransferError(f"room={room.room}: NIXL WRITE to peer={handle.peer} timed out after "
                                     f"{self.xfer_timeout_s:.1f}s; cancelled (is the decode frozen?)")
-            time.sleep(pause_s)
-            pause_s = min(pause_s * 2, 5e-4)
+            time.sleep(next(pauses))
 
     # -- housekeeping ------------------------------------------------------------------------------
     async def sweep(self) -> None:

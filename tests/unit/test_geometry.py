@@ -46,12 +46,31 @@ def plan_ranges(plan):
 
 
 def selected(plan, xfer):
-    """One room's WRITEs as ((prefill mem, addr, nbytes, device), (decode mem, addr, nbytes, device))."""
+    """One room's WRITEs as ((prefill mem, addr, nbytes, device), (decode mem, addr, nbytes, device)),
+    an entry of a fused run cut back into its regions' pages (see ``_pieces``)."""
     out = []
     for grp, (p_idx, d_idx) in zip(plan.groups, xfer.per_group):
         p_descs, d_descs = grp.prefill_descs(), grp.decode_descs()
         assert len(p_idx) == len(d_idx)
-        out += [((grp.prefill_mem, *p_descs[i]), (grp.decode_mem, *d_descs[j])) for i, j in zip(p_idx, d_idx)]
+        for i, j in zip(p_idx, d_idx):
+            p_parts = _pieces(plan.prefill, grp.prefill_mem, *p_descs[i])
+            d_parts = _pieces(plan.decode, grp.decode_mem, *d_descs[j])
+            assert [n for _, _, n, _ in p_parts] == [n for _, _, n, _ in d_parts]  # the same cut on both sides
+            out += list(zip(p_parts, d_parts))
+    return out
+
+
+def _pieces(layout_, mem, addr, nbytes, device):
+    """Desc ``(addr, nbytes, device)`` cut into the region pages (or aux slot) it spans, in order;
+    a range no region page starts at stays whole (the locate tests then fail on it)."""
+    out = []
+    while nbytes > 0:
+        at = _locate(layout_, mem, addr, 1, device)
+        size = nbytes
+        if at is not None and at[0] != "aux":
+            size = min(nbytes, next(r.item_len for r in layout_.regions if r.key == at[0]))
+        out.append((mem, addr, size, device))
+        addr, nbytes = addr + size, nbytes - size
     return out
 
 
@@ -570,8 +589,8 @@ def test_entries_follow_prefill_addresses_so_runs_merge_whatever_the_token_order
     xfer = g.request_indices(plan, prefill_page_ids=[1, 0], decode_page_ids=[3, 2],
                              prefill_aux_slot=0, decode_aux_slot=0)
     assert _merged(plan, xfer) == 1 + 1
-    p_idx, d_idx = xfer.per_group[0]  # the lists hold pages by address: page p of region r at 8 * p + r
-    assert p_idx.tolist() == list(range(16)) + [8 * PAGES] and d_idx.tolist() == list(range(16, 32)) + [8 * PAGES]
+    p_idx, d_idx = xfer.per_group[0]  # the 8 regions fuse into one run: page p is entry p, aux slots follow
+    assert p_idx.tolist() == [0, 1, PAGES] and d_idx.tolist() == [2, 3, PAGES]
     assert nixl_merged(plan, xfer) == 2
 
 
@@ -587,8 +606,8 @@ def test_entries_come_in_prefill_address_order(room_):
 def test_lists_hold_every_page_by_address_and_grid_finds_it(room_):
     for grp in room_.plan.groups:
         for regions, order, descs, aux in (
-                ([p for p, _ in grp.pairs], grp.prefill_order, grp.prefill_descs(), grp.prefill_aux),
-                ([d for _, d in grp.pairs], grp.decode_order, grp.decode_descs(), grp.decode_aux)):
+                ([p for p, _ in grp.runs], grp.prefill_order, grp.prefill_descs(), grp.prefill_aux),
+                ([d for _, d in grp.runs], grp.decode_order, grp.decode_descs(), grp.decode_aux)):
             pages = descs[:order.size]
             keys = [(dev, addr) for addr, _, dev in pages]
             assert keys == sorted(keys) and len(set(keys)) == len(keys) == sum(r.num_pages for r in regions)
@@ -669,3 +688,40 @@ def test_the_prefill_layout_never_changes_what_the_decode_receives(room_, is_pag
 
     assert received(other, xfer) == received(plan, room_.xfer)
     assert xfer.num_bytes == room_.xfer.num_bytes
+
+
+@given(rooms())
+def test_runs_hold_exactly_the_pairs_bytes(room_):
+    for grp in room_.plan.groups:
+        for side in (0, 1):
+            runs = [r[side] for r in grp.runs]
+            assert sum(r.item_len for r in runs) == sum(p[side].item_len for p in grp.pairs)
+            assert _covered(runs) == _covered([p[side] for p in grp.pairs])
+
+
+def _covered(spans):
+    """The bytes of every page of ``spans`` as maximal (device, start, end) ranges."""
+    ranges = sorted((r.device, r.addr + k * r.page_stride, r.addr + k * r.page_stride + r.item_len)
+                    for r in spans for k in range(r.num_pages))
+    out = []
+    for dev, start, end in ranges:
+        if out and out[-1][0] == dev and out[-1][2] == start:
+            out[-1] = (dev, out[-1][1], end)
+        else:
+            out.append((dev, start, end))
+    return out
+
+
+def test_regions_fuse_only_when_they_follow_each_other_on_both_sides():
+    both = g.build_plan(layout(page_major()), layout(page_major(base=0x20_0000)))
+    assert [(p.item_len, d.item_len) for p, d in both.groups[0].runs] == [(8 * ITEM, 8 * ITEM)]
+    # the decode lists its regions in another order inside the page block: nothing follows on both sides
+    swapped = page_major(base=0x20_0000)
+    swapped[0], swapped[1] = (dataclasses.replace(swapped[0], addr=swapped[1].addr),
+                              dataclasses.replace(swapped[1], addr=swapped[0].addr))
+    plan = g.build_plan(layout(page_major()), layout(swapped))
+    assert len(plan.groups[0].runs) == 3  # k0 and v0 stay apart; k1..v3 follow on both sides and fuse
+    xfer = room(plan, 16 * 3, [4, 7, 2])
+    assert _merged(plan, xfer) == nixl_merged(plan, xfer)
+    layer_major = g.build_plan(layout(table()), layout(table(base=0x20_0000)))
+    assert len(layer_major.groups[0].runs) == 8  # a region's pages are back to back: no page block to share

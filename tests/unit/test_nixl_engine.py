@@ -230,3 +230,12 @@ def test_close_is_idempotent_and_final(target, prefill):
         engine.post_write(local, [0], remote, [0], b"after-close")
     with pytest.raises(TransferError, match="closed"):
         engine.metadata()
+
+
+def test_poll_pauses_spin_first_then_grow_to_the_cap():
+    from common.transport.nixl import poll_pauses
+    pauses = poll_pauses(spin_s=0.002, max_pause_s=0.0004)
+    assert next(pauses) == 0.0  # a WRITE that ends at once is seen at once
+    time.sleep(0.003)
+    later = [next(pauses) for _ in range(3)]
+    assert all(0.0 < p <= 0.0004 for p in later)
