@@ -275,6 +275,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-total-tokens", type=int, help="KV pool of each server (default: enough for the run)")
     ap.add_argument("--no-inprocess", action="store_true", help="skip the in-process floor (one model copy less)")
+    ap.add_argument("--max-wave-tokens", type=int, help="skip (prompt_tokens, concurrency) pairs whose wave "
+                                                         "holds more prompt tokens than this")
     ap.add_argument("--serve-colocated", type=int, metavar="PORT", help=argparse.SUPPRESS)
     a = ap.parse_args()
     lengths, levels = [int(x) for x in a.prompt_tokens.split(",")], [int(x) for x in a.concurrency.split(",")]
@@ -299,6 +301,8 @@ def main() -> None:
             with ThreadPoolExecutor(2 * max(levels)) as pool:
                 for num_prompt_tokens in lengths:
                     for concurrency in levels:
+                        if a.max_wave_tokens and num_prompt_tokens * concurrency > a.max_wave_tokens:
+                            continue
                         record = measure(a, pool, local, servers, num_prompt_tokens, concurrency)
                         emit({**record, "device": a.device, "model": Path(target).name, "draft": bool(draft),
                               "threads": a.threads, "hw": hardware([a.device]), "git": git_hash()})

@@ -10,8 +10,13 @@ warm-up whose bytes are checked on the decode; ratio_vs_raw is the median of per
   raw_nixl  one WRITE of the prompt's KV on pages 0..n-1 of both sides in the fewest descriptors any
             NIXL WRITE can use for those bytes (the maximal runs contiguous on both sides): one per
             region layer-major, ONE for the whole prompt page-major, one per page per region mixed
-  kvferry   request_indices, then one prepared WRITE per group, notification on the last (as KvSender);
-            aux slots sit beside the KV as in the daemons, so that is one WRITE of KV pages + aux record
+  kvferry   one prepared WRITE per group from the room's index lists, notification on the last (as
+            KvSender, which builds the lists when the decode's request arrives, during the forward:
+            index_ms, reported apart); aux slots sit beside the KV as in the daemons, so that is one
+            WRITE of KV pages + aux record. Decode pages: contiguous (0..n-1), fragmented (random over
+            the pool) or churned (what the decode's PageAllocator gives after 400 random rooms)
+  *_nixl    raw NIXL with exactly the runs kvferry's scattered room merges into, prepared as they
+            are: NIXL's own floor for that scatter (ratio_vs_same_descs)
   memcpy    one contiguous torch copy of as many bytes in this process, single-threaded like UCX's
 CUDA: --device cuda, or --prefill-device cuda:0 --decode-device cuda:1.
 """
@@ -37,13 +42,14 @@ from common import geometry, wire  # noqa: E402
 from common.aux import AuxSlots  # noqa: E402
 from common.geometry import KvLayout  # noqa: E402
 from common.model.config import ModelConfig  # noqa: E402
-from common.model.kv_cache import KV_LAYOUTS, KvCache  # noqa: E402
+from common.model.kv_cache import KV_LAYOUTS, KvCache, PageAllocator  # noqa: E402
 from common.transport.nixl import NixlEngine  # noqa: E402
 
 PAGE_SIZE = 16
 LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
              "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}
 POOL_FACTOR = 4  # decode pages per prompt page
+LAYOUTS = ("contiguous", "fragmented", "churned")  # where the decode's pages are
 logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL logs INFO to stdout, where the JSON goes
 
 
@@ -85,6 +91,26 @@ def decode_main(conn, num_layers: int, num_pages: int, device: str, num_threads:
                 torch.cuda.synchronize(pool.buffer.device)
         conn.send(digest(pool, page_ids) if cmd == "digest" else None)
     engine.close()
+
+
+def churned_pages(num_pages: int, n: int, rng: random.Random, steps: int = 400) -> list[int]:
+    """The pages a decode's own allocator gives an n-page room after ``steps`` rooms of 1..n pages
+    came and went at random (the pool kept at most three quarters full)."""
+    alloc, live = PageAllocator(num_pages), []
+    for _ in range(steps):
+        size = rng.randint(1, n)
+        if live and (rng.random() < 0.5 or alloc.num_free - size < num_pages // 4):
+            alloc.free(live.pop(rng.randrange(len(live))))
+        elif alloc.num_free - size >= num_pages // 4:
+            live.append(alloc.allocate(size))
+    while not alloc.can_allocate(n):
+        alloc.free(live.pop(rng.randrange(len(live))))
+    return alloc.allocate(n)
+
+
+def ratio(raw: list[tuple[float, float]], kvferry: list[tuple[float, float]]) -> float:
+    """Median of per-iteration raw / kvferry times (timed back to back: drift cancels)."""
+    return median([r / k for (_, r), (_, k) in zip(raw, kvferry)])
 
 
 def write(engine: NixlEngine, local, local_idx, remote, remote_idx, notif: bytes | None, counts: list) -> None:
@@ -134,15 +160,20 @@ class Prefill:
 
     def kvferry_write(self, prefill_ids: list[int], decode_ids: list[int], notif: bytes, counts: list
                       ) -> tuple[float, float]:
-        """One room as KvSender sends it; returns (index-building seconds, total seconds)."""
+        """One room as KvSender sends it; returns (index-building seconds, WRITE seconds). KvSender
+        builds the index lists when the decode's request arrives, while the forward runs; the WRITE
+        path starts from them: the aux slot, then the WRITE."""
         start = time.perf_counter()
         xfer = geometry.request_indices(self.plan, prefill_page_ids=prefill_ids, decode_page_ids=decode_ids,
                                         prefill_aux_slot=0, decode_aux_slot=0)
         indexed = time.perf_counter()
+        self.sync()
+        started = time.perf_counter()
+        xfer = xfer.with_prefill_aux_slot(self.plan, 1)
         for g, ((local, remote), (local_idx, remote_idx)) in enumerate(zip(self.prepped, xfer.per_group)):
             write(self.engine, local, local_idx, remote, remote_idx,
                   notif if g == len(self.prepped) - 1 else None, counts)
-        return indexed - start, time.perf_counter() - start
+        return indexed - start, time.perf_counter() - started
 
     def selected(self, xfer: geometry.RequestXfer, with_aux: bool) -> list[tuple[list, list]]:
         """Per group, the (prefill, decode) descriptors the room's index lists select, in list order."""
@@ -152,10 +183,10 @@ class Prefill:
             out.append(([p[i] for i in p_idx[:keep]], [d[i] for i in d_idx[:keep]]))
         return out
 
-    def raw_lists(self, n: int):
-        """The prompt's KV on pages 0..n-1 of both sides as the fewest descriptors any WRITE can use:
+    def raw_lists(self, prefill_ids: list[int], decode_ids: list[int]):
+        """The prompt's KV on these pages of both sides as the fewest descriptors any WRITE can use:
         the maximal runs that are contiguous on both sides (kvferry's own merge of that room)."""
-        xfer = geometry.request_indices(self.plan, prefill_page_ids=list(range(n)), decode_page_ids=list(range(n)),
+        xfer = geometry.request_indices(self.plan, prefill_page_ids=prefill_ids, decode_page_ids=decode_ids,
                                         prefill_aux_slot=0, decode_aux_slot=0)
         runs = [geometry.merge_runs(p, d) for p, d in self.selected(xfer, with_aux=False)]
         p_runs, d_runs = [r for p, _ in runs for r in p], [r for _, d in runs for r in d]
@@ -168,19 +199,27 @@ class Prefill:
         descriptor counts NIXL reported, by method name."""
         n = math.ceil(tokens / PAGE_SIZE)
         prefill_ids = list(range(n))
-        raw_local, raw_remote, raw_idx = self.raw_lists(n)
         notif = wire.encode(wire.Notification(room=tokens, decode_id="bench", ok=True))
         nbytes = n * sum(p.item_len for g in self.plan.groups for p, _ in g.pairs)
         src = self.kv.buffer.view(torch.uint8).flatten()[:nbytes]
         dst = torch.empty_like(src)
-        fragmented = rng.sample(range(self.plan.num_decode_pages), n)
-        ids = {"raw": prefill_ids, "contiguous": prefill_ids, "fragmented": fragmented}
+        ids = {"raw": prefill_ids, "contiguous": prefill_ids,
+               "fragmented": rng.sample(range(self.plan.num_decode_pages), n),
+               "churned": churned_pages(self.plan.num_decode_pages, n, rng)}
+        lists = {name: self.raw_lists(prefill_ids, ids[name]) for name in ("raw", "fragmented", "churned")}
+        ids |= {f"{name}_nixl": ids[name] for name in LAYOUTS[1:]}
         counts: dict[str, list[int]] = {name: [] for name in ids}
-        runs = {"raw": lambda: self.timed(lambda: write(self.engine, raw_local, raw_idx, raw_remote, raw_idx, notif,
-                                                        counts["raw"])),
-                "contiguous": lambda: self.kvferry_write(prefill_ids, ids["contiguous"], notif, counts["contiguous"]),
-                "fragmented": lambda: self.kvferry_write(prefill_ids, ids["fragmented"], notif, counts["fragmented"]),
-                "memcpy": lambda: self.timed(lambda: dst.copy_(src))}
+
+        def raw(name: str, key: str):
+            local, remote, idx = lists[name]
+            return lambda: self.timed(lambda: write(self.engine, local, idx, remote, idx, notif, counts[key]))
+
+        def kvferry(name: str):
+            return lambda: self.kvferry_write(prefill_ids, ids[name], notif, counts[name])
+
+        runs = {"raw": raw("raw", "raw"), "memcpy": lambda: self.timed(lambda: dst.copy_(src))}
+        runs |= {name: kvferry(name) for name in LAYOUTS}
+        runs |= {f"{name}_nixl": raw(name, f"{name}_nixl") for name in LAYOUTS[1:]}
         expected = digest(self.kv, prefill_ids)
         for name, fn in runs.items():  # warm-up; each WRITE must land exactly where the plan says
             self.ask("clear")
@@ -192,8 +231,9 @@ class Prefill:
         for it in range(iters):  # rotate the order each iteration so that drift hits every method alike
             for name in names[it % len(names):] + names[:it % len(names)]:
                 times[name].append(runs[name]())
-        for p in (raw_local, raw_remote):
-            self.engine.release_prepped(p)
+        for local, remote, _ in lists.values():
+            self.engine.release_prepped(local)
+            self.engine.release_prepped(remote)
         return ids, times, {name: sum(c[:len(self.plan.groups)]) for name, c in counts.items()}
 
     def report(self, tokens: int, ids: dict, times: dict, nixl_counts: dict, args) -> None:
@@ -201,7 +241,7 @@ class Prefill:
         nbytes = n * sum(p.item_len for g in self.plan.groups for p, _ in g.pairs)
         raw_s, memcpy_s = (median([t for _, t in times[k]]) for k in ("raw", "memcpy"))
         device = self.devices[0] if len(set(self.devices)) == 1 else "->".join(self.devices)
-        for layout in ("contiguous", "fragmented"):
+        for layout in LAYOUTS:
             xfer = geometry.request_indices(self.plan, prefill_page_ids=list(range(n)), decode_page_ids=ids[layout],
                                             prefill_aux_slot=0, decode_aux_slot=0)
             num_descs = sum(geometry.count_merged_descs(p, d) for p, d in self.selected(xfer, with_aux=True))
@@ -209,16 +249,21 @@ class Prefill:
                 raise RuntimeError(f"{layout}: NIXL merged into {nixl_counts[layout]} descriptors, "
                                    f"count_merged_descs says {num_descs}")
             kv_s = median([t for _, t in times[layout]])
-            ratio = median([raw_t / kv_t for (_, raw_t), (_, kv_t) in zip(times["raw"], times[layout])])
-            emit({"bench": "transfer", "device": device, "layout": layout, "kv_layout": args.kv_layout,
-                  "decode_kv_layout": args.decode_kv_layout, "tokens": tokens, "bytes": nbytes,
-                  "descriptors": num_descs, "raw_descriptors": nixl_counts["raw"],
-                  "raw_nixl_gbps": round(nbytes / raw_s / 1e9, 3),
-                  "kvferry_gbps": round(nbytes / kv_s / 1e9, 3), "memcpy_gbps": round(nbytes / memcpy_s / 1e9, 3),
-                  "ratio_vs_raw": round(ratio, 4), "kvferry_ms": round(kv_s * 1e3, 3),
-                  "raw_ms": round(raw_s * 1e3, 3), "index_ms": round(median([i for i, _ in times[layout]]) * 1e3, 3),
-                  "iters": len(times[layout]), "layers": args.layers, "git": git_hash(),
-                  "hw": hardware(self.devices)})
+            record = {"bench": "transfer", "device": device, "layout": layout, "kv_layout": args.kv_layout,
+                      "decode_kv_layout": args.decode_kv_layout, "tokens": tokens, "bytes": nbytes,
+                      "descriptors": num_descs, "raw_descriptors": nixl_counts["raw"],
+                      "raw_nixl_gbps": round(nbytes / raw_s / 1e9, 3),
+                      "kvferry_gbps": round(nbytes / kv_s / 1e9, 3),
+                      "memcpy_gbps": round(nbytes / memcpy_s / 1e9, 3),
+                      "ratio_vs_raw": round(ratio(times["raw"], times[layout]), 4), "kvferry_ms": round(kv_s * 1e3, 3),
+                      "raw_ms": round(raw_s * 1e3, 3),
+                      "index_ms": round(median([i for i, _ in times[layout]]) * 1e3, 3)}
+            if layout != "contiguous":  # NIXL's own floor for this scatter: the same runs, prepared as they are
+                same = times[f"{layout}_nixl"]
+                record |= {"nixl_same_descs_ms": round(median([t for _, t in same]) * 1e3, 3),
+                           "ratio_vs_same_descs": round(ratio(same, times[layout]), 4)}
+            emit(record | {"iters": len(times[layout]), "layers": args.layers, "num_threads": args.num_threads,
+                           "git": git_hash(), "hw": hardware(self.devices)})
 
 
 def main() -> None:

@@ -380,12 +380,26 @@ def validate_transfer(plan: TransferPlan, transfer: Transfer, *, prefill_num_pro
 
 
 def _check_page_ids(page_ids: Sequence[int], num_pages: int, where: str) -> None:
-    if len(page_ids) and not (0 <= min(page_ids) and max(page_ids) < num_pages):  # C loops; find it if not
-        pid = next(pid for pid in page_ids if not 0 <= pid < num_pages)
+    _page_array(page_ids, num_pages, where)
+
+
+def _page_array(page_ids: Sequence[int], num_pages: int, where: str) -> np.ndarray:
+    """``page_ids`` as int64, once checked: each in ``[0, num_pages)``, none twice."""
+    try:
+        ids = (page_ids.astype(np.int64, copy=False) if isinstance(page_ids, np.ndarray)
+               else np.fromiter(page_ids, dtype=np.int64, count=len(page_ids)))
+    except (OverflowError, TypeError, ValueError):
+        raise GeometryMismatchError(f"{where} page ids must be a list of integers") from None
+    if len(ids) == 0:
+        return ids
+    if ids.min() < 0 or ids.max() >= num_pages:
+        pid = int(ids[(ids < 0) | (ids >= num_pages)][0])
         raise GeometryMismatchError(f"{where} page id {pid} outside the KV pool [0, {num_pages})")
-    if len(set(page_ids)) != len(page_ids):
-        dup = next(pid for i, pid in enumerate(page_ids) if pid in page_ids[:i])
-        raise GeometryMismatchError(f"{where} page id {dup} appears more than once")
+    ordered = np.sort(ids)
+    repeats = ordered[1:][ordered[1:] == ordered[:-1]]
+    if len(repeats):
+        raise GeometryMismatchError(f"{where} page id {int(repeats[0])} appears more than once")
+    return ids
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -396,6 +410,16 @@ class RequestXfer:
 
     per_group: tuple[tuple[np.ndarray, np.ndarray], ...]
     num_bytes: int
+
+    def with_prefill_aux_slot(self, plan: TransferPlan, slot: int) -> RequestXfer:
+        """The same room reading its aux record from prefill slot ``slot`` (the last entry of the
+        aux group, always). Lets the prefill build a room's lists before it holds a slot."""
+        if not 0 <= slot < plan.prefill.aux.num_slots:
+            raise GeometryMismatchError(f"prefill aux_slot {slot} outside [0, {plan.prefill.aux.num_slots})")
+        local, remote = self.per_group[-1]
+        local = local.copy()
+        local[-1] = plan.groups[-1].prefill_order.size + slot
+        return RequestXfer(per_group=self.per_group[:-1] + ((local, remote),), num_bytes=self.num_bytes)
 
 
 def request_indices(plan: TransferPlan, *, prefill_page_ids: Sequence[int], decode_page_ids: Sequence[int],
@@ -411,14 +435,12 @@ def request_indices(plan: TransferPlan, *, prefill_page_ids: Sequence[int], deco
     if len(prefill_page_ids) != len(decode_page_ids):
         raise GeometryMismatchError(f"{len(prefill_page_ids)} prefill pages but {len(decode_page_ids)} "
                                     f"decode pages for one room")
-    _check_page_ids(prefill_page_ids, plan.num_prefill_pages, "prefill")
-    _check_page_ids(decode_page_ids, plan.num_decode_pages, "decode")
+    prefill_ids = _page_array(prefill_page_ids, plan.num_prefill_pages, "prefill")
+    decode_ids = _page_array(decode_page_ids, plan.num_decode_pages, "decode")
     for side, slot, aux in (("prefill", prefill_aux_slot, plan.prefill.aux),
                             ("decode", decode_aux_slot, plan.decode.aux)):
         if not 0 <= slot < aux.num_slots:
             raise GeometryMismatchError(f"{side} aux_slot {slot} outside [0, {aux.num_slots})")
-    prefill_ids = np.asarray(prefill_page_ids, dtype=np.int64)
-    decode_ids = np.asarray(decode_page_ids, dtype=np.int64)
     per_group, num_bytes = [], 0
     for g in plan.groups:
         p_parts, d_parts = _by_prefill_address(g, prefill_ids, decode_ids)

@@ -17,7 +17,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from common import geometry, wire
-from common.errors import DisaggError, PeerUnavailableError, ProtocolError, TransferError
+from common.errors import DisaggError, GeometryMismatchError, PeerUnavailableError, ProtocolError, TransferError
 from common.geometry import KvLayout, TransferPlan
 from common.metrics import Metrics
 from common.transport.nixl import NixlEngine, XferState, poll_pauses
@@ -62,6 +62,10 @@ class Room:
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     error: str | None = None
     is_aborted: bool = False
+    # the WRITE's index lists, built as soon as the transfer request and the pages are both known
+    # (usually while the forward runs), for this plan; a re-registered decode makes them stale
+    xfer: geometry.RequestXfer | None = None
+    xfer_plan: TransferPlan | None = None
 
 
 class KvSender:
@@ -231,7 +235,27 @@ class KvSender:
             await self._refuse_duplicate(identity, msg, room.transfer)
             return
         room.transfer, room.identity = msg, identity
+        self._index(room)
         room.arrived.set()
+
+    def _index(self, room: Room) -> None:
+        """Build ``room``'s index lists now, off the WRITE's critical path. A request that does not
+        fit is left alone here: ``send_room`` checks it again and fails the room with the reason."""
+        peer = self.peers.get(room.transfer.decode_id)
+        if peer is None:
+            return
+        try:
+            room.xfer = self._indices(peer.plan, room, aux_slot=0)
+            room.xfer_plan = peer.plan
+        except GeometryMismatchError:
+            pass
+
+    @staticmethod
+    def _indices(plan: TransferPlan, room: Room, aux_slot: int) -> geometry.RequestXfer:
+        msg = room.transfer
+        geometry.validate_transfer(plan, msg, prefill_num_prompt_tokens=room.num_prompt_tokens)
+        return geometry.request_indices(plan, prefill_page_ids=room.page_ids, decode_page_ids=msg.page_ids,
+                                        prefill_aux_slot=aux_slot, decode_aux_slot=msg.aux_slot)
 
     async def _refuse_duplicate(self, identity: bytes, msg: wire.Transfer, first: wire.Transfer) -> None:
         """A second transfer request for a room. The same request again (a duplicated or resent
@@ -273,6 +297,7 @@ class KvSender:
         early = self.early.pop(room.room, None)
         if early is not None:
             room.transfer, room.identity = early[0], early[1]
+            self._index(room)
             room.arrived.set()
 
     def close_room(self, room: Room) -> None:
@@ -303,14 +328,14 @@ class KvSender:
         peer = self.peers.get(msg.decode_id)
         if peer is None:
             raise PeerUnavailableError(f"room={room.room}: decode_id={msg.decode_id} is no longer registered")
-        geometry.validate_transfer(peer.plan, msg, prefill_num_prompt_tokens=room.num_prompt_tokens)
+        if room.xfer_plan is not peer.plan:  # not built yet, or built for a decode since re-registered
+            room.xfer, room.xfer_plan = self._indices(peer.plan, room, aux_slot=0), peer.plan
         slot = self.aux.acquire()
         try:
             self.aux.write(slot, wire.AuxRecord(room=room.room, first_token_id=room.first_token_id,
                                                 first_token_logprob=room.first_token_logprob,
                                                 num_prompt_tokens=room.num_prompt_tokens).pack())
-            xfer = geometry.request_indices(peer.plan, prefill_page_ids=room.page_ids, decode_page_ids=msg.page_ids,
-                                            prefill_aux_slot=slot, decode_aux_slot=msg.aux_slot)
+            xfer = room.xfer.with_prefill_aux_slot(peer.plan, slot)
             notif = wire.encode(wire.Notification(room=room.room, decode_id=msg.decode_id, ok=True))
             room.state = RoomState.WRITING
             loop = asyncio.get_running_loop()

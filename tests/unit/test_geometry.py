@@ -725,3 +725,26 @@ def test_regions_fuse_only_when_they_follow_each_other_on_both_sides():
     assert _merged(plan, xfer) == nixl_merged(plan, xfer)
     layer_major = g.build_plan(layout(table()), layout(table(base=0x20_0000)))
     assert len(layer_major.groups[0].runs) == 8  # a region's pages are back to back: no page block to share
+
+
+@given(rooms(), st.data())
+def test_a_room_built_before_its_aux_slot_matches_one_built_with_it(room_, data):
+    plan = room_.plan
+    num_slots = plan.prefill.aux.num_slots
+    slot = data.draw(st.integers(0, num_slots - 1))
+    early = g.request_indices(plan, prefill_page_ids=room_.prefill_ids, decode_page_ids=room_.decode_ids,
+                              prefill_aux_slot=0, decode_aux_slot=room_.decode_aux_slot)
+    direct = g.request_indices(plan, prefill_page_ids=room_.prefill_ids, decode_page_ids=room_.decode_ids,
+                               prefill_aux_slot=slot, decode_aux_slot=room_.decode_aux_slot)
+    late = early.with_prefill_aux_slot(plan, slot)
+    assert [[a.tolist() for a in grp] for grp in late.per_group] == [[a.tolist() for a in grp]
+                                                                     for grp in direct.per_group]
+    assert early.per_group[-1][0][-1] == plan.groups[-1].prefill_order.size  # the original is left alone
+    with pytest.raises(GeometryMismatchError, match=f"prefill aux_slot {num_slots} outside"):
+        early.with_prefill_aux_slot(plan, num_slots)
+
+
+def test_page_ids_that_are_not_integers_are_refused():
+    plan = g.build_plan(layout(page_major()), layout(page_major(base=0x20_0000)))
+    with pytest.raises(GeometryMismatchError, match="decode page ids must be a list of integers"):
+        g.request_indices(plan, prefill_page_ids=[0], decode_page_ids=["x"], prefill_aux_slot=0, decode_aux_slot=0)
