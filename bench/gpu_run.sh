@@ -33,8 +33,11 @@ if [[ $what == spec || $what == e2e || $what == all ]] && [[ ! -f $m8b/draft/con
   timeout 200 python3 -m common.cli make-tiny-model $m8b --preset llama-3.1-8b 2>&1 | tail -2
 fi
 if [[ $what == spec || $what == all ]]; then
+  # float32 on the GPU: speculative and plain greedy must agree token for token (the tiny pair)
+  timeout 60 python3 bench/spec.py --device cuda --dtype float32 --batch 4 --reps 3 \
+    2>>"$out/spec.err" | tee -a "$out/spec.jsonl"
   for batch in 1 8; do
-    timeout 120 python3 bench/spec.py --device cuda --model $m8b/target --draft $m8b/draft --batch $batch \
+    timeout 100 python3 bench/spec.py --device cuda --model $m8b/target --draft $m8b/draft --batch $batch \
       --reps 5 2>>"$out/spec.err" | tee -a "$out/spec.jsonl"
   done
 fi

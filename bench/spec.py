@@ -3,7 +3,9 @@
     python bench/spec.py [--batch 1] [--k 4] [--new-tokens 128] [--reps 5]
 
 Prompts are seeded windows of the tiny model's corpus. Each repetition times both engines on the
-same batch, back to back, alternating which goes first; outputs must be identical (greedy).
+same batch, back to back, alternating which goes first; in float32 the outputs must be identical
+(greedy); in bfloat16 the k+1-token verify batch may round a near-tie differently from a one-token
+step, so the share of leading tokens both agree on is reported (``common_prefix_fraction``).
 tokens/s are totals over the repetitions; ``speedup`` is the median of the per-repetition ratios
 (plain seconds / speculative seconds), which cancels the load drift of a shared machine. Prints
 one JSON line.
@@ -53,6 +55,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] (both engines)")
+    ap.add_argument("--dtype", help="default: float32 on CPU, bfloat16 on GPU; the outputs must be equal in "
+                                    "float32 (bfloat16 verify batches may round a near-tie the other way)")
     a = ap.parse_args()
     import torch
 
@@ -66,12 +70,14 @@ def main() -> None:
     target, draft = (a.model, a.draft) if a.model else tiny_dirs()
     tok = Tokenizer.from_dir(target)
     room = a.batch * (a.prompt_tokens + a.new_tokens + 64)
-    engines = {"plain": ColocatedEngine(build_runner(target, None, device=a.device, max_total_tokens=room), tok),
-               "spec": ColocatedEngine(build_runner(target, draft, device=a.device, max_total_tokens=room,
-                                                    spec_k=a.k), tok)}
+    engines = {"plain": ColocatedEngine(build_runner(target, None, device=a.device, dtype=a.dtype,
+                                                     max_total_tokens=room), tok),
+               "spec": ColocatedEngine(build_runner(target, draft, device=a.device, dtype=a.dtype,
+                                                    max_total_tokens=room, spec_k=a.k), tok)}
+    dtype = str(engines["plain"].runner.target.kv.dtype).removeprefix("torch.")
     params = SamplingParams(max_new_tokens=a.new_tokens, temperature=0.0, ignore_eos=True)
     batches = [corpus_prompts(tok, a.batch, a.prompt_tokens, a.seed + rep) for rep in range(a.reps + 1)]
-    seconds, ratios, accepted, proposed = {"plain": 0.0, "spec": 0.0}, [], 0, 0
+    seconds, ratios, accepted, proposed, agreed = {"plain": 0.0, "spec": 0.0}, [], 0, 0, []
     for rep, prompts in enumerate(batches):  # batch 0 is the warm-up
         order = ("plain", "spec") if rep % 2 else ("spec", "plain")
         outs, took = {}, {}
@@ -79,9 +85,11 @@ def main() -> None:
             started = time.perf_counter()
             outs[name] = engines[name].generate(prompts, params)
             took[name] = time.perf_counter() - started
-        if [r.output_ids for r in outs["plain"]] != [r.output_ids for r in outs["spec"]]:
+        same = [_common_prefix(p.output_ids, q.output_ids) for p, q in zip(outs["plain"], outs["spec"])]
+        if dtype == "float32" and min(same) < a.new_tokens:
             raise SystemExit(f"repetition {rep}: speculative greedy output differs from plain greedy")
         if rep:
+            agreed.extend(same)
             seconds = {name: seconds[name] + took[name] for name in seconds}
             ratios.append(took["plain"] / took["spec"])  # back to back: load drift cancels in the pair
             accepted += sum(r.num_accepted for r in outs["spec"])
@@ -92,8 +100,20 @@ def main() -> None:
           "acceptance_rate": round(accepted / max(proposed, 1), 4),
           "tokens_per_s_plain": round(num_tokens / seconds["plain"], 1),
           "tokens_per_s_spec": round(num_tokens / seconds["spec"], 1),
-          "speedup": round(statistics.median(ratios), 3), "outputs_equal": True,
+          "speedup": round(statistics.median(ratios), 3), "dtype": dtype,
+          "outputs_equal": min(agreed) == a.new_tokens,
+          "common_prefix_fraction": round(sum(agreed) / (len(agreed) * a.new_tokens), 4),
           "model": Path(target).name, "device": a.device, "hw": hardware([a.device]), "git": git_hash()})
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two outputs share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 if __name__ == "__main__":
