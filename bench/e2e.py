@@ -245,7 +245,7 @@ def start_servers(a, target: str, draft: str | None, log_dir: Path) -> list[Proc
         return Proc(f"colocated:{port}", args, f"http://127.0.0.1:{port}", log_dir / f"colocated-{port}.log", env=env)
 
     makers = [lambda: worker_proc("prefill", target, port=free_port(), log_dir=log_dir, bootstrap_port=free_port(),
-                                  extra=quiet, env=env),
+                                  extra=quiet + a.prefill_args.split(), env=env),
               lambda: worker_proc("decode", target, port=free_port(), log_dir=log_dir, draft=draft, extra=quiet,
                                   env=env),
               lambda: colocated(free_port())]
@@ -275,6 +275,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-total-tokens", type=int, help="KV pool of each server (default: enough for the run)")
     ap.add_argument("--no-inprocess", action="store_true", help="skip the in-process floor (one model copy less)")
+    ap.add_argument("--prefill-args", default="", help="more flags for the prefill daemon, e.g. '--xfer-threads 8'")
     ap.add_argument("--max-wave-tokens", type=int, help="skip (prompt_tokens, concurrency) pairs whose wave "
                                                          "holds more prompt tokens than this")
     ap.add_argument("--serve-colocated", type=int, metavar="PORT", help=argparse.SUPPRESS)
@@ -304,7 +305,7 @@ def main() -> None:
                         if a.max_wave_tokens and num_prompt_tokens * concurrency > a.max_wave_tokens:
                             continue
                         record = measure(a, pool, local, servers, num_prompt_tokens, concurrency)
-                        emit({**record, "device": a.device, "model": Path(target).name, "draft": bool(draft),
+                        emit({**record, "prefill_args": a.prefill_args, "device": a.device, "model": Path(target).name, "draft": bool(draft),
                               "threads": a.threads, "hw": hardware([a.device]), "git": git_hash()})
         finally:
             for proc in reversed(servers):

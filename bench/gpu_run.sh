@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
-#   bash bench/gpu_run.sh [tests|transfer|spec|e2e|all]   (results land in $OUT, default ./gpu-out)
+#   bash bench/gpu_run.sh [tests|transfer|transfer-small|spec|e2e|xfer-threads|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh ...). NVLink multicast stays off.
 set -uo pipefail
@@ -21,6 +21,10 @@ if [[ $what == tests || $what == all ]]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_nixl_engine.py \
     tests/unit/test_model_vs_transformers.py 2>&1 | tee "$out/tests.txt" | tail -25
 fi
+if [[ $what == transfer-small ]]; then  # the sizes where a ratio is a few tens of µs: more iterations
+  timeout 150 python3 bench/transfer.py --device cuda --tokens 1024,4096 --iters 30 \
+    2>>"$out/transfer.err" | tee -a "$out/transfer.jsonl"
+fi
 if [[ $what == transfer || $what == all ]]; then
   timeout 200 python3 bench/transfer.py --device cuda --tokens 1024,4096,16384 --iters 10 \
     2>>"$out/transfer.err" | tee -a "$out/transfer.jsonl"
@@ -29,7 +33,7 @@ if [[ $what == transfer || $what == all ]]; then
     2>>"$out/transfer.err" | tee -a "$out/transfer.jsonl"
 fi
 m8b=/tmp/m8b
-if [[ $what == spec || $what == e2e || $what == all ]] && [[ ! -f $m8b/draft/config.json ]]; then
+if [[ $what == spec || $what == e2e || $what == xfer-threads || $what == all ]] && [[ ! -f $m8b/draft/config.json ]]; then
   timeout 200 python3 -m common.cli make-tiny-model $m8b --preset llama-3.1-8b 2>&1 | tail -2
 fi
 if [[ $what == spec || $what == all ]]; then
@@ -47,4 +51,12 @@ if [[ $what == e2e || $what == all ]]; then
   timeout ${E2E_TIMEOUT:-450} python3 bench/e2e.py --device cuda --model $m8b/target --draft $m8b/draft \
     --prompt-tokens ${E2E_PROMPTS:-1024,8192} --concurrency ${E2E_CONC:-1,16,64} --reps ${E2E_REPS:-3} \
     --max-total-tokens 150000 --max-wave-tokens 140000 --no-inprocess 2>"$out/e2e.err" | tee "$out/e2e.jsonl"
+fi
+if [[ $what == xfer-threads ]]; then
+  # concurrent rooms: WRITEs in flight at once on the prefill, 2 (default) against 8, same waves
+  for n in 2 8; do
+    timeout 150 python3 bench/e2e.py --device cuda --model $m8b/target --prompt-tokens 1024 --concurrency 16 \
+      --reps 5 --max-total-tokens 40000 --no-inprocess --prefill-args "--xfer-threads $n" \
+      2>>"$out/xfer-threads.err" | tee -a "$out/xfer-threads.jsonl"
+  done
 fi
