@@ -19,7 +19,8 @@ class PrefillConfig(CommonConfig):
     transfer_wait_timeout_s: float = flag(30.0, help="how long a prefilled room waits for its decode's transfer request")
     register_timeout_s: float = flag(10.0, help="deadline for building a decode's transfer plan")
     max_prefill_tokens: int = flag(8192, help="prompt tokens per prefill batch")
-    xfer_threads: int = flag(2, help="rooms whose NIXL WRITE is posted and polled at once (threads)")
+    xfer_threads: int | None = flag(None, help="rooms whose NIXL WRITE is in flight at once (threads); default 8 "
+                                               "on a GPU (a thread mostly waits), 2 on CPU (a thread copies)")
     curve_secret_key: str | None = flag(None, help="CURVE secret key file (kvferry keygen) to authenticate the bootstrap socket")
     curve_authorized_keys: str | None = flag(None, help="folder of decode public keys allowed to connect (with --curve-secret-key)")
 
@@ -30,9 +31,16 @@ class PrefillConfig(CommonConfig):
                 f"--bootstrap-port {self.bootstrap_port} equals --port; pick two ports")
         require(self.transfer_wait_timeout_s > 0, "--transfer-wait-timeout-s must be positive")
         require(self.max_prefill_tokens > 0, "--max-prefill-tokens must be positive")
-        require(1 <= self.xfer_threads <= 64, f"--xfer-threads must be in 1..64, got {self.xfer_threads}")
+        require(self.xfer_threads is None or 1 <= self.xfer_threads <= 64,
+                f"--xfer-threads must be in 1..64, got {self.xfer_threads}")
         require((self.curve_secret_key is None) == (self.curve_authorized_keys is None),
                 "--curve-secret-key and --curve-authorized-keys go together")
+
+    @property
+    def num_xfer_threads(self) -> int:
+        if self.xfer_threads is not None:
+            return self.xfer_threads
+        return 2 if self.device == "cpu" else 8
 
     @property
     def advertised_host(self) -> str:

@@ -44,7 +44,7 @@ class PrefillDaemon:
         self.rooms: set[Room] = set()
         self._tasks: list[asyncio.Task] = []
         self.model_executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-model")
-        self.xfer_executor = ThreadPoolExecutor(self.config.xfer_threads, thread_name_prefix="prefill-xfer")
+        self.xfer_executor = ThreadPoolExecutor(self.config.num_xfer_threads, thread_name_prefix="prefill-xfer")
         self.engine: NixlEngine | None = None
         self.server: BootstrapServer | None = None
         self.http = None
