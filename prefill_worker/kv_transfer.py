@@ -270,10 +270,20 @@ class KvSender:
 
     async def _on_abort(self, identity: bytes, msg: wire.Abort) -> None:
         """The decode gave up on a room. Its pages there stay quarantined until we confirm that
-        nothing more will be written: at once when no WRITE is in flight, else when it ends."""
+        nothing more will be written: at once when no WRITE is in flight, else when it ends.
+
+        Only the room's own decode may abort it: the peer that sent its transfer request, or the
+        peer now registered under that request's decode_id (a decode that rebuilt its socket). A
+        room with no transfer request yet may be aborted by any registered decode."""
+        room = self.rooms.get(msg.room)
+        if not self._may_abort(identity, msg.room, room):
+            logger.warning("room=%d: abort from peer=%s refused: not the room's decode", msg.room, identity.hex())
+            await self._send(identity, wire.Error(
+                reason=f"abort of room {msg.room} refused: only the decode that asked for the room may abort it",
+                room=msg.room))
+            return
         self.metrics.aborts.labels(side="decode").inc()
         self.early.pop(msg.room, None)
-        room = self.rooms.get(msg.room)
         if room is None or room.state in (RoomState.DONE, RoomState.FAILED) or room.transfer is None:
             if room is not None:
                 room.is_aborted = True
@@ -286,6 +296,16 @@ class KvSender:
         room.is_aborted = True
         room.error = f"decode aborted room {msg.room}: {msg.reason}"
         room.arrived.set()  # a room still waiting wakes up and fails; a WRITE in flight is cancelled
+
+    def _may_abort(self, identity: bytes, room_id: int, room: Room | None) -> bool:
+        if room is not None and room.transfer is not None:
+            request, sender = room.transfer, room.identity
+        elif room_id in self.early:
+            request, sender = self.early[room_id][0], self.early[room_id][1]
+        else:
+            return any(peer.identity == identity for peer in self.peers.values())
+        peer = self.peers.get(request.decode_id)
+        return identity == sender or (peer is not None and peer.identity == identity)
 
     # -- rooms -----------------------------------------------------------------------------------
     def open_room(self, room: Room) -> None:

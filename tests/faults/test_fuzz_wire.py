@@ -157,7 +157,8 @@ def check_answer(side: str, frames: list[bytes], answer: list[wire.Message], *, 
     """The documented reply. Either side: a bad frame or a kind it does not take gets one short
     error; a ping gets its pong; an error or a pong is never answered (no error ping-pong).
     Prefill: register gets register_ack; transfer and abort get transfer_result ok=false (fuzz
-    never names a registered decode or a live room). Decode: acks, results, aborts are taken in."""
+    never names a registered decode or a live room), or an abort from a peer that is no registered
+    decode an error. Decode: acks, results, aborts are taken in."""
     msg, kinds = as_message(frames), [type(m) for m in answer]
     for m in answer:  # quoting the frame only in part: an error never outgrows what it answers
         assert not isinstance(m, wire.Error) or len(m.reason) < 1000, m.reason[:300]
@@ -171,6 +172,9 @@ def check_answer(side: str, frames: list[bytes], answer: list[wire.Message], *, 
     elif side == "prefill" and isinstance(msg, wire.Register):
         assert kinds == [wire.RegisterAck] and (may_accept or not answer[0].accepted), answer
         assert answer[0].accepted or (answer[0].error and not answer[0].written), answer
+    elif side == "prefill" and isinstance(msg, wire.Abort) and kinds == [wire.Error]:
+        # from a peer that is no registered decode (the bit-flip case may have registered this one)
+        assert answer[0].room == msg.room and "abort of room" in answer[0].reason, answer
     elif side == "prefill" and isinstance(msg, (wire.Transfer, wire.Abort)):
         assert kinds == [wire.TransferResult], answer
         assert answer[0].room == msg.room and answer[0].ok is False and answer[0].error, answer
@@ -414,21 +418,29 @@ def test_corrupt_ucx_address_in_register_does_not_kill_prefill(stack, cluster, t
         dealer.sock.close(linger=0)
 
 
-def test_prefill_room_fails_cleanly_on_a_foreign_abort(stack):
-    """Frames aimed at a live room: a transfer from an unknown decode is refused, and an abort
-    fails the room at once (not at its deadline) and gives its pages back."""
+def test_prefill_room_ignores_a_foreign_transfer_and_abort(stack):
+    """Frames aimed at a live room from a peer that is no registered decode: the transfer is
+    refused, the abort too (only the room's own decode may abort it), so the room goes on waiting
+    for its real decode and fails only at its deadline, its pages given back."""
     room = random.getrandbits(63)
+    started = time.monotonic()
     leg = stack.pool.submit(http_json, stack.prefill.url + "/generate", body(room, stack.prefill.bootstrap_port),
                             timeout_s=60)
-    transfer = [wire.encode(wire.Transfer(room=room, decode_id="nobody", page_ids=[0], aux_slot=0,
-                                          num_prompt_tokens=len(PROMPT)))]
-    check_answer("prefill", transfer, exchange(stack.dealer, transfer))
-    abort = [wire.encode(wire.Abort(room=room, reason="fuzz"))]
-    while not leg.done():  # the room opens once the HTTP leg is parsed; abort until it has
-        check_answer("prefill", abort, exchange(stack.dealer, abort))
-        time.sleep(0.05)
+    stranger = End(stack.dealer.sock.context, stack.prefill.bootstrap_port)  # never registered
+    try:
+        transfer = [wire.encode(wire.Transfer(room=room, decode_id="nobody", page_ids=[0], aux_slot=0,
+                                              num_prompt_tokens=len(PROMPT)))]
+        check_answer("prefill", transfer, exchange(stranger, transfer))
+        abort = [wire.encode(wire.Abort(room=room, reason="fuzz"))]
+        while not leg.done() and time.monotonic() - started < 5:  # the room opens once the leg is parsed
+            answer = exchange(stranger, abort)
+            assert [type(m) for m in answer] == [wire.Error] and "refused" in answer[0].reason, answer
+            time.sleep(0.05)
+    finally:
+        stranger.sock.close(linger=0)
     status, answer = leg.result()
-    assert status == 502 and "abort" in answer["error"]["message"], answer
+    assert status == 502 and "no transfer request" in answer["error"]["message"], answer
+    assert time.monotonic() - started >= 9  # --transfer-wait-timeout-s 10: the abort did not end it
     assert_still_serving(stack)
 
 
