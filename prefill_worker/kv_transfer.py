@@ -13,6 +13,7 @@ import asyncio
 import enum
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
@@ -90,6 +91,9 @@ class KvSender:
         self.rooms: dict[int, Room] = {}
         # transfer requests whose room has not reached this prefill yet (decode leg came first)
         self.early: dict[int, tuple[wire.Transfer, bytes, float]] = {}
+        # connections that registered as a decode, now or before (bounded, oldest out): a decode
+        # this prefill dropped (silent, or this prefill was frozen) may still abort its rooms
+        self.decode_identities: OrderedDict[bytes, None] = OrderedDict()
 
     # -- control plane ---------------------------------------------------------------------------
     async def handle(self, identity: bytes, msg: wire.Message | DisaggError) -> None:
@@ -164,6 +168,10 @@ class KvSender:
         elif old is not None and old.prepped is not prepped:
             self._release_local(old)  # its remote lists went with the agent in _connect_peer
         self.peers[msg.decode_id] = DecodePeer(msg.decode_id, msg.agent_name, identity, plan, prepped)
+        self.decode_identities[identity] = None
+        self.decode_identities.move_to_end(identity)
+        while len(self.decode_identities) > self.max_early:
+            self.decode_identities.popitem(last=False)
         self.metrics.registrations.labels(result="accepted").inc()
         logger.info("registered decode %s: %d regions written, %d ignored, decode_only_spec_dec=%s",
                     peer_name, len(plan.written), len(plan.ignored), plan.decode_only_spec_dec)
@@ -274,7 +282,8 @@ class KvSender:
 
         Only the room's own decode may abort it: the peer that sent its transfer request, or the
         peer now registered under that request's decode_id (a decode that rebuilt its socket). A
-        room with no transfer request yet may be aborted by any registered decode."""
+        room with no transfer request yet may be aborted by any connection that has registered as
+        a decode (it may since have been dropped)."""
         room = self.rooms.get(msg.room)
         if not self._may_abort(identity, msg.room, room):
             logger.warning("room=%d: abort from peer=%s refused: not the room's decode", msg.room, identity.hex())
@@ -303,7 +312,7 @@ class KvSender:
         elif room_id in self.early:
             request, sender = self.early[room_id][0], self.early[room_id][1]
         else:
-            return any(peer.identity == identity for peer in self.peers.values())
+            return identity in self.decode_identities
         peer = self.peers.get(request.decode_id)
         return identity == sender or (peer is not None and peer.identity == identity)
 
