@@ -36,6 +36,9 @@ class RoomState(enum.Enum):
     FAILED = "failed"
 
 
+STALL_S = 2.0  # a gap this long between two sweeps (every 0.5 s) means this process was not running
+
+
 @dataclass
 class DecodePeer:
     """One registered decode process (one agent; a restart registers a new one)."""
@@ -94,6 +97,7 @@ class KvSender:
         # connections that registered as a decode, now or before (bounded, oldest out): a decode
         # this prefill dropped (silent, or this prefill was frozen) may still abort its rooms
         self.decode_identities: OrderedDict[bytes, None] = OrderedDict()
+        self._last_sweep = time.monotonic()
 
     # -- control plane ---------------------------------------------------------------------------
     async def handle(self, identity: bytes, msg: wire.Message | DisaggError) -> None:
@@ -421,8 +425,17 @@ class KvSender:
 
     # -- housekeeping ------------------------------------------------------------------------------
     async def sweep(self) -> None:
-        """Expire transfer requests whose room never came, and peers that went silent."""
+        """Expire transfer requests whose room never came, and peers that went silent.
+
+        Silence is only counted while this process runs: after a stall of its own (SIGSTOP, a
+        blocked loop) every peer gets the stalled time back, so that the pings queued meanwhile
+        are read before anyone is found silent."""
         now = time.monotonic()
+        stalled, self._last_sweep = now - self._last_sweep, now
+        if stalled > STALL_S:
+            logger.warning("prefill did not run for %.1fs: peers' silence restarts from now", stalled)
+            for peer in self.peers.values():
+                peer.last_seen = min(now, peer.last_seen + stalled)
         for room_id, (msg, identity, deadline) in list(self.early.items()):
             if now > deadline:
                 del self.early[room_id]

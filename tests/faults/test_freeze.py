@@ -54,6 +54,10 @@ def test_freeze_prefill(healthy):
                                ("prefill", "kvferry_aborts_total", {"side": "decode"}),
                                ("prefill", "kvferry_failed_transfers_total", {})):
         assert counter(after[side], name, **labels) > counter(before[side], name, **labels), (side, name)
+    # The prefill's own stall is not the decode's silence: thawed, it read the queued pings
+    # instead of dropping the decode.
+    assert counter(after["prefill"], "kvferry_heartbeat_misses_total") == \
+        counter(before["prefill"], "kvferry_heartbeat_misses_total")
 
 
 def test_freeze_decode(healthy):
