@@ -14,75 +14,9 @@ from hypothesis import strategies as st
 
 from common import geometry as g
 from common.errors import GeometryMismatchError
-from common.wire import AuxInfo, Region, Register, Transfer
-
-ITEM = 256
-PAGES = 8
-AUX = AuxInfo(mem="DRAM", device=0, addr=0x9000_0000, item_len=64, num_slots=4)
-
-
-def table(model="target", layers=4, base=0x10_0000, mem="DRAM", item_len=ITEM, num_pages=PAGES):
-    """K and V regions of ``layers`` layers, packed back to back from ``base`` (layer-major)."""
-    size = item_len * num_pages
-    return [Region(model=model, layer=layer, kind=kind, mem=mem, device=0, addr=base + (2 * layer + i) * size,
-                   item_len=item_len, num_pages=num_pages, head_start=0, num_heads=2)
-            for layer in range(layers) for i, kind in enumerate(("k", "v"))]
-
-
-def page_major(model="target", layers=4, base=0x10_0000, mem="DRAM", item_len=ITEM, num_pages=PAGES):
-    """The same regions in a page-major pool: page p of every region in one block of 2 * layers pages."""
-    return [dataclasses.replace(r, addr=base + i * item_len, stride=2 * layers * item_len)
-            for i, r in enumerate(table(model, layers, base, mem, item_len, num_pages))]
-
-
-def layout(regions, aux=AUX, **kw) -> g.KvLayout:
-    fields = dict(model="llama-3-8b/fp1", page_size=16, kv_dtype="bfloat16", tp_size=1, tp_rank=0)
-    return g.KvLayout(regions=tuple(regions), aux=aux, **(fields | kw))
-
-
-def plan_ranges(plan):
-    """Everything a plan can write, as comparable data: per group, both memory kinds and both lists."""
-    return [(x.prefill_mem, x.decode_mem, x.prefill_descs(), x.decode_descs()) for x in plan.groups]
-
-
-def selected(plan, xfer):
-    """One room's WRITEs as ((prefill mem, addr, nbytes, device), (decode mem, addr, nbytes, device)),
-    an entry of a fused run cut back into its regions' pages (see ``_pieces``)."""
-    out = []
-    for grp, (p_idx, d_idx) in zip(plan.groups, xfer.per_group):
-        p_descs, d_descs = grp.prefill_descs(), grp.decode_descs()
-        assert len(p_idx) == len(d_idx)
-        for i, j in zip(p_idx, d_idx):
-            p_parts = _pieces(plan.prefill, grp.prefill_mem, *p_descs[i])
-            d_parts = _pieces(plan.decode, grp.decode_mem, *d_descs[j])
-            assert [n for _, _, n, _ in p_parts] == [n for _, _, n, _ in d_parts]  # the same cut on both sides
-            out += list(zip(p_parts, d_parts))
-    return out
-
-
-def _pieces(layout_, mem, addr, nbytes, device):
-    """Desc ``(addr, nbytes, device)`` cut into the region pages (or aux slot) it spans, in order;
-    a range no region page starts at stays whole (the locate tests then fail on it)."""
-    out = []
-    while nbytes > 0:
-        at = _locate(layout_, mem, addr, 1, device)
-        size = nbytes
-        if at is not None and at[0] != "aux":
-            size = min(nbytes, next(r.item_len for r in layout_.regions if r.key == at[0]))
-        out.append((mem, addr, size, device))
-        addr, nbytes = addr + size, nbytes - size
-    return out
-
-
-def room(plan, n_tokens, decode_ids=None, aux_slot=1):
-    pages = math.ceil(n_tokens / plan.page_size)
-    ids = list(range(pages)) if decode_ids is None else decode_ids
-    return g.request_indices(plan, prefill_page_ids=list(range(pages)), decode_page_ids=ids,
-                             prefill_aux_slot=0, decode_aux_slot=aux_slot)
-
-
-def transfer(page_ids, n_tokens, aux_slot=0):
-    return Transfer(room=42, decode_id="dec-1", page_ids=page_ids, aux_slot=aux_slot, num_prompt_tokens=n_tokens)
+from common.wire import Region, Register
+from tests.unit.geometry_cases import (
+    AUX, ITEM, PAGES, layout, layout_pairs, locate, page_major, plan_ranges, room, rooms, selected, table, transfer)
 
 
 def test_identical_tables():
@@ -322,120 +256,19 @@ def test_contiguous_pages_merge_into_one_descriptor_per_run():
     assert merged(room(plan, 80, [4, 3, 2, 1, 0])) == 8 * 5 + 1  # reversed pages never merge
 
 
-def _side(draw, keys, item_len, mems, side, cursor):
-    """One side's regions from ``cursor`` on: each model's regions either page-major (interleaved,
-    one block per page, random gaps inside and after a block) or one after another with random
-    strides; random devices, gaps and table order. Returns (regions, end of the last one)."""
-    regions = []
-    for model in draw(st.permutations(["target", "draft"])):
-        model_keys = draw(st.permutations([k for k in keys if k[0] == model]))
-        if not model_keys:
-            continue
-        make = lambda key, **kw: Region(model=key[0], layer=key[1], kind=key[2], mem=mems[side, model],
-                                        item_len=item_len[key], head_start=0, num_heads=1, **kw)
-        if draw(st.booleans()):  # page-major
-            device, num_pages, offsets, block = draw(st.integers(0, 1)), draw(st.integers(1, 6)), [], 0
-            for key in model_keys:
-                block += draw(st.sampled_from([0, 0, 8]))
-                offsets.append(block)
-                block += item_len[key]
-            stride = block + draw(st.sampled_from([0, 0, 16]))
-            short = draw(st.sampled_from([None] * 4 + list(model_keys))) if num_pages > 1 else None
-            regions += [make(key, device=device, addr=cursor + off, num_pages=num_pages - (key == short),
-                             stride=stride) for key, off in zip(model_keys, offsets)]
-            cursor += (num_pages - 1) * stride + block
-        else:
-            for key in model_keys:
-                num_pages, stride = draw(st.integers(1, 6)), item_len[key] + draw(st.sampled_from([0, 0, 8, 64]))
-                wire_stride = draw(st.sampled_from([0, stride])) if stride == item_len[key] else stride
-                regions.append(make(key, device=draw(st.integers(0, 1)), addr=cursor, num_pages=num_pages,
-                                    stride=wire_stride))
-                cursor += (num_pages - 1) * stride + item_len[key] + draw(st.sampled_from([0, 0, 8]))
-        cursor += draw(st.sampled_from([0, 0, 8, 4096]))
-    return draw(st.permutations(regions)), cursor
-
-
-@st.composite
-def layout_pairs(draw):
-    """A compatible (prefill, decode) pair: random page counts, memory kinds, devices, gaps, strides,
-    layouts (page-major, layer-major, mixed) and order. Half the time the decode mirrors the
-    prefill's layout at another address, the case where descriptors merge across regions."""
-    num_layers = draw(st.integers(1, 3))
-    prefill_draft = draw(st.integers(0, 2))
-    decode_only_draft = 0 if prefill_draft else draw(st.integers(0, 2))
-    keys = [(m, layer, kind) for m, n in (("target", num_layers), ("draft", prefill_draft))
-            for layer in range(n) for kind in ("k", "v")]
-    extra = [("draft", layer, kind) for layer in range(decode_only_draft) for kind in ("k", "v")]
-    item_len = {k: draw(st.sampled_from([8, 16, 24, 64])) for k in keys + extra}
-    mems = {(side, m): draw(st.sampled_from(["DRAM", "VRAM"])) for side in "pd" for m in ("target", "draft")}
-    aux_len = draw(st.integers(32, 48))
-    prefill, cursor = _side(draw, keys, item_len, mems, "p", draw(st.integers(0, 1 << 40)))
-    if draw(st.booleans()):
-        shift = draw(st.integers(0, 1 << 40))
-        mirrored = [dataclasses.replace(r, addr=r.addr + shift) for r in prefill]
-        more, d_cursor = _side(draw, extra, item_len, mems, "d", cursor + shift)
-        decode = draw(st.permutations(mirrored + more))
-    else:
-        decode, d_cursor = _side(draw, keys + extra, item_len, mems, "d", draw(st.integers(0, 1 << 40)))
-    sides = []
-    for regions, end, extra_len in ((prefill, cursor, 0), (decode, d_cursor, draw(st.integers(0, 16)))):
-        aux = AuxInfo(mem=draw(st.sampled_from(["DRAM", "VRAM"])), device=0, addr=end, item_len=aux_len + extra_len,
-                      num_slots=draw(st.integers(1, 3)))
-        sides.append(layout(regions, aux=aux))
-    page_size = draw(st.integers(1, 4))
-    return dataclasses.replace(sides[0], page_size=page_size), dataclasses.replace(sides[1], page_size=page_size)
-
-
-@dataclasses.dataclass(frozen=True)
-class Room:
-    plan: g.TransferPlan
-    xfer: g.RequestXfer
-    prefill_ids: list[int]
-    decode_ids: list[int]
-    prefill_aux_slot: int
-    decode_aux_slot: int
-    n_tokens: int
-
-
-@st.composite
-def rooms(draw):
-    prefill, decode = draw(layout_pairs())
-    plan = g.build_plan(prefill, decode)
-    num_pages = draw(st.integers(0, min(plan.num_prefill_pages, plan.num_decode_pages)))
-    n_tokens = num_pages * plan.page_size - draw(st.integers(0, plan.page_size - 1)) if num_pages else 0
-    prefill_ids = draw(st.permutations(range(plan.num_prefill_pages)))[:num_pages]
-    decode_ids = draw(st.permutations(range(plan.num_decode_pages)))[:num_pages]
-    slots = draw(st.integers(0, prefill.aux.num_slots - 1)), draw(st.integers(0, decode.aux.num_slots - 1))
-    xfer = g.request_indices(plan, prefill_page_ids=prefill_ids, decode_page_ids=decode_ids,
-                             prefill_aux_slot=slots[0], decode_aux_slot=slots[1])
-    return Room(plan, xfer, prefill_ids, decode_ids, *slots, n_tokens)
-
-
-def _locate(layout_: g.KvLayout, mem, addr, nbytes, device):
-    """(region key or "aux", page or slot index) of the byte range, or None if no single page holds it."""
-    a = layout_.aux
-    spans = [(r.key, r.mem, r.device, r.addr, r.item_len, r.page_stride, r.num_pages) for r in layout_.regions]
-    spans.append(("aux", a.mem, a.device, a.addr, a.item_len, a.item_len, a.num_slots))
-    for key, m, dev, start, item_len, stride, count in spans:
-        index, offset = divmod(addr - start, stride)
-        if (m, dev) == (mem, device) and 0 <= index < count and offset == 0 and nbytes <= item_len:
-            return key, index
-    return None
-
-
 @given(rooms())
 def test_every_written_range_lies_inside_its_matched_regions(room_):
     for (p_mem, p_addr, p_len, p_dev), (d_mem, d_addr, d_len, d_dev) in selected(room_.plan, room_.xfer):
         assert p_len == d_len > 0
-        p_at = _locate(room_.plan.prefill, p_mem, p_addr, p_len, p_dev)
-        d_at = _locate(room_.plan.decode, d_mem, d_addr, d_len, d_dev)
+        p_at = locate(room_.plan.prefill, p_mem, p_addr, p_len, p_dev)
+        d_at = locate(room_.plan.decode, d_mem, d_addr, d_len, d_dev)
         assert p_at is not None and d_at is not None and p_at[0] == d_at[0]
 
 
 @given(rooms())
 def test_token_page_j_goes_from_prefill_page_to_decode_page(room_):
     plan = room_.plan
-    written = [(_locate(plan.prefill, *p), _locate(plan.decode, *d)) for p, d in selected(plan, room_.xfer)]
+    written = [(locate(plan.prefill, *p), locate(plan.decode, *d)) for p, d in selected(plan, room_.xfer)]
     expected = [((key, p), (key, d)) for key in plan.written for p, d in zip(room_.prefill_ids, room_.decode_ids)]
     expected.append((("aux", room_.prefill_aux_slot), ("aux", room_.decode_aux_slot)))
     assert Counter(written) == Counter(expected)
@@ -480,7 +313,7 @@ def test_room_writes_disjoint_decode_ranges_covering_exactly_its_pages(room_):
     aux = plan.groups[-1].aux_nbytes
     assert sum(end - start for *_, start, end in ranges) == per_region + aux == xfer.num_bytes
     assert len(ranges) == num_pages * len(plan.written) + 1
-    owners = Counter(_locate(plan.decode, mem, start, end - start, dev)[0] for mem, dev, start, end in ranges)
+    owners = Counter(locate(plan.decode, mem, start, end - start, dev)[0] for mem, dev, start, end in ranges)
     assert owners == Counter({key: num_pages for key in plan.written if num_pages} | {"aux": 1})
 
 
@@ -546,205 +379,3 @@ def test_stride_is_checked():
     with pytest.raises(GeometryMismatchError, match="every 2048 bytes ends at 0x10000000000000001, past the 64-bit"):
         g.check_layout(layout([dataclasses.replace(last, addr=last.addr + 1)]), "decode")
     assert page_major()[0].page_stride == 8 * ITEM and table()[0].page_stride == ITEM
-
-
-def nixl_merged(plan, xfer) -> int:
-    """Descriptors left by NIXL 1.5.1's rule (measured): successive entries merge when their list
-    indices are consecutive on both sides and their bytes touch on both sides."""
-    total = 0
-    for grp, (p_idx, d_idx) in zip(plan.groups, xfer.per_group):
-        p_descs, d_descs = grp.prefill_descs(), grp.decode_descs()
-        for k in range(len(p_idx)):
-            joins = k > 0 and p_idx[k] == p_idx[k - 1] + 1 and d_idx[k] == d_idx[k - 1] + 1 and all(
-                g._adjacent(descs[idx[k - 1]], descs[idx[k]]) for descs, idx in ((p_descs, p_idx), (d_descs, d_idx)))
-            total += not joins
-    return total
-
-
-def _merged(plan, xfer) -> int:
-    return sum(g.count_merged_descs([grp.prefill_descs()[i] for i in p_idx], [grp.decode_descs()[i] for i in d_idx])
-               for grp, (p_idx, d_idx) in zip(plan.groups, xfer.per_group))
-
-
-@pytest.mark.parametrize("prefill_pool,decode_pool,contiguous,fragmented", [
-    (page_major, page_major, 1 + 1, 5 + 1),  # one block per page; consecutive pages merge into one
-    (table, table, 8 + 1, 8 * 5 + 1),  # one descriptor per region per run of pages
-    (page_major, table, 8 * 5 + 1, 8 * 5 + 1),  # nothing is adjacent on both sides
-    (table, page_major, 8 * 5 + 1, 8 * 5 + 1)])
-def test_descriptors_per_layout_pair(prefill_pool, decode_pool, contiguous, fragmented):
-    plan = g.build_plan(layout(prefill_pool()), layout(decode_pool(base=0x20_0000)))
-    assert _merged(plan, room(plan, 80)) == contiguous
-    assert _merged(plan, room(plan, 80, [6, 2, 4, 0, 7])) == fragmented
-    # whatever the prefill's layout, the decode receives the same bytes in the same places
-    same = g.build_plan(layout(table()), layout(decode_pool(base=0x20_0000)))
-    for ids in (None, [6, 2, 4, 0, 7]):
-        assert sorted(d for _, d in selected(plan, room(plan, 80, ids))) == sorted(
-            d for _, d in selected(same, room(same, 80, ids)))
-
-
-def test_entries_follow_prefill_addresses_so_runs_merge_whatever_the_token_order():
-    plan = g.build_plan(layout(page_major()), layout(page_major(base=0x20_0000)))
-    # token page 0 sits on prefill page 1 and decode page 3, token page 1 on prefill 0 and decode 2:
-    # in token order nothing is adjacent, in prefill order prefill 0-1 go to decode 2-3, one run
-    xfer = g.request_indices(plan, prefill_page_ids=[1, 0], decode_page_ids=[3, 2],
-                             prefill_aux_slot=0, decode_aux_slot=0)
-    assert _merged(plan, xfer) == 1 + 1
-    p_idx, d_idx = xfer.per_group[0]  # the 8 regions fuse into one run: page p is entry p, aux slots follow
-    assert p_idx.tolist() == [0, 1, PAGES] and d_idx.tolist() == [2, 3, PAGES]
-    assert nixl_merged(plan, xfer) == 2
-
-
-@given(rooms())
-def test_entries_come_in_prefill_address_order(room_):
-    for grp, (p_idx, _) in zip(room_.plan.groups, room_.xfer.per_group):
-        descs = grp.prefill_descs()
-        kv = [(descs[i][2], descs[i][0]) for i in p_idx[:len(p_idx) - grp.has_aux]]
-        assert kv == sorted(kv) and len(set(kv)) == len(kv)
-
-
-@given(rooms())
-def test_lists_hold_every_page_by_address_and_grid_finds_it(room_):
-    for grp in room_.plan.groups:
-        for regions, order, descs, aux in (
-                ([p for p, _ in grp.runs], grp.prefill_order, grp.prefill_descs(), grp.prefill_aux),
-                ([d for _, d in grp.runs], grp.decode_order, grp.decode_descs(), grp.decode_aux)):
-            pages = descs[:order.size]
-            keys = [(dev, addr) for addr, _, dev in pages]
-            assert keys == sorted(keys) and len(set(keys)) == len(keys) == sum(r.num_pages for r in regions)
-            usable = min(r.num_pages for r in regions) if regions else 0  # what grid() may be asked for
-            for i, r in enumerate(regions):
-                at = order.grid(np.arange(usable, dtype=np.int64))[i]
-                assert [descs[e] for e in at] == [(r.addr + p * r.page_stride, r.item_len, r.device)
-                                                  for p in range(usable)]
-            assert len(descs) - order.size == (aux.num_slots if aux else 0)
-
-
-@given(rooms())
-def test_merge_count_is_what_nixl_does(room_):
-    assert _merged(room_.plan, room_.xfer) == nixl_merged(room_.plan, room_.xfer)
-
-
-def test_irregular_interleaving_falls_back_to_a_table():
-    regions = page_major(layers=1)  # k and v interleaved; v one page short: not one block per page
-    regions[1] = dataclasses.replace(regions[1], num_pages=PAGES - 1)
-    plan = g.build_plan(layout(regions), layout(table(layers=1, base=0x20_0000)))
-    order = plan.groups[0].prefill_order
-    assert order.table is not None and order.clusters == () and order.size == 2 * PAGES - 1
-    descs = plan.groups[0].prefill_descs()
-    assert [d[0] for d in descs[:4]] == [0x10_0000, 0x10_0000 + ITEM, 0x10_0000 + 2 * ITEM, 0x10_0000 + 3 * ITEM]
-    xfer = room(plan, 3 * 16, [4, 5, 6])
-    assert _merged(plan, xfer) == nixl_merged(plan, xfer) == 2 * 3 + 1  # decode layer-major: nothing merges
-    assert Counter(_locate(plan.prefill, *p) for p, _ in selected(plan, xfer)) == Counter(
-        {(key, page): 1 for key in plan.written for page in range(3)} | {("aux", 0): 1})
-
-
-@given(rooms())
-def test_merging_is_the_most_any_order_can_give(room_):
-    """Entry b can only merge into entry a if b starts where a ends on both sides; every such link is
-    realised, so no order of the same entries gives fewer descriptors."""
-    for grp, (p_idx, d_idx) in zip(room_.plan.groups, room_.xfer.per_group):
-        p_sel = [grp.prefill_descs()[i] for i in p_idx]
-        d_sel = [grp.decode_descs()[i] for i in d_idx]
-        ends = {(p[2], p[0] + p[1], d[2], d[0] + d[1]) for p, d in zip(p_sel, d_sel)}
-        links = sum((p[2], p[0], d[2], d[0]) in ends for p, d in zip(p_sel, d_sel))
-        assert g.count_merged_descs(p_sel, d_sel) == len(p_sel) - links
-        merged_p, merged_d = g.merge_runs(p_sel, d_sel)
-        assert [n for _, n, _ in merged_p] == [n for _, n, _ in merged_d]
-        assert sum(n for _, n, _ in merged_p) == sum(p[1] for p in p_sel)
-
-
-def _repack(regions, *, is_page_major: bool, base: int) -> list[Region]:
-    """The same regions (keys, sizes, memory) in a fresh pool at ``base``: per (mem, device), one
-    page-major block per page, or regions one after another. Page counts become the smallest one."""
-    num_pages, out = min(r.num_pages for r in regions), []
-    places = sorted({(r.mem, r.device) for r in regions})
-    for place in places:
-        group = [r for r in regions if (r.mem, r.device) == place]
-        block, cursor = sum(r.item_len for r in group), base
-        for r in group:
-            if is_page_major:
-                out.append(dataclasses.replace(r, addr=cursor, num_pages=num_pages, stride=block))
-                cursor += r.item_len
-            else:
-                out.append(dataclasses.replace(r, addr=cursor, num_pages=num_pages, stride=0))
-                cursor += num_pages * r.item_len
-    return out
-
-
-@given(rooms(), st.booleans())
-def test_the_prefill_layout_never_changes_what_the_decode_receives(room_, is_page_major):
-    """Interop: relay the prefill's pool out page-major or layer-major; token page j of every key still
-    goes to the same decode bytes (the decode's own layout decides where those are)."""
-    plan = room_.plan
-    aux = plan.prefill.aux
-    relaid = dataclasses.replace(plan.prefill, regions=tuple(_repack(
-        plan.prefill.regions, is_page_major=is_page_major, base=aux.addr + aux.num_slots * aux.item_len)))
-    other = g.build_plan(relaid, plan.decode)
-    xfer = g.request_indices(other, prefill_page_ids=room_.prefill_ids, decode_page_ids=room_.decode_ids,
-                             prefill_aux_slot=room_.prefill_aux_slot, decode_aux_slot=room_.decode_aux_slot)
-
-    def received(plan_, xfer_):
-        return Counter((_locate(plan_.prefill, *p), d) for p, d in selected(plan_, xfer_))
-
-    assert received(other, xfer) == received(plan, room_.xfer)
-    assert xfer.num_bytes == room_.xfer.num_bytes
-
-
-@given(rooms())
-def test_runs_hold_exactly_the_pairs_bytes(room_):
-    for grp in room_.plan.groups:
-        for side in (0, 1):
-            runs = [r[side] for r in grp.runs]
-            assert sum(r.item_len for r in runs) == sum(p[side].item_len for p in grp.pairs)
-            assert _covered(runs) == _covered([p[side] for p in grp.pairs])
-
-
-def _covered(spans):
-    """The bytes of every page of ``spans`` as maximal (device, start, end) ranges."""
-    ranges = sorted((r.device, r.addr + k * r.page_stride, r.addr + k * r.page_stride + r.item_len)
-                    for r in spans for k in range(r.num_pages))
-    out = []
-    for dev, start, end in ranges:
-        if out and out[-1][0] == dev and out[-1][2] == start:
-            out[-1] = (dev, out[-1][1], end)
-        else:
-            out.append((dev, start, end))
-    return out
-
-
-def test_regions_fuse_only_when_they_follow_each_other_on_both_sides():
-    both = g.build_plan(layout(page_major()), layout(page_major(base=0x20_0000)))
-    assert [(p.item_len, d.item_len) for p, d in both.groups[0].runs] == [(8 * ITEM, 8 * ITEM)]
-    # the decode lists its regions in another order inside the page block: nothing follows on both sides
-    swapped = page_major(base=0x20_0000)
-    swapped[0], swapped[1] = (dataclasses.replace(swapped[0], addr=swapped[1].addr),
-                              dataclasses.replace(swapped[1], addr=swapped[0].addr))
-    plan = g.build_plan(layout(page_major()), layout(swapped))
-    assert len(plan.groups[0].runs) == 3  # k0 and v0 stay apart; k1..v3 follow on both sides and fuse
-    xfer = room(plan, 16 * 3, [4, 7, 2])
-    assert _merged(plan, xfer) == nixl_merged(plan, xfer)
-    layer_major = g.build_plan(layout(table()), layout(table(base=0x20_0000)))
-    assert len(layer_major.groups[0].runs) == 8  # a region's pages are back to back: no page block to share
-
-
-@given(rooms(), st.data())
-def test_a_room_built_before_its_aux_slot_matches_one_built_with_it(room_, data):
-    plan = room_.plan
-    num_slots = plan.prefill.aux.num_slots
-    slot = data.draw(st.integers(0, num_slots - 1))
-    early = g.request_indices(plan, prefill_page_ids=room_.prefill_ids, decode_page_ids=room_.decode_ids,
-                              prefill_aux_slot=0, decode_aux_slot=room_.decode_aux_slot)
-    direct = g.request_indices(plan, prefill_page_ids=room_.prefill_ids, decode_page_ids=room_.decode_ids,
-                               prefill_aux_slot=slot, decode_aux_slot=room_.decode_aux_slot)
-    late = early.with_prefill_aux_slot(plan, slot)
-    assert [[a.tolist() for a in grp] for grp in late.per_group] == [[a.tolist() for a in grp]
-                                                                     for grp in direct.per_group]
-    assert early.per_group[-1][0][-1] == plan.groups[-1].prefill_order.size  # the original is left alone
-    with pytest.raises(GeometryMismatchError, match=f"prefill aux_slot {num_slots} outside"):
-        early.with_prefill_aux_slot(plan, num_slots)
-
-
-def test_page_ids_that_are_not_integers_are_refused():
-    plan = g.build_plan(layout(page_major()), layout(page_major(base=0x20_0000)))
-    with pytest.raises(GeometryMismatchError, match="decode page ids must be a list of integers"):
-        g.request_indices(plan, prefill_page_ids=[0], decode_page_ids=["x"], prefill_aux_slot=0, decode_aux_slot=0)
