@@ -53,7 +53,7 @@ if [[ $what == e2e || $what == all ]]; then
     --max-total-tokens 150000 --max-wave-tokens 140000 --no-inprocess 2>"$out/e2e.err" | tee "$out/e2e.jsonl"
 fi
 if [[ $what == xfer-threads ]]; then
-  # concurrent rooms: WRITEs in flight at once on the prefill, 2 (default) against 8, same waves
+  # concurrent rooms: WRITEs in flight at once on the prefill, 2 against 8 (the GPU default since), same waves
   for n in 2 8; do
     timeout 150 python3 bench/e2e.py --device cuda --model $m8b/target --prompt-tokens 1024 --concurrency 16 \
       --reps 5 --max-total-tokens 40000 --no-inprocess --prefill-args "--xfer-threads $n" \
