@@ -4,6 +4,7 @@ engine, and a cluster of real daemon processes on loopback."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -96,6 +97,18 @@ def free_pages(proc: Proc) -> dict:
     status, info = http_json(proc.url + "/server_info", timeout_s=10)
     assert status == 200, info
     return info["free_pages"]
+
+
+def assert_pages_return(procs: list[Proc], before: dict, timeout_s: float = 10.0) -> None:
+    """Poll until every daemon's free pages equal ``before`` (by name), at most ``timeout_s``: a
+    decode frees a finished sequence's pages just after its last event."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        free = {p.name: free_pages(p) for p in procs}
+        if free == before or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    assert free == before
 
 
 @pytest.fixture(scope="session")

@@ -10,13 +10,12 @@ model (decode-only speculative decoding) behind its own router gives the same gr
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
 from common.model.sampling import SamplingParams
 from common.model.tokenizer import Tokenizer
-from tests.cluster import Cluster, free_pages, post
+from tests.cluster import Cluster, assert_pages_return, post
 
 PROMPT = "The ferry leaves the north pier at seven"
 MESSAGES = [{"role": "user", "content": "Where does the ferry go?"}]
@@ -180,13 +179,7 @@ def test_pages_return_after_the_module(pd):
     finished sequence's pages just after its last event)."""
     _, prefill, decode, router, before = pd
     ok(post(router.url + "/generate", {"text": PROMPT, "sampling_params": GREEDY}))
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        free = {p.name: free_pages(p) for p in (prefill, decode)}
-        if free == before:
-            break
-        time.sleep(0.2)
-    assert free == before
+    assert_pages_return([prefill, decode], before)
 
 
 def test_decode_only_speculative_behind_the_router(pd, colocated, tok):

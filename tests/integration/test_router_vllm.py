@@ -9,13 +9,12 @@ colocated engine's greedy output, streaming and not.
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
 from common.model.sampling import SamplingParams
 from common.model.tokenizer import Tokenizer
-from tests.cluster import Cluster, free_pages, post
+from tests.cluster import Cluster, assert_pages_return, post
 
 PROMPT = "The ferry leaves the north pier at seven"
 MESSAGES = [{"role": "user", "content": "Where does the ferry go?"}]
@@ -104,10 +103,4 @@ def test_generate_with_token_ids(pd, colocated, tok):
 def test_pages_return(pd):
     """The prefill freed every room it held for a later decode, and the decode every sequence."""
     prefill, decode, _, before = pd
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        free = {p.name: free_pages(p) for p in (prefill, decode)}
-        if free == before:
-            break
-        time.sleep(0.2)
-    assert free == before
+    assert_pages_return([prefill, decode], before)

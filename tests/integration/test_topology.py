@@ -13,7 +13,7 @@ import pytest
 
 from common.model.sampling import SamplingParams
 from common.procs import http_json
-from tests.cluster import Cluster, free_pages, post
+from tests.cluster import Cluster, assert_pages_return, free_pages, post
 
 NUM_REQUESTS = 200
 CONCURRENCY = 8
@@ -82,8 +82,5 @@ def test_two_by_two_round_robin(mesh, colocated):
     served = [metric(d, "kvferry_ttft_seconds_count") for d in decodes]  # one per request that got its KV
     assert sum(served) == NUM_REQUESTS and min(served) > NUM_REQUESTS // 4, served
 
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and {p.name: free_pages(p) for p in prefills + decodes} != before:
-        time.sleep(0.2)
-    assert {p.name: free_pages(p) for p in prefills + decodes} == before
+    assert_pages_return(prefills + decodes, before)
     assert elapsed_s < 120, f"{NUM_REQUESTS} requests took {elapsed_s:.0f}s"
