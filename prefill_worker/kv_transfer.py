@@ -242,6 +242,7 @@ class KvSender:
                                                    f"transfer requests for rooms it has not seen; retry later"))
                 return
             self.early[msg.room] = (msg, identity, time.monotonic() + self.transfer_wait_timeout_s)
+            logger.debug("room=%d: transfer request from decode_id=%s came before the room; held", msg.room, msg.decode_id)
             return
         if room.transfer is not None:
             await self._refuse_duplicate(identity, msg, room.transfer)
@@ -328,6 +329,8 @@ class KvSender:
                                 f"on this prefill; every request needs its own room")
         self.rooms[room.room] = room
         early = self.early.pop(room.room, None)
+        logger.debug("room=%d request_id=%s opened: %s", room.room, room.request_id,
+                     "its transfer request was already here" if early is not None else "no transfer request yet")
         if early is not None:
             room.transfer, room.identity = early[0], early[1]
             self._index(room)
@@ -346,6 +349,8 @@ class KvSender:
 
     async def send_room(self, room: Room, deadline: float) -> float:
         """Wait for the decode's transfer, WRITE, poll to DONE. Returns the WRITE time in seconds."""
+        logger.debug("room=%d request_id=%s prefilled: %s", room.room, room.request_id,
+                     "transfer request here" if room.arrived.is_set() else "waiting for the transfer request")
         remaining = min(deadline, room.deadline) - time.monotonic()
         try:
             if not room.arrived.is_set():  # wait_for(..., 0) would time out even on a set event
