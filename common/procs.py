@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,10 +22,37 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 
+# Ports for daemons started here are taken below the kernel's ephemeral range: a port the kernel
+# hands out (bind to 0, or any outgoing connection) may be taken by another process between the
+# pick and the daemon's bind, which happens only after its model has loaded.
+PORT_FLOOR = 10000
+ADDRESS_IN_USE = "address already in use"  # how uvicorn, libzmq and the routers report EADDRINUSE
+START_ATTEMPTS = 4
+
+
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, outside the ephemeral range, so no outgoing connection takes
+    it before the daemon binds it. Another process may still pick the same one: ``Proc`` retries a
+    start that failed with EADDRINUSE on new ports (``Proc.picked``)."""
+    rng = random.SystemRandom()
+    high = _ephemeral_floor()
+    for _ in range(200):
+        port = rng.randrange(PORT_FLOOR, high) if high > PORT_FLOOR + 100 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no free port on {host} in {PORT_FLOOR}..{high - 1}")
 
 
 def http_json(url: str, body: dict | None = None, *, timeout_s: float = 60.0, headers: dict | None = None):
@@ -44,15 +72,23 @@ def http_json(url: str, body: dict | None = None, *, timeout_s: float = 60.0, he
 
 @dataclass
 class Proc:
+    """One child process. ``picked`` names the port flags whose values ``free_port`` chose: a start
+    that fails because one of them was taken meanwhile is retried on new ports by ``wait_ready``
+    (``url`` and ``bootstrap_port`` follow)."""
+
     name: str
     args: list[str]
     url: str
     log_path: Path
     env: dict = field(default_factory=dict)
     popen: subprocess.Popen | None = None
+    picked: tuple[str, ...] = ()
+    bootstrap_port: int | None = None
+    _log_offset: int = 0
 
     def start(self) -> "Proc":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")
         self.popen = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       env={**os.environ, **self.env}, start_new_session=True)
@@ -68,8 +104,14 @@ class Proc:
 
     def wait_ready(self, timeout_s: float = 120.0, path: str = "/health") -> "Proc":
         deadline = time.monotonic() + timeout_s
+        attempts = 1
         while time.monotonic() < deadline:
             if not self.is_alive():
+                if attempts < START_ATTEMPTS and self.lost_port_race():
+                    attempts += 1
+                    self.repick_ports()
+                    self.start()
+                    continue
                 raise RuntimeError(f"{self.name} exited with {self.popen.returncode} before it was ready; "
                                    f"log {self.log_path}:\n{self.tail()}")
             try:
@@ -80,6 +122,32 @@ class Proc:
                 pass  # not listening yet
             time.sleep(0.1)
         raise TimeoutError(f"{self.name} not ready at {self.url}{path} within {timeout_s}s; log:\n{self.tail()}")
+
+    def lost_port_race(self) -> bool:
+        """The last start exited because a port ``free_port`` picked was taken before it bound."""
+        if not self.picked:
+            return False
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_offset)
+                return ADDRESS_IN_USE in log.read().decode(errors="replace").lower()
+        except OSError:
+            return False
+
+    def repick_ports(self) -> None:
+        host = self.arg("--host") or "127.0.0.1"
+        for flag in self.picked:
+            port = free_port(host)
+            logger.info("%s: %s %s was taken before it bound; trying %d", self.name, flag, self.arg(flag), port)
+            self.args[self.args.index(flag) + 1] = str(port)
+            if flag == "--port":
+                self.url = f"{self.url.rsplit(':', 1)[0]}:{port}"
+            if flag == "--bootstrap-port":
+                self.bootstrap_port = port
+
+    def arg(self, flag: str) -> str | None:
+        """The value after ``flag`` in ``args``, or None."""
+        return self.args[self.args.index(flag) + 1] if flag in self.args else None
 
     def tail(self, num_bytes: int = 4000) -> str:
         try:
@@ -105,15 +173,23 @@ class Proc:
         return self.popen.returncode
 
 
-def worker_proc(role: str, model: str, *, port: int, log_dir: Path, draft: str | None = None,
-                bootstrap_port: int | None = None, extra: list[str] | None = None, env: dict | None = None) -> Proc:
+def worker_proc(role: str, model: str, *, port: int | None, log_dir: Path, draft: str | None = None,
+                bootstrap_port: int | None = None, extra: list[str] | None = None, env: dict | None = None,
+                pick_bootstrap_port: bool = False) -> Proc:
+    """A daemon on loopback. ``port`` None: a ``free_port``; so is the bootstrap port with
+    ``pick_bootstrap_port`` (the daemon restarts on new ones if another process takes them first)."""
+    picked = (("--port",) if port is None else ()) + (("--bootstrap-port",) if pick_bootstrap_port else ())
+    port = free_port() if port is None else port
+    if pick_bootstrap_port:
+        bootstrap_port = free_port()
     args = [sys.executable, "-m", f"{role}_worker", "--model", model, "--host", "127.0.0.1", "--port", str(port)]
     if draft:
         args += ["--draft-model", draft]
     if bootstrap_port is not None:
         args += ["--bootstrap-port", str(bootstrap_port)]
     args += extra or []
-    return Proc(f"{role}:{port}", args, f"http://127.0.0.1:{port}", log_dir / f"{role}-{port}.log", env=env or {})
+    return Proc(f"{role}:{port}", args, f"http://127.0.0.1:{port}", log_dir / f"{role}-{port}.log", env=env or {},
+                picked=picked, bootstrap_port=bootstrap_port)
 
 
 def _prometheus_args(extra: list[str]) -> list[str]:
@@ -124,9 +200,16 @@ def _prometheus_args(extra: list[str]) -> list[str]:
     return ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
 
 
-def router_proc(prefills: list[tuple[str, int]], decodes: list[str], *, port: int, log_dir: Path,
+def _picked(port: int | None, extra: list[str]) -> tuple[int, tuple[str, ...]]:
+    """The router's port (a ``free_port`` when None) and the port flags chosen here."""
+    picked = (("--port",) if port is None else ()) + (("--prometheus-port",) if "--prometheus-port" not in extra else ())
+    return (free_port() if port is None else port), picked
+
+
+def router_proc(prefills: list[tuple[str, int]], decodes: list[str], *, port: int | None, log_dir: Path,
                 extra: list[str] | None = None) -> Proc:
     """sglang-router in PD mode on loopback (ready when ``GET /readiness`` answers 200)."""
+    port, picked = _picked(port, extra or [])
     args = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
             "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
     for url, bootstrap_port in prefills:
@@ -134,16 +217,17 @@ def router_proc(prefills: list[tuple[str, int]], decodes: list[str], *, port: in
     for url in decodes:
         args += ["--decode", url]
     args += _prometheus_args(extra or []) + (extra or [])
-    return Proc(f"router:{port}", args, f"http://127.0.0.1:{port}", log_dir / f"router-{port}.log")
+    return Proc(f"router:{port}", args, f"http://127.0.0.1:{port}", log_dir / f"router-{port}.log", picked=picked)
 
 
-def vllm_router_proc(prefills: list[tuple[str, int]], decodes: list[str], *, port: int, log_dir: Path,
+def vllm_router_proc(prefills: list[tuple[str, int]], decodes: list[str], *, port: int | None, log_dir: Path,
                      api_key: str = "", extra: list[str] | None = None) -> Proc:
     """vllm-router in its two-stage PD mode on loopback (ready when ``GET /readiness`` answers 200).
 
     It sends ``Authorization: Bearer $OPENAI_API_KEY`` to both daemons, so ``api_key`` must be the
     daemons' ``--api-key`` (empty when they run without one). It only starts listening once every
     worker answers ``/health``; the check interval is 1 s instead of its default 30 s."""
+    port, picked = _picked(port, extra or [])
     args = [str(Path(sys.executable).with_name("vllm-router")), "--vllm-pd-disaggregation",
             "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
             "--worker-startup-check-interval", "1"]
@@ -153,4 +237,4 @@ def vllm_router_proc(prefills: list[tuple[str, int]], decodes: list[str], *, por
         args += ["--decode", url]
     args += _prometheus_args(extra or []) + (extra or [])
     return Proc(f"vllm-router:{port}", args, f"http://127.0.0.1:{port}", log_dir / f"vllm-router-{port}.log",
-                env={"OPENAI_API_KEY": api_key})
+                env={"OPENAI_API_KEY": api_key}, picked=picked)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.procs import Proc, free_port, http_json, router_proc, vllm_router_proc, worker_proc
+from common.procs import Proc, http_json, router_proc, vllm_router_proc, worker_proc
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_DIR = REPO / ".tiny" / "seed0"
@@ -42,27 +42,26 @@ class Cluster:
 
     def prefill(self, *, draft: bool = False, extra: list[str] | None = None, port: int | None = None,
                 bootstrap_port: int | None = None, start: bool = True, env: dict | None = None) -> Proc:
-        p = worker_proc("prefill", self.target, port=port or free_port(), log_dir=self.log_dir,
-                        draft=self.draft if draft else None, bootstrap_port=bootstrap_port or free_port(),
-                        extra=extra, env={**self.env, **(env or {})})
-        p.bootstrap_port = int(p.args[p.args.index("--bootstrap-port") + 1])
+        p = worker_proc("prefill", self.target, port=port, log_dir=self.log_dir,
+                        draft=self.draft if draft else None, bootstrap_port=bootstrap_port,
+                        pick_bootstrap_port=bootstrap_port is None, extra=extra, env={**self.env, **(env or {})})
         return self._add(p, start)
 
     def decode(self, *, draft: bool = False, extra: list[str] | None = None, port: int | None = None,
                start: bool = True, env: dict | None = None) -> Proc:
-        p = worker_proc("decode", self.target, port=port or free_port(), log_dir=self.log_dir,
+        p = worker_proc("decode", self.target, port=port, log_dir=self.log_dir,
                         draft=self.draft if draft else None, extra=extra, env={**self.env, **(env or {})})
         return self._add(p, start)
 
     def router(self, prefills: list[Proc], decodes: list[Proc], extra: list[str] | None = None) -> Proc:
         p = router_proc([(x.url, x.bootstrap_port) for x in prefills], [x.url for x in decodes],
-                        port=free_port(), log_dir=self.log_dir, extra=extra)
+                        port=None, log_dir=self.log_dir, extra=extra)
         return self._add(p, True, ready_path="/readiness")
 
     def vllm_router(self, prefills: list[Proc], decodes: list[Proc], extra: list[str] | None = None) -> Proc:
         """vllm-router (two-stage PD); the workers must already answer /health."""
         p = vllm_router_proc([(x.url, x.bootstrap_port) for x in prefills], [x.url for x in decodes],
-                             port=free_port(), log_dir=self.log_dir, extra=extra)
+                             port=None, log_dir=self.log_dir, extra=extra)
         return self._add(p, True, ready_path="/readiness")
 
     def pair(self) -> tuple[Proc, Proc, dict]:
