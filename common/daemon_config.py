@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.api.limits import DEFAULT_MAX_REQUEST_BYTES
 from common.config import flag, require
 from common.log import LEVELS
 
@@ -31,6 +32,7 @@ class CommonConfig:
     max_running_requests: int = flag(64, help="requests decoded (or rooms held) at once")
     max_queued_requests: int = flag(256, help="requests waiting beyond that; more get HTTP 503")
     api_key: str | None = flag(None, help="require 'Authorization: Bearer KEY' on HTTP (health stays open)")
+    max_request_bytes: int = flag(DEFAULT_MAX_REQUEST_BYTES, help="largest HTTP request body accepted; a larger one gets 413")
     request_timeout_s: float = flag(300.0, help="deadline for a whole HTTP request")
     drain_timeout_s: float = flag(30.0, help="on SIGTERM, how long in-flight requests may finish")
     heartbeat_interval_s: float = flag(2.0, help="ping interval on each control connection")
@@ -48,6 +50,7 @@ class CommonConfig:
                 f"--draft-device must be cpu or cuda:N, got {self.draft_device!r}")
         require(self.max_running_requests > 0, "--max-running-requests must be positive")
         require(self.max_queued_requests >= 0, "--max-queued-requests must be >= 0")
+        require(self.max_request_bytes > 0, f"--max-request-bytes must be positive, got {self.max_request_bytes}")
         for name in ("request_timeout_s", "drain_timeout_s", "heartbeat_interval_s", "xfer_timeout_s"):
             require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive")
 

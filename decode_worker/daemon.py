@@ -76,7 +76,8 @@ class DecodeDaemon:
         from common.api.app import create_app
         from decode_worker.http import DecodeBackend
 
-        app = create_app(DecodeBackend(self), api_key=c.api_key, request_timeout_s=c.request_timeout_s)
+        app = create_app(DecodeBackend(self), api_key=c.api_key, request_timeout_s=c.request_timeout_s,
+                         max_request_bytes=c.max_request_bytes)
         self.http = await start_http(app, c.host, c.port)
         self.is_serving = True
         logger.info("decode %s serving http=%s:%d model=%s draft=%s spec_k=%d", self.decode_id, c.host, c.port,

@@ -86,7 +86,8 @@ class PrefillDaemon:
         from common.api.app import create_app
         from prefill_worker.http import PrefillBackend
 
-        app = create_app(PrefillBackend(self), api_key=c.api_key, request_timeout_s=c.request_timeout_s)
+        app = create_app(PrefillBackend(self), api_key=c.api_key, request_timeout_s=c.request_timeout_s,
+                         max_request_bytes=c.max_request_bytes)
         self.http = await start_http(app, c.host, c.port)
         self._update_gauges()
         self.is_serving = True

@@ -23,6 +23,7 @@ from starlette.responses import Response, StreamingResponse
 from common.api.auth import ApiKeyMiddleware
 from common.api.backend import Backend, GenerateEvent, GenerateInput
 from common.api.info import add_info_routes
+from common.api.limits import DEFAULT_MAX_REQUEST_BYTES, max_prompt_chars, read_body
 from common.api.openai_schema import OpenAIRequest, parse_openai
 from common.api.responses import (
     ItemOutput, error_info, generate_response, openai_response, simple_error,
@@ -65,11 +66,14 @@ class _Api:
     """The generation routes; one instance per app, holding the backend and the settings."""
 
     def __init__(self, backend: Backend, request_timeout_s: float,
-                 default_bootstrap_port: int) -> None:
+                 default_bootstrap_port: int, max_request_bytes: int) -> None:
         self.backend, self.timeout_s = backend, request_timeout_s
         self.default_bootstrap_port = default_bootstrap_port
+        self.max_request_bytes = max_request_bytes
         vocab_size = getattr(backend.tokenizer, "vocab_size", None)
         self.vocab_size = vocab_size if isinstance(vocab_size, int) else None
+        self.max_prompt_chars = max_prompt_chars(backend.tokenizer, self.vocab_size,
+                                                 backend.max_context_tokens)
 
     def context(self, request: Request) -> ParseContext:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
@@ -78,7 +82,17 @@ class _Api:
                             max_context_tokens=self.backend.max_context_tokens,
                             vocab_size=self.vocab_size,
                             default_bootstrap_port=self.default_bootstrap_port,
-                            request_id=request_id)
+                            request_id=request_id, max_prompt_chars=self.max_prompt_chars)
+
+    async def parse(self, request: Request, parse: Callable[..., Any], *args: Any) -> Any:
+        """Read the body (bounded by `--max-request-bytes`), then decode, validate and tokenize
+        it on the loop's executor: a long prompt must not stall the other requests."""
+        ctx = self.context(request)
+        raw = await read_body(request, self.max_request_bytes)
+        loop = asyncio.get_running_loop()
+        body = await loop.run_in_executor(None, json_object, raw)
+        request.state.is_stream = body.get("stream") is True
+        return ctx, await loop.run_in_executor(None, parse, ctx, body, *args)
 
     def inputs(self, items: Sequence[PromptItem], stream: bool, return_logprob: bool,
                kv: dict[str, Any] | None) -> list[GenerateInput]:
@@ -137,8 +151,7 @@ class _Api:
 
     async def generate(self, request: Request) -> Response:
         started = asyncio.get_running_loop().time()
-        ctx = self.context(request)
-        req = parse_generate(ctx, await read_json(request))
+        ctx, req = await self.parse(request, parse_generate)
         inputs = self.inputs(req.items, req.stream, req.return_logprob, req.kv_transfer_params)
         outs = [ItemOutput(item) for item in req.items]
         tokenizer = self.backend.tokenizer
@@ -156,8 +169,8 @@ class _Api:
 
     async def openai(self, request: Request, is_chat: bool) -> Response:
         started = asyncio.get_running_loop().time()
-        ctx = self.context(request)
-        req: OpenAIRequest = parse_openai(ctx, await read_json(request), is_chat)
+        ctx, req = await self.parse(request, parse_openai, is_chat)
+        req: OpenAIRequest
         inputs = self.inputs(req.items, req.stream, req.logprobs, req.kv_transfer_params)
         outs = [ItemOutput(item) for item in req.items]
         base_id = req.items[0].request_id if len(req.items) == 1 else ctx.request_id
@@ -179,9 +192,8 @@ def log_done(request_id: str, route: str, outs: Sequence[ItemOutput]) -> None:
                  sum(o.num_completion_tokens for o in outs), [o.finish_reason for o in outs])
 
 
-async def read_json(request: Request) -> dict[str, Any]:
-    """The body as a JSON object; notes `stream: true` so that an error answer goes chunked."""
-    raw = await request.body()
+def json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -189,7 +201,6 @@ async def read_json(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise FieldError(None, f"the request body must be a JSON object, got "
                                f"{type(body).__name__}")
-    request.state.is_stream = body.get("stream") is True
     return body
 
 
@@ -227,17 +238,21 @@ def _peer(request: Request) -> str:
 
 
 def create_app(backend: Backend, *, api_key: str | None, request_timeout_s: float,
-               default_bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT) -> FastAPI:
+               default_bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The HTTP app for `backend`. With `api_key`, every route but the health and metrics ones
     needs `Authorization: Bearer <api_key>`. `request_timeout_s` bounds each request from arrival
     to its last byte. `default_bootstrap_port` stands in for a `bootstrap_port: null` (a router
-    given a prefill URL without a port)."""
+    given a prefill URL without a port). A generation request whose body passes
+    `max_request_bytes` is answered 413."""
     if not request_timeout_s > 0:
         raise ConfigError(f"request_timeout_s must be > 0, got {request_timeout_s!r}")
+    if not max_request_bytes > 0:
+        raise ConfigError(f"max_request_bytes must be > 0, got {max_request_bytes!r}")
     app = FastAPI(title="kvferry", docs_url=None, redoc_url=None, openapi_url=None)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    api = _Api(backend, request_timeout_s, default_bootstrap_port)
+    api = _Api(backend, request_timeout_s, default_bootstrap_port, max_request_bytes)
     guard = guarded(request_timeout_s)
 
     @app.post("/generate")

@@ -17,7 +17,7 @@ import jinja2
 
 from common.api.schema import (
     BOOTSTRAP_KEYS, MISSING, FieldError, ParseContext, PromptItem, bootstrap_fields,
-    check_fields, check_prompt_ids, encode_text, expect, parse_kv_transfer_params, per_prompt,
+    check_fields, check_prompt_ids, check_text_length, encode_text, expect, parse_kv_transfer_params, per_prompt,
     prompt_item, request_ids, type_name,
 )
 from common.errors import RequestError
@@ -116,6 +116,7 @@ def _chat_messages(messages: Any) -> list[dict[str, Any]]:
 
 def _chat_prompt(ctx: ParseContext, messages: Any) -> list[int]:
     rendered = _chat_messages(messages)
+    check_text_length(ctx, sum(len(m["content"]) for m in rendered), "messages")
     try:
         ids = ctx.tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
     except RequestError as exc:
@@ -126,6 +127,7 @@ def _chat_prompt(ctx: ParseContext, messages: Any) -> list[int]:
     if isinstance(ids, str):
         # The rendered template already holds BOS and the other special tokens (transformers
         # encodes it the same way), so the tokenizer must not add them again.
+        check_text_length(ctx, len(ids), "messages")
         ids = ctx.tokenizer.encode(ids, add_special_tokens=False)
     return check_prompt_ids(ctx, list(ids), "messages")
 

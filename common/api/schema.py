@@ -75,6 +75,7 @@ class ParseContext:
     vocab_size: int | None
     default_bootstrap_port: int
     request_id: str
+    max_prompt_chars: int | None = None  # a longer text cannot fit the context (common/api/limits.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +138,9 @@ def check_prompt_ids(ctx: ParseContext, ids: Any, where: str) -> list[int]:
     """A non-empty list of valid token ids that fits the context."""
     if not isinstance(ids, list) or not ids:
         raise FieldError(where, f"{where} must be a non-empty list of token ids, got {ids!r}")
+    if len(ids) > ctx.max_context_tokens:  # before looking at each id
+        raise FieldError(where, f"{where} has {len(ids)} tokens but the model's context is "
+                                f"{ctx.max_context_tokens} tokens; shorten the prompt")
     upper = ctx.vocab_size
     for i, token_id in enumerate(ids):
         if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0 or (
@@ -144,10 +148,14 @@ def check_prompt_ids(ctx: ParseContext, ids: Any, where: str) -> list[int]:
             bound = f"[0, {upper})" if upper is not None else ">= 0"
             raise FieldError(f"{where}[{i}]", f"{where}[{i}] must be a token id in {bound}, "
                                               f"got {token_id!r}")
-    if len(ids) > ctx.max_context_tokens:
-        raise FieldError(where, f"{where} has {len(ids)} tokens but the model's context is "
-                                f"{ctx.max_context_tokens} tokens; shorten the prompt")
     return ids
+
+
+def check_text_length(ctx: ParseContext, num_chars: int, where: str) -> None:
+    """Refuse, before tokenizing it, a text too long to fit the context whatever its tokens."""
+    if ctx.max_prompt_chars is not None and num_chars > ctx.max_prompt_chars:
+        raise FieldError(where, f"{where} has {num_chars} characters, more tokens than the model's "
+                                f"context of {ctx.max_context_tokens} tokens can hold; shorten the prompt")
 
 
 def encode_text(ctx: ParseContext, text: Any, where: str) -> list[int]:
@@ -155,6 +163,7 @@ def encode_text(ctx: ParseContext, text: Any, where: str) -> list[int]:
         raise FieldError(where, f"{where} must be a string, got {type_name(text)}")
     if not text:
         raise FieldError(where, f"{where} is empty; send a non-empty prompt")
+    check_text_length(ctx, len(text), where)
     return check_prompt_ids(ctx, list(ctx.tokenizer.encode(text)), where)
 
 

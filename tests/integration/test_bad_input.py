@@ -3,13 +3,15 @@ both daemons keep serving afterwards (correct output, all pages back).
 
 The prefill runs with the default pool, so its context is the tiny model's
 max_position_embeddings (4096); the decode runs with ``--max-total-tokens 1024``, which caps its
-context at 1024 tokens.
+context at 1024 tokens. Both take bodies of at most ``MAX_REQUEST_BYTES`` (``--max-request-bytes``).
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import random
+import socket
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.timeout(600)
 PROMPT = [5, 17, 99, 260, 311, 42, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
 SAMPLING = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 CONTEXT = {"prefill": 4096, "decode": 1024}
+MAX_REQUEST_BYTES = 65536  # above every other case's body (the longest, 4,097 ids, is ~20 KB)
 
 
 @dataclass
@@ -47,8 +50,10 @@ class Pair:
 def pair(tmp_path_factory, tiny_models):
     cluster = Cluster(tmp_path_factory.mktemp("bad_input") / "logs", *tiny_models)
     try:
-        prefill = cluster.prefill(extra=["--transfer-wait-timeout-s", "10"])
-        decode = cluster.decode(extra=["--max-total-tokens", "1024"])
+        limit = ["--max-request-bytes", str(MAX_REQUEST_BYTES)]
+        prefill = cluster.prefill(extra=["--transfer-wait-timeout-s", "10"] + limit)
+        decode = cluster.decode(extra=["--max-total-tokens", "1024"],
+                                env={"KVFERRY_MAX_REQUEST_BYTES": str(MAX_REQUEST_BYTES)})
         yield Pair(prefill, decode, (free_pages(prefill), free_pages(decode)))
     finally:
         cluster.stop_all()
@@ -128,6 +133,36 @@ def test_body_that_is_not_a_json_object_is_refused(pair, data, path):
         status, answer = post_raw(proc.url + path, data)
         assert status == 400, (name, path, answer)
         assert "JSON" in answer["error"]["message"], (name, path, answer)
+
+
+def assert_too_large(status: int, answer, where: str) -> None:
+    assert status == 413, (where, status, answer)
+    message = answer["error"]["message"]
+    assert answer["error"]["code"] == 413 and "--max-request-bytes" in message, (where, answer)
+    assert str(MAX_REQUEST_BYTES) in message, (where, answer)
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+def test_body_over_max_request_bytes_is_413(pair, path):
+    """A body over the limit (the prefill's from its flag, the decode's from the environment) is
+    answered 413 naming the limit; a prompt that fits is still served afterwards (last test)."""
+    text = "a" * (MAX_REQUEST_BYTES + 1)
+    body = {"text": text} if path == "/generate" else {"prompt": text}
+    for name, proc in pair.procs("both"):
+        status, answer = post_raw(proc.url + path, json.dumps({**body, **pair.boot()}).encode())
+        assert_too_large(status, answer, f"{name}{path}")
+
+
+def test_declared_body_over_max_request_bytes_is_413_before_it_is_sent(pair):
+    """A Content-Length over the limit is answered at once: the daemon does not wait for the body."""
+    for name, proc in pair.procs("both"):
+        host, port = proc.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as conn:
+            conn.sendall(f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {10 * MAX_REQUEST_BYTES}\r\n\r\n{{".encode())
+            response = http.client.HTTPResponse(conn)
+            response.begin()
+            assert_too_large(response.status, json.loads(response.read()), name)
 
 
 BOOTSTRAP_CASES = [

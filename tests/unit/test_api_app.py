@@ -18,6 +18,7 @@ import uvicorn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from common.api import GenerateEvent, GenerateInput, create_app
+from common.api.limits import max_prompt_chars
 from common.errors import OverloadedError, TransferError
 
 pytestmark = pytest.mark.anyio
@@ -545,3 +546,112 @@ def test_real_server_stream_and_disconnects():
         assert wait_until(lambda: "impatient" in backend.ended), backend.ended
         assert backend.ended["impatient"] == "CancelledError"
         assert len(backend.tokenizer.encode("x" * 100)) == 100
+
+
+# --- bounds before any work (--max-request-bytes, prompt length, tokenizing off the loop) --------
+
+def limited_client(backend: EchoBackend, max_request_bytes: int) -> httpx.AsyncClient:
+    app = create_app(backend, api_key=None, request_timeout_s=10, max_request_bytes=max_request_bytes)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def assert_too_large(r: httpx.Response, limit: int) -> None:
+    assert r.status_code == 413, r.text
+    error = r.json()["error"]
+    assert error["code"] == 413 and error["type"] == "invalid_request_error" and error["param"] is None
+    assert "--max-request-bytes" in error["message"] and str(limit) in error["message"], error
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions"])
+async def test_body_over_max_request_bytes_is_413_naming_the_limit(path):
+    backend = EchoBackend()
+    data = json.dumps({"text": "x" * 300, "prompt": "x" * 300}).encode()
+    async with limited_client(backend, 256) as c:
+        r = await c.post(path, content=data, headers={"Content-Type": "application/json"})
+    assert_too_large(r, 256)
+    assert backend.inputs == []
+
+
+async def test_chunked_body_is_cut_off_at_max_request_bytes():
+    """No Content-Length: the body is counted while it is read."""
+    backend = EchoBackend()
+    received: list[int] = []
+
+    async def chunks():
+        for _ in range(64):
+            received.append(1)
+            yield b" " * 64
+
+    async with limited_client(backend, 1000) as c:
+        r = await c.post("/generate", content=chunks(), headers={"Content-Type": "application/json"})
+    assert "content-length" not in r.request.headers
+    assert_too_large(r, 1000)
+    assert backend.inputs == []
+
+
+async def test_body_at_max_request_bytes_is_served():
+    backend = EchoBackend()
+    data = json.dumps({"text": "hello", "sampling_params": {"max_new_tokens": 2}}).encode()
+    async with limited_client(backend, len(data)) as c:
+        r = await c.post("/generate", content=data, headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert r.json()["text"] == "ol"
+
+
+class RecordingTokenizer(ByteTokenizer):
+    """Records the thread of every encode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encode_threads: list[int] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.encode_threads.append(threading.get_ident())
+        return super().encode(text, add_special_tokens)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/generate", {"text": "hello"}),
+    ("/v1/completions", {"prompt": "hello"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]}),
+])
+async def test_tokenizing_runs_off_the_event_loop(path, body):
+    backend = EchoBackend()
+    backend.tokenizer = RecordingTokenizer()
+    async with client_for(backend) as c:
+        r = await c.post(path, json=body)
+    assert r.status_code == 200, r.text
+    assert backend.tokenizer.encode_threads
+    assert threading.get_ident() not in backend.tokenizer.encode_threads
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/generate", lambda n: {"text": "a" * n}, "text"),
+    ("/v1/completions", lambda n: {"prompt": "a" * n}, "prompt"),
+    ("/v1/chat/completions", lambda n: {"messages": [{"role": "user", "content": "a" * n}]}, "messages"),
+])
+async def test_text_that_cannot_fit_the_context_is_refused_before_tokenizing(path, body, field):
+    """The byte tokenizer's longest token decodes to 3 bytes (a lone byte of a multi-byte
+    character decodes to U+FFFD), the context is 512 tokens: a text of more than 4 * 3 * 512
+    characters cannot fit whatever it tokenizes to."""
+    backend = EchoBackend()
+    backend.tokenizer = RecordingTokenizer()
+    assert max_prompt_chars(backend.tokenizer, 256, 512) == 4 * 3 * 512
+    async with client_for(backend) as c:
+        r = await c.post(path, json=body(4 * 3 * 512 + 1))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and "512 tokens" in error["message"], error
+    assert backend.tokenizer.encode_threads == []  # never tokenized
+    assert backend.inputs == []
+
+
+async def test_input_ids_over_the_context_are_refused_by_length_first():
+    """The length is checked before each id: a long list is refused for its length, not for the
+    bad id near its end."""
+    backend = EchoBackend()
+    async with client_for(backend) as c:
+        r = await c.post("/generate", json={"input_ids": [1] * 600 + [-1]})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "input_ids" and "601 tokens" in error["message"], error
