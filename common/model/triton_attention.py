@@ -1,0 +1,242 @@
+"""Paged attention in Triton: K/V read straight from the KV pool through page tables, no gather.
+
+Three kernels, each checked against the torch path (``attention.py``) in ``tests/gpu``:
+
+- ``store_kv``: token t's K/V [Hkv, D] goes to row ``rows[t]`` of page ``pages[t]``; a negative
+  page skips the token (padding rows of a CUDA graph bucket).
+- ``decode_attention``: one query token per sequence, at position ``kv_lens[b] - 1``. Split-K: each
+  (sequence, KV head, split) program scores its share of the context for all the query heads of
+  its KV head (GQA folded into the tile's rows), then a second kernel merges the splits by their
+  log-sum-exp. The number of splits is fixed per batch size, so a CUDA graph can capture it; each
+  split's range comes from ``kv_lens`` at run time.
+- ``extend_attention``: several query tokens per sequence after ``prefix_lens[b]`` cached ones,
+  causal over prefix + themselves (chunked prefill, spec-dec verify, plain prefill when the prefix
+  is 0). Their K/V must already be stored in the pages.
+
+A cache is a ``[num_pages, page_size, Hkv, D]`` view of the pool; both ``--kv-layout`` values give
+such a view (only the page stride differs), so the kernels take strides and never copy. Offsets are
+int64: a page-major 8B pool is far over 2**31 elements. SGLang's Triton backend
+(``srt/layers/attention/triton_ops/decode_attention.py``, ``extend_attention.py``) is the public
+design these follow; the code is our own.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# A finite "minus infinity" for running maxima: exp(m_old - m_new) stays 0 or 1, never NaN.
+_NEG = -1.0e30
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _store_kv_kernel(k, v, k_cache, v_cache, pages, rows, stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_cp, stride_cr, stride_ch, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    page = tl.load(pages + t).to(tl.int64)
+    if page >= 0:
+        row = tl.load(rows + t).to(tl.int64)
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        mask = (h[:, None] < NUM_HEADS) & (d[None, :] < HEAD_DIM)
+        dst = page * stride_cp + row * stride_cr + h[:, None] * stride_ch + d[None, :]
+        k_row = tl.load(k + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+        v_row = tl.load(v + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+        tl.store(k_cache + dst, k_row.to(k_cache.dtype.element_ty), mask=mask)
+        tl.store(v_cache + dst, v_row.to(v_cache.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_split_kernel(q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_lse, stride_qb, stride_qh,
+                         stride_cp, stride_cr, stride_ch, stride_pb, scale_log2, window,
+                         GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kv_len = tl.load(kv_lens + b).to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, kv_len)
+    if window > 0:  # the one query sits at kv_len - 1 and sees keys > kv_len - 1 - window
+        lo = tl.maximum(lo, kv_len - window)
+    g = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+    q_tile = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    m_i = tl.full([BLOCK_H], _NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_mask = n < hi
+        page = tl.load(page_table + b * stride_pb + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        offs = page * stride_cp + (n % PAGE_SIZE).to(tl.int64) * stride_cr + kv_head * stride_ch
+        kv_mask = n_mask[:, None] & (d[None, :] < HEAD_DIM)
+        k_tile = tl.load(k_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_tile = tl.load(v_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=PRECISION)
+        m_i = m_new
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), _NEG)  # log2 units
+    base = (b * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split  # mid_o: [B, Hq, NUM_SPLITS, D]
+    tl.store(mid_o + base[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
+    tl.store(mid_lse + base, lse, mask=g < GROUP)
+
+
+@triton.jit
+def _decode_merge_kernel(mid_o, mid_lse, o, stride_ob, stride_oh, NUM_SPLITS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    b, head = tl.program_id(0), tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    base = (b * tl.num_programs(1) + head) * NUM_SPLITS
+    m = _NEG
+    total = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for split in range(NUM_SPLITS):
+        lse = tl.load(mid_lse + base + split)
+        part = tl.load(mid_o + (base + split) * HEAD_DIM + d, mask=d < HEAD_DIM, other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        weight = tl.where(lse > _NEG, tl.exp2(lse - m_new), 0.0)
+        acc = acc * alpha + weight * part
+        total = total * alpha + weight
+        m = m_new
+    out = acc / tl.where(total > 0, total, 1.0)  # a padding row (kv_len 0) gets zeros
+    tl.store(o + b * stride_ob + head * stride_oh + d, out.to(o.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@triton.jit
+def _extend_kernel(q, o, k_cache, v_cache, page_table, q_starts, q_lens, prefix_lens, stride_qt, stride_qh,
+                   stride_ot, stride_oh, stride_cp, stride_cr, stride_ch, stride_pb, scale_log2, window,
+                   GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    b, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kv_head = head // GROUP
+    q_len = tl.load(q_lens + b).to(tl.int32)
+    q_start = tl.load(q_starts + b).to(tl.int64)
+    prefix = tl.load(prefix_lens + b).to(tl.int32)
+    m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    m_mask = m < q_len
+    q_pos = prefix + m
+    tile_mask = m_mask[:, None] & (d[None, :] < HEAD_DIM)
+    rows = q_start + m.to(tl.int64)
+    q_tile = tl.load(q + rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=tile_mask, other=0.0)
+    # Keys this block can see: causal up to its last row; with a window, from its first row's edge.
+    hi = tl.minimum(prefix + q_len, prefix + (block + 1) * BLOCK_M)
+    hi = tl.where(block * BLOCK_M < q_len, hi, 0)
+    lo = prefix * 0
+    if window > 0:
+        lo = tl.maximum(prefix + block * BLOCK_M - window + 1, 0)
+    m_i = tl.full([BLOCK_M], _NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_mask = n < hi
+        page = tl.load(page_table + b * stride_pb + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        offs = page * stride_cp + (n % PAGE_SIZE).to(tl.int64) * stride_cr + kv_head * stride_ch
+        kv_mask = n_mask[:, None] & (d[None, :] < HEAD_DIM)
+        k_tile = tl.load(k_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION) * scale_log2
+        allowed = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
+        if window > 0:
+            allowed = allowed & (n[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_tile = tl.load(v_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o + rows[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(o.dtype.element_ty),
+             mask=tile_mask)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 caches are the exact reference path: no tf32 rounding inside tl.dot
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "K and V views must share strides"
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             pages: torch.Tensor, rows: torch.Tensor) -> None:
+    """k, v: [T, Hkv, D] (any row stride, last dim contiguous) into k_cache, v_cache
+    [num_pages, page_size, Hkv, D]; pages, rows: [T] int (page < 0: skip)."""
+    _check_caches(k_cache, v_cache)
+    num_tokens, num_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, pages, rows, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+def num_decode_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
+    """Splits of the context per (sequence, KV head): about 4 programs per SM, 1..32; depends only
+    on the batch size, so a graph captured for a batch bucket keeps it."""
+    return max(1, min(32, -(-4 * num_sms // max(1, batch * num_kv_heads))))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                     kv_lens: torch.Tensor, scale: float, window: int | None, num_splits: int) -> torch.Tensor:
+    """q: [B, Hq, D] (the token at position kv_lens[b] - 1, K/V already stored); page_table:
+    [B, max_pages] int; kv_lens: [B] int (0: padding row, output 0) -> [B, Hq, D] in q's dtype."""
+    _check_caches(k_cache, v_cache)
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_lse, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), scale * _LOG2E,
+        window or 0, GROUP=group, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=32 if block_d > 128 else 64,
+        PRECISION=_precision(k_cache.dtype), num_warps=4, num_stages=2)
+    out = torch.empty_like(q)
+    _decode_merge_kernel[(batch, num_heads)](
+        mid_o, mid_lse, out, out.stride(0), out.stride(1), NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
+        BLOCK_D=block_d)
+    return out
+
+
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                     q_starts: torch.Tensor, q_lens: torch.Tensor, prefix_lens: torch.Tensor, max_query: int,
+                     scale: float, window: int | None) -> torch.Tensor:
+    """q: [T, Hq, D] packed, sequence b's rows at [q_starts[b], + q_lens[b]) and positions
+    prefix_lens[b] + i (their K/V already stored) -> [T, Hq, D]."""
+    _check_caches(k_cache, v_cache)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    batch = q_lens.shape[0]
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    is_wide = q.dtype == torch.float32 or block_d > 128
+    block_m = 16 if max_query <= 16 else (64 if is_wide else 128)
+    block_n = 32 if is_wide else 64
+    out = torch.empty_like(q)
+    _extend_kernel[(batch, num_heads, triton.cdiv(max_query, block_m))](
+        q, out, k_cache, v_cache, page_table, q_starts, q_lens, prefix_lens, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
+        scale * _LOG2E, window or 0, GROUP=num_heads // num_kv_heads, PAGE_SIZE=k_cache.shape[1],
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=_precision(q.dtype),
+        num_warps=8 if block_m == 128 else 4, num_stages=2)
+    return out
