@@ -53,20 +53,43 @@ def test_validate_names_field_and_range(changes, field, allowed):
 
 
 def test_validate_context_limit_names_both_values():
-    SamplingParams(max_new_tokens=24).validate(VOCAB_SIZE, max_context_tokens=32,
-                                               prompt_tokens=8)
+    assert SamplingParams(max_new_tokens=24).validate(VOCAB_SIZE, max_context_tokens=32,
+                                                      prompt_tokens=8) is None  # exactly the context
     with pytest.raises(RequestError, match=r"prompt tokens \(9\) \+ max_new_tokens \(24\)"):
         SamplingParams(max_new_tokens=24).validate(VOCAB_SIZE, max_context_tokens=32,
                                                    prompt_tokens=9)
 
 
-def test_validate_accepts_edges():
-    for params in [SamplingParams(max_new_tokens=0), SamplingParams(top_k=0),
-                   SamplingParams(temperature=0.0, top_p=1.0, min_p=1.0),
-                   SamplingParams(top_p=0.8999999761581421, seed=2**63 - 1),
-                   SamplingParams(stop=tuple(f"s{i}" for i in range(16)),
-                                  stop_token_ids=(0, VOCAB_SIZE - 1))]:
-        params.validate(VOCAB_SIZE)
+# Each edge value next to the first value past it: the edge is accepted (validate returns None,
+# the params keep the value), the one past it is refused naming the field.
+EDGES = [
+    ("max_new_tokens", 0, -1),
+    ("top_k", -1, -2),
+    ("temperature", 0.0, -1e-9),
+    ("top_p", 1.0, 1.0000001),
+    ("top_p", 1e-9, 0.0),
+    ("min_p", 1.0, 1.0000001),
+    ("min_p", 0.0, -1e-9),
+    ("seed", 2**63 - 1, 2**63),
+    ("seed", 0, -1),
+    ("stop", tuple(f"s{i}" for i in range(16)), tuple(f"s{i}" for i in range(17))),
+    ("stop_token_ids", (0, VOCAB_SIZE - 1), (0, VOCAB_SIZE)),
+]
+
+
+@pytest.mark.parametrize("field,edge,past", EDGES, ids=[f"{e[0]}={e[1]!r:.12}" for e in EDGES])
+def test_validate_accepts_edges_and_refuses_the_next_value(field, edge, past):
+    params = SamplingParams(**{field: edge})
+    assert params.validate(VOCAB_SIZE) is None
+    assert getattr(params, field) == edge
+    with pytest.raises(RequestError, match=rf"^{field} must be"):
+        SamplingParams(**{field: past}).validate(VOCAB_SIZE)
+
+
+def test_validate_accepts_fractional_top_p_as_clients_send_it():
+    params = SamplingParams(temperature=0.0, top_p=0.8999999761581421, min_p=1.0)  # float32 0.9
+    assert params.validate(VOCAB_SIZE) is None
+    assert params.top_p == 0.8999999761581421
 
 
 def test_from_sglang_maps_fields():

@@ -80,14 +80,43 @@ def plain(msg) -> dict:
     return msgpack.unpackb(wire.encode(msg), raw=False)
 
 
-def decodes_or_refuses(frame: bytes) -> None:
+def decode_outcome(frame: bytes) -> wire.Message | ProtocolError:
     """The one promise about arbitrary input: a message, or ProtocolError, never anything else."""
     try:
-        msg = wire.decode(frame)
+        return wire.decode(frame)
     except ProtocolError as exc:
-        assert str(exc)
+        return exc
+
+
+def assert_kept(sent, kept, where: str = "") -> None:
+    """``kept`` (a decoded message, encoded again) holds what was ``sent``: same values, same types
+    (a bool is no int, an int no float), fields absent from ``sent`` being defaults."""
+    if isinstance(kept, dict):
+        assert isinstance(sent, dict), where
+        assert set(sent) <= set(kept), (where, set(sent) - set(kept))  # unknown fields are refused
+        for key in sent:
+            assert_kept(sent[key], kept[key], f"{where}.{key}")
+    elif isinstance(kept, list):
+        assert isinstance(sent, list) and len(sent) == len(kept), where
+        for i, (a, b) in enumerate(zip(sent, kept)):
+            assert_kept(a, b, f"{where}[{i}]")
+    else:
+        assert type(sent) is type(kept) and sent == kept, (where, sent, kept)
+
+
+def assert_decoded_faithfully(frame: bytes, outcome: wire.Message | ProtocolError) -> None:
+    """A refusal says why; a message has the frame's kind and keeps every value the frame sent."""
+    if isinstance(outcome, ProtocolError):
+        assert str(outcome)
         return
-    assert isinstance(msg, wire.Message)
+    assert isinstance(outcome, wire.Message), type(outcome)
+    sent = msgpack.unpackb(frame, raw=False)
+    assert sent["v"] == wire.PROTOCOL_VERSION and sent["kind"] == outcome.KIND
+    assert_kept(sent, msgpack.unpackb(wire.encode(outcome), raw=False))
+
+
+def decodes_or_refuses(frame: bytes) -> None:
+    assert_decoded_faithfully(frame, decode_outcome(frame))
 
 
 @pytest.mark.parametrize("cls", KINDS, ids=lambda c: c.KIND)
@@ -117,12 +146,20 @@ def test_random_bytes_only_raise_protocol_error(frame):
 
 @given(ANY_VALUE)
 def test_random_msgpack_values_only_raise_protocol_error(value):
-    decodes_or_refuses(msgpack.packb(value, use_bin_type=True))
+    frame = msgpack.packb(value, use_bin_type=True)
+    outcome = decode_outcome(frame)
+    assert_decoded_faithfully(frame, outcome)
+    if not isinstance(value, dict):
+        assert isinstance(outcome, ProtocolError) and "must be a msgpack map" in str(outcome)
 
 
 @given(kind=st.sampled_from([c.KIND for c in KINDS]), fields=st.dictionaries(TEXT, ANY_VALUE, max_size=6))
 def test_random_maps_with_valid_envelope_only_raise_protocol_error(kind, fields):
-    decodes_or_refuses(msgpack.packb({**fields, "v": 1, "kind": kind}, use_bin_type=True))
+    frame = msgpack.packb({**fields, "v": 1, "kind": kind}, use_bin_type=True)
+    outcome = decode_outcome(frame)
+    assert_decoded_faithfully(frame, outcome)
+    if isinstance(outcome, ProtocolError):
+        assert str(outcome).startswith(kind), outcome  # the envelope was valid: the kind's fields are named
 
 
 @pytest.mark.parametrize("cls", KINDS, ids=lambda c: c.KIND)
