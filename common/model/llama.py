@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.model import rope
-from common.model.attention import BatchPlan, build_plan, paged_attention, write_kv
+from common.model.attn_backend import make_backend
 from common.model.config import ModelConfig
 from common.model.kv_cache import KvCache
 
@@ -103,14 +103,14 @@ class DecoderLayer(nn.Module):
             out[p + "mlp.down_proj.bias"] = TensorSlot(self.down_bias, 0, c.hidden_size)
         return out
 
-    def forward(self, x: torch.Tensor, cos_sin, kv: KvCache, plan: BatchPlan) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin, kv: KvCache, plan, attn) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]; writes this layer's K/V of the T new tokens."""
-        x = x + self._attention(rms_norm(x, self.input_norm, self.config.rms_norm_eps), cos_sin, kv, plan)
+        x = x + self._attention(rms_norm(x, self.input_norm, self.config.rms_norm_eps), cos_sin, kv, plan, attn)
         h = rms_norm(x, self.post_norm, self.config.rms_norm_eps)
         gate, up = F.linear(h, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
 
-    def _attention(self, h: torch.Tensor, cos_sin, kv: KvCache, plan: BatchPlan) -> torch.Tensor:
+    def _attention(self, h: torch.Tensor, cos_sin, kv: KvCache, plan, attn) -> torch.Tensor:
         c = self.config
         num_tokens = h.shape[0]
         qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
@@ -125,8 +125,8 @@ class DecoderLayer(nn.Module):
         q = rope.apply_rotary(q, cos, sin)
         k = rope.apply_rotary(k, cos, sin)
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]  # [num_pages, page_size, Hkv, D]
-        write_kv(k_cache, v_cache, k, v, plan)
-        out = paged_attention(q, k_cache, v_cache, plan, self.window, c.head_dim**-0.5)
+        attn.store(k_cache, v_cache, k, v, plan)
+        out = attn.attend(q, k_cache, v_cache, plan, self.window, c.head_dim**-0.5)
         return F.linear(out.reshape(num_tokens, c.q_size), self.o_weight, self.o_bias)
 
 
@@ -146,6 +146,11 @@ class LlamaForCausalLM(nn.Module):
             (config.vocab_size, config.hidden_size), dtype, device
         )
         self.inv_freq = rope.inv_frequencies(config).to(device)
+        self.attn = make_backend("auto", device, config.num_key_value_heads)
+
+    def set_attention_backend(self, name: str) -> None:
+        """``auto``, ``torch`` or ``triton`` (CUDA only); see ``attn_backend.py``."""
+        self.attn = make_backend(name, self.device, self.config.num_key_value_heads)
 
     def hf_tensor_map(self) -> dict[str, TensorSlot]:
         """Hugging Face tensor name -> destination. Tied checkpoints carry no ``lm_head.weight``."""
@@ -170,18 +175,16 @@ class LlamaForCausalLM(nn.Module):
         a list of [len(token_ids), vocab], one per chunk.
         """
         self._check(chunks, kv)
-        plan = build_plan(
-            [len(c.token_ids) for c in chunks],
-            [c.start_pos for c in chunks],
-            [c.page_ids for c in chunks],
-            kv.page_size,
-            self.device,
-        )
-        token_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64).to(self.device)
+        token_ids, plan = self.attn.plan(chunks, kv.page_size, self.device)
+        return self.run(token_ids, plan, kv, all_logits=all_logits)
+
+    def run(self, token_ids: torch.Tensor, plan, kv: KvCache, *, all_logits: bool = False):
+        """The device part of ``forward`` (what a CUDA graph captures): token_ids [T] on the device,
+        ``plan`` from ``self.attn.plan``."""
         x = F.embedding(token_ids, self.embed)  # [T, hidden]
         cos_sin = rope.cos_sin(plan.positions, self.inv_freq, self.dtype)
         for layer in self.layers:
-            x = layer(x, cos_sin, kv, plan)
+            x = layer(x, cos_sin, kv, plan, self.attn)
         if not all_logits:
             x = x.index_select(0, plan.last_index)
         # Logits in the model dtype then fp32, as transformers does, so greedy picks agree with it.

@@ -1,0 +1,150 @@
+"""Attention backends: how a forward stores its new K/V and attends over the paged pool.
+
+``torch`` (``attention.py``) runs everywhere and is the reference; ``triton``
+(``triton_attention.py``) reads pages in place on CUDA. ``--attention-backend auto`` picks triton on
+a CUDA device when Triton imports, else torch. Both expose one interface::
+
+    token_ids, plan = backend.plan(chunks, page_size, device)   # host -> device, once per forward
+    backend.store(k_cache, v_cache, k, v, plan)                  # per layer
+    out = backend.attend(q, k_cache, v_cache, plan, window, scale)
+
+A plan has ``positions`` [T], ``last_index`` [B] and ``query_lens`` (list); the rest is the
+backend's own. ``TritonPlan`` travels to the device as one int64 copy and can also be built from
+static buffers (CUDA graphs, ``common/engine/cuda_graph.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.model import attention
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """The backend ``name`` means on ``device``; raises ValueError for triton off CUDA."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend is {name!r}, expected one of {ATTENTION_BACKENDS}")
+    has_triton = importlib.util.find_spec("triton") is not None
+    if name == "auto":
+        return "triton" if device.type == "cuda" and has_triton else "torch"
+    if name == "triton" and (device.type != "cuda" or not has_triton):
+        raise ValueError(f"--attention-backend triton needs a CUDA device with Triton installed, got {device}; "
+                         "use --attention-backend torch (or auto)")
+    return name
+
+
+def make_backend(name: str, device: torch.device, num_kv_heads: int):
+    name = resolve_backend(name, device)
+    return TritonBackend(device, num_kv_heads) if name == "triton" else TorchBackend()
+
+
+class TorchBackend:
+    name = "torch"
+
+    def plan(self, chunks, page_size: int, device: torch.device):
+        plan = attention.build_plan([len(c.token_ids) for c in chunks], [c.start_pos for c in chunks],
+                                    [c.page_ids for c in chunks], page_size, device)
+        token_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64).to(device)
+        return token_ids, plan
+
+    @staticmethod
+    def store(k_cache, v_cache, k, v, plan) -> None:
+        attention.write_kv(k_cache, v_cache, k, v, plan)
+
+    @staticmethod
+    def attend(q, k_cache, v_cache, plan, window, scale) -> torch.Tensor:
+        return attention.paged_attention(q, k_cache, v_cache, plan, window, scale)
+
+
+@dataclass(frozen=True)
+class TritonPlan:
+    """Device index tensors of one forward (int64; views of one buffer unless built for a graph)."""
+
+    positions: torch.Tensor  # [T]
+    write_pages: torch.Tensor  # [T] page of each new token (-1: padding, not stored)
+    write_rows: torch.Tensor  # [T]
+    last_index: torch.Tensor  # [B] packed index of each chunk's last token
+    kv_lens: torch.Tensor  # [B] prefix + new tokens (0: padding row)
+    q_starts: torch.Tensor  # [B]
+    q_lens: torch.Tensor  # [B]
+    prefix_lens: torch.Tensor  # [B]
+    page_table: torch.Tensor  # [B, max_pages]
+    query_lens: list[int]
+    max_query: int
+    num_splits: int  # decode split-K
+
+
+def pack_chunks(chunks, page_size: int) -> tuple[np.ndarray, int]:
+    """Host side of a TritonPlan: [token_ids, positions, write_pages, write_rows (T each), last_index,
+    kv_lens, q_starts, q_lens, prefix_lens (B each), page_table (B * max_pages)] as one int64 array."""
+    query_lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, len(chunks))
+    prefix = np.fromiter((c.start_pos for c in chunks), np.int64, len(chunks))
+    kv_lens = prefix + query_lens
+    num_pages = -(-kv_lens // page_size)
+    max_pages = int(num_pages.max())
+    num_tokens, batch = int(query_lens.sum()), len(chunks)
+    out = np.zeros(4 * num_tokens + 5 * batch + batch * max_pages, np.int64)
+    table = out[4 * num_tokens + 5 * batch:].reshape(batch, max_pages)
+    for i, c in enumerate(chunks):
+        table[i, :num_pages[i]] = c.page_ids[:num_pages[i]]
+    ends = np.cumsum(query_lens)
+    starts = ends - query_lens
+    if num_tokens == batch:  # one token per chunk (decode): no per-chunk ranges
+        positions = prefix
+        out[:num_tokens] = [c.token_ids[0] for c in chunks]
+    else:
+        positions = np.concatenate([np.arange(p, p + n) for p, n in zip(prefix, query_lens)])
+        out[:num_tokens] = [t for c in chunks for t in c.token_ids]
+    owner = np.repeat(np.arange(batch), query_lens)
+    out[num_tokens:2 * num_tokens] = positions
+    out[2 * num_tokens:3 * num_tokens] = table[owner, positions // page_size]
+    out[3 * num_tokens:4 * num_tokens] = positions % page_size
+    tail = out[4 * num_tokens:4 * num_tokens + 5 * batch].reshape(5, batch)
+    tail[0], tail[1], tail[2], tail[3], tail[4] = ends - 1, kv_lens, starts, query_lens, prefix
+    return out, max_pages
+
+
+class TritonBackend:
+    name = "triton"
+
+    def __init__(self, device: torch.device, num_kv_heads: int) -> None:
+        from common.model import triton_attention  # imports triton: only on this path
+
+        self.kernels = triton_attention
+        self.num_kv_heads = num_kv_heads
+        # (a CPU device only under TRITON_INTERPRET=1, in tests)
+        is_cuda = device.type == "cuda"
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if is_cuda else 4
+
+    def num_splits(self, batch: int) -> int:
+        return self.kernels.num_decode_splits(batch, self.num_kv_heads, self.num_sms)
+
+    def plan(self, chunks, page_size: int, device: torch.device):
+        host, max_pages = pack_chunks(chunks, page_size)
+        packed = torch.from_numpy(host).to(device)
+        query_lens = [len(c.token_ids) for c in chunks]
+        num_tokens, batch = sum(query_lens), len(chunks)
+        per_token = packed[:4 * num_tokens].view(4, num_tokens)
+        per_chunk = packed[4 * num_tokens:4 * num_tokens + 5 * batch].view(5, batch)
+        plan = TritonPlan(
+            positions=per_token[1], write_pages=per_token[2], write_rows=per_token[3], last_index=per_chunk[0],
+            kv_lens=per_chunk[1], q_starts=per_chunk[2], q_lens=per_chunk[3], prefix_lens=per_chunk[4],
+            page_table=packed[4 * num_tokens + 5 * batch:].view(batch, max_pages), query_lens=query_lens,
+            max_query=max(query_lens), num_splits=self.num_splits(batch))
+        return per_token[0], plan
+
+    def store(self, k_cache, v_cache, k, v, plan: TritonPlan) -> None:
+        self.kernels.store_kv(k_cache, v_cache, k, v, plan.write_pages, plan.write_rows)
+
+    def attend(self, q, k_cache, v_cache, plan: TritonPlan, window, scale) -> torch.Tensor:
+        if plan.max_query == 1:
+            return self.kernels.decode_attention(q, k_cache, v_cache, plan.page_table, plan.kv_lens, scale, window,
+                                                 plan.num_splits)
+        return self.kernels.extend_attention(q, k_cache, v_cache, plan.page_table, plan.q_starts, plan.q_lens,
+                                             plan.prefix_lens, plan.max_query, scale, window)
