@@ -6,11 +6,53 @@ disagree, and says what to do about it. HTTP handlers map these to status codes 
 
 from __future__ import annotations
 
+import enum
+
+
+class FailCode(enum.Enum):
+    """Why a room failed, as ``wire.TransferResult.code`` carries it; the message text is for people.
+
+    The decode acts on the code: ``NOT_REGISTERED`` registers again and retries once, ``UNSAFE``
+    keeps the room's pages out of use for good (a WRITE into them may still land), every other
+    code frees the pages (the prefill confirmed nothing more will be written). The value is also
+    the ``reason`` label of ``kvferry_failed_transfers``.
+    """
+
+    OTHER = "other"                    # a peer that predates codes, or a cause with no code of its own
+    NOT_REGISTERED = "not_registered"  # the decode_id is unknown to this prefill (it restarted, or dropped it)
+    NOT_OWNER = "not_owner"            # the decode_id belongs to another connection
+    REFUSED = "refused"                # the decode's registration was refused (layout, bounds, ownership)
+    GEOMETRY = "geometry"              # the request does not fit the plan (pages, aux slot, prompt length)
+    DUPLICATE = "duplicate"            # another request already asked for this room
+    ABORTED = "aborted"                # the decode (or its client) gave the room up
+    TIMEOUT = "timeout"                # a deadline passed (no room, no transfer request, no WRITE completion)
+    PEER_LOST = "peer_lost"            # the other side stopped answering heartbeats, or went away
+    PREFILL_FAILED = "prefill_failed"  # the prefill's forward (or its HTTP request) failed first
+    OVERLOADED = "overloaded"          # a bounded table is full; retry later
+    SHUTTING_DOWN = "shutting_down"    # the daemon is draining
+    CANCELLED = "cancelled"            # the request was cancelled (client gone, request deadline)
+    UNSAFE = "unsafe"                  # the WRITE could not be cancelled: its pages must never be reused
+
+    @classmethod
+    def parse(cls, value: str) -> "FailCode":
+        """The code ``value`` names; ``OTHER`` for "" (a peer that predates codes) or an unknown one."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.OTHER
+
 
 class DisaggError(Exception):
-    """Base class of every error kvferry raises on purpose."""
+    """Base class of every error kvferry raises on purpose. ``code`` classifies it for the peer
+    and the metrics; each subclass has a default, and a raise site may name a more precise one."""
 
     http_status = 500
+    code: FailCode = FailCode.OTHER
+
+    def __init__(self, *args: object, code: FailCode | None = None) -> None:
+        super().__init__(*args)
+        if code is not None:
+            self.code = code
 
 
 class ConfigError(DisaggError):
@@ -29,6 +71,7 @@ class GeometryMismatchError(DisaggError):
     """The prefill's and decode's KV layouts cannot be matched, or a transfer request does not fit."""
 
     http_status = 502
+    code = FailCode.GEOMETRY
 
 
 class TransferError(DisaggError):
@@ -41,6 +84,14 @@ class PeerUnavailableError(DisaggError):
     """A peer did not answer within its deadline, died, or was restarted."""
 
     http_status = 503
+    code = FailCode.PEER_LOST
+
+
+class UnsafeWriteError(TransferError):
+    """A WRITE could not be cancelled: the decode pages it targets (and the prefill pages it reads)
+    may still be in use by NIXL, so both sides keep them out of the pool for good."""
+
+    code = FailCode.UNSAFE
 
 
 class RequestError(DisaggError):
@@ -53,6 +104,7 @@ class OverloadedError(DisaggError):
     """The daemon's queues or KV pool are full; the client should retry later."""
 
     http_status = 503
+    code = FailCode.OVERLOADED
 
 
 class ModelLoadError(DisaggError):

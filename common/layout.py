@@ -55,6 +55,12 @@ class KvLayout:
                    tp_size=reg.tp_size, tp_rank=reg.tp_rank, regions=tuple(reg.regions), aux=reg.aux)
 
 
+# Upper bounds on what a peer may register, checked before anything is allocated or built for it:
+# 4M pages is 64M tokens at 16-token pages, past any pool a device holds today; a register above
+# them is refused at once instead of having the prefill build lists of that length.
+MAX_PAGES = 1 << 22
+MAX_AUX_SLOTS = 1 << 20
+
 _Rule = tuple[str, Callable[[Any], bool], str]  # (field, predicate, what the field must be)
 _REGION_RULES: tuple[_Rule, ...] = (
     ("model", lambda r: r.model in MODEL_KINDS, f"one of {MODEL_KINDS}"),
@@ -65,7 +71,7 @@ _REGION_RULES: tuple[_Rule, ...] = (
     ("addr", lambda r: r.addr >= 0, ">= 0"),
     ("item_len", lambda r: r.item_len > 0, "> 0"),
     ("stride", lambda r: r.stride == 0 or r.stride >= r.item_len, "0 or >= item_len (pages must not overlap)"),
-    ("num_pages", lambda r: r.num_pages > 0, "> 0"),
+    ("num_pages", lambda r: 0 < r.num_pages <= MAX_PAGES, f"in [1, {MAX_PAGES}]"),
     ("head_start", lambda r: r.head_start >= 0, ">= 0"),
     ("num_heads", lambda r: r.num_heads > 0, "> 0"),
 )
@@ -74,7 +80,7 @@ _AUX_RULES: tuple[_Rule, ...] = (
     ("device", lambda a: a.device >= 0, ">= 0"),
     ("addr", lambda a: a.addr >= 0, ">= 0"),
     ("item_len", lambda a: a.item_len >= AUX_RECORD_BYTES, f">= {AUX_RECORD_BYTES} (one aux record)"),
-    ("num_slots", lambda a: a.num_slots > 0, "> 0"),
+    ("num_slots", lambda a: 0 < a.num_slots <= MAX_AUX_SLOTS, f"in [1, {MAX_AUX_SLOTS}]"),
 )
 
 
@@ -223,3 +229,20 @@ def _interleaved_strides(spans: Sequence[_Span]) -> tuple[_Span, _Span] | None:
         elif span.stride != best.stride and (second is None or span.end > second.end):
             second = span
     return None
+
+
+def layout_summary(layout: KvLayout, draft_model: str = "") -> dict:
+    """One side's KV layout as an operator compares it with the other side's (``/server_info``):
+    what ``build_plan`` checks, without addresses."""
+    def of_model(model: str) -> dict | None:
+        regions = [r for r in layout.regions if r.model == model]
+        if not regions:
+            return None
+        return {"layers": len({r.layer for r in regions}), "regions": len(regions),
+                "bytes_per_page": sum(r.item_len for r in regions), "num_pages": max(r.num_pages for r in regions),
+                "mem": sorted({r.mem for r in regions}),
+                "kv_heads": sorted({(r.head_start, r.head_start + r.num_heads) for r in regions})}
+
+    return {"model": layout.model, "draft_model": draft_model or None, "page_size": layout.page_size,
+            "kv_dtype": layout.kv_dtype, "tp_size": layout.tp_size, "tp_rank": layout.tp_rank,
+            "target": of_model("target"), "draft": of_model("draft"), "aux_slots": layout.aux.num_slots}

@@ -24,6 +24,10 @@ class Metrics:
         self.protocol_errors = Counter("kvferry_protocol_errors", "malformed control frames received", registry=r)
         self.registrations = Counter("kvferry_registrations", "decode registrations by result", ["result"], registry=r)
         self.heartbeat_misses = Counter("kvferry_heartbeat_misses", "pings that got no pong in time", registry=r)
+        self.unsafe_writes = Counter("kvferry_unsafe_writes", "WRITEs that could not be cancelled: their pages "
+                                     "are quarantined for good", registry=r)
+        self.pages_quarantined = Gauge("kvferry_pages_quarantined", "KV pages held out of the pool because a "
+                                       "WRITE into them (or from them) may still land", registry=r)
         self.pages_in_use = Gauge("kvferry_pages_in_use", "KV pages allocated", ["model"], registry=r)
         self.pages_total = Gauge("kvferry_pages_total", "KV pages in the pool", ["model"], registry=r)
         self.rooms_waiting = Gauge("kvferry_rooms_waiting", "rooms waiting for their peer", registry=r)

@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import msgpack
 
-from common.errors import ProtocolError
+from common.errors import FailCode, ProtocolError
 
 # PROTOCOL_VERSION is bumped when a field is removed or renamed, a field's type or meaning changes,
 # a kind is removed, or the aux record layout changes. Adding a kind, or a field with a default,
@@ -39,6 +39,8 @@ from common.errors import ProtocolError
 #                    NIXL notification {room, decode_id, ok}; 32-byte aux record.
 #   1 (kvferry 0.2): Region.stride (default 0 = item_len), for page-major KV pools where one page of
 #                    every region forms one block; a layer-major pool still sends frames 0.1 reads.
+#   1 (kvferry 0.3): TransferResult.code (default "": a peer that predates it, read as FailCode.OTHER)
+#                    and Register.draft_model (default "": no draft, or a decode that predates it).
 PROTOCOL_VERSION = 1
 
 # A register frame carries two entries per layer per model; 1 MiB holds ~5,000 regions.
@@ -125,6 +127,7 @@ class Register(Message):
     tp_rank: int
     regions: list[Region]
     aux: AuxInfo
+    draft_model: str = ""  # the draft's architecture fingerprint, "" without a draft
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +167,11 @@ class TransferResult(Message):
     room: int
     ok: bool
     error: str | None
+    code: str = ""  # a FailCode value on failure: what the decode does next depends on it, not on ``error``
+
+    @property
+    def fail_code(self) -> "FailCode":
+        return FailCode.parse(self.code)
 
 
 @dataclass(frozen=True, slots=True)

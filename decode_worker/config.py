@@ -18,6 +18,10 @@ class DecodeConfig(CommonConfig):
     register_timeout_s: float = flag(10.0, help="deadline for a prefill to acknowledge registration")
     curve_secret_key: str | None = flag(None, help="this decode's CURVE secret key file (kvferry keygen)")
     curve_server_key: str | None = flag(None, help="the prefills' CURVE public key file (with --curve-secret-key)")
+    allowed_bootstrap_hosts: str = flag("", help="comma-separated bootstrap hosts a request may name (as the router "
+                                                 "sends them); empty = any. A request naming another gets HTTP 400")
+    max_prefill_links: int = flag(64, help="prefills this decode keeps a control connection to at once; the "
+                                           "longest idle one is closed to open another")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -25,3 +29,9 @@ class DecodeConfig(CommonConfig):
         require(self.kv_wait_timeout_s > 0, "--kv-wait-timeout-s must be positive")
         require((self.curve_secret_key is None) == (self.curve_server_key is None),
                 "--curve-secret-key and --curve-server-key go together")
+        require(self.max_prefill_links > 0, "--max-prefill-links must be positive")
+
+    @property
+    def bootstrap_hosts(self) -> frozenset[str]:
+        """The hosts a request may name; empty: any."""
+        return frozenset(h.strip() for h in self.allowed_bootstrap_hosts.split(",") if h.strip())

@@ -20,6 +20,8 @@ from common.aux import AuxSlots
 from common.engine.batcher import DecodeBatcher
 from common.engine.factory import build_runner
 from common.errors import OverloadedError
+from common.geometry import KvLayout
+from common.layout import layout_summary
 from common.lifecycle import start_http, stop_http
 from common.metrics import Metrics
 from common.model.tokenizer import Tokenizer
@@ -53,7 +55,8 @@ class DecodeDaemon:
         loop = asyncio.get_running_loop()
         self.runner = await loop.run_in_executor(self.model_executor, lambda: build_runner(
             c.model, c.draft_model, device=c.device, dtype=c.torch_dtype_name, page_size=c.page_size,
-            max_total_tokens=c.max_total_tokens, draft_device=c.draft_device, kv_layout=c.kv_layout, spec_k=c.spec_k))
+            max_total_tokens=c.max_total_tokens, draft_device=c.draft_device, kv_layout=c.kv_layout, spec_k=c.spec_k,
+            **c.engine_options))
         self.device = self.runner.target.kv.device
         self.tokenizer = Tokenizer.from_dir(c.model)
         self.model_name = Path(c.model).name
@@ -67,7 +70,8 @@ class DecodeDaemon:
         self.receiver = KvReceiver(engine=self.engine, register_msg=self._register_msg, aux=self.aux,
                                    metrics=self.metrics, register_timeout_s=c.register_timeout_s,
                                    heartbeat_interval_s=c.heartbeat_interval_s, heartbeat_misses=c.heartbeat_misses,
-                                   quarantine_s=max(2 * c.xfer_timeout_s, 5.0), client_keys=self._curve())
+                                   quarantine_s=max(2 * c.xfer_timeout_s, 5.0), client_keys=self._curve(),
+                                   allowed_hosts=c.bootstrap_hosts, max_links=c.max_prefill_links)
         self.batcher = DecodeBatcher(self.runner, self.model_executor, max_running=c.max_running_requests,
                                      on_finish=self.runner.release, on_step=self._on_step)
         self.batcher.start()
@@ -107,7 +111,10 @@ class DecodeDaemon:
         return wire.Register(decode_id=self.decode_id, agent_name=self.engine.name,
                              agent_metadata=self.engine.metadata(), model=self.runner.target.model.config.fingerprint,
                              page_size=kv.page_size, kv_dtype=kv.kv_dtype, tp_size=1, tp_rank=0, regions=regions,
-                             aux=self.aux.info())
+                             aux=self.aux.info(), draft_model=self._draft_fingerprint())
+
+    def _draft_fingerprint(self) -> str:
+        return self.runner.draft.model.config.fingerprint if self.runner.draft is not None else ""
 
     def _curve(self) -> dict | None:
         c = self.config
@@ -177,7 +184,10 @@ class DecodeDaemon:
                 "max_total_tokens": c.max_total_tokens, "disaggregation_mode": "decode",
                 "draft_model": bool(c.draft_model), "spec_k": self.runner.spec_k,
                 "free_pages": self.free_pages(),
-                "prefills": {f"{h}:{p}": link.state.value for (h, p), link in self.receiver.links.items()}}
+                "prefills": {f"{h}:{p}": link.state.value for (h, p), link in self.receiver.links.items()},
+                "kv_layout": layout_summary(KvLayout.from_register(self._register_msg()), self._draft_fingerprint()),
+                "quarantined_rooms": len(self.receiver.quarantined),
+                "quarantined_pages_forever": self.receiver.holds.num_forever_pages}
 
     def free_pages(self) -> dict:
         return self.runner.free_pages()

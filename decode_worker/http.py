@@ -18,7 +18,7 @@ from common.api.backend import DaemonBackend, GenerateEvent, GenerateInput
 from common.engine.colocated import decode_seed
 from common.engine.output import OutputTracker
 from common.engine.sequence import Sequence
-from common.errors import DisaggError, RequestError
+from common.errors import DisaggError, FailCode, RequestError
 from common.model.sampling import make_generator
 
 if TYPE_CHECKING:
@@ -55,15 +55,13 @@ class DecodeBackend(DaemonBackend):
         try:
             record, link = await d.receiver.fetch(
                 request_id=seq.request_id, host=b.host, port=b.port, room=b.room, page_ids=seq.pages[:num_pages],
-                num_prompt_tokens=seq.num_prompt_tokens, timeout_s=d.config.kv_wait_timeout_s)
-        except BaseException as exc:
-            if getattr(exc, "pages_safe", False):
-                d.runner.release(seq)
-            else:
-                d.receiver.quarantine(b.room, lambda: d.runner.release(seq), abort=getattr(exc, "abort", None))
+                num_prompt_tokens=seq.num_prompt_tokens, timeout_s=d.config.kv_wait_timeout_s,
+                release=lambda: d.runner.release(seq))
+        except BaseException as exc:  # the receiver freed or quarantined the pages
             d.metrics.requests.labels(outcome="kv_failed").inc()
-            reason = "cancelled" if isinstance(exc, asyncio.CancelledError) else type(exc).__name__
-            d.metrics.failed_transfers.labels(reason=reason).inc()
+            code = (exc.code if isinstance(exc, DisaggError) else
+                    FailCode.CANCELLED if isinstance(exc, asyncio.CancelledError) else FailCode.OTHER)
+            d.metrics.failed_transfers.labels(reason=code.value).inc()
             raise
         seq.num_cached = seq.num_prompt_tokens
         seq.output_ids.append(record.first_token_id)

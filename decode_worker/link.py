@@ -12,16 +12,31 @@ import asyncio
 import enum
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 from common import wire
-from common.errors import DisaggError, GeometryMismatchError, PeerUnavailableError, ProtocolError
+from common.errors import DisaggError, FailCode, GeometryMismatchError, PeerUnavailableError, ProtocolError
+from common.metrics import Metrics
 from common.transport.zmq import BootstrapClient
 
-if TYPE_CHECKING:
-    from decode_worker.kv_transfer import KvReceiver
-
 logger = logging.getLogger(__name__)
+
+REFUSAL_S = 5.0  # a refused registration is answered from memory this long, then tried again
+
+
+class LinkOwner(Protocol):
+    """What a link needs from the decode: its register message, heartbeat settings, metrics, and
+    where to report frames about rooms and the loss of the prefill."""
+
+    register_msg: Callable[[], wire.Register]
+    heartbeat_interval_s: float
+    heartbeat_misses: int
+    metrics: Metrics
+
+    def on_link_message(self, link: "PrefillLink", msg: wire.Message) -> None: ...
+
+    def on_link_lost(self, link: "PrefillLink", reason: str) -> None: ...
 
 
 class LinkState(enum.Enum):
@@ -33,7 +48,7 @@ class LinkState(enum.Enum):
 
 
 class PrefillLink:
-    def __init__(self, host: str, port: int, receiver: "KvReceiver", *, client_keys: dict | None = None):
+    def __init__(self, host: str, port: int, receiver: LinkOwner, *, client_keys: dict | None = None):
         self.host, self.port = host, port
         self.address = f"{host}:{port}"
         self.receiver = receiver
@@ -50,6 +65,9 @@ class PrefillLink:
         self._num_failed_pings = 0
         self._retired: list[BootstrapClient] = []  # replaced sockets, closed a little later
         self._tasks: list[asyncio.Task] = []
+        self.last_used = time.monotonic()
+        self.refusal: str | None = None  # the prefill's reason, while ``refused_until`` has not passed
+        self.refused_until = 0.0
 
     def start(self) -> None:
         self.client.start()
@@ -64,6 +82,10 @@ class PrefillLink:
         async with self._register_lock:
             if self.state is LinkState.REGISTERED and self.ack is not None:
                 return self.ack
+            if self.state is LinkState.REJECTED and time.monotonic() < self.refused_until:
+                # Answered from memory: a misconfigured pair must not cost a registration per request.
+                raise GeometryMismatchError(f"prefill {self.address} rejected this decode's KV layout: "
+                                            f"{self.refusal}", code=FailCode.REFUSED)
             self.state = LinkState.REGISTERING
             msg = self.receiver.register_msg()
             self.decode_id = msg.decode_id
@@ -82,7 +104,9 @@ class PrefillLink:
                                            f"(is a prefill listening on that bootstrap port?)") from None
             if not ack.accepted:
                 self.state = LinkState.REJECTED
-                raise GeometryMismatchError(f"prefill {self.address} rejected this decode's KV layout: {ack.error}")
+                self.refusal, self.refused_until = ack.error, time.monotonic() + REFUSAL_S
+                raise GeometryMismatchError(f"prefill {self.address} rejected this decode's KV layout: {ack.error}",
+                                            code=FailCode.REFUSED)
             self.ack = ack
             self.state = LinkState.REGISTERED
             self._last_pong = time.monotonic()
@@ -134,7 +158,7 @@ class PrefillLink:
                 self._ack_future.set_result(msg)
             elif self.ack is not None and msg.prefill_id != self.ack.prefill_id:
                 self.state = LinkState.NEW
-        elif isinstance(msg, wire.TransferResult) and not msg.ok and "not registered" in (msg.error or ""):
+        elif isinstance(msg, wire.TransferResult) and not msg.ok and msg.fail_code is FailCode.NOT_REGISTERED:
             # The prefill restarted and forgot us: register again before the next transfer.
             self.state = LinkState.NEW
             self.receiver.on_link_message(self, msg)

@@ -17,19 +17,25 @@ import torch
 
 from common.aux import AuxSlots
 from common.engine.factory import build_runner
-from common.errors import OverloadedError
+from common.errors import FailCode, OverloadedError
 from common.geometry import KvLayout
+from common.layout import layout_summary
 from common.lifecycle import start_http, stop_http
 from common.metrics import Metrics
 from common.model.tokenizer import Tokenizer
 from common.transport.nixl import NixlEngine
 from common.transport.nixl_probe import MetadataProbe
 from common.transport.zmq import BootstrapServer, load_keys, load_public_keys
+from prefill_worker.bootstrap import Bootstrap
 from prefill_worker.config import PrefillConfig
-from prefill_worker.kv_transfer import KvSender, Room
+from prefill_worker.kv_transfer import KvWriter
+from prefill_worker.peers import PeerTable
+from prefill_worker.rooms import RoomLimits, RoomTable
 from prefill_worker.scheduler import PrefillScheduler
 
 logger = logging.getLogger(__name__)
+
+MAX_DECODES = 256  # decode processes registered at once; more are refused with a reason
 
 
 class PrefillDaemon:
@@ -41,22 +47,27 @@ class PrefillDaemon:
         self.prefill_id = f"prefill-{uuid.uuid4().hex[:12]}"
         self.metrics = Metrics("prefill")
         self.is_serving = False
-        self.rooms: set[Room] = set()
+        self.rooms = RoomTable(RoomLimits(max_rooms=config.max_running_requests + config.max_queued_requests,
+                                          ended_s=config.transfer_wait_timeout_s))
         self._tasks: list[asyncio.Task] = []
         self.model_executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-model")
         self.xfer_executor = ThreadPoolExecutor(self.config.num_xfer_threads, thread_name_prefix="prefill-xfer")
         self.engine: NixlEngine | None = None
         self.server: BootstrapServer | None = None
         self.http = None
+        self.quarantined_pages = 0
 
     # -- lifecycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
         c = self.config
         torch.set_num_threads(max(1, torch.get_num_threads()))
         loop = asyncio.get_running_loop()
+        self.probe = MetadataProbe(timeout_s=c.register_timeout_s)
+        self.probe.start()  # its child imports NIXL while the model loads
         self.runner = await loop.run_in_executor(self.model_executor, lambda: build_runner(
             c.model, c.draft_model, device=c.device, dtype=c.torch_dtype_name, page_size=c.page_size,
-            max_total_tokens=c.max_total_tokens, draft_device=c.draft_device, kv_layout=c.kv_layout, spec_k=0))
+            max_total_tokens=c.max_total_tokens, draft_device=c.draft_device, kv_layout=c.kv_layout, spec_k=0,
+            attention_backend=c.attention_backend, disable_cuda_graph=True))  # prefill runs no decode steps
         self.device = self.runner.target.kv.device
         self.tokenizer = Tokenizer.from_dir(c.model)
         cfg = self.runner.target.model.config
@@ -65,19 +76,24 @@ class PrefillDaemon:
         # Aux slots live beside the target KV so that KV and aux travel in one WRITE (one list per side).
         self.aux = AuxSlots(c.max_running_requests + c.max_queued_requests, device=str(self.device))
         self.engine = NixlEngine("prefill")
-        self.probe = MetadataProbe(timeout_s=c.register_timeout_s)
-        self.probe.start()
+        if not await loop.run_in_executor(self.model_executor, self.probe.wait_ready, 120.0):
+            logger.warning("the NIXL metadata probe did not start within 120s; the first registration will wait")
         for slot in self.runner.slots:
             self.engine.register_tensor(slot.kv.buffer)
         self.engine.register_tensor(self.aux.buffer)
         self.layout = self._layout()
         self.server = BootstrapServer(c.bootstrap_host, c.bootstrap_port, **self._curve())
         self.server.start()
-        self.sender = KvSender(engine=self.engine, layout=self.layout, server=self.server, executor=self.xfer_executor,
-                               aux=self.aux, prefill_id=self.prefill_id, metrics=self.metrics,
-                               transfer_wait_timeout_s=c.transfer_wait_timeout_s, xfer_timeout_s=c.xfer_timeout_s,
-                               register_timeout_s=c.register_timeout_s,
-                               peer_timeout_s=c.heartbeat_interval_s * c.heartbeat_misses * 2, probe=self.probe)
+        self.peers = PeerTable(self.engine, max_peers=MAX_DECODES,
+                               peer_timeout_s=c.heartbeat_interval_s * c.heartbeat_misses * 2)
+        self.bootstrap = Bootstrap(server=self.server, engine=self.engine, layout=self.layout, peers=self.peers,
+                                   rooms=self.rooms, metrics=self.metrics, prefill_id=self.prefill_id,
+                                   register_timeout_s=c.register_timeout_s,
+                                   transfer_wait_timeout_s=c.transfer_wait_timeout_s, on_bound=self._on_bound,
+                                   draft_model=self._draft_fingerprint(), probe=self.probe)
+        self.writer = KvWriter(engine=self.engine, peers=self.peers, aux=self.aux, executor=self.xfer_executor,
+                               send=self.bootstrap.send, metrics=self.metrics,
+                               transfer_wait_timeout_s=c.transfer_wait_timeout_s, xfer_timeout_s=c.xfer_timeout_s)
         self.scheduler = PrefillScheduler(self.runner, self.model_executor, max_prefill_tokens=c.max_prefill_tokens,
                                           with_draft=self.runner.draft is not None)
         self.scheduler.start()
@@ -97,13 +113,10 @@ class PrefillDaemon:
     async def stop(self, timeout_s: float) -> None:
         self.is_serving = False
         deadline = time.monotonic() + timeout_s
-        while self.rooms and time.monotonic() < deadline:
+        while len(self.rooms) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for room in list(self.rooms):
-            room.is_aborted = True
-            room.error = room.error or f"room={room.room}: prefill shutting down"
-            room.arrived.set()
-        while self.rooms and time.monotonic() < deadline + 5.0:
+        self.rooms.abort_all("prefill shutting down", FailCode.SHUTTING_DOWN)
+        while len(self.rooms) and time.monotonic() < deadline + 5.0:
             await asyncio.sleep(0.05)
         if self.http is not None:
             await stop_http(*self.http)
@@ -112,8 +125,8 @@ class PrefillDaemon:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if getattr(self, "scheduler", None) is not None:
             await self.scheduler.stop()
-        if getattr(self, "sender", None) is not None:
-            self.sender.close()
+        if getattr(self, "bootstrap", None) is not None:
+            await self.bootstrap.close()
         if self.server is not None:
             self.server.close()
         if getattr(self, "probe", None) is not None:
@@ -130,6 +143,12 @@ class PrefillDaemon:
         return KvLayout(model=self.runner.target.model.config.fingerprint, page_size=kv.page_size,
                         kv_dtype=kv.kv_dtype, tp_size=1, tp_rank=0, regions=regions, aux=self.aux.info())
 
+    def _draft_fingerprint(self) -> str:
+        return self.runner.draft.model.config.fingerprint if self.runner.draft is not None else ""
+
+    def _on_bound(self, room) -> None:
+        self.writer.prepare(room)
+
     def _curve(self) -> dict:
         c = self.config
         if not c.curve_secret_key:
@@ -145,7 +164,7 @@ class PrefillDaemon:
                 if item is None:
                     continue
                 identity, msg = item
-                await self.sender.handle(identity, msg)
+                await self.bootstrap.handle(identity, msg)
             except asyncio.CancelledError:
                 raise
             except Exception:  # task boundary: one bad message never stops the socket
@@ -155,7 +174,7 @@ class PrefillDaemon:
         while True:
             await asyncio.sleep(0.5)
             try:
-                await self.sender.sweep()
+                await self.bootstrap.sweep()
                 self._update_gauges()
             except asyncio.CancelledError:
                 raise
@@ -173,11 +192,14 @@ class PrefillDaemon:
         if len(self.rooms) >= self.config.max_running_requests + self.config.max_queued_requests:
             raise OverloadedError(f"prefill holds {len(self.rooms)} rooms, its limit; retry later")
 
-    def track(self, room: Room) -> None:
-        self.rooms.add(room)
-
-    def untrack(self, room: Room) -> None:
-        self.rooms.discard(room)
+    def quarantine(self, seq) -> None:
+        """Keep ``seq``'s pages out of the pool for good: a WRITE reading them could not be cancelled."""
+        num_pages = len(seq.pages)
+        self.quarantined_pages += num_pages
+        self.metrics.unsafe_writes.inc()
+        self.metrics.pages_quarantined.set(self.quarantined_pages)
+        logger.error("request_id=%s: %d KV pages quarantined until restart (a WRITE from them could not be "
+                     "cancelled)", seq.request_id, num_pages)
 
     def kv_transfer_params(self, room: int) -> dict:
         c = self.config
@@ -188,7 +210,9 @@ class PrefillDaemon:
         return {"role": "prefill", "prefill_id": self.prefill_id, "page_size": c.page_size,
                 "max_total_tokens": c.max_total_tokens, "bootstrap_port": c.bootstrap_port,
                 "disaggregation_mode": "prefill", "draft_model": bool(c.draft_model),
-                "free_pages": self.free_pages()}
+                "free_pages": self.free_pages(), "quarantined_pages": self.quarantined_pages,
+                "kv_layout": layout_summary(self.layout, self._draft_fingerprint()),
+                "rooms": len(self.rooms), "decodes": len(self.peers)}
 
     def free_pages(self) -> dict:
         return self.runner.free_pages()

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 from common.api.backend import DaemonBackend, GenerateEvent, GenerateInput
 from common.engine.sequence import Sequence
-from common.errors import DisaggError, RequestError
+from common.errors import DisaggError, FailCode, RequestError, TransferError
 from common.model.sampling import make_generator
-from prefill_worker.kv_transfer import Room
+from prefill_worker.rooms import Room
 
 if TYPE_CHECKING:
     from prefill_worker.daemon import PrefillDaemon
@@ -52,11 +52,10 @@ class PrefillBackend(DaemonBackend):
         room = Room(room=room_id, request_id=inp.request_id, num_prompt_tokens=seq.num_prompt_tokens,
                     page_ids=list(seq.pages), deadline=started + d.config.transfer_wait_timeout_s)
         try:
-            d.sender.open_room(room)
+            d.rooms.open(room)
         except DisaggError:
             d.runner.release(seq)
             raise
-        d.track(room)
         try:
             await self._prefill_or_fail(seq, room)
         except BaseException:
@@ -75,10 +74,14 @@ class PrefillBackend(DaemonBackend):
         yield self._event(seq, inp, started)
 
     async def _prefill_or_fail(self, seq: Sequence, room: Room) -> None:
+        if room.is_aborted:  # its decode gave it up before this request came: no forward for nothing
+            raise _room_error(room)
         try:
             await self.daemon.scheduler.prefill(seq)
         except BaseException as exc:
-            await self.daemon.sender.fail_room(room, f"prefill failed: {exc}" if str(exc) else "prefill cancelled")
+            code = FailCode.CANCELLED if isinstance(exc, asyncio.CancelledError) else FailCode.PREFILL_FAILED
+            await self.daemon.bootstrap.fail_room(room, f"prefill failed: {exc}" if str(exc) else "prefill cancelled",
+                                                  code)
             raise
         room.first_token_id = seq.output_ids[0]
         room.first_token_logprob = seq.output_logprobs[0]
@@ -88,9 +91,11 @@ class PrefillBackend(DaemonBackend):
     async def _send_or_fail(self, room: Room, started: float) -> None:
         d = self.daemon
         try:
-            await d.sender.send_room(room, started + d.config.request_timeout_s)
+            await d.writer.send_room(room, started + d.config.request_timeout_s)
         except BaseException as exc:
-            await d.sender.fail_room(room, str(exc) or "request cancelled")
+            code = (exc.code if isinstance(exc, DisaggError) else
+                    FailCode.CANCELLED if isinstance(exc, asyncio.CancelledError) else FailCode.OTHER)
+            await d.bootstrap.fail_room(room, str(exc) or "request cancelled", code)
             raise
 
     async def _finish_room(self, seq: Sequence, room: Room, started: float) -> None:
@@ -102,9 +107,12 @@ class PrefillBackend(DaemonBackend):
             self._close(seq, room)
 
     def _close(self, seq: Sequence, room: Room) -> None:
-        self.daemon.sender.close_room(room)
-        self.daemon.untrack(room)
-        self.daemon.runner.release(seq)
+        """Free the room's pages; never before its WRITE job has returned (``send_room`` sees to it)."""
+        self.daemon.rooms.close(room)
+        if room.is_unsafe:
+            self.daemon.quarantine(seq)
+        else:
+            self.daemon.runner.release(seq)
 
     def _event(self, seq: Sequence, inp: GenerateInput, started: float, **extra) -> GenerateEvent:
         meta = {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": 1,
@@ -114,3 +122,7 @@ class PrefillBackend(DaemonBackend):
         text = self.tokenizer.decode(seq.output_ids[:1], skip_special_tokens=True)
         return GenerateEvent(token_ids=seq.output_ids[:1], logprobs=seq.output_logprobs[:1], text=text,
                              finished=True, finish_reason={"type": "length", "length": 1}, meta=meta)
+
+
+def _room_error(room: Room) -> DisaggError:
+    return TransferError(room.error or f"room {room.room} aborted", code=room.code)

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,7 +27,7 @@ import torch
 from nixl import _bindings as nixl_bindings
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-from common.errors import PeerUnavailableError, ProtocolError, TransferError
+from common.errors import FailCode, PeerUnavailableError, ProtocolError, TransferError, UnsafeWriteError
 from common.wire import MEM_KINDS
 
 logger = logging.getLogger(__name__)
@@ -326,12 +326,15 @@ class NixlEngine:
             self._drive_progress()
             raise _nixl_error("check WRITE state", handle.peer, exc) from exc
 
-    def wait(self, handle: XferHandle, deadline_s: float, poll_interval_s: float = 0.0005) -> None:
+    def wait(self, handle: XferHandle, deadline_s: float, poll_interval_s: float = 0.0005,
+             stop: Callable[[], str | None] | None = None) -> None:
         """Poll ``handle`` to DONE for at most ``deadline_s`` seconds from now; blocks.
 
         Pauses follow ``poll_pauses`` up to ``poll_interval_s``: a short WRITE is seen at once, and a
-        long wait must not burn a core. On ERR, error or deadline the handle is released (cancelling
-        the WRITE) and ``TransferError`` raised; on DONE it stays live, so ``release`` it afterwards.
+        long wait must not burn a core. ``stop`` is asked between polls; a reason from it cancels the
+        WRITE like the deadline does. On ERR, error, deadline or stop the handle is released
+        (cancelling the WRITE) and ``TransferError`` raised (``UnsafeWriteError`` when the cancel
+        itself fails); on DONE it stays live, so ``release`` it afterwards.
         """
         start = time.monotonic()
         pauses = poll_pauses(max_pause_s=poll_interval_s)
@@ -339,35 +342,44 @@ class NixlEngine:
             try:
                 state = self.poll(handle)
             except TransferError:
-                self._release_quietly(handle)
+                self.release(handle)
                 raise
             if state is XferState.DONE:
                 return
             if state is XferState.ERR:
-                self._release_quietly(handle)
+                self.release(handle)
                 raise TransferError(f"NIXL WRITE to peer={handle.peer} failed: state ERR after "
                                     f"{time.monotonic() - start:.3f} s")
+            reason = stop() if stop is not None else None
+            if reason is not None:
+                self.release(handle)
+                raise TransferError(reason, code=FailCode.ABORTED)
             if time.monotonic() - start >= deadline_s:
                 break
             time.sleep(next(pauses))
         # A frozen peer never fails the WRITE; cancel it so the pages can be freed.
         self.release(handle)
         raise TransferError(f"NIXL WRITE to peer={handle.peer} timed out after {deadline_s} s "
-                            f"({handle.num_descs} descriptors); cancelled. Is the peer frozen?")
+                            f"({handle.num_descs} descriptors); cancelled. Is the peer frozen?",
+                            code=FailCode.TIMEOUT)
 
     def release(self, handle: XferHandle) -> None:
         """Release a handle, cancelling it if still in flight; idempotent.
 
-        Raises ``TransferError`` when NIXL cannot cancel: the peer's memory may then still be written,
+        Raises ``UnsafeWriteError`` when NIXL cannot cancel: the peer's memory may then still be written,
         so its pages must not be reused.
         """
         try:
-            handle._raw.release()
+            self._release_raw(handle)
         except _NIXL_ERRORS as exc:
             raise _nixl_error("release/cancel WRITE (target pages may still be written)", handle.peer,
-                              exc) from exc
+                              exc, UnsafeWriteError) from exc
         with self._lock:
             self._xfers.discard(handle)
+
+    def _release_raw(self, handle: XferHandle) -> None:
+        """NIXL's release (a cancel when the WRITE is in flight); raises what NIXL raises."""
+        handle._raw.release()
 
     def _release_quietly(self, handle: XferHandle) -> None:
         """Release on an error path whose own error is the one to report; log a second failure."""

@@ -24,6 +24,7 @@ def _serve(conn) -> None:
     from nixl._api import nixl_agent, nixl_agent_config
 
     agent = nixl_agent(f"probe-{uuid.uuid4().hex}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    conn.send(("ready", None))
     while True:
         metadata = conn.recv()
         if metadata is None:
@@ -52,6 +53,21 @@ class MetadataProbe:
         self._proc.start()
         child.close()
         self._conn = parent
+        self._is_ready = False
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Block until the child holds its agent (or ``timeout_s`` passes): the daemon waits for
+        it before it serves, so that no registration pays for the child's start."""
+        with self._lock:
+            return self._await_ready(timeout_s)
+
+    def _await_ready(self, timeout_s: float) -> bool:
+        try:
+            if not self._is_ready and self._conn.poll(timeout_s):
+                self._is_ready = self._conn.recv()[0] == "ready"
+        except (EOFError, OSError):  # the child died while starting: check() restarts it
+            return False
+        return self._is_ready
 
     def check(self, metadata: bytes, *, peer: str) -> None:
         """Raise ProtocolError unless a throwaway agent loads ``metadata`` and survives. Blocks."""
@@ -59,6 +75,8 @@ class MetadataProbe:
             if self._proc is None or not self._proc.is_alive():
                 self.start()
             try:
+                if not self._await_ready(self.timeout_s):
+                    raise TimeoutError(f"the probe process did not start within {self.timeout_s}s")
                 self._conn.send(metadata)
                 if not self._conn.poll(self.timeout_s):
                     raise TimeoutError(f"no answer within {self.timeout_s}s")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Collection
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from common.wire import MAX_FRAME_BYTES, Message, decode, encode
 
 logger = logging.getLogger(__name__)
 
+MAX_OWNERS = 4096  # connections whose CURVE key is remembered (the newest)
 DEFAULT_HWM = 1000  # frames queued per peer before sends fail: bounds memory under a stalled peer
 Z85_KEY_LEN = 40
 
@@ -118,6 +120,7 @@ class BootstrapServer:
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._auth: AsyncioAuthenticator | None = None
+        self._owners: OrderedDict[bytes, bytes] = OrderedDict()  # identity -> CURVE key, newest last
 
     @property
     def port(self) -> int:
@@ -157,7 +160,10 @@ class BootstrapServer:
         sock = self._require_open()
         if not await sock.poll(timeout=max(0, int(timeout_s * 1000)), flags=zmq.POLLIN):
             return None
-        frames = await sock.recv_multipart(flags=zmq.NOBLOCK)
+        frames = await sock.recv_multipart(flags=zmq.NOBLOCK, copy=not self.is_curve)
+        if self.is_curve:
+            self._note_owner(frames[0])
+            frames = [f.bytes for f in frames]
         identity, body = frames[0], frames[1:]
         if len(body) != 1:
             return identity, ProtocolError(f"expected one frame per message, got {len(body)}")
@@ -165,6 +171,22 @@ class BootstrapServer:
             return identity, decode(body[0], self._max_frame_bytes)
         except ProtocolError as exc:
             return identity, exc
+
+    def owner_of(self, identity: bytes) -> bytes:
+        """Who stands behind the connection ``identity``: its CURVE client key (z85) when this socket
+        runs CURVE (a decode that reconnects keeps it), else the identity itself."""
+        return self._owners.get(identity, identity) if self.is_curve else identity
+
+    def _note_owner(self, frame: zmq.Frame) -> None:
+        try:
+            key = frame.get("User-Id")
+        except zmq.ZMQError:  # no ZAP user id on this frame
+            return
+        identity = frame.bytes
+        self._owners[identity] = key.encode() if isinstance(key, str) else bytes(key)
+        self._owners.move_to_end(identity)
+        while len(self._owners) > MAX_OWNERS:
+            self._owners.popitem(last=False)
 
     async def send(self, identity: bytes, msg: Message) -> None:
         """Queue ``msg`` for the peer ``identity``; never waits. Raises PeerUnavailableError if it is

@@ -8,7 +8,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from tests.faults.harness import (
-    DECODE_DEADLINE_S, DECODE_FLAGS, PREFILL_DEADLINE_S, Pending, assert_answered, assert_clear_error, assert_within,
+    DECODE_DEADLINE_S, DECODE_FLAGS, PREFILL_DEADLINE_S, TRANSFER_WAIT_S, Pending, assert_answered, assert_clear_error, assert_within,
     body, boot, counter, metrics, new_room, pages, prompt, wait_pages,
 )
 
@@ -19,8 +19,9 @@ def _leg(name: str, proc, ids, room, port) -> Pending:
 
 def test_geometry_refusal(healthy):
     """A decode with 32-token pages registers with a 16-token prefill: the prefill refuses and says
-    both values; the decode's request fails with that reason; the prefill keeps serving the
-    decode that matches, at the same time."""
+    both values; the decode's request fails with that reason, and so does the prefill's leg, at
+    once (the decode aborts the room it could not transfer) instead of at its transfer deadline;
+    the prefill keeps serving the decode that matches, at the same time."""
     pair = healthy
     wrong = pair.cluster.decode(extra=DECODE_FLAGS + ["--page-size", "32"], start=False)
     pair.start(wrong)
@@ -37,8 +38,8 @@ def test_geometry_refusal(healthy):
         assert_within(d, DECODE_DEADLINE_S)
         assert_clear_error(d, "rejected", "page_size", "16", "32")
         assert d.status == 502, d
-        assert_within(p, PREFILL_DEADLINE_S)
-        assert_clear_error(p, "no transfer request")
+        assert_clear_error(p, "decode aborted", "rejected", "page_size", "16", "32")
+        assert p.elapsed_s < TRANSFER_WAIT_S, p  # ended by the decode's word, not by the prefill's deadline
         assert counter(metrics(pair.prefill), "kvferry_registrations_total", result="rejected") == \
             counter(before, "kvferry_registrations_total", result="rejected") + 1
         wait_pages(wrong, wrong_pages, 5, "decode with 32-token pages")

@@ -154,7 +154,8 @@ def test_address_overflow_is_refused():
 
 @pytest.mark.parametrize("field,value,expected", [
     ("model", "medusa", "one of"), ("kind", "kv", "one of"), ("mem", "HBM", "one of"), ("layer", -1, ">= 0"),
-    ("item_len", 0, "> 0"), ("num_pages", 0, "> 0"), ("addr", -8, ">= 0"), ("num_heads", 0, "> 0")])
+    ("item_len", 0, "> 0"), ("num_pages", 0, r"in \[1, 4194304\]"),
+    ("num_pages", 2**40, r"in \[1, 4194304\]"), ("addr", -8, ">= 0"), ("num_heads", 0, "> 0")])
 def test_insane_region_is_refused_naming_the_field(field, value, expected):
     bad = table(base=0x20_0000)
     bad[0] = dataclasses.replace(bad[0], **{field: value})

@@ -1,0 +1,151 @@
+"""Quarantine: the decode's pages of failed rooms that a WRITE may still fill.
+
+A room's pages become unsafe the moment its transfer request leaves (``sent``). If the room then
+fails without the prefill's word that nothing more will be written, its pages (and aux slot) are
+held here until the prefill confirms (its ``transfer_result``, or the WRITE's own notification),
+or the hold time has passed and the prefill can no longer start that WRITE. A room whose WRITE the
+prefill could not cancel (``FailCode.UNSAFE``) is held for good: only the WRITE's notification
+frees it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from common.aux import AuxSlots
+from common.metrics import Metrics
+from decode_worker.link import PrefillLink
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class AbortNote:
+    """An abort on its way to ``link``'s prefill: ``sent_at`` (this clock) once it left, or
+    ``is_lost`` when no connection took it."""
+
+    link: PrefillLink
+    sent_at: float | None = None
+    is_lost: bool = False
+
+
+@dataclass(eq=False)
+class Hold:
+    """Quarantined pages of one room: ``release`` frees them; not before ``until``."""
+
+    release: Callable[[], None]
+    until: float
+    abort: AbortNote | None
+    link: PrefillLink
+    num_pages: int = 0  # counted in the quarantine gauge while held for good
+
+    @property
+    def is_forever(self) -> bool:
+        return math.isinf(self.until)
+
+
+def prefill_is_past(note: AbortNote | None) -> bool:
+    """Whether the prefill can no longer start a WRITE for the aborted room.
+
+    It can't once it has read the abort: it then answered a ping sent after it (one connection
+    keeps order; it handles frames one by one). Nor once it is gone: nothing could be sent to it
+    (a killed process closes its connection; a restarted one never had the room). A frozen or
+    cut-off prefill is neither, however long the hold: a timer alone would hand its pages to
+    another request, and the prefill could WRITE into them when it wakes.
+    """
+    if note is None or note.is_lost or not note.link.is_connected:
+        return True
+    return note.sent_at is not None and note.link.last_pong_t >= note.sent_at
+
+
+class Quarantine:
+    def __init__(self, aux: AuxSlots, metrics: Metrics, hold_s: float):
+        self.aux = aux
+        self.metrics = metrics
+        self.hold_s = hold_s
+        self.holds: dict[int, Hold] = {}
+        self.sent: dict[int, None] = {}  # rooms whose transfer request has left: the prefill may WRITE
+        self._slots: dict[int, int] = {}  # room -> aux slot the WRITE may fill, held with the pages
+        self.num_forever_pages = 0
+
+    def __contains__(self, room: int) -> bool:
+        return room in self.holds
+
+    def uses(self, link: PrefillLink) -> bool:
+        return any(h.link is link for h in self.holds.values())
+
+    def keep_slot(self, room: int, slot: int) -> None:
+        self._slots[room] = slot
+
+    def drop_slot(self, room: int) -> None:
+        slot = self._slots.pop(room, None)
+        if slot is not None:
+            self.aux.release(slot)
+
+    def hold(self, room: int, release: Callable[[], None], abort: AbortNote) -> None:
+        self.holds[room] = Hold(self._with_slot(room, release), time.monotonic() + self.hold_s, abort, abort.link)
+
+    def hold_forever(self, room: int, release: Callable[[], None], link: PrefillLink, num_pages: int) -> None:
+        logger.error("room=%d peer=%s: the prefill could not cancel its WRITE; %d pages held until that WRITE "
+                     "reports done", room, link.address, num_pages)
+        self.metrics.unsafe_writes.inc()
+        self.holds[room] = Hold(self._with_slot(room, release), math.inf, None, link, num_pages)
+        self._count(num_pages)
+
+    def _with_slot(self, room: int, release: Callable[[], None]) -> Callable[[], None]:
+        slot = self._slots.pop(room, None)
+
+        def release_all() -> None:
+            release()
+            if slot is not None:
+                self.aux.release(slot)
+
+        return release_all
+
+    def confirm(self, room: int, *, unsafe: bool) -> bool:
+        """The prefill's transfer_result for ``room``: True when it was quarantined here."""
+        hold = self.holds.get(room)
+        if hold is None:
+            return False
+        if unsafe:
+            if not hold.is_forever:
+                hold.until = math.inf
+                self.metrics.unsafe_writes.inc()
+            return True
+        if not hold.is_forever:
+            del self.holds[room]
+            hold.release()  # nothing more will be written into those pages
+        return True
+
+    def written(self, room: int) -> None:
+        """The WRITE of a quarantined room reported done: its pages are quiet again."""
+        hold = self.holds.pop(room, None)
+        if hold is not None:
+            if hold.is_forever:
+                self._count(-hold.num_pages)
+            hold.release()
+
+    def sweep(self) -> None:
+        now = time.monotonic()
+        for room, hold in list(self.holds.items()):
+            if now >= hold.until and prefill_is_past(hold.abort):
+                del self.holds[room]
+                logger.info("room=%d: quarantine over, pages released", room)
+                hold.release()
+
+    def release_all(self) -> None:
+        for hold in self.holds.values():
+            hold.release()
+        self.holds.clear()
+        for slot in self._slots.values():
+            self.aux.release(slot)
+        self._slots.clear()
+        self._count(-self.num_forever_pages)
+
+    def _count(self, delta: int) -> None:
+        self.num_forever_pages += delta
+        self.metrics.pages_quarantined.set(self.num_forever_pages)

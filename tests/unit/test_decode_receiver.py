@@ -1,0 +1,200 @@
+"""The decode's ``KvReceiver`` against a real prefill control plane in one process (real ZeroMQ,
+real NIXL; ``tests/unit/control_plane.py``): refusals answered from memory and told to the prefill,
+notifications that are malformed, stale or forged, an abort that cannot be sent, and a close
+with rooms still waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import uvloop
+
+from common import wire
+from common.aux import AuxSlots
+from common.errors import FailCode, GeometryMismatchError, PeerUnavailableError, TransferError
+from common.metrics import Metrics
+from common.transport.nixl import NixlEngine
+from decode_worker.kv_transfer import KvReceiver
+from tests.unit.control_plane import PAGE_SIZE, Prefill, new_pool, pool_layout
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run(coro):
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+class Receiver:
+    """A decode's receiving half: engine, pool, aux, ``KvReceiver`` and its notification poller."""
+
+    def __init__(self, *, page_size: int = PAGE_SIZE, quarantine_s: float = 5.0, heartbeat_interval_s: float = 0.2):
+        self.engine = NixlEngine("decode")
+        self.pool = new_pool(0)
+        self.aux = AuxSlots(8)
+        self.engine.register_tensor(self.pool)
+        self.engine.register_tensor(self.aux.buffer)
+        self.metrics = Metrics("decode")
+        self.page_size = page_size
+        self.decode_id = f"decode-{id(self):x}"
+        self.receiver = KvReceiver(engine=self.engine, register_msg=self._register_msg, aux=self.aux,
+                                   metrics=self.metrics, register_timeout_s=2.0,
+                                   heartbeat_interval_s=heartbeat_interval_s, heartbeat_misses=2,
+                                   quarantine_s=quarantine_s)
+        self.released: list[int] = []
+        self._poller: asyncio.Task | None = None
+
+    def _register_msg(self) -> wire.Register:
+        layout = pool_layout(self.pool, self.aux)
+        return wire.Register(decode_id=self.decode_id, agent_name=self.engine.name,
+                             agent_metadata=self.engine.metadata(), model=layout.model, page_size=self.page_size,
+                             kv_dtype=layout.kv_dtype, tp_size=1, tp_rank=0, regions=list(layout.regions),
+                             aux=layout.aux)
+
+    def start(self) -> "Receiver":
+        self._poller = asyncio.get_running_loop().create_task(self._poll())
+        return self
+
+    async def _poll(self) -> None:
+        while True:
+            for agent, payloads in self.engine.get_notifs().items():
+                for payload in payloads:
+                    self.receiver.on_notification(agent, payload)
+            await asyncio.sleep(0.0005)
+
+    async def fetch(self, prefill: Prefill, room: int, num_tokens: int, page_ids: list[int], timeout_s: float = 3.0):
+        return await self.receiver.fetch(request_id=f"req-{room}", host="127.0.0.1", port=prefill.port, room=room,
+                                         page_ids=page_ids, num_prompt_tokens=num_tokens, timeout_s=timeout_s,
+                                         release=lambda: self.released.append(room))
+
+    def counter(self, name: str, **labels) -> float:
+        return self.metrics.registry.get_sample_value(name, labels or None) or 0.0
+
+    async def close(self) -> None:
+        await self.receiver.close()
+        self._poller.cancel()
+        await asyncio.gather(self._poller, return_exceptions=True)
+        self.engine.close()
+
+
+def scenario(body, receiver_kwargs=None, prefill_kwargs=None):
+    async def main():
+        prefill = await Prefill(**(prefill_kwargs or {})).start()
+        decode = Receiver(**(receiver_kwargs or {})).start()
+        try:
+            await body(prefill, decode)
+        finally:
+            await decode.close()
+            await prefill.close()
+    run(main())
+
+
+async def until(predicate, timeout_s: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout_s}s")
+        await asyncio.sleep(0.01)
+
+
+def test_fetch_lands_kv_and_aux():
+    async def body(prefill, decode):
+        room = prefill.open_room(1, num_tokens=40)
+        fetch = asyncio.get_running_loop().create_task(decode.fetch(prefill, 1, 40, [4, 5, 6]))
+        await prefill.writer.send_room(room, time.monotonic() + 5)
+        record, link = await fetch
+        assert (record.room, record.first_token_id) == (1, 7) and link.state.value == "registered"
+        assert decode.pool[4].equal(prefill.pool[0]) and decode.released == []  # the caller frees on success
+    scenario(body)
+
+
+def test_refused_layout_is_told_to_the_prefill_and_remembered():
+    """Issue: a rejected decode layout must end the prefill's leg at once, with the reason."""
+    async def body(prefill, decode):
+        rooms = [prefill.open_room(r, num_tokens=20) for r in (11, 12)]
+        for r in (11, 12):
+            with pytest.raises(GeometryMismatchError, match="page_size") as info:
+                await decode.fetch(prefill, r, 20, [0, 1])
+            assert info.value.code is FailCode.REFUSED and decode.released[-1] == r  # freed at once
+        assert prefill.counter("kvferry_registrations_total", result="rejected") == 1  # the second from memory
+        for room in rooms:
+            await until(lambda: room.is_aborted, what=f"room {room.room} aborted on the prefill")
+            with pytest.raises(TransferError, match="decode aborted room .*page_size mismatch"):
+                await prefill.writer.send_room(room, time.monotonic() + 5)
+    scenario(body, receiver_kwargs={"page_size": PAGE_SIZE * 2})
+
+
+def test_client_gone_before_the_transfer_is_told_to_the_prefill():
+    async def body(prefill, decode):
+        room = prefill.open_room(21, num_tokens=20)
+        gate = threading.Event()
+        for _ in range(2):  # the prefill's registration threads are busy: the register stays pending
+            prefill.bootstrap.executor.submit(gate.wait, 20)
+        task = asyncio.get_running_loop().create_task(decode.fetch(prefill, 21, 20, [0, 1]))
+        await until(lambda: len(prefill.peers.known) == 1, what="the register pending on the prefill")
+        task.cancel()  # the client leaves while the decode waits for its registration
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert decode.released == [21]  # nothing was asked of the prefill: the pages are free now
+        await until(lambda: prefill.counter("kvferry_aborts_total", side="decode") == 1, what="the abort")
+        assert room.is_aborted and "client disconnected" in room.error
+        gate.set()
+    scenario(body)
+
+
+def test_malformed_foreign_and_stale_notifications_are_counted_and_ignored():
+    async def body(prefill, decode):
+        r = decode.receiver
+        r.on_notification("peer-x", b"\xc1 not msgpack")
+        r.on_notification("peer-x", wire.encode(wire.Ping(t=1.0)))
+        assert decode.counter("kvferry_protocol_errors_total") == 2
+        r.on_notification("peer-x", wire.encode(wire.Notification(room=999, decode_id="nobody", ok=True)))
+        assert decode.counter("kvferry_stale_notifications_total") == 1
+    scenario(body)
+
+
+def test_forged_notification_before_the_write_discards_the_room():
+    """A notification for a waiting room whose aux slot does not hold that room's record: the KV
+    is discarded with a clear error, and the pages are freed (nothing was written into them)."""
+    async def body(prefill, decode):
+        prefill.open_room(31, num_tokens=20)
+        task = asyncio.get_running_loop().create_task(decode.fetch(prefill, 31, 20, [0, 1]))
+        await until(lambda: 31 in decode.receiver.waiters, what="the room waiting")
+        decode.receiver.on_notification("forger", wire.encode(wire.Notification(
+            room=31, decode_id=decode.receiver.waiters[31].link.decode_id, ok=True)))
+        with pytest.raises(TransferError, match="aux slot|KV discarded|aux record"):
+            await task
+        assert decode.released == [31]
+    scenario(body)
+
+
+def test_abort_that_cannot_be_sent_is_counted_and_pages_wait_for_the_hold():
+    async def body(prefill, decode):
+        prefill.open_room(41, num_tokens=20)
+        task = asyncio.get_running_loop().create_task(decode.fetch(prefill, 41, 20, [0, 1], timeout_s=0.5))
+        await until(lambda: 41 in decode.receiver.waiters, what="the room waiting")
+        prefill.server.close()  # the prefill's socket is gone before the decode gives up
+        with pytest.raises(TransferError, match="did not arrive within 0.5s"):
+            await task
+        assert 41 in decode.receiver.quarantined and decode.released == []  # a WRITE might still land
+        await until(lambda: decode.counter("kvferry_aborts_total", side="decode_unsent") == 1, timeout_s=5,
+                    what="the abort given up")
+        await asyncio.sleep(0.3)  # past the hold time; the prefill cannot WRITE: the abort found no connection
+        decode.receiver.sweep()
+        assert decode.released == [41]
+    scenario(body, receiver_kwargs={"quarantine_s": 0.2})
+
+
+def test_close_fails_waiting_rooms_and_releases_their_pages():
+    async def body(prefill, decode):
+        prefill.open_room(51, num_tokens=20)
+        task = asyncio.get_running_loop().create_task(decode.fetch(prefill, 51, 20, [0, 1], timeout_s=10))
+        await until(lambda: 51 in decode.receiver.waiters, what="the room waiting")
+        await decode.receiver.close()
+        with pytest.raises(PeerUnavailableError, match="decode shutting down"):
+            await task
+        assert decode.released == [51] and not decode.receiver.quarantined
+    scenario(body)

@@ -1,0 +1,346 @@
+"""The prefill's control-plane rules, one case each, on real ZeroMQ and real NIXL in one process
+(``tests/unit/control_plane.py``): ownership of decode ids, cancel safety of the WRITE, bounds on
+what a peer may make the prefill hold, and the branches no daemon test reaches."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import uvloop
+from nixl import _bindings as nixl_bindings
+
+from common import wire
+from common.errors import FailCode, PeerUnavailableError, TransferError, UnsafeWriteError
+from common.transport.nixl import NixlEngine
+from prefill_worker.rooms import EarlyTransfer, RoomLimits, RoomTable
+from tests.unit.control_plane import PAGE_SIZE, Decode, Prefill
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run(coro):
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+def scenario(body, prefill_kwargs=None, engine=None, num_decodes=1):
+    """Run ``body(prefill, *decodes)`` against a started prefill and registered-ready decodes."""
+    async def main():
+        prefill = await Prefill(engine, **(prefill_kwargs or {})).start()
+        decodes = [Decode(prefill.port, name=f"decode{i}").start() for i in range(num_decodes)]
+        try:
+            await body(prefill, *decodes)
+        finally:
+            for d in decodes:
+                d.close()
+            await prefill.close()
+    run(main())
+
+
+async def result_for(decode: Decode, room: int, timeout_s: float = 5.0) -> wire.TransferResult:
+    while True:
+        msg = await decode.recv(wire.TransferResult, timeout_s)
+        if msg.room == room:
+            return msg
+
+
+async def until(predicate, timeout_s: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout_s}s")
+        await asyncio.sleep(0.01)
+
+
+# -- the path that works ------------------------------------------------------------------------------
+def test_room_written_end_to_end():
+    async def body(prefill, decode):
+        assert (await decode.register()).accepted
+        room = prefill.open_room(11, num_tokens=40)
+        await decode.send(decode.transfer(11, 40, [5, 9, 2]))
+        await prefill.writer.send_room(room, time.monotonic() + 5)
+        assert (await result_for(decode, 11)).ok
+        for decode_page, prefill_page in zip([5, 9, 2], range(3)):
+            assert decode.pool[decode_page].equal(prefill.pool[prefill_page])
+        record = wire.AuxRecord.unpack(decode.aux.read(0))
+        assert (record.room, record.first_token_id, record.num_prompt_tokens) == (11, 7, 40)
+        await until(lambda: any(getattr(n, "room", None) == 11 for n in decode.notifs), what="notification")
+        assert prefill.peers.get(decode.decode_id).num_writes == 0 and prefill.aux.num_slots == 8
+    scenario(body)
+
+
+# -- ownership (control-plane defects 1, 2, and the abort rules) ---------------------------------------
+def test_transfer_naming_another_connections_decode_id_is_refused_and_room_stays_unbound():
+    async def body(prefill, owner, intruder):
+        assert (await owner.register()).accepted
+        room = prefill.open_room(21, num_tokens=20)
+        await intruder.send(owner.transfer(21, 20, [0, 1]))  # owner's decode_id, intruder's connection
+        result = await result_for(intruder, 21)
+        assert not result.ok and result.fail_code is FailCode.NOT_OWNER, result
+        assert "belongs to the connection that registered it" in result.error
+        assert room.transfer is None and not room.arrived.is_set()
+        await owner.send(owner.transfer(21, 20, [3, 4]))  # the owner still gets its room
+        await prefill.writer.send_room(room, time.monotonic() + 5)
+        assert (await result_for(owner, 21)).ok and owner.pool[3].equal(prefill.pool[0])
+    scenario(body, num_decodes=2)
+
+
+def test_live_decode_id_cannot_be_taken_over_but_a_silent_one_can():
+    async def body(prefill, owner, intruder):
+        assert (await owner.register()).accepted
+        ack = await intruder.register(decode_id=owner.decode_id)
+        assert not ack.accepted and "registered by another live connection" in ack.error, ack
+        assert prefill.peers.get(owner.decode_id).agent_name == owner.engine.name
+        await intruder.send(owner.transfer(1, 20, [0, 1]))
+        assert (await result_for(intruder, 1)).fail_code is FailCode.NOT_OWNER
+        prefill.peers.get(owner.decode_id).last_seen -= 3600  # the owner went silent
+        assert (await intruder.register(decode_id=owner.decode_id)).accepted
+        assert prefill.peers.get(owner.decode_id).agent_name == intruder.engine.name
+        assert owner.engine.name not in prefill.engine.peers()  # the silent owner's agent went
+    scenario(body, num_decodes=2)
+
+
+def test_same_process_may_register_from_a_second_connection():
+    """A decode that rebuilt its socket (or reaches this prefill by a second address) registers its
+    own agent again from a new connection: accepted, and both connections are its own."""
+    async def body(prefill, decode, second):
+        assert (await decode.register()).accepted
+        await second.send(decode.register_msg())  # the same agent, name and metadata
+        assert (await second.recv(wire.RegisterAck)).accepted
+        room = prefill.open_room(2, num_tokens=20)
+        await second.send(decode.transfer(2, 20, [8, 9]))
+        await prefill.writer.send_room(room, time.monotonic() + 5)
+        assert (await result_for(second, 2)).ok and decode.pool[8].equal(prefill.pool[0])
+        assert decode.engine.name in prefill.engine.peers()
+    scenario(body, num_decodes=2)
+
+
+def test_abort_rules_refused_connection_may_end_rooms_nobody_asked_for():
+    """A decode whose layout was refused aborts a room the prefill has not opened yet: the room
+    opens already ended with that reason. A connection that never registered may not abort."""
+    async def body(prefill, refused, stranger):
+        ack = await refused.register(page_size=PAGE_SIZE * 2)
+        assert not ack.accepted and "page_size" in ack.error
+        await stranger.send(wire.Abort(room=31, reason="not mine"))
+        err = await stranger.recv(wire.Error)
+        assert err.room == 31 and "refused" in err.reason
+        await refused.send(wire.Abort(room=31, reason="layout refused: page_size"))
+        result = await result_for(refused, 31)
+        assert result.fail_code is FailCode.ABORTED
+        room = prefill.open_room(31, num_tokens=20)
+        assert room.is_aborted and "layout refused: page_size" in room.error and room.code is FailCode.ABORTED
+        with pytest.raises(TransferError, match="layout refused"):
+            await prefill.writer.send_room(room, time.monotonic() + 5)
+        assert prefill.counter("kvferry_aborts_total", side="decode") == 1
+    scenario(body, num_decodes=2)
+
+
+# -- cancel safety (defects 3 and 4) ---------------------------------------------------------------------
+class HeldPostEngine(NixlEngine):
+    """The real engine, whose post_write waits until the test lets it go (a WRITE in flight)."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.entered, self.go = threading.Event(), threading.Event()
+        self.num_posts = 0
+
+    def post_write(self, *args, **kwargs):
+        self.num_posts += 1
+        self.entered.set()
+        assert self.go.wait(20), "test never released the WRITE"
+        return super().post_write(*args, **kwargs)
+
+
+def test_second_cancel_does_not_free_pages_under_a_write():
+    engine = HeldPostEngine("prefill")
+
+    async def body(prefill, decode):
+        assert (await decode.register()).accepted
+        room = prefill.open_room(41, num_tokens=40)
+        await decode.send(decode.transfer(41, 40, [1, 2, 3]))
+        await until(lambda: room.transfer is not None, what="transfer bound")
+        task = asyncio.get_running_loop().create_task(prefill.writer.send_room(room, time.monotonic() + 10))
+        await asyncio.get_running_loop().run_in_executor(None, engine.entered.wait, 10)
+        task.cancel()  # the request deadline
+        await asyncio.sleep(0.05)
+        task.cancel()  # and the client's disconnect
+        await asyncio.sleep(0.3)
+        assert not task.done(), "send_room returned while its WRITE job was still posting"
+        assert room.is_aborted and prefill.peers.get(decode.decode_id).num_writes == 1
+        engine.go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert engine.num_posts == 1  # aborted: no group after the one in flight was posted
+        assert prefill.peers.get(decode.decode_id).num_writes == 0
+    scenario(body, engine=engine)
+
+
+class StuckCancelEngine(NixlEngine):
+    """The real engine, whose NIXL release (the cancel) fails as a wedged backend's would."""
+
+    def _release_raw(self, handle):
+        raise nixl_bindings.nixlBackendError("cancel failed (test)")
+
+
+def test_write_that_cannot_be_cancelled_is_unsafe_and_the_decode_is_told():
+    async def body(prefill, decode):
+        assert (await decode.register()).accepted
+        room = prefill.open_room(51, num_tokens=20)
+        await decode.send(decode.transfer(51, 20, [6, 7]))
+        with pytest.raises(UnsafeWriteError) as info:
+            await prefill.writer.send_room(room, time.monotonic() + 5)
+        assert room.is_unsafe
+        await prefill.bootstrap.fail_room(room, str(info.value), info.value.code)
+        result = await result_for(decode, 51)
+        assert result.fail_code is FailCode.UNSAFE and "target pages may still be written" in result.error
+        assert prefill.counter("kvferry_failed_transfers_total", reason="unsafe") == 1
+    scenario(body, engine=StuckCancelEngine("prefill"))
+
+
+# -- failures the decode hears at once (defect 5) -------------------------------------------------------
+def test_room_that_failed_before_its_transfer_is_answered_at_once():
+    async def body(prefill, decode):
+        assert (await decode.register()).accepted
+        room = prefill.open_room(61, num_tokens=20)
+        await prefill.bootstrap.fail_room(room, "prefill failed: out of memory (test)", FailCode.PREFILL_FAILED)
+        prefill.rooms.close(room)
+        await decode.send(decode.transfer(61, 20, [0, 1]))
+        result = await result_for(decode, 61, timeout_s=2.0)  # not at the transfer-wait deadline (30 s)
+        assert result.fail_code is FailCode.PREFILL_FAILED and "out of memory (test)" in result.error
+        assert 61 not in prefill.rooms.early
+    scenario(body, prefill_kwargs={"transfer_wait_timeout_s": 30.0})
+
+
+# -- bounds (defects 6, 7, 8, 10) -------------------------------------------------------------------------
+def test_register_with_absurd_num_pages_is_refused_before_any_work():
+    async def body(prefill, decode):
+        msg = decode.register_msg()
+        huge = [r.__class__(**{**{f: getattr(r, f) for f in r.__slots__}, "num_pages": 2 ** 40}) for r in msg.regions]
+        await decode.send(wire.Register(**{**{f: getattr(msg, f) for f in msg.__slots__}, "regions": huge}))
+        ack = await decode.recv(wire.RegisterAck)
+        assert not ack.accepted and "num_pages must be in [1, 4194304]" in ack.error, ack
+        assert hex(prefill.pool.data_ptr()) not in ack.error  # nothing of the prefill's memory is revealed
+        assert decode.engine.name not in prefill.engine.peers()
+    scenario(body)
+
+
+def test_registration_runs_off_the_frame_loop_and_a_timed_out_one_is_cleaned_up():
+    async def body(prefill, slow, other):
+        gate = threading.Event()
+        for _ in range(2):  # both registration threads busy: slow's NIXL work cannot start
+            prefill.bootstrap.executor.submit(gate.wait, 20)
+        await slow.send(slow.register_msg())
+        await other.send(wire.Ping(t=1.0))
+        assert await other.recv(wire.Pong, timeout_s=1.0) == wire.Pong(t=1.0)  # answered meanwhile
+        ack = await slow.recv(wire.RegisterAck)
+        assert not ack.accepted and "within 0.5s" in ack.error
+        assert prefill.counter("kvferry_timeouts_total", stage="register") == 1
+        gate.set()
+        await until(lambda: not prefill.bootstrap._registering, what="the late registration job to end")
+        await asyncio.sleep(0.05)  # its done-callback runs on the loop right after
+        assert slow.engine.name not in prefill.engine.peers() and prefill.peers.get(slow.decode_id) is None
+        assert (await slow.register()).accepted  # and the decode can register again
+    scenario(body, prefill_kwargs={"register_timeout_s": 0.5}, num_decodes=2)
+
+
+def test_early_transfers_are_bounded_by_bytes_and_per_peer():
+    table = RoomTable(RoomLimits(max_rooms=8, max_early=100, max_early_bytes=4000, max_early_per_peer=2))
+    def early(room, owner, num_pages=4):
+        return EarlyTransfer.of(wire.Transfer(room=room, decode_id="d", page_ids=list(range(num_pages)), aux_slot=0,
+                                              num_prompt_tokens=num_pages * PAGE_SIZE), b"id", owner, 1e9)
+    assert table.hold_early(early(1, b"a")) is None and table.hold_early(early(2, b"a")) is None
+    assert "limit per decode" in table.hold_early(early(3, b"a"))  # a's share is full ...
+    assert table.hold_early(early(3, b"b")) is None                 # ... b's is not
+    assert "bytes" in table.hold_early(early(4, b"c", num_pages=100))  # 3,800 bytes of page ids: over the cap
+    table.pop_early(1)
+    assert table.hold_early(early(5, b"a")) is None and table.early_bytes == sum(
+        e.num_bytes for e in table.early.values())
+
+
+def test_early_cap_answers_the_decode_with_overloaded():
+    async def body(prefill, decode):
+        assert (await decode.register()).accepted
+        await decode.send(decode.transfer(71, 20, [0, 1]))
+        await decode.send(decode.transfer(72, 20, [2, 3]))
+        result = await result_for(decode, 72)
+        assert result.fail_code is FailCode.OVERLOADED and "limit per decode" in result.error
+        assert prefill.counter("kvferry_failed_transfers_total", reason="overloaded") == 1
+        assert list(prefill.rooms.early) == [71]
+    scenario(body, prefill_kwargs={"limits": RoomLimits(max_rooms=8, max_early_per_peer=1)})
+
+
+def test_dropped_peer_keeps_its_lists_until_its_last_write_returns():
+    async def body(prefill, decode):
+        assert (await decode.register()).accepted
+        peer = prefill.peers.get(decode.decode_id)
+        lists = list(peer.lists)
+        prefill.peers.acquire(peer)  # a WRITE job is using them
+        prefill.peers.drop(peer, "test")
+        assert peer.lists == lists and decode.engine.name in prefill.engine.peers()
+        prefill.peers.release(peer)
+        assert peer.lists == [] and decode.engine.name not in prefill.engine.peers()
+    scenario(body)
+
+
+# -- branches no daemon test reaches -----------------------------------------------------------------------
+def test_wait_room_expiry_and_transfer_wait_timeout():
+    async def body(prefill, decode):
+        assert (await decode.register()).accepted
+        await decode.send(decode.transfer(81, 20, [0, 1]))  # a room that never opens here
+        await until(lambda: 81 in prefill.rooms.early, what="early transfer held")
+        await asyncio.sleep(0.35)
+        await prefill.bootstrap.sweep()
+        result = await result_for(decode, 81)
+        assert result.fail_code is FailCode.TIMEOUT and "no request for room 81" in result.error
+        assert prefill.counter("kvferry_timeouts_total", stage="wait_room") == 1
+        room = prefill.open_room(82, num_tokens=20)  # and a room whose decode never asks
+        with pytest.raises(TransferError, match="no transfer request") as info:
+            await prefill.writer.send_room(room, time.monotonic() + 0.2)
+        assert info.value.code is FailCode.TIMEOUT
+        assert prefill.counter("kvferry_timeouts_total", stage="wait_transfer") == 1
+    scenario(body, prefill_kwargs={"transfer_wait_timeout_s": 0.3})
+
+
+def test_room_whose_decode_was_dropped_fails_as_no_longer_registered():
+    async def body(prefill, decode):
+        assert (await decode.register()).accepted
+        room = prefill.open_room(91, num_tokens=20)
+        await decode.send(decode.transfer(91, 20, [0, 1]))
+        await until(lambda: room.transfer is not None, what="transfer bound")
+        prefill.peers.drop(prefill.peers.get(decode.decode_id), "test")
+        with pytest.raises(PeerUnavailableError, match="no longer registered") as info:
+            await prefill.writer.send_room(room, time.monotonic() + 5)
+        await prefill.bootstrap.fail_room(room, str(info.value), info.value.code)
+        result = await result_for(decode, 91)
+        assert result.fail_code is FailCode.NOT_REGISTERED
+        assert prefill.counter("kvferry_failed_transfers_total", reason="not_registered") == 1
+    scenario(body)
+
+
+def test_handler_failure_is_answered_and_the_loop_keeps_serving():
+    async def body(prefill, decode):
+        assert (await decode.register()).accepted
+        prefill.open_room(95, num_tokens=20)
+
+        def broken(room):
+            raise RuntimeError("index build exploded (test)")
+        prefill.bootstrap.on_bound = broken
+        await decode.send(decode.transfer(95, 20, [0, 1]))
+        err = await decode.recv(wire.Error)
+        assert err.room == 95 and "RuntimeError: index build exploded (test)" in err.reason
+        await decode.send(wire.Ping(t=2.0))
+        assert await decode.recv(wire.Pong) == wire.Pong(t=2.0)
+    scenario(body)
+
+
+def test_close_drops_every_peer_and_its_agent():
+    async def body(prefill, decode):
+        assert (await decode.register()).accepted
+        assert decode.engine.name in prefill.engine.peers()
+        await prefill.bootstrap.close()
+        assert len(prefill.peers) == 0 and decode.engine.name not in prefill.engine.peers()
+    scenario(body)
+
