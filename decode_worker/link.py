@@ -22,7 +22,7 @@ from common.transport.zmq import BootstrapClient
 
 logger = logging.getLogger(__name__)
 
-REFUSAL_S = 5.0  # a refused registration is answered from memory this long, then tried again
+REFUSAL_S = 10.0  # a refused registration is answered from memory this long, then tried again
 
 
 class LinkOwner(Protocol):

@@ -14,7 +14,8 @@ import uvloop
 
 from common import wire
 from common.aux import AuxSlots
-from common.errors import FailCode, GeometryMismatchError, PeerUnavailableError, TransferError
+from common.errors import (FailCode, GeometryMismatchError, OverloadedError, PeerUnavailableError, RequestError,
+                           TransferError)
 from common.metrics import Metrics
 from common.transport.nixl import NixlEngine
 from decode_worker.kv_transfer import KvReceiver
@@ -31,7 +32,8 @@ def run(coro):
 class Receiver:
     """A decode's receiving half: engine, pool, aux, ``KvReceiver`` and its notification poller."""
 
-    def __init__(self, *, page_size: int = PAGE_SIZE, quarantine_s: float = 5.0, heartbeat_interval_s: float = 0.2):
+    def __init__(self, *, page_size: int = PAGE_SIZE, quarantine_s: float = 5.0, heartbeat_interval_s: float = 0.2,
+                 **receiver_kwargs):
         self.engine = NixlEngine("decode")
         self.pool = new_pool(0)
         self.aux = AuxSlots(8)
@@ -43,7 +45,7 @@ class Receiver:
         self.receiver = KvReceiver(engine=self.engine, register_msg=self._register_msg, aux=self.aux,
                                    metrics=self.metrics, register_timeout_s=2.0,
                                    heartbeat_interval_s=heartbeat_interval_s, heartbeat_misses=2,
-                                   quarantine_s=quarantine_s)
+                                   quarantine_s=quarantine_s, **receiver_kwargs)
         self.released: list[int] = []
         self._poller: asyncio.Task | None = None
 
@@ -198,3 +200,32 @@ def test_close_fails_waiting_rooms_and_releases_their_pages():
             await task
         assert decode.released == [51] and not decode.receiver.quarantined
     scenario(body)
+
+
+def test_bootstrap_hosts_outside_the_allow_list_are_refused_before_connecting():
+    async def body(prefill, decode):
+        with pytest.raises(RequestError, match="not in this decode's --allowed-bootstrap-hosts"):
+            await decode.fetch(prefill, 61, 20, [0, 1])
+        assert decode.released == [61] and not decode.receiver.links
+    scenario(body, receiver_kwargs={"allowed_hosts": frozenset({"127.0.0.2"})})
+
+
+def test_links_are_bounded_idle_ones_make_room_busy_ones_do_not():
+    async def body(prefill, decode):
+        second = await Prefill().start()
+        try:
+            room = prefill.open_room(71, num_tokens=20)
+            fetch = asyncio.get_running_loop().create_task(decode.fetch(prefill, 71, 20, [0, 1]))
+            await until(lambda: 71 in decode.receiver.waiters, what="the room waiting")
+            with pytest.raises(OverloadedError, match="all busy"):  # the only link has a room waiting
+                await decode.fetch(second, 72, 20, [2, 3])
+            await prefill.writer.send_room(room, time.monotonic() + 5)
+            await fetch
+            room = second.open_room(73, num_tokens=20)
+            fetch = asyncio.get_running_loop().create_task(decode.fetch(second, 73, 20, [4, 5]))
+            await second.writer.send_room(room, time.monotonic() + 5)
+            await fetch  # the idle link to the first prefill was closed to make room
+            assert list(decode.receiver.links) == [("127.0.0.1", second.port)]
+        finally:
+            await second.close()
+    scenario(body, receiver_kwargs={"max_links": 1})

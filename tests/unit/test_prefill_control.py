@@ -344,3 +344,17 @@ def test_close_drops_every_peer_and_its_agent():
         assert len(prefill.peers) == 0 and decode.engine.name not in prefill.engine.peers()
     scenario(body)
 
+
+
+@pytest.mark.parametrize("code", list(FailCode))
+def test_every_failure_code_is_the_metric_label_and_reaches_the_decode(code):
+    async def body(prefill, decode):
+        assert (await decode.register()).accepted
+        room = prefill.open_room(97, num_tokens=20)
+        await decode.send(decode.transfer(97, 20, [0, 1]))
+        await until(lambda: room.transfer is not None, what="transfer bound")
+        await prefill.bootstrap.fail_room(room, f"failed as {code.value} (test)", code)
+        result = await result_for(decode, 97)
+        assert result.fail_code is code and result.error == f"failed as {code.value} (test)"
+        assert prefill.counter("kvferry_failed_transfers_total", reason=code.value) == 1
+    scenario(body)
