@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
-#   bash bench/gpu_run.sh [tests|transfer|transfer-small|spec|e2e|xfer-threads|all]   (results land in $OUT, default ./gpu-out)
+#   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|spec|e2e|xfer-threads|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh ...). NVLink multicast stays off.
 set -uo pipefail
@@ -18,8 +18,9 @@ torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count()
 } 2>&1 | tee "$out/env.txt"
 # each step has its own time limit, so that one slow step still leaves the others' results in $OUT
 if [[ $what == tests || $what == all ]]; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_nixl_engine.py \
-    tests/unit/test_model_vs_transformers.py 2>&1 | tee "$out/tests.txt" | tail -25
+  # tests/gpu includes the Triton kernels against the torch path and the CUDA-graph engine
+  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_nixl_engine.py \
+    tests/unit/test_model_vs_transformers.py tests/unit/test_attn_backend.py 2>&1 | tee "$out/tests.txt" | tail -25
 fi
 if [[ $what == transfer-small ]]; then  # the sizes where a ratio is a few tens of µs: more iterations
   timeout 150 python3 bench/transfer.py --device cuda --tokens 1024,4096 --iters 30 \
@@ -33,8 +34,16 @@ if [[ $what == transfer || $what == all ]]; then
     2>>"$out/transfer.err" | tee -a "$out/transfer.jsonl"
 fi
 m8b=/tmp/m8b
-if [[ $what == spec || $what == e2e || $what == xfer-threads || $what == all ]] && [[ ! -f $m8b/draft/config.json ]]; then
+if [[ $what == spec || $what == e2e || $what == engine || $what == xfer-threads || $what == all ]] \
+    && [[ ! -f $m8b/draft/config.json ]]; then
   timeout 200 python3 -m common.cli make-tiny-model $m8b --preset llama-3.1-8b 2>&1 | tail -2
+fi
+if [[ $what == engine || $what == all ]]; then
+  # decode steps and prefill against the roofline measured in the same run; then the torch path without
+  # graphs (the engine before the Triton kernels) at a few points, for comparison
+  timeout ${ENGINE_TIMEOUT:-200} python3 bench/engine.py --model $m8b/target 2>>"$out/engine.err" | tee -a "$out/engine.jsonl"
+  timeout 120 python3 bench/engine.py --model $m8b/target --attention-backend torch --disable-cuda-graph \
+    --batches 1,64 --contexts 1024 --prefill 8192 --steps 10 2>>"$out/engine.err" | tee -a "$out/engine.jsonl"
 fi
 if [[ $what == spec || $what == all ]]; then
   # float32 on the GPU: speculative and plain greedy must agree token for token (the tiny pair)

@@ -10,6 +10,7 @@ from common.log import LEVELS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_LAYOUTS = ("page-major", "layer-major")  # common/model/kv_cache.py has the same tuple (a test checks)
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # as common/model/attn_backend.py
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,12 @@ class CommonConfig:
     kv_layout: str = flag("page-major", choices=KV_LAYOUTS,
                           help="KV pool layout: page-major keeps one page of every layer in one block (one "
                                "NIXL descriptor per page), layer-major one block per layer; the peer may differ")
+    attention_backend: str = flag("auto", choices=ATTENTION_BACKENDS,
+                                  help="paged attention: triton reads KV pages in place (CUDA), torch gathers "
+                                       "them (CPU, reference); auto = triton on CUDA when Triton imports")
+    cuda_graph_max_bs: int = flag(128, help="largest decode batch captured as a CUDA graph (buckets 1, 2, 4, ... "
+                                            "up to it; larger batches run eagerly)")
+    disable_cuda_graph: bool = flag(False, help="run decode steps eagerly on CUDA (no graphs captured)")
     max_running_requests: int = flag(64, help="requests decoded (or rooms held) at once")
     max_queued_requests: int = flag(256, help="requests waiting beyond that; more get HTTP 503")
     api_key: str | None = flag(None, help="require 'Authorization: Bearer KEY' on HTTP (health stays open)")
@@ -49,10 +56,17 @@ class CommonConfig:
         require(self.draft_device is None or self.draft_device == "cpu" or self.draft_device.startswith("cuda"),
                 f"--draft-device must be cpu or cuda:N, got {self.draft_device!r}")
         require(self.max_running_requests > 0, "--max-running-requests must be positive")
+        require(self.cuda_graph_max_bs >= 0, f"--cuda-graph-max-bs must be >= 0, got {self.cuda_graph_max_bs}")
         require(self.max_queued_requests >= 0, "--max-queued-requests must be >= 0")
         require(self.max_request_bytes > 0, f"--max-request-bytes must be positive, got {self.max_request_bytes}")
         for name in ("request_timeout_s", "drain_timeout_s", "heartbeat_interval_s", "xfer_timeout_s"):
             require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive")
+
+    @property
+    def engine_options(self) -> dict:
+        """The attention and CUDA graph settings, as ``build_runner`` keywords."""
+        return {"attention_backend": self.attention_backend, "cuda_graph_max_bs": self.cuda_graph_max_bs,
+                "disable_cuda_graph": self.disable_cuda_graph}
 
     @property
     def num_pages(self) -> int:

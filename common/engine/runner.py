@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.engine.cuda_graph import DecodeGraphs
 from common.engine.sequence import Sequence, pages_needed
 from common.engine.spec import verify_greedy, verify_sampled
 from common.errors import OverloadedError
@@ -24,13 +25,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ModelSlot:
-    """A model with its paged KV cache and the allocator of that cache's pages."""
+    """A model with its paged KV cache, the allocator of that cache's pages and, on CUDA, the
+    captured decode graphs (``cuda_graph.py``)."""
 
     model: object  # common.model.llama model: forward(chunks, kv, all_logits=False)
     kv: KvCache
     allocator: PageAllocator
+    graphs: DecodeGraphs | None = None
 
     def forward(self, chunks: list[SeqChunk], *, all_logits: bool = False):
+        if self.graphs is not None and self.graphs.can_run(chunks, all_logits):
+            self.model.check(chunks, self.kv)
+            return self.graphs.run(chunks)
         return self.model.forward(chunks, self.kv, all_logits=all_logits)
 
 
@@ -88,17 +94,26 @@ class ModelRunner:
     # -- prefill ----------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], *, with_draft: bool = False) -> None:
-        """Compute prompt KV for ``seqs`` and sample each one's first token."""
-        chunks = [SeqChunk(s.prompt_ids, 0, s.pages) for s in seqs]
-        want_all = any(s.input_logprobs is not None for s in seqs)
-        out = self.target.forward(chunks, all_logits=want_all)
-        last = torch.stack([o[-1] for o in out]) if want_all else out
-        if want_all:
-            for s, logits in zip(seqs, out):
-                if s.input_logprobs is not None:
-                    s.input_logprobs = _input_logprobs(logits, s.prompt_ids)
+        """Compute prompt KV for ``seqs`` and sample each one's first token.
+
+        Logits are computed for each prompt's last token, and for the prompt tokens whose logprobs a
+        sequence asks for (``input_logprobs`` set, from ``logprob_start_len`` on) and no others: the
+        prompt before that range runs in the batch like any other, the range in a second pass over
+        its cached prefix, so a request for a few prompt logprobs never costs [tokens x vocab]."""
+        first_row = {id(s): _first_logit_row(s) for s in seqs}
+        head_seqs = [s for s in seqs if first_row[id(s)] != 0]  # 0: the whole prompt runs in the second pass
+        head = [SeqChunk(s.prompt_ids if first_row[id(s)] is None else s.prompt_ids[:first_row[id(s)]], 0, s.pages)
+                for s in head_seqs]
+        last_rows = dict(zip(map(id, head_seqs), self.target.forward(head) if head else []))
+        wanting = [s for s in seqs if first_row[id(s)] is not None]
+        if wanting:
+            tails = [SeqChunk(s.prompt_ids[first_row[id(s)]:], first_row[id(s)], s.pages) for s in wanting]
+            for s, logits in zip(wanting, self.target.forward(tails, all_logits=True)):
+                s.input_logprobs = _input_logprobs(logits, s.prompt_ids, first_row[id(s)])
+                last_rows[id(s)] = logits[-1]
+        last = torch.stack([last_rows[id(s)] for s in seqs])
         tokens, logprobs = self.sampler.sample(last, [s.params for s in seqs], [s.generator for s in seqs])
-        for s, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
+        for s, (tok, lp) in zip(seqs, _pairs(tokens, logprobs)):
             s.num_cached = s.num_prompt_tokens
             s.output_ids.append(tok)
             s.output_logprobs.append(lp)
@@ -125,7 +140,7 @@ class ModelRunner:
         tokens, logprobs = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         for s in seqs:
             s.num_cached += 1
-        return [[(t, lp)] for t, lp in zip(tokens.tolist(), logprobs.tolist())]
+        return [[pair] for pair in _pairs(tokens, logprobs)]
 
     def _spec_step(self, seqs: list[Sequence]) -> list[list[tuple[int, float]]]:
         k = self.spec_k
@@ -184,14 +199,30 @@ class ModelRunner:
         return proposals, q_rows
 
 
+def _pairs(tokens: torch.Tensor, logprobs: torch.Tensor) -> list[tuple[int, float]]:
+    """(token, logprob) per row with one device-to-host copy (ids < 2**53 are exact in float64)."""
+    both = torch.stack([tokens.double(), logprobs.double()], dim=1).tolist()
+    return [(int(t), lp) for t, lp in both]
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _input_logprobs(logits: torch.Tensor, prompt_ids: list[int]) -> list[float | None]:
-    """logprob of each prompt token given its prefix; the first token has none (SGLang's convention)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    ids = torch.tensor(prompt_ids[1:], device=logp.device)
-    values = logp[torch.arange(len(prompt_ids) - 1, device=logp.device), ids].tolist()
-    return [None] + values
+def _first_logit_row(seq: Sequence) -> int | None:
+    """The first prompt position whose logits ``seq`` needs beyond its last (row j predicts token
+    j + 1), or None when it wants no prompt logprobs."""
+    n = seq.num_prompt_tokens
+    if seq.input_logprobs is None or seq.logprob_start_len >= n:
+        return None
+    return max(seq.logprob_start_len - 1, 0)
+
+
+def _input_logprobs(logits: torch.Tensor, prompt_ids: list[int], first_row: int) -> list[float | None]:
+    """logprob of each prompt token given its prefix, from ``logits`` [n - first_row, vocab] of rows
+    ``first_row..n-1``; None before the range and for the first token (SGLang's convention)."""
+    ids = torch.tensor(prompt_ids[first_row + 1:], device=logits.device)
+    rows = logits[: len(ids)]
+    values = (rows.gather(1, ids[:, None]).squeeze(1) - torch.logsumexp(rows, dim=-1)).tolist()
+    return [None] * (first_row + 1) + values

@@ -174,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
         Returns fp32 logits: [num_chunks, vocab] of each chunk's last token, or with ``all_logits``
         a list of [len(token_ids), vocab], one per chunk.
         """
-        self._check(chunks, kv)
+        self.check(chunks, kv)
         token_ids, plan = self.attn.plan(chunks, kv.page_size, self.device)
         return self.run(token_ids, plan, kv, all_logits=all_logits)
 
@@ -191,7 +191,8 @@ class LlamaForCausalLM(nn.Module):
         logits = F.linear(rms_norm(x, self.norm, self.config.rms_norm_eps), self.lm_head).float()
         return list(logits.split(plan.query_lens)) if all_logits else logits
 
-    def _check(self, chunks: list[SeqChunk], kv: KvCache) -> None:
+    def check(self, chunks: list[SeqChunk], kv: KvCache) -> None:
+        """Raise ValueError for chunks this model and cache cannot run."""
         if not chunks:
             raise ValueError("forward needs at least one chunk")
         if kv.config.num_hidden_layers != self.config.num_hidden_layers:

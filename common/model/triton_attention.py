@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 # A finite "minus infinity" for running maxima: exp(m_old - m_new) stays 0 or 1, never NaN.
-_NEG = -1.0e30
+_NEG = tl.constexpr(-1.0e30)
 _LOG2E = 1.4426950408889634
 
 
@@ -51,13 +51,13 @@ def _store_kv_kernel(k, v, k_cache, v_cache, pages, rows, stride_kt, stride_kh, 
 
 @triton.jit
 def _decode_split_kernel(q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_lse, stride_qb, stride_qh,
-                         stride_cp, stride_cr, stride_ch, stride_pb, scale_log2, window,
+                         stride_cp, stride_cr, stride_ch, stride_pb, scale_log2, window, num_splits,
                          GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_len = tl.load(kv_lens + b).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, kv_len)
     if window > 0:  # the one query sits at kv_len - 1 and sees keys > kv_len - 1 - window
@@ -89,21 +89,21 @@ def _decode_split_kernel(q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_ls
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), _NEG)  # log2 units
-    base = (b * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split  # mid_o: [B, Hq, NUM_SPLITS, D]
+    base = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split  # mid_o: [B, Hq, num_splits, D]
     tl.store(mid_o + base[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
     tl.store(mid_lse + base, lse, mask=g < GROUP)
 
 
 @triton.jit
-def _decode_merge_kernel(mid_o, mid_lse, o, stride_ob, stride_oh, NUM_SPLITS: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _decode_merge_kernel(mid_o, mid_lse, o, stride_ob, stride_oh, num_splits, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
     b, head = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
-    base = (b * tl.num_programs(1) + head) * NUM_SPLITS
-    m = _NEG
+    base = (b * tl.num_programs(1) + head) * num_splits
+    m = -1.0e30
     total = 0.0
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for split in range(NUM_SPLITS):
+    for split in range(num_splits):
         lse = tl.load(mid_lse + base + split)
         part = tl.load(mid_o + (base + split) * HEAD_DIM + d, mask=d < HEAD_DIM, other=0.0)
         m_new = tl.maximum(m, lse)
@@ -209,13 +209,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_lse, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), scale * _LOG2E,
-        window or 0, GROUP=group, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        window or 0, num_splits, GROUP=group, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=32 if block_d > 128 else 64,
         PRECISION=_precision(k_cache.dtype), num_warps=4, num_stages=2)
     out = torch.empty_like(q)
     _decode_merge_kernel[(batch, num_heads)](
-        mid_o, mid_lse, out, out.stride(0), out.stride(1), NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
-        BLOCK_D=block_d)
+        mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d)
     return out
 
 

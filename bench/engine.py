@@ -1,0 +1,148 @@
+"""Engine speed on one device against its own roofline, measured in the same run.
+
+    python bench/engine.py --model DIR [--batches 1,8,32,64,128] [--contexts 1024,8192]
+        [--prefill 1024,8192,32768] [--attention-backend auto] [--disable-cuda-graph]
+
+Decode: ``batch`` sequences whose ``context_tokens`` are already in the KV pool (pages allocated,
+contents left as they are: the cost of a step does not depend on them) run ``--steps`` plain greedy
+decode steps through ``ModelRunner.decode`` (forward, sampling, the host sync). The roofline is the
+bytes a step must read (weights, without the embedding table, plus the context's K/V) over the
+HBM bandwidth of a large device-to-device copy (bytes read + written per second). Prefill: one
+prompt through ``ModelRunner.prefill``; TFLOP/s (2 x weights x tokens + causal attention) against
+a large bf16 matmul. One JSON line per configuration; combinations whose KV does not fit are
+skipped with a line saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import emit, git_hash, hardware  # noqa: E402
+
+
+def ceilings(device) -> tuple[float, float]:
+    """(HBM GB/s from a 4 GiB copy, bf16 matmul TFLOP/s at 8192^3)."""
+    import torch
+
+    src = torch.empty(4 << 30, dtype=torch.uint8, device=device)
+    dst, a = torch.empty_like(src), torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    copy_ms = timed(lambda: dst.copy_(src), 10)
+    matmul_ms = timed(lambda: a @ a, 20)
+    del src, dst
+    return 2 * (4 << 30) / copy_ms / 1e6, 2 * 8192**3 / matmul_ms / 1e9
+
+
+def timed(fn, iters: int) -> float:
+    """Mean ms per call after one warm-up, by CUDA events."""
+    import torch
+
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def sequences(runner, batch: int, context: int, new_tokens: int):
+    from common.engine.sequence import Sequence
+    from common.model.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    seqs = [Sequence(f"b{i}", [(7 * i + j) % 500 + 5 for j in range(context)], params) for i in range(batch)]
+    for s in seqs:
+        runner.admit(s)
+    return seqs
+
+
+def decode_case(runner, a, batch: int, context: int, weight_bytes: int, kv_token_bytes: int, bw: float) -> dict:
+    seqs = sequences(runner, batch, context, a.steps + 8)
+    for s in seqs:
+        s.num_cached, s.output_ids = context, [11]
+    runner.decode(seqs)  # warm-up
+    started = time.perf_counter()
+    for _ in range(a.steps):
+        runner.decode(seqs)  # each step ends in a host sync (the sampled tokens)
+    step_ms = (time.perf_counter() - started) * 1e3 / a.steps
+    for s in seqs:
+        runner.release(s)
+    roofline_ms = (weight_bytes + batch * (context + a.steps) * kv_token_bytes) / bw / 1e6
+    return {"mode": "decode", "batch": batch, "context_tokens": context, "step_ms": round(step_ms, 3),
+            "roofline_ms": round(roofline_ms, 3), "ratio_vs_roofline": round(step_ms / roofline_ms, 3),
+            "tokens_per_s": round(batch * 1e3 / step_ms, 1)}
+
+
+def prefill_case(runner, tokens: int, num_params: int, cfg, peak: float) -> dict:
+    import torch
+
+    times = []
+    for _ in range(3):  # the first is the warm-up
+        seq = sequences(runner, 1, tokens, 1)[0]
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        runner.prefill([seq])  # ends with a device sync
+        times.append(time.perf_counter() - started)
+        runner.release(seq)
+    seconds = min(times[1:])
+    flops = 2 * num_params * tokens + 2 * cfg.num_hidden_layers * tokens**2 * cfg.num_attention_heads * cfg.head_dim
+    tflops = flops / seconds / 1e12
+    return {"mode": "prefill", "batch": 1, "context_tokens": tokens, "step_ms": round(seconds * 1e3, 2),
+            "tflops": round(tflops, 1), "ratio_vs_matmul_peak": round(tflops / peak, 3),
+            "tokens_per_s": round(tokens / seconds, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batches", default="1,8,32,64,128")
+    ap.add_argument("--contexts", default="1024,8192")
+    ap.add_argument("--prefill", default="1024,8192,32768")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--kv-budget-gib", type=float, default=80.0, help="KV pool size")
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--disable-cuda-graph", action="store_true")
+    a = ap.parse_args()
+    import torch
+
+    from common.engine.factory import build_runner
+    from common.model.config import ModelConfig
+
+    torch.manual_seed(0)
+    bw, peak = ceilings(a.device)
+    cfg = ModelConfig.from_dir(a.model)
+    elem_bytes = torch.empty(0, dtype=getattr(torch, a.dtype)).element_size()
+    kv_token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem_bytes
+    max_tokens = int(a.kv_budget_gib * 2**30 // kv_token_bytes)
+    started = time.perf_counter()
+    runner = build_runner(a.model, device=a.device, dtype=a.dtype, max_total_tokens=max_tokens,
+                          attention_backend=a.attention_backend, disable_cuda_graph=a.disable_cuda_graph)
+    model = runner.target.model
+    base = {"bench": "engine", "device": a.device, "dtype": a.dtype, "attention_backend": model.attn.name,
+            "cuda_graph": runner.target.graphs is not None, "startup_s": round(time.perf_counter() - started, 1),
+            "hbm_gb_s": round(bw, 1), "matmul_tflops": round(peak, 1), "model": Path(a.model).name,
+            "hw": hardware([a.device]), "git": git_hash()}
+    weights = [p for name, p in model.named_parameters() if name != "embed" or model.config.has_tied_embeddings]
+    weight_bytes = sum(p.numel() * p.element_size() for p in weights)
+    num_params = sum(p.numel() for p in weights)
+    for context in map(int, a.contexts.split(",")):
+        for batch in map(int, a.batches.split(",")):
+            if batch * (context + a.steps + 24) > max_tokens:
+                emit({**base, "mode": "decode", "batch": batch, "context_tokens": context,
+                      "skipped": f"needs {batch * context} KV tokens, the pool holds {max_tokens}"})
+                continue
+            emit({**base, **decode_case(runner, a, batch, context, weight_bytes, kv_token_bytes, bw)})
+    for tokens in (map(int, a.prefill.split(",")) if a.prefill else []):
+        emit({**base, **prefill_case(runner, tokens, num_params, model.config, peak)})
+
+
+if __name__ == "__main__":
+    main()
