@@ -4,6 +4,7 @@ engine, and a cluster of real daemon processes on loopback."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -38,7 +39,8 @@ class Cluster:
     def __init__(self, log_dir: Path, target: str, draft: str):
         self.log_dir, self.target, self.draft = log_dir, target, draft
         self.procs: list[Proc] = []
-        self.env = {"OMP_NUM_THREADS": "1", "KVFERRY_HEARTBEAT_INTERVAL_S": "0.5"}
+        # DEBUG: the prefill logs which path each room took (room_event reads those lines).
+        self.env = {"OMP_NUM_THREADS": "1", "KVFERRY_HEARTBEAT_INTERVAL_S": "0.5", "KVFERRY_LOG_LEVEL": "debug"}
 
     def prefill(self, *, draft: bool = False, extra: list[str] | None = None, port: int | None = None,
                 bootstrap_port: int | None = None, start: bool = True, env: dict | None = None) -> Proc:
@@ -130,12 +132,70 @@ def colocated(tiny_models):
     return get
 
 
+# What the prefill logs (at DEBUG) about one room, by event; ``room_event`` waits for them.
+ROOM_EVENTS = {
+    # the decode's transfer request came first and waits for its room
+    "held": r"room={room}: transfer request from decode_id=\S+ came before the room; held",
+    # the prefill leg opened the room, and found the transfer request already there / not yet there
+    "opened_with_transfer": r"room={room} request_id=\S+ opened: its transfer request was already here",
+    "opened_waiting": r"room={room} request_id=\S+ opened: no transfer request yet",
+    # the room's forward is done; it waits for its transfer request (or has it)
+    "prefilled_waiting": r"room={room} request_id=\S+ prefilled: waiting for the transfer request",
+    "prefilled_with_transfer": r"room={room} request_id=\S+ prefilled: transfer request here",
+}
+# Which event each leg order must produce at the prefill, and the one that lets the second leg go.
+ORDER_EVENTS = {"prefill_first": ("opened_waiting", "opened_waiting"),
+                "decode_first": ("held", "opened_with_transfer")}
+
+
+class LogWatch:
+    """What a process logs from now on (its log file, read as it grows)."""
+
+    def __init__(self, proc: Proc):
+        self.proc, self.text = proc, ""
+        self.offset = proc.log_path.stat().st_size if proc.log_path.exists() else 0
+
+    def has(self, pattern: str) -> bool:
+        try:
+            with open(self.proc.log_path, "rb") as log:
+                log.seek(self.offset)
+                chunk = log.read()
+        except OSError:
+            chunk = b""
+        self.offset += len(chunk)
+        self.text += chunk.decode(errors="replace")
+        return re.search(pattern, self.text) is not None
+
+    def wait(self, pattern: str, what: str, *, timeout_s: float = 60.0, unless=None) -> None:
+        """Until a line matches ``pattern``. Fails when ``timeout_s`` passes, or at once when the
+        ``unless`` thread (what should cause the line) ended without it."""
+        deadline = time.monotonic() + timeout_s
+        while not self.has(pattern):
+            if unless is not None and not unless.is_alive():
+                assert self.has(pattern), f"{what}: the leg ended first; log:\n{self.text[-3000:]}"
+                return
+            assert time.monotonic() < deadline, f"{what}: not logged within {timeout_s}s"
+            time.sleep(0.01)
+
+
+def room_event(watch: LogWatch, room: int, event: str, *, timeout_s: float = 60.0, unless=None) -> None:
+    """Wait until the prefill behind ``watch`` logged ``event`` (a ROOM_EVENTS key) for ``room``."""
+    watch.wait(ROOM_EVENTS[event].format(room=room), f"prefill event {event} for room {room}",
+               timeout_s=timeout_s, unless=unless)
+
+
+def took_path(watch: LogWatch, room: int, event: str) -> bool:
+    return watch.has(ROOM_EVENTS[event].format(room=room))
+
+
 def send_pair(prefill: Proc, decode: Proc, body: dict, *, order: str = "concurrent", room: int | None = None,
-              path: str = "/generate", gap_s: float = 0.2, timeout_s: float = 120.0):
+              path: str = "/generate", timeout_s: float = 120.0):
     """Send one request to both legs the way a router does; returns (prefill answer, decode answer).
 
-    ``order``: "concurrent" (both at once, as sglang-router), "prefill_first" or "decode_first"
-    (the other leg follows after ``gap_s``).
+    ``order``: "concurrent" (both at once, as sglang-router), "prefill_first" (the decode leg is
+    sent once the prefill has opened the room, which then waits for its transfer request) or
+    "decode_first" (the prefill leg is sent once the decode's transfer request is held at the
+    prefill, and the room must find it there when it opens).
     """
     import random
     import threading
@@ -149,16 +209,17 @@ def send_pair(prefill: Proc, decode: Proc, body: dict, *, order: str = "concurre
 
     first, second = (("prefill", prefill), ("decode", decode)) if order != "decode_first" else \
         (("decode", decode), ("prefill", prefill))
+    watch = LogWatch(prefill)
     t1 = threading.Thread(target=leg, args=first)
     t1.start()
     if order != "concurrent":
-        import time
-
-        time.sleep(gap_s)
+        room_event(watch, room, ORDER_EVENTS[order][0], timeout_s=timeout_s, unless=t1)
     t2 = threading.Thread(target=leg, args=second)
     t2.start()
     t1.join(timeout_s + 5)
     t2.join(timeout_s + 5)
+    if order != "concurrent":
+        assert took_path(watch, room, ORDER_EVENTS[order][1]), f"room {room} ({order}) did not take that path"
     return results["prefill"], results["decode"]
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from common.procs import Proc, http_json
-from tests.cluster import Cluster, free_pages
+from tests.cluster import ORDER_EVENTS, Cluster, LogWatch, free_pages, room_event, took_path
 
 KV_WAIT_S = 3.0        # decode: --kv-wait-timeout-s
 # prefill: --transfer-wait-timeout-s. Longer than the decode's wait, so a decode that gives up is
@@ -47,6 +47,7 @@ DECODE_FLAGS = COMMON_FLAGS + ["--kv-wait-timeout-s", str(KV_WAIT_S)]
 
 FAILURE_COUNTERS = ("kvferry_failed_transfers_total", "kvferry_timeouts_total", "kvferry_aborts_total",
                     "kvferry_stale_notifications_total", "kvferry_heartbeat_misses_total")
+COUNTED = FAILURE_COUNTERS + ("kvferry_protocol_errors_total",)  # what failure_deltas compares
 
 
 def prompt(num_tokens: int, seed: int = 0) -> list[int]:
@@ -159,6 +160,10 @@ class Pending:
             enter_netns(self._netns)
         self._leg = post(*args)
 
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
     def result(self, timeout_s: float = 90.0) -> Leg:
         self._thread.join(timeout_s)
         assert self._leg is not None, f"leg did not end within {timeout_s}s"
@@ -196,7 +201,21 @@ class Pair:
         prefill = cluster.prefill(extra=PREFILL_FLAGS + (prefill_extra or []), start=False)
         decode = cluster.decode(extra=DECODE_FLAGS + (decode_extra or []), start=False)
         cls.start(prefill, decode)
-        return cls(cluster, prefill, decode)
+        pair = cls(cluster, prefill, decode)
+        pair.warm_up()
+        return pair
+
+    def warm_up(self, timeout_s: float = 60.0) -> None:
+        """One request through the pair, retried until it succeeds. A prefill's first registration
+        waits for its NIXL probe process to import NIXL, which can outlast ``REGISTER_S`` on a busy
+        machine; the cases start from a pair that has registered once."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            p, d = self.send(prompt(8, seed=1), max_new_tokens=1, timeout_s=30)
+            if p.is_ok and d.is_ok:
+                break
+            assert time.monotonic() < deadline, f"the new pair did not serve within {timeout_s}s: {p} {d}"
+        self.wait_pages()
 
     @staticmethod
     def start(*procs: Proc) -> None:
@@ -238,9 +257,10 @@ class Pair:
 
     # -- requests -------------------------------------------------------------------------------
     def send(self, ids: list[int], *, max_new_tokens: int = 4, room: int | None = None,
-             order: str = "concurrent", gap_s: float = 0.1, bootstrap_port: int | None = None,
+             order: str = "concurrent", bootstrap_port: int | None = None,
              timeout_s: float = 60.0) -> tuple[Leg, Leg]:
-        """Both legs the way a router sends them; returns (prefill leg, decode leg)."""
+        """Both legs the way a router sends them; returns (prefill leg, decode leg). ``order`` as in
+        ``tests.cluster.send_pair``: the second leg goes once the prefill logged the first's effect."""
         room = new_room() if room is None else room
         port = bootstrap_port or self.prefill.bootstrap_port
         payload = {**body(ids, max_new_tokens), **boot(port, room, self.bootstrap_host)}
@@ -252,11 +272,14 @@ class Pair:
             proc = procs[name]
             return Pending(name, proc.url + "/generate", payload, timeout_s, getattr(proc, "netns", None))
 
+        watch = LogWatch(self.prefill)
         a = leg(first)
         if order != "concurrent":
-            time.sleep(gap_s)
+            room_event(watch, room, ORDER_EVENTS[order][0], timeout_s=timeout_s, unless=a.thread)
         b = leg(second)
         got = {first: a.result(timeout_s + 30), second: b.result(timeout_s + 30)}
+        if order != "concurrent":
+            assert took_path(watch, room, ORDER_EVENTS[order][1]), f"room {room} ({order}) did not take that path"
         return got["prefill"], got["decode"]
 
     def reference(self, ids: list[int], max_new_tokens: int = 4, bootstrap_port: int | None = None) -> list[int]:
@@ -345,6 +368,28 @@ def metrics(proc: Proc) -> dict[str, float]:
         m = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?)\s+(\S+)$", line)
         if m:
             out[m.group(1)] = float(m.group(2))
+    return out
+
+
+@dataclass(frozen=True)
+class AtLeast:
+    """An expected counter move that depends on timing beyond a floor (pings missed while a
+    fault lasts): equal to any amount >= ``amount``."""
+
+    amount: float
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, (int, float)) and other >= self.amount
+
+
+def failure_deltas(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, float]:
+    """``side:series`` → how much each failure counter (``COUNTED``, every label set) moved
+    between two snapshots ``{"prefill": metrics(...), "decode": metrics(...)}``; unmoved ones left out."""
+    out = {}
+    for side in after:
+        for key, value in after[side].items():
+            if key.partition("{")[0] in COUNTED and value != before[side].get(key, 0.0):
+                out[f"{side}:{key}"] = value - before[side].get(key, 0.0)
     return out
 
 
