@@ -53,11 +53,11 @@ def test_freeze_prefill(healthy):
     # notification came late. Its own stall is not the decode's silence: it read the queued
     # pings instead of dropping the decode (no heartbeat miss on the prefill).
     assert failure_deltas(before, after) == {
-        'decode:kvferry_failed_transfers_total{reason="PeerUnavailableError"}': 1,
+        'decode:kvferry_failed_transfers_total{reason="peer_lost"}': 1,
         'decode:kvferry_aborts_total{side="decode"}': 1,
         "decode:kvferry_heartbeat_misses_total": AtLeast(HEARTBEAT_MISSES),
         'prefill:kvferry_aborts_total{side="decode"}': 1,
-        'prefill:kvferry_failed_transfers_total{reason="abort"}': 1}
+        'prefill:kvferry_failed_transfers_total{reason="aborted"}': 1}
 
 
 def test_freeze_decode(healthy):
@@ -74,7 +74,7 @@ def test_freeze_decode(healthy):
     pair.freeze(pair.decode)
     p = _leg("prefill", pair.prefill, ids, room, pair.prefill.bootstrap_port).result()
     assert_within(p, PREFILL_DEADLINE_S)
-    assert_clear_error(p, "room", "timed out", "decode frozen")
+    assert_clear_error(p, "room", "timed out", "frozen")
     wait_pages(pair.prefill, pair.baseline["prefill"], 10, "prefill")
     time.sleep(max(0.0, FREEZE_S - p.elapsed_s))
     pair.thaw(pair.decode)
