@@ -21,6 +21,8 @@ class PrefillConfig(CommonConfig):
     max_prefill_tokens: int = flag(8192, help="prompt tokens per prefill batch")
     xfer_threads: int | None = flag(None, help="rooms whose NIXL WRITE is in flight at once (threads); default 8 "
                                                "on a GPU (a thread mostly waits), 2 on CPU (a thread copies)")
+    max_prompt_logprob_tokens: int = flag(8192, help="prompt tokens whose logprobs one request may ask for "
+                                                     "(return_logprob with logprob_start_len); more get HTTP 400")
     curve_secret_key: str | None = flag(None, help="CURVE secret key file (kvferry keygen) to authenticate the bootstrap socket")
     curve_authorized_keys: str | None = flag(None, help="folder of decode public keys allowed to connect (with --curve-secret-key)")
 
@@ -31,6 +33,7 @@ class PrefillConfig(CommonConfig):
                 f"--bootstrap-port {self.bootstrap_port} equals --port; pick two ports")
         require(self.transfer_wait_timeout_s > 0, "--transfer-wait-timeout-s must be positive")
         require(self.max_prefill_tokens > 0, "--max-prefill-tokens must be positive")
+        require(self.max_prompt_logprob_tokens >= 0, "--max-prompt-logprob-tokens must be >= 0")
         require(self.xfer_threads is None or 1 <= self.xfer_threads <= 64,
                 f"--xfer-threads must be in 1..64, got {self.xfer_threads}")
         require((self.curve_secret_key is None) == (self.curve_authorized_keys is None),

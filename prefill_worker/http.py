@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from common.api.backend import DaemonBackend, GenerateEvent, GenerateInput
+from common.api.schema import FieldError
 from common.engine.sequence import Sequence
 from common.errors import DisaggError, FailCode, RequestError, TransferError
 from common.model.sampling import make_generator
@@ -45,8 +46,13 @@ class PrefillBackend(DaemonBackend):
         room_id = inp.bootstrap.room if inp.bootstrap is not None else secrets.randbits(63)
         seq = Sequence(inp.request_id, list(inp.prompt_ids), inp.params,
                        generator=make_generator(inp.params.seed, d.device))
-        if inp.return_logprob:
-            seq.input_logprobs = []
+        num_wanted = seq.num_prompt_tokens - inp.logprob_start_len
+        if inp.return_logprob and num_wanted > 0:  # the OpenAI routes ask for none (no echo)
+            if num_wanted > d.config.max_prompt_logprob_tokens:
+                raise FieldError("logprob_start_len", f"logprob_start_len {inp.logprob_start_len} asks for the logprobs of {num_wanted} "
+                                   f"prompt tokens; this prefill returns at most "
+                                   f"{d.config.max_prompt_logprob_tokens} (--max-prompt-logprob-tokens)")
+            seq.input_logprobs, seq.logprob_start_len = [], inp.logprob_start_len
         started = time.monotonic()
         d.runner.admit(seq, prompt_only=True)
         room = Room(room=room_id, request_id=inp.request_id, num_prompt_tokens=seq.num_prompt_tokens,
@@ -117,8 +123,8 @@ class PrefillBackend(DaemonBackend):
     def _event(self, seq: Sequence, inp: GenerateInput, started: float, **extra) -> GenerateEvent:
         meta = {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": 1,
                 "e2e_latency": time.monotonic() - started, **extra}
-        if seq.input_logprobs is not None:
-            meta["input_token_logprobs"] = seq.input_logprobs[inp.logprob_start_len:]
+        if inp.return_logprob:
+            meta["input_token_logprobs"] = (seq.input_logprobs or [])[inp.logprob_start_len:]
         text = self.tokenizer.decode(seq.output_ids[:1], skip_special_tokens=True)
         return GenerateEvent(token_ids=seq.output_ids[:1], logprobs=seq.output_logprobs[:1], text=text,
                              finished=True, finish_reason={"type": "length", "length": 1}, meta=meta)

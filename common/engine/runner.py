@@ -82,6 +82,13 @@ class ModelRunner:
         seq.pages = self.target.allocator.allocate(n)
         if self.draft is not None:
             seq.draft_pages = self.draft.allocator.allocate(n)
+            if seq.draft_pages != seq.pages:
+                # The decode registers one page list per room for both models, so both pools must
+                # hand out the same ids; they move in lockstep, and this says so if they ever drift.
+                pages, draft_pages = seq.pages, seq.draft_pages
+                self.release(seq)
+                raise RuntimeError(f"request_id={seq.request_id}: target and draft KV allocators drifted apart "
+                                   f"(target pages {pages[:4]}..., draft pages {draft_pages[:4]}...)")
 
     def release(self, seq: Sequence) -> None:
         if seq.pages:

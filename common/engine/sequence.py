@@ -50,6 +50,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
+    logprob_start_len: int = 0  # with input_logprobs: the first prompt token whose logprob is wanted
     num_cached: int = 0
     draft_num_cached: int = 0
     num_proposed: int = 0
