@@ -33,7 +33,7 @@ import pytest
 
 from common.model.sampling import SamplingParams
 from common.procs import Proc, free_port, http_json
-from tests.cluster import free_pages, post
+from tests.cluster import ROOM_EVENTS, LogWatch, free_pages, post
 
 SLACK_S = 5.0
 
@@ -81,10 +81,21 @@ def notify():
         s.close()
 
 
-def start_ready(proc: Proc, listener: NotifySocket) -> None:
-    """Start ``proc`` and check /health the moment READY=1 arrives."""
+def start_ready(proc: Proc, listener: NotifySocket, timeout_s: float = 180.0) -> None:
+    """Start ``proc`` and check /health the moment READY=1 arrives. A start that lost a port
+    ``free_port`` picked to another process is retried on new ports (as ``Proc.wait_ready`` does)."""
     proc.start()
-    listener.wait_for("READY=1", timeout_s=180)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            listener.wait_for("READY=1", timeout_s=1.0)
+            break
+        except AssertionError:
+            if not proc.is_alive() and proc.lost_port_race():
+                proc.repick_ports()
+                proc.start()
+            assert proc.is_alive(), f"{proc.name} exited before READY=1:\n{proc.tail()}"
+            assert time.monotonic() < deadline, f"{proc.name}: no READY=1 within {timeout_s}s"
     status, body = http_json(proc.url + "/health", timeout_s=5)
     assert status == 200, f"{proc.name} sent READY=1 while /health answered {status} {body}"
 
@@ -142,42 +153,47 @@ def test_ready_stopping_and_second_sigterm(cluster, notify, role):
         # A prefill leg whose decode never asks: its room waits up to the transfer wait.
         proc = cluster.prefill(extra=["--transfer-wait-timeout-s", "60", "--drain-timeout-s", "60"],
                                env=env, start=False)
-        url, port = proc.url, proc.bootstrap_port
     else:
         # A decode leg naming a bootstrap port where nobody answers: it waits to register.
         proc = cluster.decode(extra=["--register-timeout-s", "60", "--kv-wait-timeout-s", "60",
                                      "--drain-timeout-s", "60"], env=env, start=False)
-        url, port = proc.url, free_port()
     start_ready(proc, listener)
+    port = proc.bootstrap_port if role == "prefill" else free_port()
+    watch = LogWatch(proc)
     leg = Leg()
     body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 2}, **boot(port)}
-    thread = threading.Thread(target=send_leg, args=(url + "/generate", body, 120.0, leg))
+    thread = threading.Thread(target=send_leg, args=(proc.url + "/generate", body, 120.0, leg))
     thread.start()
-    time.sleep(1.0)  # the request is in flight
-    assert leg.ended_at == 0.0, leg
+    # The request is in flight: the prefill's room waits for its transfer request; the decode
+    # tries to reach the bootstrap port it was given.
+    in_flight = ROOM_EVENTS["prefilled_waiting"].format(room=body["bootstrap_room"]) if role == "prefill" \
+        else rf"bootstrap DEALER connecting peer=127\.0\.0\.1:{port}\b"
+    watch.wait(in_flight, f"{role} request in flight", unless=thread)
 
     proc.signal(signal.SIGTERM)
     listener.wait_for("STOPPING=1", timeout_s=10)
-    time.sleep(1.0)
-    assert proc.is_alive(), "the first SIGTERM must drain, not exit, while a request is in flight"
-    forced_at = time.monotonic()
+    # Draining, not gone: it still answers, /health says it no longer admits.
+    status, answer = http_json(proc.url + "/health", timeout_s=5)
+    assert status == 503 and proc.is_alive(), (status, answer)
+    assert leg.ended_at == 0.0, leg
     proc.signal(signal.SIGTERM)
-    assert wait_exit(proc, timeout_s=10) == 1
-    assert time.monotonic() - forced_at < 5.0
+    # Status 1 is the forced exit (a drain ends with 0, after up to --drain-timeout-s 60): at once.
+    assert wait_exit(proc, timeout_s=SLACK_S) == 1
     thread.join(30)
     assert not thread.is_alive() and leg.status != 200, leg  # the client is not left hanging
 
 
 # -- SIGTERM mid-load ----------------------------------------------------------------------------
 
-def run_pair(prefill: Proc, decode: Proc, body: dict, gap_s: float) -> tuple[Leg, Leg]:
-    """Both legs with one room; the decode leg follows the prefill leg after ``gap_s``."""
-    full = {**body, **boot(prefill.bootstrap_port)}
+def run_pair(prefill: Proc, decode: Proc, body: dict, go: threading.Event | None = None) -> tuple[Leg, Leg]:
+    """Both legs of one request (``body`` names its room); the decode leg is sent once ``go`` is
+    set (at once without it)."""
     legs = Leg(), Leg()
-    threads = [threading.Thread(target=send_leg, args=(p.url + "/generate", full, 90.0, leg))
+    threads = [threading.Thread(target=send_leg, args=(p.url + "/generate", body, 90.0, leg))
                for p, leg in zip((prefill, decode), legs)]
     threads[0].start()
-    time.sleep(gap_s)
+    if go is not None:
+        assert go.wait(120), "the decode legs were never released"
     threads[1].start()
     for t in threads:
         t.join(120)
@@ -212,26 +228,31 @@ def test_sigterm_mid_load_drains(cluster, notify, colocated, victim):
 
     rng = random.Random(11)
     prompts = [[rng.randrange(5, 512) for _ in range(rng.randrange(20, 120))] for _ in range(8)]
-    # Decode: long generations keep it busy at the signal. Prefill: the decode legs follow 1.5 s
-    # later, so every room is still waiting for its transfer when the prefill gets the signal.
-    max_new, gap_s = (160, 0.0) if victim == "decode" else (8, 1.5)
+    # Decode: long generations keep it busy at the signal. Prefill: the decode legs are sent only
+    # after the signal, so every room is prefilled and waiting for its transfer when it arrives.
+    max_new = 160 if victim == "decode" else 8
     sampling = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
     refs = colocated(False).generate(prompts, SamplingParams.from_sglang(sampling))
+    bodies = [{"input_ids": p, "sampling_params": sampling, **boot(prefill.bootstrap_port)} for p in prompts]
+    go = threading.Event() if victim == "prefill" else None
+    watch = LogWatch(prefill)
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         started = time.monotonic()
-        futures = [pool.submit(run_pair, prefill, decode, {"input_ids": p, "sampling_params": sampling}, gap_s)
-                   for p in prompts]
+        futures = [pool.submit(run_pair, prefill, decode, b, go) for b in bodies]
         if victim == "decode":
             deadline = time.monotonic() + 60
             while metric(decode, "kvferry_generated_tokens_total") == 0 and time.monotonic() < deadline:
                 time.sleep(0.05)
         else:
-            time.sleep(0.7)
+            for b in bodies:
+                watch.wait(ROOM_EVENTS["prefilled_waiting"].format(room=b["bootstrap_room"]), "room waiting")
         assert not any(f.done() for f in futures), "the load ended before the signal"
         signaled_at = time.monotonic()
         target.signal(signal.SIGTERM)
         listener.wait_for("STOPPING=1", timeout_s=10)
+        if go is not None:
+            go.set()
         results = [f.result(timeout=150) for f in futures]
 
     finished_after_signal = 0
