@@ -33,13 +33,14 @@ NUM_LAYERS, ITEM_BYTES, NUM_PAGES, PAGE_SIZE = 2, 256, 32, 16
 MODEL = "fingerprint-0"
 
 
-def pool_layout(pool: torch.Tensor, aux: AuxSlots) -> KvLayout:
-    """A page-major region table over ``pool``: [page, layer, k|v, ITEM_BYTES] bytes."""
+def pool_layout(pool: torch.Tensor, aux: AuxSlots, draft_pool: torch.Tensor | None = None) -> KvLayout:
+    """A page-major region table over ``pool`` (and ``draft_pool``): [page, layer, k|v, ITEM_BYTES] bytes."""
     stride = NUM_LAYERS * 2 * ITEM_BYTES
-    regions = tuple(wire.Region(model="target", layer=layer, kind=kind, mem="DRAM", device=0,
-                                addr=pool[0, layer, i].data_ptr(), item_len=ITEM_BYTES, num_pages=pool.shape[0],
+    pools = (("target", pool),) + ((("draft", draft_pool),) if draft_pool is not None else ())
+    regions = tuple(wire.Region(model=model, layer=layer, kind=kind, mem="DRAM", device=0,
+                                addr=p[0, layer, i].data_ptr(), item_len=ITEM_BYTES, num_pages=p.shape[0],
                                 head_start=0, num_heads=1, stride=stride)
-                    for layer in range(NUM_LAYERS) for i, kind in enumerate(("k", "v")))
+                    for model, p in pools for layer in range(NUM_LAYERS) for i, kind in enumerate(("k", "v")))
     return KvLayout(model=MODEL, page_size=PAGE_SIZE, kv_dtype="uint8", tp_size=1, tp_rank=0, regions=regions,
                     aux=aux.info())
 
@@ -49,12 +50,15 @@ def new_pool(fill: int) -> torch.Tensor:
 
 
 class Decode:
-    def __init__(self, port: int, name: str = "decode"):
+    def __init__(self, port: int, name: str = "decode", *, draft: bool = False):
         self.decode_id = f"{name}-{uuid.uuid4().hex[:8]}"
         self.engine = NixlEngine(name)
         self.pool = new_pool(0)
+        self.draft_pool = new_pool(0) if draft else None
         self.aux = AuxSlots(8)
         self.engine.register_tensor(self.pool)
+        if draft:
+            self.engine.register_tensor(self.draft_pool)
         self.engine.register_tensor(self.aux.buffer)
         self.client = BootstrapClient("127.0.0.1", port)
         self.notifs: list[wire.Message] = []
@@ -73,7 +77,7 @@ class Decode:
             time.sleep(0.0005)
 
     def register_msg(self, **changes) -> wire.Register:
-        layout = pool_layout(self.pool, self.aux)
+        layout = pool_layout(self.pool, self.aux, self.draft_pool)
         fields = dict(decode_id=self.decode_id, agent_name=self.engine.name, agent_metadata=self.engine.metadata(),
                       model=MODEL, page_size=PAGE_SIZE, kv_dtype="uint8", tp_size=1, tp_rank=0,
                       regions=list(layout.regions), aux=layout.aux)
@@ -110,13 +114,17 @@ class Decode:
 class Prefill:
     def __init__(self, engine: NixlEngine | None = None, *, register_timeout_s: float = 5.0,
                  transfer_wait_timeout_s: float = 5.0, xfer_timeout_s: float = 5.0, peer_timeout_s: float = 30.0,
-                 limits: RoomLimits | None = None, max_peers: int = 16):
+                 limits: RoomLimits | None = None, max_peers: int = 16, draft_model: str = ""):
         self.engine = engine or NixlEngine("prefill")
+        self.draft_model = draft_model
+        self.draft_pool = new_pool(3) if draft_model else None
         self.pool = torch.arange(NUM_PAGES * NUM_LAYERS * 2 * ITEM_BYTES, dtype=torch.int64).remainder(251) \
             .to(torch.uint8).view(NUM_PAGES, NUM_LAYERS, 2, ITEM_BYTES)
         self.aux = AuxSlots(8)
         self.engine.register_tensor(self.pool)
         self.engine.register_tensor(self.aux.buffer)
+        if self.draft_pool is not None:
+            self.engine.register_tensor(self.draft_pool)
         self.metrics = Metrics("prefill")
         self.server = BootstrapServer("127.0.0.1", 0)
         self.rooms = RoomTable(limits or RoomLimits(max_rooms=64, ended_s=transfer_wait_timeout_s))
@@ -129,7 +137,8 @@ class Prefill:
 
     async def start(self) -> "Prefill":
         self.server.start()
-        self.bootstrap = Bootstrap(server=self.server, engine=self.engine, layout=pool_layout(self.pool, self.aux),
+        self.bootstrap = Bootstrap(server=self.server, engine=self.engine,
+                                   layout=pool_layout(self.pool, self.aux, self.draft_pool), draft_model=self.draft_model,
                                    peers=self.peers, rooms=self.rooms, metrics=self.metrics, prefill_id="prefill-t",
                                    register_timeout_s=self.register_timeout_s,
                                    transfer_wait_timeout_s=self.transfer_wait_timeout_s,

@@ -229,3 +229,23 @@ def test_links_are_bounded_idle_ones_make_room_busy_ones_do_not():
         finally:
             await second.close()
     scenario(body, receiver_kwargs={"max_links": 1})
+
+
+def test_unsafe_room_is_held_until_its_write_reports_done():
+    """The prefill could not cancel the room's WRITE: the pages stay out of the pool however long,
+    until the WRITE's own notification says it is over."""
+    async def body(prefill, decode):
+        room = prefill.open_room(81, num_tokens=20)
+        task = asyncio.get_running_loop().create_task(decode.fetch(prefill, 81, 20, [0, 1]))
+        await until(lambda: room.transfer is not None, what="transfer bound")
+        await prefill.bootstrap.fail_room(room, "WRITE could not be cancelled (test)", FailCode.UNSAFE)
+        with pytest.raises(TransferError, match="could not be cancelled") as info:
+            await task
+        assert info.value.code is FailCode.UNSAFE
+        await asyncio.sleep(0.3)  # past the hold time
+        decode.receiver.sweep()
+        assert decode.released == [] and 81 in decode.receiver.quarantined
+        assert decode.counter("kvferry_unsafe_writes_total") == 1 and decode.counter("kvferry_pages_quarantined") == 2
+        decode.receiver.on_notification("prefill", wire.encode(wire.Notification(room=81, decode_id="x", ok=True)))
+        assert decode.released == [81] and decode.counter("kvferry_pages_quarantined") == 0
+    scenario(body, receiver_kwargs={"quarantine_s": 0.2})

@@ -26,11 +26,11 @@ def run(coro):
         return runner.run(coro)
 
 
-def scenario(body, prefill_kwargs=None, engine=None, num_decodes=1):
+def scenario(body, prefill_kwargs=None, engine=None, num_decodes=1, decode_kwargs=None):
     """Run ``body(prefill, *decodes)`` against a started prefill and registered-ready decodes."""
     async def main():
         prefill = await Prefill(engine, **(prefill_kwargs or {})).start()
-        decodes = [Decode(prefill.port, name=f"decode{i}").start() for i in range(num_decodes)]
+        decodes = [Decode(prefill.port, name=f"decode{i}", **(decode_kwargs or {})).start() for i in range(num_decodes)]
         try:
             await body(prefill, *decodes)
         finally:
@@ -358,3 +358,42 @@ def test_every_failure_code_is_the_metric_label_and_reaches_the_decode(code):
         assert result.fail_code is code and result.error == f"failed as {code.value} (test)"
         assert prefill.counter("kvferry_failed_transfers_total", reason=code.value) == 1
     scenario(body)
+
+
+class ErrStateEngine(NixlEngine):
+    """The real engine, whose WRITE reports NIXL's ERR state (a failed backend transfer)."""
+
+    def poll(self, handle):
+        from common.transport.nixl import XferState
+        super().poll(handle)
+        return XferState.ERR
+
+
+def test_write_in_err_state_fails_the_room_and_frees_its_lists_use():
+    async def body(prefill, decode):
+        assert (await decode.register()).accepted
+        room = prefill.open_room(98, num_tokens=20)
+        await decode.send(decode.transfer(98, 20, [0, 1]))
+        with pytest.raises(TransferError, match="state ERR"):
+            await prefill.writer.send_room(room, time.monotonic() + 5)
+        assert not room.is_unsafe and prefill.peers.get(decode.decode_id).num_writes == 0
+    scenario(body, engine=ErrStateEngine("prefill"))
+
+
+def test_registered_decodes_are_bounded():
+    async def body(prefill, first, second):
+        assert (await first.register()).accepted
+        ack = await second.register()
+        assert not ack.accepted and "already serves 1 decodes, its limit" in ack.error
+        assert (await first.register()).accepted  # the registered one may still register again
+    scenario(body, prefill_kwargs={"max_peers": 1}, num_decodes=2)
+
+
+def test_draft_fingerprint_is_compared_when_the_prefill_writes_draft_regions():
+    async def body(prefill, decode):
+        ack = await decode.register(draft_model="draft-fp-other")
+        assert not ack.accepted and "draft model fingerprint mismatch" in ack.error
+        assert "draft-fp-a" in ack.error and "draft-fp-other" in ack.error
+        ack = await decode.register(draft_model="draft-fp-a")
+        assert ack.accepted and any(key[0] == "draft" for key in ack.written)
+    scenario(body, prefill_kwargs={"draft_model": "draft-fp-a"}, decode_kwargs={"draft": True})
