@@ -174,14 +174,16 @@ def boot(port: int, room: int, host: str = "127.0.0.1") -> dict:
     return {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
 
 
-def abandon(url: str, payload: dict, after_s: float) -> None:
-    """Send a POST and close the connection after ``after_s`` without reading the answer (a router
-    that gave up on this leg)."""
+def abandon(url: str, payload: dict, until) -> None:
+    """Send a POST and close the connection, without reading the answer, once ``until()`` returns
+    (it waits for the phase the leg must have reached: a router that gave up on this leg then)."""
     parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=after_s + 10)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
     conn.request("POST", parts.path, json.dumps(payload), {"Content-Type": "application/json"})
-    time.sleep(after_s)
-    conn.close()
+    try:
+        until()
+    finally:
+        conn.close()
 
 
 class Pair:
