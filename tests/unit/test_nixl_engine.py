@@ -182,11 +182,10 @@ def test_dead_peer_raises_transfer_error(target, prefill):
     target.stop()
     assert target.proc.exitcode == 0
 
-    start = time.monotonic()
     with pytest.raises(TransferError, match=peer) as info:
         _write(engine, local, remote, [(1, 1)], b"dead")
     assert type(info.value).__module__ == "common.errors"  # converted, not a raw nixl exception
-    assert time.monotonic() - start < 5.0
+    assert "timed out" not in str(info.value), info.value  # NIXL reported the dead peer; our deadline did not fire
 
 
 def test_frozen_peer_times_out_and_cancels(target, prefill):
@@ -200,7 +199,7 @@ def test_frozen_peer_times_out_and_cancels(target, prefill):
         start = time.monotonic()
         with pytest.raises(TransferError, match="timed out after 0.5 s"):
             engine.wait(handle, deadline_s=0.5)
-        assert 0.5 <= time.monotonic() - start < 3.0
+        assert time.monotonic() - start >= 0.5  # not before its deadline (the message says which one fired)
     finally:
         os.kill(target.proc.pid, signal.SIGCONT)
     # The cancelled handle is gone; the peer, thawed, still takes new WRITEs. (On CMA the cancelled
