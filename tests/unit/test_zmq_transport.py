@@ -97,7 +97,8 @@ def test_timeouts_and_unreachable_peers():
             start = time.monotonic()
             assert await server.recv(timeout_s=0.2) is None
             assert await client.recv(timeout_s=0.2) is None
-            assert time.monotonic() - start >= 0.35  # each recv waited out its own 0.2 s (the loop may wake a little early)
+            # each recv waited out its own 0.2 s (the loop may wake a little early)
+            assert time.monotonic() - start >= 0.35
             with pytest.raises(PeerUnavailableError, match="not connected"):
                 await server.send(b"nobody", Pong(t=0.0))
         finally:
