@@ -202,7 +202,9 @@ def _prometheus_args(extra: list[str]) -> list[str]:
 
 def _picked(port: int | None, extra: list[str]) -> tuple[int, tuple[str, ...]]:
     """The router's port (a ``free_port`` when None) and the port flags chosen here."""
-    picked = (("--port",) if port is None else ()) + (("--prometheus-port",) if "--prometheus-port" not in extra else ())
+    picked = ("--port",) if port is None else ()
+    if "--prometheus-port" not in extra:
+        picked += ("--prometheus-port",)
     return (free_port() if port is None else port), picked
 
 
