@@ -84,7 +84,7 @@ class Proc:
     popen: subprocess.Popen | None = None
     picked: tuple[str, ...] = ()
     bootstrap_port: int | None = None
-    _log_offset: int = 0
+    _log_offset: int = field(default=0, init=False, repr=False)  # where the last start began writing its log
 
     def start(self) -> "Proc":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
