@@ -8,7 +8,6 @@ HTTP; ``stop`` drains and reverses it (DESIGN §8).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -28,7 +27,9 @@ from common.model.tokenizer import Tokenizer
 from common.transport.nixl import NixlEngine
 from common.transport.zmq import load_keys
 from decode_worker.config import DecodeConfig
+from common.api.app import create_app
 from decode_worker.kv_transfer import KvReceiver
+from decode_worker.pipeline import DecodeBackend
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +76,8 @@ class DecodeDaemon:
         self.batcher = DecodeBatcher(self.runner, self.model_executor, max_running=c.max_running_requests,
                                      on_finish=self.runner.release, on_step=self._on_step)
         self.batcher.start()
-        self._tasks = [asyncio.create_task(self._poll_notifications(), name="notif-poller"),
-                       asyncio.create_task(self._sweep(), name="sweep")]
-        from common.api.app import create_app
-        from decode_worker.http import DecodeBackend
-
+        self.receiver.start()
+        self._tasks = [asyncio.create_task(self._sweep(), name="sweep")]
         app = create_app(DecodeBackend(self), api_key=c.api_key, request_timeout_s=c.request_timeout_s,
                          max_request_bytes=c.max_request_bytes)
         self.http = await start_http(app, c.host, c.port)
@@ -123,35 +121,6 @@ class DecodeDaemon:
         public, secret = load_keys(c.curve_secret_key)
         server_public, _ = load_keys(c.curve_server_key)
         return {"curve_public_key": public, "curve_secret_key": secret, "server_public_key": server_public}
-
-    async def _poll_notifications(self) -> None:
-        """Drain NIXL notifications (which also drives this side's UCX progress).
-
-        While rooms wait for KV, poll every 0.1 ms backing off to 1 ms (a fast WRITE is seen at
-        once, a long prefill does not burn a core); otherwise sleep until a room starts waiting,
-        or 50 ms to drain late and stale notifications.
-        """
-        pause_s = 1e-4
-        wake = self.receiver.wake
-        while True:
-            wake.clear()
-            if self.receiver.is_waiting:
-                await asyncio.sleep(pause_s)
-                pause_s = min(pause_s * 1.2, 1e-3)
-            else:
-                pause_s = 1e-4
-                with contextlib.suppress(asyncio.TimeoutError):  # the timeout is the periodic drain
-                    await asyncio.wait_for(wake.wait(), 0.05)
-            try:
-                for agent, payloads in self.engine.get_notifs().items():
-                    pause_s = 1e-4
-                    for payload in payloads:
-                        self.receiver.on_notification(agent, payload)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # task boundary: keep polling
-                logger.exception("notification poll failed")
-                await asyncio.sleep(0.1)
 
     async def _sweep(self) -> None:
         while True:

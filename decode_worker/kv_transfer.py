@@ -16,6 +16,7 @@ instead of waiting for its own deadline with the prompt's pages held.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -81,6 +82,39 @@ class KvReceiver:
         # Set when a room starts waiting: on loopback a WRITE completes only while this side makes
         # UCX progress (get_notifs), so the poller must not sleep through a short prefill.
         self.wake = asyncio.Event()
+        self._poller: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start the notification poller (on the running loop)."""
+        self._poller = asyncio.get_running_loop().create_task(self._poll_notifications(), name="notif-poller")
+
+    async def _poll_notifications(self) -> None:
+        """Drain NIXL notifications (which also drives this side's UCX progress).
+
+        While rooms wait for KV, poll every 0.1 ms backing off to 1 ms (a fast WRITE is seen at
+        once, a long prefill does not burn a core); otherwise sleep until a room starts waiting,
+        or 50 ms to drain late and stale notifications.
+        """
+        pause_s = 1e-4
+        while True:
+            self.wake.clear()
+            if self.is_waiting:
+                await asyncio.sleep(pause_s)
+                pause_s = min(pause_s * 1.2, 1e-3)
+            else:
+                pause_s = 1e-4
+                with contextlib.suppress(asyncio.TimeoutError):  # the timeout is the periodic drain
+                    await asyncio.wait_for(self.wake.wait(), 0.05)
+            try:
+                for agent, payloads in self.engine.get_notifs().items():
+                    pause_s = 1e-4
+                    for payload in payloads:
+                        self.on_notification(agent, payload)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # task boundary: keep polling
+                logger.exception("notification poll failed")
+                await asyncio.sleep(0.1)
 
     @property
     def links(self) -> dict[tuple[str, int], PrefillLink]:
@@ -320,6 +354,9 @@ class KvReceiver:
         self.pool.sweep(self._is_busy)
 
     async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)

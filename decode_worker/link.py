@@ -40,11 +40,20 @@ class LinkOwner(Protocol):
 
 
 class LinkState(enum.Enum):
-    NEW = "new"
-    REGISTERING = "registering"
+    NEW = "new"                  # not registered (yet, or any more: the prefill restarted or forgot us)
+    REGISTERING = "registering"  # a register is out, its ack awaited
     REGISTERED = "registered"
-    REJECTED = "rejected"
-    LOST = "lost"
+    REJECTED = "rejected"        # the prefill refused our layout; answered from memory for REFUSAL_S
+    LOST = "lost"                # no ack, or the prefill went silent
+
+
+_TRANSITIONS: dict[LinkState, frozenset[LinkState]] = {
+    LinkState.NEW: frozenset({LinkState.REGISTERING}),
+    LinkState.REGISTERING: frozenset({LinkState.REGISTERED, LinkState.REJECTED, LinkState.LOST}),
+    LinkState.REGISTERED: frozenset({LinkState.NEW, LinkState.LOST}),
+    LinkState.REJECTED: frozenset({LinkState.REGISTERING, LinkState.NEW}),
+    LinkState.LOST: frozenset({LinkState.REGISTERING, LinkState.NEW}),
+}
 
 
 class PrefillLink:
@@ -86,7 +95,7 @@ class PrefillLink:
                 # Answered from memory: a misconfigured pair must not cost a registration per request.
                 raise GeometryMismatchError(f"prefill {self.address} rejected this decode's KV layout: "
                                             f"{self.refusal}", code=FailCode.REFUSED)
-            self.state = LinkState.REGISTERING
+            self._move(LinkState.REGISTERING)
             msg = self.receiver.register_msg()
             self.decode_id = msg.decode_id
             self._ack_future = asyncio.get_running_loop().create_future()
@@ -94,25 +103,35 @@ class PrefillLink:
             try:
                 await self.client.send(msg, timeout_s=timeout_s)
             except PeerUnavailableError:
-                self.state = LinkState.LOST
+                self._move(LinkState.LOST)
                 raise
             try:
                 ack = await asyncio.wait_for(self._ack_future, max(deadline - time.monotonic(), 0.0))
             except asyncio.TimeoutError:
-                self.state = LinkState.LOST
+                self._move(LinkState.LOST)
                 raise PeerUnavailableError(f"prefill {self.address} did not answer register within {timeout_s:.1f}s "
                                            f"(is a prefill listening on that bootstrap port?)") from None
             if not ack.accepted:
-                self.state = LinkState.REJECTED
+                self._move(LinkState.REJECTED)
                 self.refusal, self.refused_until = ack.error, time.monotonic() + REFUSAL_S
                 raise GeometryMismatchError(f"prefill {self.address} rejected this decode's KV layout: {ack.error}",
                                             code=FailCode.REFUSED)
             self.ack = ack
-            self.state = LinkState.REGISTERED
+            self._move(LinkState.REGISTERED)
             self._last_pong = time.monotonic()
             logger.info("registered with prefill peer=%s prefill_id=%s written=%d ignored=%d decode_only_spec_dec=%s",
                         self.address, ack.prefill_id, len(ack.written), len(ack.ignored), ack.decode_only_spec_dec)
             return ack
+
+    def _move(self, new: LinkState) -> None:
+        if new not in _TRANSITIONS[self.state]:
+            raise RuntimeError(f"link to prefill {self.address}: illegal state change {self.state.value} -> {new.value}")
+        self.state = new
+
+    def _forget(self) -> None:
+        """Register again before the next transfer; a registration in progress settles by itself."""
+        if self.state in (LinkState.REGISTERED, LinkState.LOST, LinkState.REJECTED):
+            self._move(LinkState.NEW)
 
     @property
     def decode_only_spec_dec(self) -> bool:
@@ -157,10 +176,10 @@ class PrefillLink:
             if self._ack_future is not None and not self._ack_future.done():
                 self._ack_future.set_result(msg)
             elif self.ack is not None and msg.prefill_id != self.ack.prefill_id:
-                self.state = LinkState.NEW
+                self._forget()
         elif isinstance(msg, wire.TransferResult) and not msg.ok and msg.fail_code is FailCode.NOT_REGISTERED:
             # The prefill restarted and forgot us: register again before the next transfer.
-            self.state = LinkState.NEW
+            self._forget()
             self.receiver.on_link_message(self, msg)
         elif isinstance(msg, wire.Ping):
             asyncio.create_task(self._send_quietly(wire.Pong(t=msg.t)))
@@ -194,7 +213,7 @@ class PrefillLink:
             if silent_s > limit and self.state is LinkState.REGISTERED:
                 logger.warning("prefill peer=%s silent for %.1fs: failing its rooms, will re-register", self.address,
                                silent_s)
-                self.state = LinkState.LOST
+                self._move(LinkState.LOST)
                 self.receiver.on_link_lost(self, f"did not answer heartbeats for {silent_s:.1f}s")
             if self._num_failed_pings >= self.receiver.heartbeat_misses:
                 self._rebuild_socket()
@@ -217,8 +236,7 @@ class PrefillLink:
             self._retired.remove(client)
             client.close()
         self._num_failed_pings = 0
-        if self.state is LinkState.REGISTERED:
-            self.state = LinkState.NEW
+        self._forget()
 
     async def close(self) -> None:
         for task in self._tasks:

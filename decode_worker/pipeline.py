@@ -1,4 +1,4 @@
-"""The decode daemon behind the shared HTTP layer: receive the prompt KV, then generate.
+"""The decode's per-request pipeline behind the shared HTTP layer: receive the prompt KV, then generate.
 
 Per request: allocate pages for prompt + generation, ask the prefill named by the bootstrap
 fields for the room's KV, wait (bounded) for it, check the aux record, then hand the sequence to
@@ -12,24 +12,42 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from common.api.backend import DaemonBackend, GenerateEvent, GenerateInput
+import torch
+
+from common.api.backend import DaemonBackend, DaemonView, GenerateEvent, GenerateInput
+from common.engine.batcher import DecodeBatcher
 from common.engine.colocated import decode_seed
 from common.engine.output import OutputTracker
+from common.engine.runner import ModelRunner
 from common.engine.sequence import Sequence
 from common.errors import DisaggError, FailCode, RequestError
+from common.metrics import Metrics
 from common.model.sampling import make_generator
+from decode_worker.config import DecodeConfig
+from decode_worker.kv_transfer import KvReceiver
 
-if TYPE_CHECKING:
-    from decode_worker.daemon import DecodeDaemon
+
+class DecodeParts(DaemonView, Protocol):
+    """What one request's pipeline uses of the decode daemon: its collaborators, by name."""
+
+    config: DecodeConfig
+    device: torch.device
+    runner: ModelRunner
+    receiver: KvReceiver
+    batcher: DecodeBatcher
+    metrics: Metrics
+    inflight: int
+
+    def admit_or_raise(self) -> None: ...
 
 logger = logging.getLogger(__name__)
 
 
 class DecodeBackend(DaemonBackend):
     role = "decode"
-    daemon: "DecodeDaemon"
+    daemon: DecodeParts
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateEvent]:
         d = self.daemon

@@ -26,10 +26,12 @@ from common.model.tokenizer import Tokenizer
 from common.transport.nixl import NixlEngine
 from common.transport.nixl_probe import MetadataProbe
 from common.transport.zmq import BootstrapServer, load_keys, load_public_keys
+from common.api.app import create_app
 from prefill_worker.bootstrap import Bootstrap
 from prefill_worker.config import PrefillConfig
 from prefill_worker.kv_transfer import KvWriter
 from prefill_worker.peers import PeerTable
+from prefill_worker.pipeline import PrefillBackend
 from prefill_worker.rooms import RoomLimits, RoomTable
 from prefill_worker.scheduler import PrefillScheduler
 
@@ -99,9 +101,6 @@ class PrefillDaemon:
         self.scheduler.start()
         self._tasks = [asyncio.create_task(self._serve_bootstrap(), name="bootstrap"),
                        asyncio.create_task(self._sweep(), name="sweep")]
-        from common.api.app import create_app
-        from prefill_worker.http import PrefillBackend
-
         app = create_app(PrefillBackend(self), api_key=c.api_key, request_timeout_s=c.request_timeout_s,
                          max_request_bytes=c.max_request_bytes)
         self.http = await start_http(app, c.host, c.port)

@@ -1,4 +1,4 @@
-"""The prefill daemon behind the shared HTTP layer: one request = prefill, then push the KV.
+"""The prefill's per-request pipeline behind the shared HTTP layer: one request = prefill, then push the KV.
 
 sglang-router sends the same body to prefill and decode with a bootstrap room. The prefill answers
 only after the room's KV WRITE is complete (DESIGN §1). For vllm-router, which calls the prefill
@@ -14,25 +14,49 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from common.api.backend import DaemonBackend, GenerateEvent, GenerateInput
+import torch
+
+from common.api.backend import DaemonBackend, DaemonView, GenerateEvent, GenerateInput
 from common.api.schema import FieldError
+from common.engine.runner import ModelRunner
 from common.engine.sequence import Sequence
 from common.errors import DisaggError, FailCode, RequestError, TransferError
 from common.model.sampling import make_generator
-from prefill_worker.rooms import Room
-
-if TYPE_CHECKING:
-    from prefill_worker.daemon import PrefillDaemon
+from prefill_worker.bootstrap import Bootstrap
+from prefill_worker.config import PrefillConfig
+from prefill_worker.kv_transfer import KvWriter
+from prefill_worker.rooms import Room, RoomTable
+from prefill_worker.scheduler import PrefillScheduler
 
 logger = logging.getLogger(__name__)
+
+
+class PrefillParts(DaemonView, Protocol):
+    """What one request's pipeline uses of the prefill daemon: its collaborators, by name."""
+
+    config: PrefillConfig
+    device: torch.device
+    runner: ModelRunner
+    scheduler: PrefillScheduler
+    rooms: RoomTable
+    bootstrap: Bootstrap
+    writer: KvWriter
+
+    def admit_or_raise(self) -> None: ...
+
+    def quarantine(self, seq: Sequence) -> None: ...
+
+    def kv_transfer_params(self, room: int) -> dict: ...
 
 
 class PrefillBackend(DaemonBackend):
     role = "prefill"
 
-    def __init__(self, daemon: "PrefillDaemon"):
+    daemon: PrefillParts
+
+    def __init__(self, daemon: PrefillParts):
         super().__init__(daemon)
         self._background: set[asyncio.Task] = set()
 

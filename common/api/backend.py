@@ -113,13 +113,30 @@ class Backend(Protocol):
     async def health_generate(self) -> None: ...
 
 
+class DaemonView(Protocol):
+    """What ``DaemonBackend`` reads of the daemon that owns it: identity, health, metrics."""
+
+    tokenizer: TokenizerLike
+    model_name: str
+    max_context_tokens: int
+    is_serving: bool
+
+    @property
+    def config(self) -> Any: ...
+
+    @property
+    def metrics(self) -> Any: ...
+
+    def server_info(self) -> dict: ...
+
+
 class DaemonBackend:
     """What the prefill and decode backends share: they read their identity and health from the
     daemon that owns them. Subclasses set ``role`` and implement ``generate``."""
 
     role = ""
 
-    def __init__(self, daemon: Any):
+    def __init__(self, daemon: DaemonView):
         self.daemon = daemon
         self.tokenizer = daemon.tokenizer
         self.model_name = daemon.model_name

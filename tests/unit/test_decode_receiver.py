@@ -30,7 +30,7 @@ def run(coro):
 
 
 class Receiver:
-    """A decode's receiving half: engine, pool, aux, ``KvReceiver`` and its notification poller."""
+    """A decode's receiving half: engine, pool, aux and ``KvReceiver`` (which polls notifications)."""
 
     def __init__(self, *, page_size: int = PAGE_SIZE, quarantine_s: float = 5.0, heartbeat_interval_s: float = 0.2,
                  **receiver_kwargs):
@@ -47,7 +47,6 @@ class Receiver:
                                    heartbeat_interval_s=heartbeat_interval_s, heartbeat_misses=2,
                                    quarantine_s=quarantine_s, **receiver_kwargs)
         self.released: list[int] = []
-        self._poller: asyncio.Task | None = None
 
     def _register_msg(self) -> wire.Register:
         layout = pool_layout(self.pool, self.aux)
@@ -57,15 +56,8 @@ class Receiver:
                              aux=layout.aux)
 
     def start(self) -> "Receiver":
-        self._poller = asyncio.get_running_loop().create_task(self._poll())
+        self.receiver.start()
         return self
-
-    async def _poll(self) -> None:
-        while True:
-            for agent, payloads in self.engine.get_notifs().items():
-                for payload in payloads:
-                    self.receiver.on_notification(agent, payload)
-            await asyncio.sleep(0.0005)
 
     async def fetch(self, prefill: Prefill, room: int, num_tokens: int, page_ids: list[int], timeout_s: float = 3.0):
         return await self.receiver.fetch(request_id=f"req-{room}", host="127.0.0.1", port=prefill.port, room=room,
@@ -77,8 +69,6 @@ class Receiver:
 
     async def close(self) -> None:
         await self.receiver.close()
-        self._poller.cancel()
-        await asyncio.gather(self._poller, return_exceptions=True)
         self.engine.close()
 
 
