@@ -8,6 +8,10 @@ a CUDA device when Triton imports, else torch. Both expose one interface::
     backend.store(k_cache, v_cache, k, v, plan)                  # per layer
     out = backend.attend(q, k_cache, v_cache, plan, window, scale)
 
+The elementwise steps around attention go through the backend too (``add_norm``, ``rope_store``,
+``silu_mul``): the torch compositions on the torch path, fused kernels (``triton_fused.py``) on the
+triton path.
+
 A plan has ``positions`` [T], ``last_index`` [B] and ``query_lens`` (list); the rest is the
 backend's own. ``TritonPlan`` travels to the device as one int64 copy and can also be built from
 static buffers (CUDA graphs, ``common/engine/cuda_graph.py``).
@@ -21,9 +25,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.model import attention
+from common.model import attention, rope
+from common.model.norm import rms_norm
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# A batch of prompts with no cached prefix, one of them longer than this, attends with SDPA (flash)
+# over the new K/V as they are (no page read): it measured faster than the extend kernel at 8k.
+DENSE_PREFILL_MIN_TOKENS = 256
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -57,8 +65,23 @@ class TorchBackend:
     def store(k_cache, v_cache, k, v, plan) -> None:
         attention.write_kv(k_cache, v_cache, k, v, plan)
 
+    def rope_store(self, q, k, v, cos_sin, k_cache, v_cache, plan) -> torch.Tensor:
+        cos, sin = cos_sin
+        self.store(k_cache, v_cache, rope.apply_rotary(k, cos, sin), v, plan)
+        return rope.apply_rotary(q, cos, sin)
+
     @staticmethod
-    def attend(q, k_cache, v_cache, plan, window, scale) -> torch.Tensor:
+    def add_norm(x, delta, weight, eps):
+        x = x if delta is None else x + delta
+        return x, rms_norm(x, weight, eps)
+
+    @staticmethod
+    def silu_mul(gate_up) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    @staticmethod
+    def attend(q, k, v, k_cache, v_cache, plan, window, scale) -> torch.Tensor:
         return attention.paged_attention(q, k_cache, v_cache, plan, window, scale)
 
 
@@ -78,6 +101,7 @@ class TritonPlan:
     query_lens: list[int]
     max_query: int
     num_splits: int  # decode split-K
+    is_dense_prefill: bool = False  # every chunk starts at 0 and is long: attend to the new K/V in place
 
 
 def pack_chunks(chunks, page_size: int) -> tuple[np.ndarray, int]:
@@ -114,9 +138,10 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, device: torch.device, num_kv_heads: int) -> None:
-        from common.model import triton_attention  # imports triton: only on this path
+        from common.model import triton_attention, triton_fused  # import triton: only on this path
 
         self.kernels = triton_attention
+        self.fused = triton_fused
         self.num_kv_heads = num_kv_heads
         # (a CPU device only under TRITON_INTERPRET=1, in tests)
         is_cuda = device.type == "cuda"
@@ -136,15 +161,43 @@ class TritonBackend:
             positions=per_token[1], write_pages=per_token[2], write_rows=per_token[3], last_index=per_chunk[0],
             kv_lens=per_chunk[1], q_starts=per_chunk[2], q_lens=per_chunk[3], prefix_lens=per_chunk[4],
             page_table=packed[4 * num_tokens + 5 * batch:].view(batch, max_pages), query_lens=query_lens,
-            max_query=max(query_lens), num_splits=self.num_splits(batch))
+            max_query=max(query_lens), num_splits=self.num_splits(batch),
+            is_dense_prefill=max(query_lens) > DENSE_PREFILL_MIN_TOKENS and all(c.start_pos == 0 for c in chunks))
         return per_token[0], plan
 
     def store(self, k_cache, v_cache, k, v, plan: TritonPlan) -> None:
         self.kernels.store_kv(k_cache, v_cache, k, v, plan.write_pages, plan.write_rows)
 
-    def attend(self, q, k_cache, v_cache, plan: TritonPlan, window, scale) -> torch.Tensor:
+    def rope_store(self, q, k, v, cos_sin, k_cache, v_cache, plan: TritonPlan) -> torch.Tensor:
+        cos, sin = cos_sin
+        return self.fused.rope_store(q, k, v, cos, sin, k_cache, v_cache, plan.write_pages, plan.write_rows)
+
+    def add_norm(self, x, delta, weight, eps):
+        return self.fused.add_rms_norm(x, delta, weight, eps)
+
+    def silu_mul(self, gate_up) -> torch.Tensor:
+        return self.fused.silu_mul(gate_up)
+
+    def attend(self, q, k, v, k_cache, v_cache, plan: TritonPlan, window, scale) -> torch.Tensor:
+        """q, k (rotated), v: the new tokens [T, H, D]; k_cache, v_cache hold them already."""
+        if plan.is_dense_prefill and window is None:
+            return _dense_prefill(q, k, v, plan.query_lens, scale)
         if plan.max_query == 1:
             return self.kernels.decode_attention(q, k_cache, v_cache, plan.page_table, plan.kv_lens, scale, window,
                                                  plan.num_splits)
         return self.kernels.extend_attention(q, k_cache, v_cache, plan.page_table, plan.q_starts, plan.q_lens,
                                              plan.prefix_lens, plan.max_query, scale, window)
+
+
+def _dense_prefill(q, k, v, query_lens: list[int], scale: float) -> torch.Tensor:
+    """Causal SDPA per prompt over its own q, k, v rows ([T, H, D] views)."""
+    out = torch.empty_like(q)
+    start = 0
+    for num in query_lens:
+        rows = slice(start, start + num)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None],
+            is_causal=True, scale=scale, enable_gqa=True)
+        out[rows] = o[0].transpose(0, 1)
+        start += num
+    return out

@@ -20,6 +20,7 @@ from common.model import rope
 from common.model.attn_backend import make_backend
 from common.model.config import ModelConfig
 from common.model.kv_cache import KvCache
+from common.model.norm import rms_norm
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +46,6 @@ class TensorSlot:
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     # Uninitialised: the loader overwrites every element, and an 8B model should not be filled twice.
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As transformers: normalise in fp32, cast back, then scale."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -103,12 +97,14 @@ class DecoderLayer(nn.Module):
             out[p + "mlp.down_proj.bias"] = TensorSlot(self.down_bias, 0, c.hidden_size)
         return out
 
-    def forward(self, x: torch.Tensor, cos_sin, kv: KvCache, plan, attn) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]; writes this layer's K/V of the T new tokens."""
-        x = x + self._attention(rms_norm(x, self.input_norm, self.config.rms_norm_eps), cos_sin, kv, plan, attn)
-        h = rms_norm(x, self.post_norm, self.config.rms_norm_eps)
-        gate, up = F.linear(h, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos_sin, kv: KvCache, plan, attn):
+        """Residual stream x [T, hidden] and the previous layer's output ``delta`` (None before layer
+        0) -> (x + delta, this layer's output); writes this layer's K/V of the T new tokens."""
+        eps = self.config.rms_norm_eps
+        x, h = attn.add_norm(x, delta, self.input_norm, eps)
+        x, h = attn.add_norm(x, self._attention(h, cos_sin, kv, plan, attn), self.post_norm, eps)
+        gate_up = F.linear(h, self.gate_up_weight, self.gate_up_bias)
+        return x, F.linear(attn.silu_mul(gate_up), self.down_weight, self.down_bias)
 
     def _attention(self, h: torch.Tensor, cos_sin, kv: KvCache, plan, attn) -> torch.Tensor:
         c = self.config
@@ -121,12 +117,9 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, c.rms_norm_eps)
             k = rms_norm(k, self.k_norm, c.rms_norm_eps)
-        cos, sin = cos_sin
-        q = rope.apply_rotary(q, cos, sin)
-        k = rope.apply_rotary(k, cos, sin)
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]  # [num_pages, page_size, Hkv, D]
-        attn.store(k_cache, v_cache, k, v, plan)
-        out = attn.attend(q, k_cache, v_cache, plan, self.window, c.head_dim**-0.5)
+        q = attn.rope_store(q, k, v, cos_sin, k_cache, v_cache, plan)  # rotates q and k, stores k and v
+        out = attn.attend(q, k, v, k_cache, v_cache, plan, self.window, c.head_dim**-0.5)
         return F.linear(out.reshape(num_tokens, c.q_size), self.o_weight, self.o_bias)
 
 
@@ -181,10 +174,11 @@ class LlamaForCausalLM(nn.Module):
     def run(self, token_ids: torch.Tensor, plan, kv: KvCache, *, all_logits: bool = False):
         """The device part of ``forward`` (what a CUDA graph captures): token_ids [T] on the device,
         ``plan`` from ``self.attn.plan``."""
-        x = F.embedding(token_ids, self.embed)  # [T, hidden]
+        x, delta = F.embedding(token_ids, self.embed), None  # [T, hidden]
         cos_sin = rope.cos_sin(plan.positions, self.inv_freq, self.dtype)
         for layer in self.layers:
-            x = layer(x, cos_sin, kv, plan, self.attn)
+            x, delta = layer(x, delta, cos_sin, kv, plan, self.attn)
+        x = x + delta
         if not all_logits:
             x = x.index_select(0, plan.last_index)
         # Logits in the model dtype then fp32, as transformers does, so greedy picks agree with it.

@@ -1,0 +1,133 @@
+"""Fused elementwise kernels for the CUDA path: one launch where the torch path runs several.
+
+- ``add_rms_norm``: ``x + delta`` (the residual stream, rounded to the model dtype as torch
+  rounds it) and RMSNorm of the sum (fp32 statistics, cast, then the weight), as
+  ``llama.rms_norm`` computes it;
+- ``rope_store``: rotary embedding of q and k (the cos/sin rows of ``rope.cos_sin``) and the
+  store of the rotated k and of v into their pages, in one pass over a token's heads;
+- ``silu_mul``: ``silu(gate) * up`` of the fused gate-up projection.
+
+Each matches its torch composition to within one rounding of the model dtype (``tests/gpu``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(x, delta, out_x, out_h, weight, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+                         HAS_DELTA: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    mask = i < HIDDEN
+    v = tl.load(x + row * HIDDEN + i, mask=mask, other=0.0)
+    if HAS_DELTA:
+        v = (v.to(tl.float32) + tl.load(delta + row * HIDDEN + i, mask=mask, other=0.0).to(tl.float32)).to(v.dtype)
+        tl.store(out_x + row * HIDDEN + i, v, mask=mask)
+    v32 = v.to(tl.float32)
+    normed = (v32 * tl.rsqrt(tl.sum(v32 * v32, 0) / HIDDEN + eps)).to(v.dtype)
+    w = tl.load(weight + i, mask=mask, other=0.0)
+    tl.store(out_h + row * HIDDEN + i, (w.to(tl.float32) * normed.to(tl.float32)).to(v.dtype), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """x, delta: [T, hidden] contiguous -> (x + delta, rms_norm(x + delta)); delta None: (x, rms_norm(x))."""
+    num_rows, hidden = x.shape
+    out_x = torch.empty_like(x) if delta is not None else x
+    out_h = torch.empty_like(x)
+    block = triton.next_power_of_2(hidden)
+    _add_rms_norm_kernel[(num_rows,)](x, delta if delta is not None else x, out_x, out_h, weight, eps, HIDDEN=hidden,
+                                      BLOCK=block, HAS_DELTA=delta is not None, num_warps=8 if block >= 4096 else 4)
+    return out_x, out_h
+
+
+@triton.jit
+def _rotate(x_ptr, stride_h, cos, sin, NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+            BLOCK_HALF: tl.constexpr):
+    """Loads heads [NUM_HEADS, 2 * HALF] at x_ptr; returns the rotated halves (fp32)."""
+    h = tl.arange(0, BLOCK_H)
+    j = tl.arange(0, BLOCK_HALF)
+    mask = (h[:, None] < NUM_HEADS) & (j[None, :] < HALF)
+    lo = tl.load(x_ptr + h[:, None] * stride_h + j[None, :], mask=mask, other=0.0).to(tl.float32)
+    hi = tl.load(x_ptr + h[:, None] * stride_h + HALF + j[None, :], mask=mask, other=0.0).to(tl.float32)
+    cos_lo = tl.load(cos + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+    cos_hi = tl.load(cos + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+    sin_lo = tl.load(sin + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+    sin_hi = tl.load(sin + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+    return lo * cos_lo - hi * sin_lo, hi * cos_hi + lo * sin_hi, mask
+
+
+@triton.jit
+def _rope_store_kernel(q, k, v, q_out, cos, sin, k_cache, v_cache, pages, rows, stride_qt, stride_qh, stride_kt,
+                       stride_kh, stride_vt, stride_vh, stride_cp, stride_cr, stride_ch,
+                       NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                       BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cos_t, sin_t = cos + t * 2 * HALF, sin + t * 2 * HALF
+    q_lo, q_hi, q_mask = _rotate(q + t * stride_qt, stride_qh, cos_t, sin_t, NUM_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF)
+    h = tl.arange(0, BLOCK_QH)
+    j = tl.arange(0, BLOCK_HALF)
+    q_dst = q_out + t * NUM_Q_HEADS * 2 * HALF + h[:, None] * 2 * HALF + j[None, :]
+    tl.store(q_dst, q_lo.to(q_out.dtype.element_ty), mask=q_mask)
+    tl.store(q_dst + HALF, q_hi.to(q_out.dtype.element_ty), mask=q_mask)
+    k_lo, k_hi, k_mask = _rotate(k + t * stride_kt, stride_kh, cos_t, sin_t, NUM_KV_HEADS, HALF, BLOCK_KH,
+                                 BLOCK_HALF)
+    hk = tl.arange(0, BLOCK_KH)
+    # k rounds to the model dtype (and is rotated in place: a dense prefill attends to it), then to the cache's
+    k_lo = k_lo.to(q_out.dtype.element_ty)
+    k_hi = k_hi.to(q_out.dtype.element_ty)
+    k_src = k + t * stride_kt + hk[:, None] * stride_kh + j[None, :]
+    tl.store(k_src, k_lo, mask=k_mask)
+    tl.store(k_src + HALF, k_hi, mask=k_mask)
+    page = tl.load(pages + t).to(tl.int64)
+    if page >= 0:
+        row = tl.load(rows + t).to(tl.int64)
+        dst = page * stride_cp + row * stride_cr + hk[:, None] * stride_ch + j[None, :]
+        tl.store(k_cache + dst, k_lo.to(k_cache.dtype.element_ty), mask=k_mask)
+        tl.store(k_cache + dst + HALF, k_hi.to(k_cache.dtype.element_ty), mask=k_mask)
+        for part in range(2):
+            src = v + t * stride_vt + hk[:, None] * stride_vh + part * HALF + j[None, :]
+            tl.store(v_cache + dst + part * HALF, tl.load(src, mask=k_mask).to(v_cache.dtype.element_ty), mask=k_mask)
+
+
+def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """q [T, Hq, D], k, v [T, Hkv, D] (row-strided views of qkv are fine); cos, sin [T, 1, D] ->
+    rotated q [T, Hq, D] (contiguous); k is rotated in place; k and v stored at (pages[t], rows[t]),
+    page < 0 skipped."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    half = head_dim // 2
+    _rope_store_kernel[(num_tokens,)](
+        q, k, v, q_out, cos, sin, k_cache, v_cache, pages, rows, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), NUM_Q_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_QH=triton.next_power_of_2(num_heads),
+        BLOCK_KH=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
+    return q_out
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up, out, INTER: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < INTER
+    g = tl.load(gate_up + row * 2 * INTER + i, mask=mask, other=0.0)
+    u = tl.load(gate_up + row * 2 * INTER + INTER + i, mask=mask, other=0.0)
+    g32 = g.to(tl.float32)
+    act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype)  # F.silu rounds to the dtype before the product
+    tl.store(out + row * INTER + i, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2 * I] contiguous -> silu(gate) * up [T, I]."""
+    num_rows, width = gate_up.shape
+    inter = width // 2
+    out = torch.empty(num_rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    _silu_mul_kernel[(num_rows, triton.cdiv(inter, 1024))](gate_up, out, INTER=inter, BLOCK=1024, num_warps=4)
+    return out

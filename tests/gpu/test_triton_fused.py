@@ -1,0 +1,75 @@
+"""The fused elementwise kernels (``triton_fused.py``) against the torch compositions they replace.
+
+Tolerances: fp32 1e-5 relative; bf16 one rounding of the dtype (2**-7 relative, and 1e-2 absolute
+for values near 0), since the kernels round once where torch rounds after each op.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from common.model import rope
+from common.model.norm import rms_norm
+
+pytestmark = pytest.mark.gpu
+triton_fused = pytest.importorskip("common.model.triton_fused")
+
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+DTYPES = [torch.float32, torch.float16 if DEVICE == "cpu" else torch.bfloat16]
+
+
+def _close(got, want):
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_add_rms_norm(dtype, hidden):
+    x, delta = (torch.randn(7, hidden).to(dtype).to(DEVICE) for _ in range(2))
+    weight = torch.rand(hidden).to(dtype).to(DEVICE) + 0.5
+    out_x, out_h = triton_fused.add_rms_norm(x, delta, weight, 1e-5)
+    assert torch.equal(out_x, x + delta)
+    _close(out_h, rms_norm(x + delta, weight, 1e-5))
+    same_x, h = triton_fused.add_rms_norm(x, None, weight, 1e-5)
+    assert same_x is x
+    _close(h, rms_norm(x, weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["page-major", "layer-major"])
+def test_rope_store(dtype, layout):
+    num_tokens, num_heads, num_kv_heads, head_dim, page_size = 5, 6, 2, 40, 4
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype).to(DEVICE)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in (q, k, v))
+    positions = torch.tensor([0, 3, 17, 100, 4095], device=DEVICE)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos, sin = rope.cos_sin(positions, inv_freq.to(DEVICE), dtype)
+    shape = (9, 3, 2) if layout == "page-major" else (3, 2, 9)
+    buffer = torch.zeros(shape + (page_size, num_kv_heads, head_dim), dtype=dtype, device=DEVICE)
+    views = buffer.permute(1, 2, 0, 3, 4, 5) if layout == "page-major" else buffer
+    k_cache, v_cache = views[1, 0], views[1, 1]
+    pages = torch.tensor([2, 2, 8, -1, 0], device=DEVICE)
+    rows = torch.tensor([0, 3, 1, 2, 3], device=DEVICE)
+    want_k = rope.apply_rotary(k, cos, sin)
+    got_q = triton_fused.rope_store(q, k, v, cos, sin, k_cache, v_cache, pages, rows)
+    _close(got_q, rope.apply_rotary(q, cos, sin))
+    _close(k, want_k)  # rotated in place
+    for t in range(num_tokens):
+        if pages[t] >= 0:
+            _close(k_cache[pages[t], rows[t]], want_k[t])
+            assert torch.equal(v_cache[pages[t], rows[t]], v[t])
+    assert int((buffer != 0).any(dim=(-1, -2)).sum()) == 2 * 4  # 4 tokens stored, k and v, nothing else
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    gate_up = torch.randn(3, 2 * 1500).to(dtype).to(DEVICE)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _close(triton_fused.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
