@@ -30,7 +30,7 @@ from common.errors import (DisaggError, FailCode, GeometryMismatchError, PeerUna
 from common.metrics import Metrics
 from common.transport.nixl import NixlEngine
 from decode_worker.holds import AbortNote, Quarantine
-from decode_worker.link import PrefillLink
+from decode_worker.link import LinkState, PrefillLink
 from decode_worker.links import LinkPool
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,8 @@ class KvReceiver:
         return self.holds.holds
 
     def _is_busy(self, link: PrefillLink) -> bool:
-        return any(w.link is link for w in self.waiters.values()) or self.holds.uses(link)
+        return (link.state is LinkState.REGISTERING or any(w.link is link for w in self.waiters.values())
+                or self.holds.uses(link))
 
     # -- link events -----------------------------------------------------------------------------------
     def on_link_message(self, link: PrefillLink, msg: wire.Message) -> None:
@@ -179,6 +180,7 @@ class KvReceiver:
                 logger.info("room=%d request_id=%s peer=%s: prefill forgot this decode; registering again", room,
                             request_id, link.address)
                 self.holds.sent.pop(room, None)
+                self.holds.drop_slot(room)  # nothing was written: the first attempt's aux slot goes back
                 result = await self._fetch_once(request_id, link, room, page_ids, num_prompt_tokens, deadline,
                                                 timeout_s)
         except FetchError as exc:

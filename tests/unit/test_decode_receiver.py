@@ -239,3 +239,20 @@ def test_unsafe_room_is_held_until_its_write_reports_done():
         decode.receiver.on_notification("prefill", wire.encode(wire.Notification(room=81, decode_id="x", ok=True)))
         assert decode.released == [81] and decode.counter("kvferry_pages_quarantined") == 0
     scenario(body, receiver_kwargs={"quarantine_s": 0.2})
+
+
+def test_prefill_that_forgot_the_decode_is_registered_with_again_and_no_slot_leaks():
+    async def body(prefill, decode):
+        first = prefill.open_room(91, num_tokens=20)
+        fetch = asyncio.get_running_loop().create_task(decode.fetch(prefill, 91, 20, [0, 1]))
+        await prefill.writer.send_room(first, time.monotonic() + 5)
+        await fetch
+        prefill.peers.drop(prefill.peers.get(decode.decode_id), "test: the prefill dropped this decode")
+        room = prefill.open_room(92, num_tokens=20)
+        fetch = asyncio.get_running_loop().create_task(decode.fetch(prefill, 92, 20, [2, 3]))
+        await until(lambda: room.transfer is not None, what="the second attempt's transfer bound")
+        await prefill.writer.send_room(room, time.monotonic() + 5)
+        record, _ = await fetch
+        assert record.room == 92 and prefill.counter("kvferry_registrations_total", result="accepted") == 2
+        assert decode.aux.num_free == decode.aux.num_slots and decode.released == []
+    scenario(body)
