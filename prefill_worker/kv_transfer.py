@@ -23,7 +23,7 @@ from common.aux import AuxSlots
 from common.errors import FailCode, GeometryMismatchError, PeerUnavailableError, TransferError, UnsafeWriteError
 from common.metrics import Metrics
 from common.transport.nixl import NixlEngine
-from prefill_worker.peers import DecodePeer, PeerTable
+from prefill_worker.peers import DecodePeer, ListPair, PeerTable
 from prefill_worker.rooms import Room, RoomState
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,8 @@ class KvWriter:
             notif = wire.encode(wire.Notification(room=room.room, decode_id=peer.decode_id, ok=True))
             room.transition(RoomState.WRITING)
             started = time.perf_counter()
-            job = asyncio.get_running_loop().run_in_executor(self.executor, self._write, peer, xfer, notif, room)
+            job = asyncio.get_running_loop().run_in_executor(self.executor, self._write, list(peer.lists), xfer,
+                                                             notif, room)
             await _settle(job, room)
             elapsed = time.perf_counter() - started
         finally:
@@ -107,7 +108,7 @@ class KvWriter:
                                        code=FailCode.NOT_REGISTERED)
         return peer
 
-    def _write(self, peer: DecodePeer, xfer: geometry.RequestXfer, notif: bytes, room: Room) -> None:
+    def _write(self, lists: list[ListPair], xfer: geometry.RequestXfer, notif: bytes, room: Room) -> None:
         """Executor: post each group's WRITE (the aux group, carrying the notification, last).
 
         Checks the room's abort flag before every post: a room aborted meanwhile posts nothing more."""
@@ -116,7 +117,7 @@ class KvWriter:
         for g, (local_idx, remote_idx) in enumerate(xfer.per_group):
             if room.is_aborted:
                 raise TransferError(room.error or f"room={room.room}: aborted during the WRITE", code=room.code)
-            pair = peer.lists[g]
+            pair = lists[g]
             try:
                 handle = self.engine.post_write(pair.prefill, local_idx, pair.decode, remote_idx,
                                                 notif if g == last else None)
