@@ -127,7 +127,7 @@ def main() -> None:
                           attention_backend=a.attention_backend, disable_cuda_graph=a.disable_cuda_graph)
     model = runner.target.model
     base = {"bench": "engine", "device": a.device, "dtype": a.dtype, "attention_backend": model.attn.name,
-            "cuda_graph": runner.target.graphs is not None, "startup_s": round(time.perf_counter() - started, 1),
+            "cuda_graph": bool(runner.target.graphs), "startup_s": round(time.perf_counter() - started, 1),
             "hbm_gb_s": round(bw, 1), "matmul_tflops": round(peak, 1), "model": Path(a.model).name,
             "hw": hardware([a.device]), "git": git_hash()}
     weights = [p for name, p in model.named_parameters() if name != "embed" or model.config.has_tied_embeddings]

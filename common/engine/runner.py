@@ -8,11 +8,11 @@ the decode daemon calls ``prefill_draft`` and ``decode``, the colocated engine c
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from common.engine.cuda_graph import DecodeGraphs
+from common.engine.cuda_graph import StepGraphs
 from common.engine.sequence import Sequence, pages_needed
 from common.engine.spec import verify_greedy, verify_sampled
 from common.errors import OverloadedError
@@ -31,12 +31,13 @@ class ModelSlot:
     model: object  # common.model.llama model: forward(chunks, kv, all_logits=False)
     kv: KvCache
     allocator: PageAllocator
-    graphs: DecodeGraphs | None = None
+    graphs: list[StepGraphs] = field(default_factory=list)  # decode (q = 1), then verify (q = k + 1)
 
     def forward(self, chunks: list[SeqChunk], *, all_logits: bool = False):
-        if self.graphs is not None and self.graphs.can_run(chunks, all_logits):
-            self.model.check(chunks, self.kv)
-            return self.graphs.run(chunks)
+        for graphs in self.graphs:
+            if graphs.can_run(chunks, all_logits):
+                self.model.check(chunks, self.kv)
+                return graphs.run(chunks)
         return self.model.forward(chunks, self.kv, all_logits=all_logits)
 
 

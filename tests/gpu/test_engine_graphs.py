@@ -54,7 +54,7 @@ def test_graph_replay_equals_eager_forward(tiny_models):
     target, _ = tiny_models
     runner = build_runner(target, device="cuda:0", dtype="float32", max_total_tokens=4096, cuda_graph_max_bs=4)
     slot = runner.target
-    assert slot.graphs is not None and slot.graphs.sizes == [1, 2, 4]
+    assert [g.sizes for g in slot.graphs] == [[1, 2, 4]]
     rng = random.Random(1)
     prompts = _prompts(3, seed=2)
     tables = [rng.sample(range(slot.kv.num_pages), 30) for _ in prompts]
@@ -63,3 +63,20 @@ def test_graph_replay_equals_eager_forward(tiny_models):
     replayed = slot.forward(step).clone()  # 3 sequences in the bucket of 4
     eager = slot.model.forward(step, slot.kv)  # rewrites the same K/V rows
     torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=0)
+
+
+def test_verify_graph_equals_eager_forward(tiny_models):
+    target, draft = tiny_models
+    runner = build_runner(target, draft, device="cuda:0", dtype="float32", max_total_tokens=4096,
+                          cuda_graph_max_bs=4, spec_k=3)
+    slot = runner.target
+    assert [g.tokens_per_seq for g in slot.graphs] == [1, 4]
+    rng = random.Random(4)
+    prompts = _prompts(3, seed=6)
+    tables = [rng.sample(range(slot.kv.num_pages), 30) for _ in prompts]
+    slot.model.forward([SeqChunk(p, 0, t) for p, t in zip(prompts, tables)], slot.kv)
+    step = [SeqChunk([9, 10, 11, 12], len(p), t) for p, t in zip(prompts, tables)]
+    replayed = [r.clone() for r in slot.forward(step, all_logits=True)]
+    eager = slot.model.forward(step, slot.kv, all_logits=True)
+    for got, want in zip(replayed, eager):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
