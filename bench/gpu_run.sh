@@ -42,8 +42,9 @@ if [[ $what == engine || $what == all ]]; then
   # decode steps and prefill against the roofline measured in the same run; then the torch path without
   # graphs (the engine before the Triton kernels) at a few points, for comparison
   timeout ${ENGINE_TIMEOUT:-200} python3 bench/engine.py --model $m8b/target 2>>"$out/engine.err" | tee -a "$out/engine.jsonl"
-  timeout 120 python3 bench/engine.py --model $m8b/target --attention-backend torch --disable-cuda-graph \
-    --batches 1,64 --contexts 1024 --prefill 8192 --steps 10 2>>"$out/engine.err" | tee -a "$out/engine.jsonl"
+  [[ ${ENGINE_BASELINE:-1} == 1 ]] && timeout 120 python3 bench/engine.py --model $m8b/target \
+    --attention-backend torch --disable-cuda-graph --batches 1,64 --contexts 1024 --prefill 8192 --steps 10 \
+    2>>"$out/engine.err" | tee -a "$out/engine.jsonl"
 fi
 if [[ $what == spec || $what == all ]]; then
   # float32 on the GPU: speculative and plain greedy must agree token for token (the tiny pair)
