@@ -17,6 +17,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import uvloop
 
 from common import wire
 from common.aux import AuxSlots
@@ -43,6 +44,21 @@ def pool_layout(pool: torch.Tensor, aux: AuxSlots, draft_pool: torch.Tensor | No
                     for model, p in pools for layer in range(NUM_LAYERS) for i, kind in enumerate(("k", "v")))
     return KvLayout(model=MODEL, page_size=PAGE_SIZE, kv_dtype="uint8", tp_size=1, tp_rank=0, regions=regions,
                     aux=aux.info())
+
+
+def run(coro):
+    """Run ``coro`` on a fresh uvloop loop, as the daemons do."""
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+async def until(predicate, timeout_s: float = 5.0, what: str = "condition") -> None:
+    """Wait (bounded) until ``predicate()`` holds; AssertionError naming ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout_s}s")
+        await asyncio.sleep(0.01)
 
 
 def new_pool(fill: int) -> torch.Tensor:

@@ -10,7 +10,6 @@ import threading
 import time
 
 import pytest
-import uvloop
 
 from common import wire
 from common.aux import AuxSlots
@@ -19,14 +18,9 @@ from common.errors import (FailCode, GeometryMismatchError, OverloadedError, Pee
 from common.metrics import Metrics
 from common.transport.nixl import NixlEngine
 from decode_worker.kv_transfer import KvReceiver
-from tests.unit.control_plane import PAGE_SIZE, Prefill, new_pool, pool_layout
+from tests.unit.control_plane import PAGE_SIZE, Prefill, new_pool, pool_layout, run, until
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def run(coro):
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(coro)
 
 
 class Receiver:
@@ -82,14 +76,6 @@ def scenario(body, receiver_kwargs=None, prefill_kwargs=None):
             await decode.close()
             await prefill.close()
     run(main())
-
-
-async def until(predicate, timeout_s: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout_s}s")
-        await asyncio.sleep(0.01)
 
 
 def test_fetch_lands_kv_and_aux():

@@ -9,21 +9,15 @@ import threading
 import time
 
 import pytest
-import uvloop
 from nixl import _bindings as nixl_bindings
 
 from common import wire
 from common.errors import FailCode, PeerUnavailableError, TransferError, UnsafeWriteError
 from common.transport.nixl import NixlEngine
 from prefill_worker.rooms import EarlyTransfer, RoomLimits, RoomTable
-from tests.unit.control_plane import PAGE_SIZE, Decode, Prefill
+from tests.unit.control_plane import PAGE_SIZE, Decode, Prefill, run, until
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def run(coro):
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(coro)
 
 
 def scenario(body, prefill_kwargs=None, engine=None, num_decodes=1, decode_kwargs=None):
@@ -45,14 +39,6 @@ async def result_for(decode: Decode, room: int, timeout_s: float = 5.0) -> wire.
         msg = await decode.recv(wire.TransferResult, timeout_s)
         if msg.room == room:
             return msg
-
-
-async def until(predicate, timeout_s: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout_s}s")
-        await asyncio.sleep(0.01)
 
 
 # -- the path that works ------------------------------------------------------------------------------
