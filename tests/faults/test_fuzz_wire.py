@@ -34,7 +34,7 @@ import zmq
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from common import wire
-from common.errors import ProtocolError
+from common.errors import FailCode, ProtocolError
 from common.model.sampling import SamplingParams
 from common.procs import Proc, http_json
 from tests.cluster import REPO, Cluster, free_pages
@@ -446,6 +446,27 @@ def test_prefill_room_ignores_a_foreign_transfer_and_abort(stack):
     status, answer = leg.result()
     assert status == 502 and "no transfer request" in answer["error"]["message"], answer
     assert time.monotonic() - started >= 9  # --transfer-wait-timeout-s 10: the abort did not end it
+    assert_still_serving(stack)
+
+
+def test_prefill_refuses_a_strangers_transfer_and_register_for_a_live_decode_id(stack):
+    """The real decode is registered and alive: a stranger's transfer naming its decode id is
+    refused (not_owner), and so is a register of that id with another agent; the pair serves on."""
+    assert_still_serving(stack)  # the real decode has registered with the real prefill
+    decode_id = stack.register.decode_id
+    stranger = End(stack.dealer.sock.context, stack.prefill.bootstrap_port)
+    try:
+        transfer = [wire.encode(wire.Transfer(room=random.getrandbits(63), decode_id=decode_id, page_ids=[0],
+                                              aux_slot=0, num_prompt_tokens=len(PROMPT)))]
+        answer = exchange(stranger, transfer)
+        assert [type(m) for m in answer] == [wire.TransferResult], answer
+        assert answer[0].fail_code is FailCode.NOT_OWNER and not answer[0].ok, answer
+        takeover = [wire.encode(dataclasses.replace(stack.register, agent_name="fuzz-intruder"))]
+        answer = exchange(stranger, takeover)
+        assert [type(m) for m in answer] == [wire.RegisterAck] and not answer[0].accepted, answer
+        assert "registered by another live connection" in answer[0].error, answer
+    finally:
+        stranger.sock.close(linger=0)
     assert_still_serving(stack)
 
 
