@@ -11,63 +11,37 @@ import asyncio
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 from common import wire
-from common.aux import AuxSlots
+from common.api.app import create_app
+from common.daemon_core import DaemonCore
 from common.engine.batcher import DecodeBatcher
-from common.engine.factory import build_runner
 from common.errors import OverloadedError
-from common.geometry import KvLayout
 from common.layout import layout_summary
-from common.lifecycle import start_http, stop_http
-from common.metrics import Metrics
-from common.model.tokenizer import Tokenizer
-from common.transport.nixl import NixlEngine
+from common.lifecycle import start_http
 from common.transport.zmq import load_keys
 from decode_worker.config import DecodeConfig
-from common.api.app import create_app
 from decode_worker.kv_transfer import KvReceiver
 from decode_worker.pipeline import DecodeBackend
 
 logger = logging.getLogger(__name__)
 
 
-class DecodeDaemon:
+class DecodeDaemon(DaemonCore):
     name = "kvferry-decode"
+    role = "decode"
 
     def __init__(self, config: DecodeConfig):
-        self.config = config
-        self.drain_timeout_s = config.drain_timeout_s
+        super().__init__(config)
+        self.config: DecodeConfig = config
         self.decode_id = f"decode-{uuid.uuid4().hex[:12]}"
-        self.metrics = Metrics("decode")
-        self.is_serving = False
         self.inflight = 0
-        self._tasks: list[asyncio.Task] = []
-        self.model_executor = ThreadPoolExecutor(1, thread_name_prefix="decode-model")
-        self.engine: NixlEngine | None = None
         self.receiver: KvReceiver | None = None
         self.batcher: DecodeBatcher | None = None
-        self.http = None
 
     async def start(self) -> None:
         c = self.config
-        loop = asyncio.get_running_loop()
-        self.runner = await loop.run_in_executor(self.model_executor, lambda: build_runner(
-            c.model, c.draft_model, device=c.device, dtype=c.torch_dtype_name, page_size=c.page_size,
-            max_total_tokens=c.max_total_tokens, draft_device=c.draft_device, kv_layout=c.kv_layout, spec_k=c.spec_k,
-            **c.engine_options))
-        self.device = self.runner.target.kv.device
-        self.tokenizer = Tokenizer.from_dir(c.model)
-        self.model_name = Path(c.model).name
-        self.max_context_tokens = min(self.runner.target.model.config.max_position_embeddings, c.max_total_tokens)
-        # Aux slots live beside the target KV so that KV and aux travel in one WRITE (one list per side).
-        self.aux = AuxSlots(c.max_running_requests + c.max_queued_requests, device=str(self.device))
-        self.engine = NixlEngine("decode")
-        for slot in self.runner.slots:
-            self.engine.register_tensor(slot.kv.buffer)
-        self.engine.register_tensor(self.aux.buffer)
+        await self.load_model(spec_k=c.spec_k, **c.engine_options)
         self.receiver = KvReceiver(engine=self.engine, register_msg=self._register_msg, aux=self.aux,
                                    metrics=self.metrics, register_timeout_s=c.register_timeout_s,
                                    heartbeat_interval_s=c.heartbeat_interval_s, heartbeat_misses=c.heartbeat_misses,
@@ -77,7 +51,7 @@ class DecodeDaemon:
                                      on_finish=self.runner.release, on_step=self._on_step)
         self.batcher.start()
         self.receiver.start()
-        self._tasks = [asyncio.create_task(self._sweep(), name="sweep")]
+        self.every("sweep", self._sweep)
         app = create_app(DecodeBackend(self), api_key=c.api_key, request_timeout_s=c.request_timeout_s,
                          max_request_bytes=c.max_request_bytes)
         self.http = await start_http(app, c.host, c.port)
@@ -94,25 +68,16 @@ class DecodeDaemon:
             await self.batcher.stop()
         if self.receiver is not None:
             await self.receiver.close()
-        if self.http is not None:
-            await stop_http(*self.http)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.engine is not None:
-            self.engine.close()
-        self.model_executor.shutdown(wait=True)
+        await self.stop_core()
+        self.close_core()
 
     def _register_msg(self) -> wire.Register:
-        kv = self.runner.target.kv
-        regions = [r for slot in self.runner.slots for r in slot.kv.regions()]
+        """This decode's KVArgsRegisterInfo: its region table, as the prefill plans from it."""
+        layout = self.layout()
         return wire.Register(decode_id=self.decode_id, agent_name=self.engine.name,
-                             agent_metadata=self.engine.metadata(), model=self.runner.target.model.config.fingerprint,
-                             page_size=kv.page_size, kv_dtype=kv.kv_dtype, tp_size=1, tp_rank=0, regions=regions,
-                             aux=self.aux.info(), draft_model=self._draft_fingerprint())
-
-    def _draft_fingerprint(self) -> str:
-        return self.runner.draft.model.config.fingerprint if self.runner.draft is not None else ""
+                             agent_metadata=self.engine.metadata(), model=layout.model, page_size=layout.page_size,
+                             kv_dtype=layout.kv_dtype, tp_size=layout.tp_size, tp_rank=layout.tp_rank,
+                             regions=list(layout.regions), aux=layout.aux, draft_model=self.draft_fingerprint)
 
     def _curve(self) -> dict | None:
         c = self.config
@@ -123,15 +88,8 @@ class DecodeDaemon:
         return {"curve_public_key": public, "curve_secret_key": secret, "server_public_key": server_public}
 
     async def _sweep(self) -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            try:
-                self.receiver.sweep()
-                self._update_gauges()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.exception("sweep failed")
+        self.receiver.sweep()
+        self._update_gauges()
 
     def _on_step(self, jobs, outputs) -> None:
         self.metrics.generated_tokens.inc(sum(len(o.token_ids) for o in outputs))
@@ -154,9 +112,6 @@ class DecodeDaemon:
                 "draft_model": bool(c.draft_model), "spec_k": self.runner.spec_k,
                 "free_pages": self.free_pages(),
                 "prefills": {f"{h}:{p}": link.state.value for (h, p), link in self.receiver.links.items()},
-                "kv_layout": layout_summary(KvLayout.from_register(self._register_msg()), self._draft_fingerprint()),
+                "kv_layout": layout_summary(self.layout(), self.draft_fingerprint),
                 "quarantined_rooms": len(self.receiver.quarantined),
                 "quarantined_pages_forever": self.receiver.holds.num_forever_pages}
-
-    def free_pages(self) -> dict:
-        return self.runner.free_pages()

@@ -11,22 +11,16 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 
-from common.aux import AuxSlots
-from common.engine.factory import build_runner
+from common.api.app import create_app
+from common.daemon_core import DaemonCore
 from common.errors import FailCode, OverloadedError
-from common.geometry import KvLayout
 from common.layout import layout_summary
-from common.lifecycle import start_http, stop_http
-from common.metrics import Metrics
-from common.model.tokenizer import Tokenizer
-from common.transport.nixl import NixlEngine
+from common.lifecycle import start_http
 from common.transport.nixl_probe import MetadataProbe
 from common.transport.zmq import BootstrapServer, load_keys, load_public_keys
-from common.api.app import create_app
 from prefill_worker.bootstrap import Bootstrap
 from prefill_worker.config import PrefillConfig
 from prefill_worker.kv_transfer import KvWriter
@@ -40,67 +34,47 @@ logger = logging.getLogger(__name__)
 MAX_DECODES = 256  # decode processes registered at once; more are refused with a reason
 
 
-class PrefillDaemon:
+class PrefillDaemon(DaemonCore):
     name = "kvferry-prefill"
+    role = "prefill"
 
     def __init__(self, config: PrefillConfig):
-        self.config = config
-        self.drain_timeout_s = config.drain_timeout_s
+        super().__init__(config)
+        self.config: PrefillConfig = config
         self.prefill_id = f"prefill-{uuid.uuid4().hex[:12]}"
-        self.metrics = Metrics("prefill")
-        self.is_serving = False
         self.rooms = RoomTable(RoomLimits(max_rooms=config.max_running_requests + config.max_queued_requests,
                                           ended_s=config.transfer_wait_timeout_s))
-        self._tasks: list[asyncio.Task] = []
-        self.model_executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-model")
         self.xfer_executor = ThreadPoolExecutor(self.config.num_xfer_threads, thread_name_prefix="prefill-xfer")
-        self.engine: NixlEngine | None = None
         self.server: BootstrapServer | None = None
-        self.http = None
         self.quarantined_pages = 0
 
     # -- lifecycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
         c = self.config
         torch.set_num_threads(max(1, torch.get_num_threads()))
-        loop = asyncio.get_running_loop()
         self.probe = MetadataProbe(timeout_s=c.register_timeout_s)
         self.probe.start()  # its child imports NIXL while the model loads
-        self.runner = await loop.run_in_executor(self.model_executor, lambda: build_runner(
-            c.model, c.draft_model, device=c.device, dtype=c.torch_dtype_name, page_size=c.page_size,
-            max_total_tokens=c.max_total_tokens, draft_device=c.draft_device, kv_layout=c.kv_layout, spec_k=0,
-            attention_backend=c.attention_backend, disable_cuda_graph=True))  # prefill runs no decode steps
-        self.device = self.runner.target.kv.device
-        self.tokenizer = Tokenizer.from_dir(c.model)
-        cfg = self.runner.target.model.config
-        self.model_name = Path(c.model).name
-        self.max_context_tokens = min(cfg.max_position_embeddings, c.max_total_tokens)
-        # Aux slots live beside the target KV so that KV and aux travel in one WRITE (one list per side).
-        self.aux = AuxSlots(c.max_running_requests + c.max_queued_requests, device=str(self.device))
-        self.engine = NixlEngine("prefill")
-        if not await loop.run_in_executor(self.model_executor, self.probe.wait_ready, 120.0):
+        await self.load_model(spec_k=0, attention_backend=c.attention_backend,
+                              disable_cuda_graph=True)  # a prefill runs no decode steps
+        if not await asyncio.get_running_loop().run_in_executor(self.model_executor, self.probe.wait_ready, 120.0):
             logger.warning("the NIXL metadata probe did not start within 120s; the first registration will wait")
-        for slot in self.runner.slots:
-            self.engine.register_tensor(slot.kv.buffer)
-        self.engine.register_tensor(self.aux.buffer)
-        self.layout = self._layout()
         self.server = BootstrapServer(c.bootstrap_host, c.bootstrap_port, **self._curve())
         self.server.start()
         self.peers = PeerTable(self.engine, max_peers=MAX_DECODES,
                                peer_timeout_s=c.heartbeat_interval_s * c.heartbeat_misses * 2)
-        self.bootstrap = Bootstrap(server=self.server, engine=self.engine, layout=self.layout, peers=self.peers,
+        self.bootstrap = Bootstrap(server=self.server, engine=self.engine, layout=self.layout(), peers=self.peers,
                                    rooms=self.rooms, metrics=self.metrics, prefill_id=self.prefill_id,
                                    register_timeout_s=c.register_timeout_s,
                                    transfer_wait_timeout_s=c.transfer_wait_timeout_s, on_bound=self._on_bound,
-                                   draft_model=self._draft_fingerprint(), probe=self.probe)
+                                   draft_model=self.draft_fingerprint, probe=self.probe)
         self.writer = KvWriter(engine=self.engine, peers=self.peers, aux=self.aux, executor=self.xfer_executor,
                                send=self.bootstrap.send, metrics=self.metrics,
                                transfer_wait_timeout_s=c.transfer_wait_timeout_s, xfer_timeout_s=c.xfer_timeout_s)
         self.scheduler = PrefillScheduler(self.runner, self.model_executor, max_prefill_tokens=c.max_prefill_tokens,
                                           with_draft=self.runner.draft is not None)
         self.scheduler.start()
-        self._tasks = [asyncio.create_task(self._serve_bootstrap(), name="bootstrap"),
-                       asyncio.create_task(self._sweep(), name="sweep")]
+        self._tasks.append(asyncio.create_task(self._serve_bootstrap(), name="bootstrap"))
+        self.every("sweep", self._sweep)
         app = create_app(PrefillBackend(self), api_key=c.api_key, request_timeout_s=c.request_timeout_s,
                          max_request_bytes=c.max_request_bytes)
         self.http = await start_http(app, c.host, c.port)
@@ -117,11 +91,7 @@ class PrefillDaemon:
         self.rooms.abort_all("prefill shutting down", FailCode.SHUTTING_DOWN)
         while len(self.rooms) and time.monotonic() < deadline + 5.0:
             await asyncio.sleep(0.05)
-        if self.http is not None:
-            await stop_http(*self.http)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.stop_core()
         if getattr(self, "scheduler", None) is not None:
             await self.scheduler.stop()
         if getattr(self, "bootstrap", None) is not None:
@@ -130,21 +100,10 @@ class PrefillDaemon:
             self.server.close()
         if getattr(self, "probe", None) is not None:
             self.probe.close()
-        if self.engine is not None:
-            self.engine.close()
-        self.model_executor.shutdown(wait=True)
+        self.close_core()
         self.xfer_executor.shutdown(wait=True)
 
     # -- helpers ----------------------------------------------------------------------------------------
-    def _layout(self) -> KvLayout:
-        kv = self.runner.target.kv
-        regions = tuple(r for slot in self.runner.slots for r in slot.kv.regions())
-        return KvLayout(model=self.runner.target.model.config.fingerprint, page_size=kv.page_size,
-                        kv_dtype=kv.kv_dtype, tp_size=1, tp_rank=0, regions=regions, aux=self.aux.info())
-
-    def _draft_fingerprint(self) -> str:
-        return self.runner.draft.model.config.fingerprint if self.runner.draft is not None else ""
-
     def _on_bound(self, room) -> None:
         self.writer.prepare(room)
 
@@ -170,15 +129,8 @@ class PrefillDaemon:
                 logger.exception("bootstrap handler failed")
 
     async def _sweep(self) -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            try:
-                await self.bootstrap.sweep()
-                self._update_gauges()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.exception("sweep failed")
+        await self.bootstrap.sweep()
+        self._update_gauges()
 
     def _update_gauges(self) -> None:
         self.metrics.observe_pools(self.runner.slots)
@@ -210,8 +162,5 @@ class PrefillDaemon:
                 "max_total_tokens": c.max_total_tokens, "bootstrap_port": c.bootstrap_port,
                 "disaggregation_mode": "prefill", "draft_model": bool(c.draft_model),
                 "free_pages": self.free_pages(), "quarantined_pages": self.quarantined_pages,
-                "kv_layout": layout_summary(self.layout, self._draft_fingerprint()),
+                "kv_layout": layout_summary(self.bootstrap.layout, self.draft_fingerprint),
                 "rooms": len(self.rooms), "decodes": len(self.peers)}
-
-    def free_pages(self) -> dict:
-        return self.runner.free_pages()

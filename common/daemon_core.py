@@ -1,0 +1,111 @@
+"""What the prefill and decode daemons share: the model and its KV pools, the aux slots, the NIXL
+agent they are registered with, the region table both sides derive from, and the sweep loop.
+
+``DaemonCore`` is the base of ``PrefillDaemon`` and ``DecodeDaemon``. ``load_model`` (on the
+daemon's model executor) builds the runner, tokenizer and aux slots and registers every pool with
+a NIXL agent; ``layout`` is the region table: the decode sends it in its ``register``, the prefill
+builds its plans from it. Each daemon adds its own control plane and per-request pipeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from common.aux import AuxSlots
+from common.daemon_config import CommonConfig
+from common.engine.factory import build_runner
+from common.engine.runner import ModelRunner
+from common.geometry import KvLayout
+from common.lifecycle import stop_http
+from common.metrics import Metrics
+from common.model.tokenizer import Tokenizer
+from common.transport.nixl import NixlEngine
+
+logger = logging.getLogger(__name__)
+
+SWEEP_INTERVAL_S = 0.5
+
+
+class DaemonCore:
+    """Model, pools, aux slots and NIXL agent of one daemon; ``role`` is "prefill" or "decode"."""
+
+    role = ""
+
+    def __init__(self, config: CommonConfig):
+        self.config = config
+        self.drain_timeout_s = config.drain_timeout_s
+        self.metrics = Metrics(self.role)
+        self.is_serving = False
+        self.model_executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-model")
+        self.engine: NixlEngine | None = None
+        self.http = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def load_model(self, **runner_options) -> None:
+        """Build the runner (target, draft, KV pools), tokenizer and aux slots on the model
+        executor, then register every pool and the aux slots with this daemon's NIXL agent."""
+        c = self.config
+        self.runner: ModelRunner = await asyncio.get_running_loop().run_in_executor(
+            self.model_executor, lambda: build_runner(
+                c.model, c.draft_model, device=c.device, dtype=c.torch_dtype_name, page_size=c.page_size,
+                max_total_tokens=c.max_total_tokens, draft_device=c.draft_device, kv_layout=c.kv_layout,
+                **runner_options))
+        self.device: torch.device = self.runner.target.kv.device
+        self.tokenizer = Tokenizer.from_dir(c.model)
+        self.model_name = Path(c.model).name
+        self.max_context_tokens = min(self.runner.target.model.config.max_position_embeddings, c.max_total_tokens)
+        # Aux slots live beside the target KV so that KV and aux travel in one WRITE (one list per side).
+        self.aux = AuxSlots(c.max_running_requests + c.max_queued_requests, device=str(self.device))
+        self.engine = NixlEngine(self.role)
+        for slot in self.runner.slots:
+            self.engine.register_tensor(slot.kv.buffer)
+        self.engine.register_tensor(self.aux.buffer)
+
+    def layout(self) -> KvLayout:
+        """This side's region table (target and draft pools, aux slots) as both sides match it."""
+        kv = self.runner.target.kv
+        regions = tuple(r for slot in self.runner.slots for r in slot.kv.regions())
+        return KvLayout(model=self.runner.target.model.config.fingerprint, page_size=kv.page_size,
+                        kv_dtype=kv.kv_dtype, tp_size=1, tp_rank=0, regions=regions, aux=self.aux.info())
+
+    @property
+    def draft_fingerprint(self) -> str:
+        """The draft model's architecture fingerprint, "" without a draft."""
+        return self.runner.draft.model.config.fingerprint if self.runner.draft is not None else ""
+
+    def free_pages(self) -> dict:
+        return self.runner.free_pages()
+
+    def every(self, name: str, step: Callable[[], Awaitable[None]], interval_s: float = SWEEP_INTERVAL_S) -> None:
+        """Run ``step`` every ``interval_s`` as a task of this daemon; a failing step is logged and
+        the next one runs (task boundary)."""
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                try:
+                    await step()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    logger.exception("%s failed", name)
+
+        self._tasks.append(asyncio.create_task(loop(), name=name))
+
+    async def stop_core(self) -> None:
+        """The shared tail of ``stop``: HTTP, this daemon's tasks, then the NIXL agent and executor."""
+        if self.http is not None:
+            await stop_http(*self.http)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def close_core(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        self.model_executor.shutdown(wait=True)
