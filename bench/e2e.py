@@ -38,85 +38,6 @@ from bench.spec import tiny_dirs  # noqa: E402
 from common.procs import Proc, free_port, worker_proc  # noqa: E402
 
 
-class ColocatedServer:
-    """The baseline server (a `Backend` and a lifecycle daemon in one): prefill then decode in
-    one process, with the same HTTP app, scheduler, batcher and executor structure as the pair."""
-
-    name, drain_timeout_s, role = "colocated-bench", 1.0, "colocated"
-
-    def __init__(self, a, target: str, draft: str | None):
-        self.a, self.target, self.draft = a, target, draft
-        self.model_name, self.model_path = Path(target).name, target
-
-    async def start(self) -> None:
-        from common.api.app import create_app
-        from common.engine.batcher import DecodeBatcher
-        from common.engine.factory import build_runner
-        from common.lifecycle import start_http
-        from common.model.tokenizer import Tokenizer
-        from prefill_worker.scheduler import PrefillScheduler
-
-        self.executor = ThreadPoolExecutor(1)
-        self.runner = build_runner(self.target, self.draft, device=self.a.device, max_total_tokens=self.a.max_total_tokens)
-        self.tokenizer = Tokenizer.from_dir(self.target)
-        self.max_context_tokens = self.runner.target.model.config.max_position_embeddings
-        self.scheduler = PrefillScheduler(self.runner, self.executor, max_prefill_tokens=8192, with_draft=True)
-        self.batcher = DecodeBatcher(self.runner, self.executor, max_running=64, on_finish=self.runner.release)
-        self.scheduler.start()
-        self.batcher.start()
-        self.http = await start_http(create_app(self, api_key=None, request_timeout_s=600), "127.0.0.1",
-                                     self.a.serve_colocated)
-
-    async def stop(self, timeout_s: float) -> None:
-        from common.lifecycle import stop_http
-
-        await stop_http(*self.http)
-        await self.scheduler.stop()
-        await self.batcher.stop()
-        self.executor.shutdown()
-
-    def is_ready(self) -> bool:
-        return True
-
-    def server_info(self) -> dict:
-        return {}
-
-    def metrics_text(self) -> None:
-        return None
-
-    async def health_generate(self) -> None:
-        return None
-
-    async def generate(self, inp):
-        from common.api.backend import GenerateEvent
-        from common.engine.colocated import decode_seed
-        from common.engine.output import OutputTracker
-        from common.engine.sequence import Sequence
-        from common.model.sampling import make_generator
-
-        device = self.runner.target.kv.device
-        seq = Sequence(inp.request_id, list(inp.prompt_ids), inp.params, make_generator(inp.params.seed, device))
-        self.runner.admit(seq)
-        try:
-            await self.scheduler.prefill(seq)
-        except BaseException:
-            self.runner.release(seq)
-            raise
-        seq.generator = make_generator(decode_seed(inp.params.seed), device)
-        tracker = OutputTracker(seq, self.tokenizer.decode, self.tokenizer.eos_token_ids)
-        job = self.batcher.submit(seq, tracker, needs_draft_prefill=False)
-        try:
-            while True:
-                out = await job.queue.get()
-                yield GenerateEvent(out.token_ids, out.logprobs, out.text, out.finished,
-                                    out.finish_reason.to_sglang() if out.finished else None)
-                if out.finished:
-                    return
-        finally:
-            if not seq.is_done:
-                self.batcher.abort(job, "client disconnected")
-
-
 def post(url: str, body: dict) -> tuple[int, float, float]:
     """POST ``body``; returns (status, time of the first SSE event or of the headers, time done).
     A prefill answers one JSON object even to a stream (docs/routers.md)."""
@@ -289,7 +210,10 @@ def main() -> None:
     if a.serve_colocated:
         from common.lifecycle import run
 
-        sys.exit(run(ColocatedServer(a, target, draft)))
+        from common.engine.colocated_server import ColocatedServer
+
+        sys.exit(run(ColocatedServer(target, draft, device=a.device, max_total_tokens=a.max_total_tokens,
+                                     port=a.serve_colocated)))
     from common.engine.factory import build_runner
     from common.model.tokenizer import Tokenizer
 

@@ -27,7 +27,7 @@ from prefill_worker.kv_transfer import KvWriter
 from prefill_worker.peers import PeerTable
 from prefill_worker.pipeline import PrefillBackend
 from prefill_worker.rooms import RoomLimits, RoomTable
-from prefill_worker.scheduler import PrefillScheduler
+from common.engine.prefill_scheduler import PrefillScheduler
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from prefill_worker.bootstrap import Bootstrap
 from prefill_worker.config import PrefillConfig
 from prefill_worker.kv_transfer import KvWriter
 from prefill_worker.rooms import Room, RoomTable
-from prefill_worker.scheduler import PrefillScheduler
+from common.engine.prefill_scheduler import PrefillScheduler
 
 logger = logging.getLogger(__name__)
 
