@@ -98,6 +98,25 @@ def prefill_case(runner, tokens: int, num_params: int, cfg, peak: float) -> dict
             "tokens_per_s": round(tokens / seconds, 1)}
 
 
+def gemv_cases(model) -> list[dict]:
+    """One row through each projection of layer 0: cuBLAS (F.linear) against the Triton GEMV."""
+    import torch
+
+    from common.model import triton_fused
+
+    layer, out = model.layers[0], []
+    for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+        weight = getattr(layer, name)
+        x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        nbytes = weight.numel() * weight.element_size()
+        cublas_ms = timed(lambda: torch.nn.functional.linear(x, weight), 50)
+        triton_ms = timed(lambda: triton_fused.gemv(x, weight), 50)
+        out.append({"mode": "gemv", "weight": name, "shape": list(weight.shape),
+                    "cublas_us": round(cublas_ms * 1e3, 1), "triton_us": round(triton_ms * 1e3, 1),
+                    "cublas_gb_s": round(nbytes / cublas_ms / 1e6), "triton_gb_s": round(nbytes / triton_ms / 1e6)})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -128,8 +147,12 @@ def main() -> None:
     model = runner.target.model
     base = {"bench": "engine", "device": a.device, "dtype": a.dtype, "attention_backend": model.attn.name,
             "cuda_graph": bool(runner.target.graphs), "startup_s": round(time.perf_counter() - started, 1),
+            "capture_s": round(sum(g.capture_s for g in runner.target.graphs), 2),
             "hbm_gb_s": round(bw, 1), "matmul_tflops": round(peak, 1), "model": Path(a.model).name,
             "hw": hardware([a.device]), "git": git_hash()}
+    if model.attn.name == "triton":
+        for record in gemv_cases(model):
+            emit({**base, **record})
     weights = [p for name, p in model.named_parameters() if name != "embed" or model.config.has_tied_embeddings]
     weight_bytes = sum(p.numel() * p.element_size() for p in weights)
     num_params = sum(p.numel() for p in weights)
@@ -140,6 +163,13 @@ def main() -> None:
                       "skipped": f"needs {batch * context} KV tokens, the pool holds {max_tokens}"})
                 continue
             emit({**base, **decode_case(runner, a, batch, context, weight_bytes, kv_token_bytes, bw)})
+    if model.attn.name == "triton" and runner.target.graphs:  # batch 1 again with cuBLAS for every row count
+        model.attn.use_gemv = False
+        for graphs in runner.target.graphs:
+            graphs.capture()
+        for context in map(int, a.contexts.split(",")):
+            emit({**base, "gemv": False, **decode_case(runner, a, 1, context, weight_bytes, kv_token_bytes, bw)})
+        model.attn.use_gemv = True
     for tokens in (map(int, a.prefill.split(",")) if a.prefill else []):
         emit({**base, **prefill_case(runner, tokens, num_params, model.config, peak)})
 

@@ -48,6 +48,7 @@ class StepGraphs:
         self.page_table = torch.zeros(max_bs, self.max_pages, dtype=torch.int64, device=device)
         self.last_index = torch.arange(1, max_bs + 1, dtype=torch.int64, device=device) * tokens_per_seq - 1
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.capture_s = 0.0
         self.outputs: dict[int, torch.Tensor | list[torch.Tensor]] = {}
 
     def can_run(self, chunks, all_logits: bool) -> bool:
@@ -81,7 +82,7 @@ class StepGraphs:
             self.pool = graph.pool() if self.pool is None else self.pool
             self.graphs[batch] = graph
         torch.cuda.synchronize(self.kv.device)
-        took_s = time.perf_counter() - started
+        took_s = self.capture_s = time.perf_counter() - started
         logger.info("captured CUDA graphs model=%s tokens_per_seq=%d batch_sizes=%s max_context_tokens=%d in %.2f s",
                     self.kv.model_name, self.tokens_per_seq, self.sizes, self.max_pages * self.kv.page_size, took_s)
         return took_s
@@ -91,16 +92,24 @@ class StepGraphs:
         a list of n [q, vocab] (q > 1)."""
         num, q = len(chunks), self.tokens_per_seq
         batch = next(b for b in self.sizes if b >= num)
-        host, width = pack_chunks(chunks, self.kv.page_size)
-        num_tokens = num * q
-        token_inputs = np.zeros((batch * q, 4), np.int64)
-        token_inputs[:num_tokens] = host[:4 * num_tokens].reshape(4, num_tokens).T
-        token_inputs[num_tokens:, 2] = -1
-        seq_inputs = np.zeros((batch, 4), np.int64)  # padding: kv_len 0, q 0
-        seq_inputs[:num] = host[4 * num_tokens:4 * num_tokens + 5 * num].reshape(5, num)[1:].T
+        token_inputs, seq_inputs, table = graph_inputs(chunks, self.kv.page_size, batch)
         self.token_inputs[:batch * q].copy_(torch.from_numpy(token_inputs))
         self.seq_inputs[:batch].copy_(torch.from_numpy(seq_inputs))
-        table = host[4 * num_tokens + 5 * num:].reshape(num, width)
-        self.page_table[:num, :width].copy_(torch.from_numpy(table))
+        self.page_table[:num, :table.shape[1]].copy_(torch.from_numpy(table))
         self.graphs[batch].replay()
         return self.outputs[batch][:num]
+
+
+def graph_inputs(chunks, page_size: int, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Host rows of the static buffers for ``chunks`` (each of q tokens) padded to ``batch``
+    sequences: token_inputs [batch * q, 4] (padding page -1), seq_inputs [batch, 4] (padding all 0:
+    kv_len 0, q 0), page table [len(chunks), pages of the longest context]."""
+    num, q = len(chunks), len(chunks[0].token_ids)
+    host, width = pack_chunks(chunks, page_size)
+    num_tokens = num * q
+    token_inputs = np.zeros((batch * q, 4), np.int64)
+    token_inputs[:num_tokens] = host[:4 * num_tokens].reshape(4, num_tokens).T
+    token_inputs[num_tokens:, 2] = -1
+    seq_inputs = np.zeros((batch, 4), np.int64)
+    seq_inputs[:num] = host[4 * num_tokens:4 * num_tokens + 5 * num].reshape(5, num)[1:].T
+    return token_inputs, seq_inputs, host[4 * num_tokens + 5 * num:].reshape(num, width)

@@ -9,7 +9,7 @@ a CUDA device when Triton imports, else torch. Both expose one interface::
     out = backend.attend(q, k_cache, v_cache, plan, window, scale)
 
 The elementwise steps around attention go through the backend too (``add_norm``, ``rope_store``,
-``silu_mul``): the torch compositions on the torch path, fused kernels (``triton_fused.py``) on the
+``silu_mul``, ``linear``): the torch compositions on the torch path, fused kernels (``triton_fused.py``) on the
 triton path.
 
 A plan has ``positions`` [T], ``last_index`` [B] and ``query_lens`` (list); the rest is the
@@ -81,6 +81,10 @@ class TorchBackend:
         return torch.nn.functional.silu(gate) * up
 
     @staticmethod
+    def linear(x, weight, bias=None) -> torch.Tensor:
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
     def attend(q, k, v, k_cache, v_cache, plan, window, scale) -> torch.Tensor:
         return attention.paged_attention(q, k_cache, v_cache, plan, window, scale)
 
@@ -142,6 +146,7 @@ class TritonBackend:
 
         self.kernels = triton_attention
         self.fused = triton_fused
+        self.use_gemv = True
         self.num_kv_heads = num_kv_heads
         # (a CPU device only under TRITON_INTERPRET=1, in tests)
         is_cuda = device.type == "cuda"
@@ -177,6 +182,12 @@ class TritonBackend:
 
     def silu_mul(self, gate_up) -> torch.Tensor:
         return self.fused.silu_mul(gate_up)
+
+    def linear(self, x, weight, bias=None) -> torch.Tensor:
+        # one row (batch-1 decode and draft steps): a weight-streaming GEMV instead of cuBLAS's GEMM
+        if x.shape[0] == 1 and self.use_gemv:
+            return self.fused.gemv(x.contiguous(), weight, bias)
+        return torch.nn.functional.linear(x, weight, bias)
 
     def attend(self, q, k, v, k_cache, v_cache, plan: TritonPlan, window, scale) -> torch.Tensor:
         """q, k (rotated), v: the new tokens [T, H, D]; k_cache, v_cache hold them already."""

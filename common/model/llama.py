@@ -103,13 +103,13 @@ class DecoderLayer(nn.Module):
         eps = self.config.rms_norm_eps
         x, h = attn.add_norm(x, delta, self.input_norm, eps)
         x, h = attn.add_norm(x, self._attention(h, cos_sin, kv, plan, attn), self.post_norm, eps)
-        gate_up = F.linear(h, self.gate_up_weight, self.gate_up_bias)
-        return x, F.linear(attn.silu_mul(gate_up), self.down_weight, self.down_bias)
+        gate_up = attn.linear(h, self.gate_up_weight, self.gate_up_bias)
+        return x, attn.linear(attn.silu_mul(gate_up), self.down_weight, self.down_bias)
 
     def _attention(self, h: torch.Tensor, cos_sin, kv: KvCache, plan, attn) -> torch.Tensor:
         c = self.config
         num_tokens = h.shape[0]
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        qkv = attn.linear(h, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(num_tokens, c.num_attention_heads, c.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, c.num_key_value_heads, c.head_dim)  # [T, Hkv, D]
@@ -120,7 +120,7 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]  # [num_pages, page_size, Hkv, D]
         q = attn.rope_store(q, k, v, cos_sin, k_cache, v_cache, plan)  # rotates q and k, stores k and v
         out = attn.attend(q, k, v, k_cache, v_cache, plan, self.window, c.head_dim**-0.5)
-        return F.linear(out.reshape(num_tokens, c.q_size), self.o_weight, self.o_bias)
+        return attn.linear(out.reshape(num_tokens, c.q_size), self.o_weight, self.o_bias)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -182,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
         if not all_logits:
             x = x.index_select(0, plan.last_index)
         # Logits in the model dtype then fp32, as transformers does, so greedy picks agree with it.
-        logits = F.linear(rms_norm(x, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        logits = self.attn.linear(rms_norm(x, self.norm, self.config.rms_norm_eps), self.lm_head).float()
         return list(logits.split(plan.query_lens)) if all_logits else logits
 
     def check(self, chunks: list[SeqChunk], kv: KvCache) -> None:

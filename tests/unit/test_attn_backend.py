@@ -62,3 +62,20 @@ def test_backend_choice():
         resolve_backend("triton", torch.device("cpu"))
     with pytest.raises(ValueError, match="expected one of"):
         resolve_backend("flash", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("q", [1, 5])
+def test_graph_inputs_pad_to_the_bucket(q):
+    from common.engine.cuda_graph import graph_inputs
+
+    chunks = [SeqChunk(list(range(10 * i, 10 * i + q)), start, pages)
+              for i, (start, pages) in enumerate([(3, [7, 2, 9]), (20, [4, 1, 8, 6]), (0, [5])])]
+    tokens, seqs, table = graph_inputs(chunks, 8, batch=4)
+    assert tokens.shape == (4 * q, 4) and seqs.shape == (4, 4)
+    assert tokens[:3 * q, 0].tolist() == [t for c in chunks for t in c.token_ids]
+    assert tokens[:q, 1].tolist() == list(range(3, 3 + q))  # positions
+    assert tokens[q, 2] == [4, 1, 8, 6][20 // 8] and tokens[q, 3] == 20 % 8  # page, row of token 20
+    assert (tokens[3 * q:, 2] == -1).all()  # padding stores nothing
+    assert seqs[:3].tolist() == [[3 + q, 0, q, 3], [20 + q, q, q, 20], [q, 2 * q, q, 0]]
+    assert not seqs[3].any()  # padding: kv_len 0, q 0
+    assert table[1, :-(-(20 + q) // 8)].tolist() == [4, 1, 8, 6][:-(-(20 + q) // 8)]
