@@ -190,6 +190,11 @@ class KvReceiver:
             self._settle(room, link, FetchError(TransferError("client disconnected", code=FailCode.CANCELLED),
                                                 pages_safe=room not in self.holds.sent), release, num_pages)
             raise
+        except Exception as exc:  # task boundary: a defect here must not leak the room's pages
+            logger.exception("room=%d request_id=%s: fetch failed unexpectedly", room, request_id)
+            self._settle(room, link, FetchError(TransferError(f"room={room}: {type(exc).__name__}: {exc}"),
+                                                pages_safe=room not in self.holds.sent), release, num_pages)
+            raise
         self.holds.sent.pop(room, None)
         return result
 

@@ -96,32 +96,34 @@ class PrefillLink:
                 raise GeometryMismatchError(f"prefill {self.address} rejected this decode's KV layout: "
                                             f"{self.refusal}", code=FailCode.REFUSED)
             self._move(LinkState.REGISTERING)
-            msg = self.receiver.register_msg()
-            self.decode_id = msg.decode_id
-            self._ack_future = asyncio.get_running_loop().create_future()
-            deadline = time.monotonic() + timeout_s
             try:
-                await self.client.send(msg, timeout_s=timeout_s)
-            except PeerUnavailableError:
-                self._move(LinkState.LOST)
-                raise
-            try:
-                ack = await asyncio.wait_for(self._ack_future, max(deadline - time.monotonic(), 0.0))
-            except asyncio.TimeoutError:
-                self._move(LinkState.LOST)
-                raise PeerUnavailableError(f"prefill {self.address} did not answer register within {timeout_s:.1f}s "
-                                           f"(is a prefill listening on that bootstrap port?)") from None
-            if not ack.accepted:
-                self._move(LinkState.REJECTED)
-                self.refusal, self.refused_until = ack.error, time.monotonic() + REFUSAL_S
-                raise GeometryMismatchError(f"prefill {self.address} rejected this decode's KV layout: {ack.error}",
-                                            code=FailCode.REFUSED)
-            self.ack = ack
-            self._move(LinkState.REGISTERED)
-            self._last_pong = time.monotonic()
-            logger.info("registered with prefill peer=%s prefill_id=%s written=%d ignored=%d decode_only_spec_dec=%s",
-                        self.address, ack.prefill_id, len(ack.written), len(ack.ignored), ack.decode_only_spec_dec)
-            return ack
+                return await self._register(timeout_s)
+            finally:
+                if self.state is LinkState.REGISTERING:  # cancelled, or failed on the way: try again next time
+                    self._move(LinkState.LOST)
+
+    async def _register(self, timeout_s: float) -> wire.RegisterAck:
+        msg = self.receiver.register_msg()
+        self.decode_id = msg.decode_id
+        self._ack_future = asyncio.get_running_loop().create_future()
+        deadline = time.monotonic() + timeout_s
+        await self.client.send(msg, timeout_s=timeout_s)
+        try:
+            ack = await asyncio.wait_for(self._ack_future, max(deadline - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
+            raise PeerUnavailableError(f"prefill {self.address} did not answer register within {timeout_s:.1f}s "
+                                       f"(is a prefill listening on that bootstrap port?)") from None
+        if not ack.accepted:
+            self._move(LinkState.REJECTED)
+            self.refusal, self.refused_until = ack.error, time.monotonic() + REFUSAL_S
+            raise GeometryMismatchError(f"prefill {self.address} rejected this decode's KV layout: {ack.error}",
+                                        code=FailCode.REFUSED)
+        self.ack = ack
+        self._move(LinkState.REGISTERED)
+        self._last_pong = time.monotonic()
+        logger.info("registered with prefill peer=%s prefill_id=%s written=%d ignored=%d decode_only_spec_dec=%s",
+                    self.address, ack.prefill_id, len(ack.written), len(ack.ignored), ack.decode_only_spec_dec)
+        return ack
 
     def _move(self, new: LinkState) -> None:
         if new not in _TRANSITIONS[self.state]:

@@ -242,3 +242,23 @@ def test_prefill_that_forgot_the_decode_is_registered_with_again_and_no_slot_lea
         assert record.room == 92 and prefill.counter("kvferry_registrations_total", result="accepted") == 2
         assert decode.aux.num_free == decode.aux.num_slots and decode.released == []
     scenario(body)
+
+
+def test_registration_cut_short_by_the_deadline_is_tried_again_next_time():
+    """The room's deadline passes while the link waits for its register_ack: that room fails with
+    its pages freed, and the next request registers afresh (the link is not stuck registering)."""
+    async def body(prefill, decode):
+        gate = threading.Event()
+        for _ in range(2):  # the prefill's registration threads are busy: no ack comes in time
+            prefill.bootstrap.executor.submit(gate.wait, 20)
+        prefill.open_room(101, num_tokens=20)
+        with pytest.raises(PeerUnavailableError, match="did not acknowledge registration within 0.3s"):
+            await decode.fetch(prefill, 101, 20, [0, 1], timeout_s=0.3)
+        assert decode.released == [101]
+        gate.set()
+        room = prefill.open_room(102, num_tokens=20)
+        fetch = asyncio.get_running_loop().create_task(decode.fetch(prefill, 102, 20, [2, 3]))
+        await until(lambda: room.transfer is not None, what="the second request's transfer bound")
+        await prefill.writer.send_room(room, time.monotonic() + 5)
+        assert (await fetch)[0].room == 102
+    scenario(body)
