@@ -39,8 +39,9 @@ from common.errors import FailCode, ProtocolError
 #                    NIXL notification {room, decode_id, ok}; 32-byte aux record.
 #   1 (kvferry 0.2): Region.stride (default 0 = item_len), for page-major KV pools where one page of
 #                    every region forms one block; a layer-major pool still sends frames 0.1 reads.
-#   1 (kvferry 0.3): TransferResult.code (default "": a peer that predates it, read as FailCode.OTHER)
-#                    and Register.draft_model (default "": no draft, or a decode that predates it).
+#   1 (kvferry 0.3): TransferResult.code and RegisterAck.code (default "": a peer that predates them,
+#                    read as FailCode.OTHER) and Register.draft_model (default "": no draft, or a
+#                    decode that predates it).
 PROTOCOL_VERSION = 1
 
 # A register frame carries two entries per layer per model; 1 MiB holds ~5,000 regions.
@@ -141,6 +142,11 @@ class RegisterAck(Message):
     written: list[RegionKey]  # region keys (model, layer, kind) the prefill will write
     ignored: list[RegionKey]  # decode region keys the prefill leaves alone (decode-only draft)
     decode_only_spec_dec: bool
+    code: str = ""  # with accepted false: a FailCode value; OVERLOADED and TIMEOUT are worth a retry
+
+    @property
+    def fail_code(self) -> FailCode:
+        return FailCode.parse(self.code)
 
 
 @dataclass(frozen=True, slots=True)

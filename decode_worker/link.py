@@ -113,6 +113,9 @@ class PrefillLink:
         except asyncio.TimeoutError:
             raise PeerUnavailableError(f"prefill {self.address} did not answer register within {timeout_s:.1f}s "
                                        f"(is a prefill listening on that bootstrap port?)") from None
+        if not ack.accepted and ack.fail_code in (FailCode.OVERLOADED, FailCode.TIMEOUT):
+            raise PeerUnavailableError(f"prefill {self.address} could not register this decode now: {ack.error}",
+                                       code=ack.fail_code)  # the next request tries again (LOST)
         if not ack.accepted:
             self._move(LinkState.REJECTED)
             self.refusal, self.refused_until = ack.error, time.monotonic() + REFUSAL_S

@@ -109,14 +109,14 @@ class Bootstrap:
         try:
             plan, lists = await self._plan_and_lists(owner, msg)
         except DisaggError as exc:
-            await self._reject(identity, msg, str(exc))
+            await self._reject(identity, msg, str(exc), exc.code)
             return
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # task boundary: log, refuse, keep serving
             logger.exception("registration of decode_id=%s failed", msg.decode_id)
             await self._reject(identity, msg, f"prefill {self.prefill_id} failed to register it: "
-                                              f"{type(exc).__name__}: {exc}")
+                                              f"{type(exc).__name__}: {exc}", FailCode.OTHER)
             return
         self.peers.install(DecodePeer(msg.decode_id, msg.agent_name, identity, owner, plan, lists))
         self.metrics.registrations.labels(result="accepted").inc()
@@ -130,7 +130,7 @@ class Bootstrap:
     async def _plan_and_lists(self, owner: bytes, msg: wire.Register) -> tuple[TransferPlan, list[ListPair]]:
         refusal = self.peers.refuse_register(msg.decode_id, msg.agent_name, owner)
         if refusal is not None:
-            raise ProtocolError(refusal)
+            raise ProtocolError(refusal[0], code=refusal[1])
         peer_name = f"decode_id={msg.decode_id} agent={msg.agent_name}"
         plan = geometry.build_plan(self.layout, KvLayout.from_register(msg), peer=peer_name)
         self._check_draft(msg, plan)
@@ -141,9 +141,11 @@ class Bootstrap:
                                             f"same agent; a changed decode restarts under a new id")
             return plan, old.lists  # the same process again: a WRITE in flight may use these lists
         if msg.decode_id in self._registering:
-            raise ProtocolError(f"a registration of decode_id={msg.decode_id} is still in progress; retry")
+            raise ProtocolError(f"a registration of decode_id={msg.decode_id} is still in progress; retry",
+                                code=FailCode.OVERLOADED)
         if len(self._registering) >= MAX_PENDING_REGISTERS:
-            raise ProtocolError(f"prefill is busy with {len(self._registering)} registrations; retry")
+            raise ProtocolError(f"prefill is busy with {len(self._registering)} registrations; retry",
+                                code=FailCode.OVERLOADED)
         job = asyncio.get_running_loop().run_in_executor(self.executor, self._connect, msg, plan)
         self._registering[msg.decode_id] = job
         job.add_done_callback(lambda _: self._registering.pop(msg.decode_id, None))
@@ -153,7 +155,7 @@ class Bootstrap:
             job.add_done_callback(self._discard)
             self.metrics.timeouts.labels(stage="register").inc()
             raise ProtocolError(f"prefill could not add NIXL agent {msg.agent_name} within "
-                                f"{self.register_timeout_s}s") from None
+                                f"{self.register_timeout_s}s", code=FailCode.TIMEOUT) from None
 
     def _check_draft(self, msg: wire.Register, plan: TransferPlan) -> None:
         writes_draft = any(key[0] == "draft" for key in plan.written)
@@ -203,11 +205,14 @@ class Bootstrap:
             except DisaggError as exc:
                 logger.warning("remove of agent failed peer=%s: %s", agent, exc)
 
-    async def _reject(self, identity: bytes, msg: wire.Register, reason: str) -> None:
+    async def _reject(self, identity: bytes, msg: wire.Register, reason: str, code: FailCode) -> None:
+        """Refuse a register. ``code`` tells the decode whether to remember the refusal (a layout or
+        ownership refusal) or to try again with its next request (OVERLOADED, TIMEOUT)."""
         self.metrics.registrations.labels(result="rejected").inc()
         logger.warning("rejected registration of decode_id=%s peer=%s: %s", msg.decode_id, msg.agent_name, reason)
         await self.send(identity, wire.RegisterAck(prefill_id=self.prefill_id, accepted=False, error=reason,
-                                                   written=[], ignored=[], decode_only_spec_dec=False))
+                                                   written=[], ignored=[], decode_only_spec_dec=False,
+                                                   code=code.value))
 
     # -- transfer / abort ---------------------------------------------------------------------------------
     async def _on_transfer(self, identity: bytes, owner: bytes, msg: wire.Transfer) -> None:

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from common.errors import DisaggError
+from common.errors import DisaggError, FailCode
 from common.geometry import TransferPlan
 from common.transport.nixl import NixlEngine, PreppedList
 
@@ -95,20 +95,22 @@ class PeerTable:
                 peer.last_seen = now
 
     # -- rules -----------------------------------------------------------------------------------------
-    def refuse_register(self, decode_id: str, agent_name: str, owner: bytes) -> str | None:
-        """Why a register for ``decode_id`` from ``owner`` must be refused before any work, or None."""
+    def refuse_register(self, decode_id: str, agent_name: str, owner: bytes) -> tuple[str, FailCode] | None:
+        """Why (and with which code) a register for ``decode_id`` from ``owner`` must be refused
+        before any work, or None."""
         old = self.peers.get(decode_id)
         if old is not None and owner not in old.owners and old.agent_name != agent_name and self.is_alive(old):
             return (f"decode_id={decode_id} is registered by another live connection (agent {old.agent_name}); "
                     f"a decode id belongs to the connection that registered it: a restarted decode registers "
-                    f"under its new id")
+                    f"under its new id", FailCode.NOT_OWNER)
         if old is not None and old.agent_name == agent_name:
             return None  # the same process again (maybe from another connection)
         for peer in self.peers.values():
             if peer.agent_name == agent_name and peer.decode_id != decode_id:
-                return f"agent {agent_name} is already registered here under another decode id"
+                return f"agent {agent_name} is already registered here under another decode id", FailCode.NOT_OWNER
         if old is None and len(self.peers) >= self.max_peers:
-            return f"prefill already serves {len(self.peers)} decodes, its limit; retry later or add a prefill"
+            return (f"prefill already serves {len(self.peers)} decodes, its limit; retry later or add a prefill",
+                    FailCode.OVERLOADED)
         return None
 
     def refuse_transfer(self, decode_id: str, owner: bytes) -> str | None:

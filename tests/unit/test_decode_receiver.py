@@ -246,7 +246,8 @@ def test_prefill_that_forgot_the_decode_is_registered_with_again_and_no_slot_lea
 
 def test_registration_cut_short_by_the_deadline_is_tried_again_next_time():
     """The room's deadline passes while the link waits for its register_ack: that room fails with
-    its pages freed, and the next request registers afresh (the link is not stuck registering)."""
+    its pages freed, and the next request registers afresh (the link is not stuck registering); a
+    register refused only because the first is still in progress is not remembered as a refusal."""
     async def body(prefill, decode):
         gate = threading.Event()
         for _ in range(2):  # the prefill's registration threads are busy: no ack comes in time
@@ -255,7 +256,12 @@ def test_registration_cut_short_by_the_deadline_is_tried_again_next_time():
         with pytest.raises(PeerUnavailableError, match="did not acknowledge registration within 0.3s"):
             await decode.fetch(prefill, 101, 20, [0, 1], timeout_s=0.3)
         assert decode.released == [101]
+        prefill.open_room(103, num_tokens=20)  # asked again while the first registration is still queued
+        with pytest.raises(PeerUnavailableError, match="could not register this decode now: .*in progress"):
+            await decode.fetch(prefill, 103, 20, [4, 5], timeout_s=3.0)
+        assert decode.released == [101, 103] and decode.receiver.links[("127.0.0.1", prefill.port)].refusal is None
         gate.set()
+        await until(lambda: not prefill.bootstrap._registering, what="the late registration to end on the prefill")
         room = prefill.open_room(102, num_tokens=20)
         fetch = asyncio.get_running_loop().create_task(decode.fetch(prefill, 102, 20, [2, 3]))
         await until(lambda: room.transfer is not None, what="the second request's transfer bound")
