@@ -163,13 +163,13 @@ def main() -> None:
                       "skipped": f"needs {batch * context} KV tokens, the pool holds {max_tokens}"})
                 continue
             emit({**base, **decode_case(runner, a, batch, context, weight_bytes, kv_token_bytes, bw)})
-    if model.attn.name == "triton" and runner.target.graphs:  # batch 1 again with cuBLAS for every row count
-        model.attn.use_gemv = False
+    if model.attn.name == "triton" and runner.target.graphs:  # batch 1 again with the Triton GEMV
+        model.attn.use_gemv = True
         for graphs in runner.target.graphs:
             graphs.capture()
         for context in map(int, a.contexts.split(",")):
-            emit({**base, "gemv": False, **decode_case(runner, a, 1, context, weight_bytes, kv_token_bytes, bw)})
-        model.attn.use_gemv = True
+            emit({**base, "gemv": True, **decode_case(runner, a, 1, context, weight_bytes, kv_token_bytes, bw)})
+        model.attn.use_gemv = False
     for tokens in (map(int, a.prefill.split(",")) if a.prefill else []):
         emit({**base, **prefill_case(runner, tokens, num_params, model.config, peak)})
 
