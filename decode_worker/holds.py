@@ -1,4 +1,5 @@
-"""Quarantine: the decode's pages of failed rooms that a WRITE may still fill.
+"""Quarantine: the decode's pages of failed rooms that a WRITE may still fill, and the aborts that
+tell the prefill to stop.
 
 A room's pages become unsafe the moment its transfer request leaves (``sent``). If the room then
 fails without the prefill's word that nothing more will be written, its pages (and aux slot) are
@@ -10,12 +11,14 @@ frees it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from common import wire
 from common.aux import AuxSlots
 from common.metrics import Metrics
 from decode_worker.link import PrefillLink
@@ -46,6 +49,39 @@ class Hold:
     @property
     def is_forever(self) -> bool:
         return math.isinf(self.until)
+
+
+class AbortSender:
+    """Sends ``abort``s in the background: the client's answer must not wait on a dead peer."""
+
+    def __init__(self, metrics: Metrics, *, timeout_s: float):
+        self.metrics = metrics
+        self.timeout_s = timeout_s
+        self._tasks: set[asyncio.Task] = set()
+
+    def send_soon(self, link: PrefillLink, room: int, reason: str) -> AbortNote:
+        self.metrics.aborts.labels(side="decode").inc()
+        note = AbortNote(link)
+        task = asyncio.get_running_loop().create_task(self._send(note, room, reason))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return note
+
+    async def _send(self, note: AbortNote, room: int, reason: str) -> None:
+        link = note.link
+        try:
+            await link.send(wire.Abort(room=room, reason=reason), timeout_s=self.timeout_s)
+        except Exception as exc:  # task boundary; includes a socket replaced mid-send (_rebuild_socket)
+            note.is_lost = True
+            self.metrics.aborts.labels(side="decode_unsent").inc()
+            logger.warning("could not send abort for room=%d to peer=%s: %s", room, link.address, exc)
+        else:
+            note.sent_at = time.monotonic()
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 def prefill_is_past(note: AbortNote | None) -> bool:

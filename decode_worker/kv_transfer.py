@@ -29,7 +29,7 @@ from common.errors import (DisaggError, FailCode, GeometryMismatchError, PeerUna
                            TransferError)
 from common.metrics import Metrics
 from common.transport.nixl import NixlEngine
-from decode_worker.holds import AbortNote, Quarantine
+from decode_worker.holds import AbortSender, Quarantine
 from decode_worker.link import LinkState, PrefillLink
 from decode_worker.links import LinkPool
 
@@ -78,7 +78,7 @@ class KvReceiver:
         self.holds = Quarantine(aux, metrics, quarantine_s)
         self.waiters: dict[int, Waiter] = {}
         self._recent: OrderedDict[int, None] = OrderedDict()  # rooms completed lately (late notifs are not stale)
-        self._background: set[asyncio.Task] = set()
+        self.aborts = AbortSender(metrics, timeout_s=heartbeat_interval_s * heartbeat_misses)
         # Set when a room starts waiting: on loopback a WRITE completes only while this side makes
         # UCX progress (get_notifs), so the poller must not sleep through a short prefill.
         self.wake = asyncio.Event()
@@ -86,35 +86,7 @@ class KvReceiver:
 
     def start(self) -> None:
         """Start the notification poller (on the running loop)."""
-        self._poller = asyncio.get_running_loop().create_task(self._poll_notifications(), name="notif-poller")
-
-    async def _poll_notifications(self) -> None:
-        """Drain NIXL notifications (which also drives this side's UCX progress).
-
-        While rooms wait for KV, poll every 0.1 ms backing off to 1 ms (a fast WRITE is seen at
-        once, a long prefill does not burn a core); otherwise sleep until a room starts waiting,
-        or 50 ms to drain late and stale notifications.
-        """
-        pause_s = 1e-4
-        while True:
-            self.wake.clear()
-            if self.is_waiting:
-                await asyncio.sleep(pause_s)
-                pause_s = min(pause_s * 1.2, 1e-3)
-            else:
-                pause_s = 1e-4
-                with contextlib.suppress(asyncio.TimeoutError):  # the timeout is the periodic drain
-                    await asyncio.wait_for(self.wake.wait(), 0.05)
-            try:
-                for agent, payloads in self.engine.get_notifs().items():
-                    pause_s = 1e-4
-                    for payload in payloads:
-                        self.on_notification(agent, payload)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # task boundary: keep polling
-                logger.exception("notification poll failed")
-                await asyncio.sleep(0.1)
+        self._poller = asyncio.get_running_loop().create_task(poll_notifications(self), name="notif-poller")
 
     @property
     def links(self) -> dict[tuple[str, int], PrefillLink]:
@@ -206,12 +178,12 @@ class KvReceiver:
         if exc.code is FailCode.UNSAFE:
             self.holds.hold_forever(room, release, link, num_pages)
         elif not exc.pages_safe:
-            self.holds.hold(room, release, self._abort_soon(link, room, str(exc.error)))
+            self.holds.hold(room, release, self.aborts.send_soon(link, room, str(exc.error)))
         else:
             self.holds.drop_slot(room)
             release()
             if not was_sent or exc.code in _UNBOUND:
-                self._abort_soon(link, room, str(exc.error))
+                self.aborts.send_soon(link, room, str(exc.error))
 
     async def _fetch_once(self, request_id: str, link: PrefillLink, room: int, page_ids: list[int],
                           num_prompt_tokens: int, deadline: float, timeout_s: float
@@ -233,7 +205,7 @@ class KvReceiver:
         try:
             await self._ask(waiter, page_ids, num_prompt_tokens, deadline, timeout_s)
             self.metrics.kv_wait_seconds.observe(time.perf_counter() - waiter.sent_at)
-            return self._read_aux(waiter, num_prompt_tokens), link
+            return read_aux(self.aux, waiter, num_prompt_tokens), link
         except BaseException:
             if room in self.holds.sent:  # the WRITE may still fill the slot: it is held with the pages
                 self.holds.keep_slot(room, slot)
@@ -251,7 +223,7 @@ class KvReceiver:
 
     async def _ask(self, waiter: Waiter, page_ids: list[int], num_prompt_tokens: int, deadline: float,
                    timeout_s: float) -> None:
-        """Send the transfer request and wait until its outcome is settled (read it with ``_read_aux``)."""
+        """Send the transfer request and wait until its outcome is settled (read it with ``read_aux``)."""
         link = waiter.link
         msg = wire.Transfer(room=waiter.room, decode_id=link.decode_id, page_ids=page_ids, aux_slot=waiter.aux_slot,
                             num_prompt_tokens=num_prompt_tokens)
@@ -269,42 +241,6 @@ class KvReceiver:
             raise FetchError(TransferError(f"room={waiter.room} request_id={waiter.request_id}: KV from prefill "
                                            f"{link.address} did not arrive within {timeout_s:.1f}s",
                                            code=FailCode.TIMEOUT), pages_safe=False) from None
-
-    def _read_aux(self, waiter: Waiter, num_prompt_tokens: int) -> wire.AuxRecord:
-        exc = waiter.future.exception() if waiter.future.done() else None
-        if exc is not None:
-            raise exc
-        try:
-            record = wire.AuxRecord.unpack(self.aux.read(waiter.aux_slot))
-        except ProtocolError as err:
-            raise FetchError(TransferError(f"room={waiter.room}: {err}"), pages_safe=True) from None
-        if record.room != waiter.room or record.num_prompt_tokens != num_prompt_tokens:
-            raise FetchError(TransferError(
-                f"room={waiter.room} request_id={waiter.request_id}: aux slot {waiter.aux_slot} holds room "
-                f"{record.room} with {record.num_prompt_tokens} prompt tokens, expected room {waiter.room} with "
-                f"{num_prompt_tokens}; KV discarded"), pages_safe=True)
-        return record
-
-    def _abort_soon(self, link: PrefillLink, room: int, reason: str) -> AbortNote:
-        """Tell the prefill in the background: the client's answer must not wait on a dead peer."""
-        self.metrics.aborts.labels(side="decode").inc()
-        note = AbortNote(link)
-        task = asyncio.get_running_loop().create_task(self._abort(note, room, reason))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return note
-
-    async def _abort(self, note: AbortNote, room: int, reason: str) -> None:
-        link = note.link
-        try:
-            await link.send(wire.Abort(room=room, reason=reason),
-                            timeout_s=self.heartbeat_interval_s * self.heartbeat_misses)
-        except Exception as exc:  # task boundary; includes a socket replaced mid-send (_rebuild_socket)
-            note.is_lost = True
-            self.metrics.aborts.labels(side="decode_unsent").inc()
-            logger.warning("could not send abort for room=%d to peer=%s: %s", room, link.address, exc)
-        else:
-            note.sent_at = time.monotonic()
 
     def _on_result(self, msg: wire.TransferResult) -> None:
         if self.holds.confirm(msg.room, unsafe=msg.fail_code is FailCode.UNSAFE):
@@ -364,9 +300,7 @@ class KvReceiver:
         if self._poller is not None:
             self._poller.cancel()
             await asyncio.gather(self._poller, return_exceptions=True)
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await self.aborts.close()
         for room in list(self.waiters):
             self._fail(room, FetchError(PeerUnavailableError(f"room={room}: decode shutting down",
                                                              code=FailCode.SHUTTING_DOWN), pages_safe=False))
@@ -376,3 +310,49 @@ class KvReceiver:
 
 def _remaining_s(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.0)
+
+
+def read_aux(aux: AuxSlots, waiter: Waiter, num_prompt_tokens: int) -> wire.AuxRecord:
+    """The room's aux record once its outcome is settled: the failure, or the record if it is the room's."""
+    exc = waiter.future.exception() if waiter.future.done() else None
+    if exc is not None:
+        raise exc
+    try:
+        record = wire.AuxRecord.unpack(aux.read(waiter.aux_slot))
+    except ProtocolError as err:
+        raise FetchError(TransferError(f"room={waiter.room}: {err}"), pages_safe=True) from None
+    if record.room != waiter.room or record.num_prompt_tokens != num_prompt_tokens:
+        raise FetchError(TransferError(
+            f"room={waiter.room} request_id={waiter.request_id}: aux slot {waiter.aux_slot} holds room "
+            f"{record.room} with {record.num_prompt_tokens} prompt tokens, expected room {waiter.room} with "
+            f"{num_prompt_tokens}; KV discarded"), pages_safe=True)
+    return record
+
+
+async def poll_notifications(receiver: KvReceiver) -> None:
+    """Drain NIXL notifications (which also drives this side's UCX progress).
+
+    While rooms wait for KV, poll every 0.1 ms backing off to 1 ms (a fast WRITE is seen at
+    once, a long prefill does not burn a core); otherwise sleep until a room starts waiting,
+    or 50 ms to drain late and stale notifications.
+    """
+    pause_s = 1e-4
+    while True:
+        receiver.wake.clear()
+        if receiver.is_waiting:
+            await asyncio.sleep(pause_s)
+            pause_s = min(pause_s * 1.2, 1e-3)
+        else:
+            pause_s = 1e-4
+            with contextlib.suppress(asyncio.TimeoutError):  # the timeout is the periodic drain
+                await asyncio.wait_for(receiver.wake.wait(), 0.05)
+        try:
+            for agent, payloads in receiver.engine.get_notifs().items():
+                pause_s = 1e-4
+                for payload in payloads:
+                    receiver.on_notification(agent, payload)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # task boundary: keep polling
+            logger.exception("notification poll failed")
+            await asyncio.sleep(0.1)

@@ -1,8 +1,6 @@
 """The prefill's control plane: every frame a decode sends to the bootstrap ROUTER is answered here.
 
-``register`` → validate the layout, build a ``TransferPlan``, load the decode's agent and prepare
-its lists (off the event loop, bounded by ``--register-timeout-s``; a registration that times out
-is cleaned up when its job ends), then ``register_ack``. ``transfer`` → checked against the
+``register`` → handed to the ``Registrar`` (off the frame loop). ``transfer`` → checked against the
 decode id's owner and bound to its room (or held until the room opens). ``abort`` → the room
 stops. ``ping`` → ``pong``. The trust rules are in ``peers`` (who owns a decode id) and
 ``docs/deployment.md``.
@@ -10,25 +8,23 @@ stops. ``ping`` → ``pong``. The trust rules are in ``peers`` (who owns a decod
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-from common import geometry, wire
-from common.errors import DisaggError, FailCode, GeometryMismatchError, ProtocolError
-from common.geometry import KvLayout, TransferPlan
+from common import wire
+from common.errors import DisaggError, FailCode
+from common.geometry import KvLayout
 from common.metrics import Metrics
 from common.transport.nixl import NixlEngine
 from common.transport.nixl_probe import MetadataProbe
 from common.transport.zmq import BootstrapServer
-from prefill_worker.peers import DecodePeer, ListPair, PeerTable
+from prefill_worker.peers import PeerTable
+from prefill_worker.registrar import Registrar
 from prefill_worker.rooms import EarlyTransfer, Room, RoomState, RoomTable
 
 logger = logging.getLogger(__name__)
 
 STALL_S = 2.0  # a gap this long between two sweeps (every 0.5 s) means this process was not running
-MAX_PENDING_REGISTERS = 8  # registrations whose NIXL work runs at once
 
 
 class Bootstrap:
@@ -37,20 +33,16 @@ class Bootstrap:
                  transfer_wait_timeout_s: float, on_bound, draft_model: str = "",
                  probe: MetadataProbe | None = None):
         self.server = server
-        self.engine = engine
         self.layout = layout
         self.peers = peers
         self.rooms = rooms
         self.metrics = metrics
         self.prefill_id = prefill_id
-        self.register_timeout_s = register_timeout_s
         self.transfer_wait_timeout_s = transfer_wait_timeout_s
         self.on_bound = on_bound  # called with a room once its transfer request is bound
-        self.draft_model = draft_model
-        self.probe = probe
-        self.executor = ThreadPoolExecutor(2, thread_name_prefix="prefill-register")
-        self._registering: dict[str, asyncio.Future] = {}  # decode_id -> its NIXL job, until that ends
-        self._tasks: set[asyncio.Task] = set()
+        self.registrar = Registrar(engine=engine, layout=layout, peers=peers, metrics=metrics, prefill_id=prefill_id,
+                                   register_timeout_s=register_timeout_s, send=self.send, draft_model=draft_model,
+                                   probe=probe)
         self._last_sweep = time.monotonic()
 
     # -- frames ----------------------------------------------------------------------------------------
@@ -71,7 +63,7 @@ class Bootstrap:
 
     async def _dispatch(self, identity: bytes, owner: bytes, msg: wire.Message) -> None:
         if isinstance(msg, wire.Register):
-            self._spawn(self._register(identity, owner, msg))
+            self.registrar.spawn(identity, owner, msg)
         elif isinstance(msg, wire.Transfer):
             await self._on_transfer(identity, owner, msg)
         elif isinstance(msg, wire.Abort):
@@ -96,123 +88,6 @@ class Bootstrap:
 
     async def _result(self, identity: bytes, room: int, error: str, code: FailCode) -> None:
         await self.send(identity, wire.TransferResult(room=room, ok=False, error=error, code=code.value))
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    # -- register --------------------------------------------------------------------------------------
-    async def _register(self, identity: bytes, owner: bytes, msg: wire.Register) -> None:
-        """Task: one registration, off the frame loop (other peers' pings are answered meanwhile)."""
-        self.peers.note_register(identity)
-        try:
-            plan, lists = await self._plan_and_lists(owner, msg)
-        except DisaggError as exc:
-            await self._reject(identity, msg, str(exc), exc.code)
-            return
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # task boundary: log, refuse, keep serving
-            logger.exception("registration of decode_id=%s failed", msg.decode_id)
-            await self._reject(identity, msg, f"prefill {self.prefill_id} failed to register it: "
-                                              f"{type(exc).__name__}: {exc}", FailCode.OTHER)
-            return
-        self.peers.install(DecodePeer(msg.decode_id, msg.agent_name, identity, owner, plan, lists))
-        self.metrics.registrations.labels(result="accepted").inc()
-        logger.info("registered decode_id=%s peer=%s: %d regions written, %d ignored, decode_only_spec_dec=%s",
-                    msg.decode_id, msg.agent_name, len(plan.written), len(plan.ignored), plan.decode_only_spec_dec)
-        await self.send(identity, wire.RegisterAck(
-            prefill_id=self.prefill_id, accepted=True, error=None,
-            written=[list(k) for k in plan.written], ignored=[list(k) for k in plan.ignored],
-            decode_only_spec_dec=plan.decode_only_spec_dec))
-
-    async def _plan_and_lists(self, owner: bytes, msg: wire.Register) -> tuple[TransferPlan, list[ListPair]]:
-        refusal = self.peers.refuse_register(msg.decode_id, msg.agent_name, owner)
-        if refusal is not None:
-            raise ProtocolError(refusal[0], code=refusal[1])
-        peer_name = f"decode_id={msg.decode_id} agent={msg.agent_name}"
-        plan = geometry.build_plan(self.layout, KvLayout.from_register(msg), peer=peer_name)
-        self._check_draft(msg, plan)
-        old = self.peers.get(msg.decode_id)
-        if old is not None and old.agent_name == msg.agent_name:
-            if old.plan != plan:
-                raise GeometryMismatchError(f"{peer_name} registered again with another KV layout under the "
-                                            f"same agent; a changed decode restarts under a new id")
-            return plan, old.lists  # the same process again: a WRITE in flight may use these lists
-        if msg.decode_id in self._registering:
-            raise ProtocolError(f"a registration of decode_id={msg.decode_id} is still in progress; retry",
-                                code=FailCode.OVERLOADED)
-        if len(self._registering) >= MAX_PENDING_REGISTERS:
-            raise ProtocolError(f"prefill is busy with {len(self._registering)} registrations; retry",
-                                code=FailCode.OVERLOADED)
-        job = asyncio.get_running_loop().run_in_executor(self.executor, self._connect, msg, plan)
-        self._registering[msg.decode_id] = job
-        job.add_done_callback(lambda _: self._registering.pop(msg.decode_id, None))
-        try:
-            return plan, await asyncio.wait_for(asyncio.shield(job), self.register_timeout_s)
-        except asyncio.TimeoutError:
-            job.add_done_callback(self._discard)
-            self.metrics.timeouts.labels(stage="register").inc()
-            raise ProtocolError(f"prefill could not add NIXL agent {msg.agent_name} within "
-                                f"{self.register_timeout_s}s", code=FailCode.TIMEOUT) from None
-
-    def _check_draft(self, msg: wire.Register, plan: TransferPlan) -> None:
-        writes_draft = any(key[0] == "draft" for key in plan.written)
-        if writes_draft and msg.draft_model and msg.draft_model != self.draft_model:
-            raise GeometryMismatchError(f"draft model fingerprint mismatch: prefill has {self.draft_model!r}, "
-                                        f"decode has {msg.draft_model!r}; serve the same --draft-model on both sides")
-
-    def _connect(self, msg: wire.Register, plan: TransferPlan) -> list[ListPair]:
-        """Executor: add the decode's agent and prepare one list pair per group."""
-        if self.probe is not None:  # metadata that aborts a NIXL loader must not reach ours
-            self.probe.check(msg.agent_metadata, peer=f"decode_id={msg.decode_id}")
-        name = self.engine.add_peer(msg.agent_metadata)
-        if name != msg.agent_name:
-            if all(p.agent_name != name for p in self.peers.peers.values()):
-                self.engine.remove_peer(name)
-            raise ProtocolError(f"decode_id={msg.decode_id}: register names agent {msg.agent_name!r} but its NIXL "
-                                f"metadata is for agent {name!r}")
-        lists: list[ListPair] = []
-        try:
-            for group in plan.groups:
-                lists.append(ListPair(self.engine.prep_local(group.prefill_descs(), group.prefill_mem),
-                                      self.engine.prep_remote(name, group.decode_descs(), group.decode_mem)))
-        except DisaggError:
-            self._release_lists(lists, name)
-            raise
-        return lists
-
-    def _discard(self, job: asyncio.Future) -> None:
-        """A registration that timed out: undo what its job did once it ends."""
-        if job.cancelled() or job.exception() is not None:
-            return
-        lists = job.result()
-        name = lists[0].decode.peer if lists else None
-        self._release_lists(lists, name)
-        logger.info("registration of agent=%s finished after its deadline: agent and lists released", name)
-
-    def _release_lists(self, lists: list[ListPair], agent: str | None) -> None:
-        for pair in lists:
-            for p in pair:
-                try:
-                    self.engine.release_prepped(p)
-                except DisaggError as exc:
-                    logger.warning("release of prepared list failed peer=%s: %s", agent, exc)
-        if agent is not None and all(p.agent_name != agent for p in self.peers.peers.values()):
-            try:
-                self.engine.remove_peer(agent)
-            except DisaggError as exc:
-                logger.warning("remove of agent failed peer=%s: %s", agent, exc)
-
-    async def _reject(self, identity: bytes, msg: wire.Register, reason: str, code: FailCode) -> None:
-        """Refuse a register. ``code`` tells the decode whether to remember the refusal (a layout or
-        ownership refusal) or to try again with its next request (OVERLOADED, TIMEOUT)."""
-        self.metrics.registrations.labels(result="rejected").inc()
-        logger.warning("rejected registration of decode_id=%s peer=%s: %s", msg.decode_id, msg.agent_name, reason)
-        await self.send(identity, wire.RegisterAck(prefill_id=self.prefill_id, accepted=False, error=reason,
-                                                   written=[], ignored=[], decode_only_spec_dec=False,
-                                                   code=code.value))
 
     # -- transfer / abort ---------------------------------------------------------------------------------
     async def _on_transfer(self, identity: bytes, owner: bytes, msg: wire.Transfer) -> None:
@@ -330,8 +205,5 @@ class Bootstrap:
             self.peers.drop(peer, f"silent for {now - peer.last_seen:.1f}s")
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self.executor.shutdown(wait=True)
+        await self.registrar.close()
         self.peers.close()

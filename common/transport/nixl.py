@@ -14,117 +14,26 @@ the executor is joined.
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from nixl import _bindings as nixl_bindings
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-from common.errors import FailCode, PeerUnavailableError, ProtocolError, TransferError, UnsafeWriteError
-from common.wire import MEM_KINDS
+from common.errors import PeerUnavailableError, ProtocolError, TransferError
+from common.transport.nixl_types import (NIXL_ERRORS, Desc, PreppedList, RegisteredMemory, XferHandle, XferState,
+                                         as_desc_array, check_mem, nixl_error, poll_pauses)
+from common.transport.nixl_writes import WriteOps
+
+__all__ = ["Desc", "NixlEngine", "PreppedList", "RegisteredMemory", "XferHandle", "XferState", "poll_pauses"]
 
 logger = logging.getLogger(__name__)
 
-Desc = tuple[int, int, int]  # (addr, nbytes, device)
-
-# Every exception type the NIXL bindings raise (nixlNotFoundError, nixlRemoteDisconnectError, ...).
-_NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
-    obj for name, obj in vars(nixl_bindings).items()
-    if name.startswith("nixl") and name.endswith("Error") and isinstance(obj, type)
-    and issubclass(obj, Exception)
-)
-
-_HINTS = {
-    "nixlRemoteDisconnectError": "the peer died or closed its agent; drop it until it registers again",
-    "nixlNotFoundError": "peer unknown or removed/re-added (prep its lists again), or memory not registered",
-    "nixlInvalidParamError": "a descriptor index is out of range or the index lists differ in length",
-    "nixlMismatchError": "the agent metadata is malformed or from an incompatible NIXL version",
-}
-
-
-class XferState(enum.Enum):
-    """What ``check_xfer_state`` reports for one posted transfer."""
-
-    PROC = "PROC"
-    DONE = "DONE"
-    ERR = "ERR"
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class RegisteredMemory:
-    """One registered buffer: ``nbytes`` at ``addr`` in ``mem`` ("DRAM"/"VRAM") on ``device``."""
-
-    addr: int
-    nbytes: int
-    mem: str
-    device: int
-    _descs: object = field(repr=False)
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class PreppedList:
-    """A prepared descriptor list. ``peer`` is None for the local side, else the remote agent name.
-
-    ``num_descs`` bounds the indices ``post_write`` accepts; adjacent entries of one request merge
-    into one UCX operation when they are adjacent on both sides.
-    """
-
-    peer: str | None
-    mem: str
-    num_descs: int
-    _raw: object = field(repr=False)
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class XferHandle:
-    """One posted WRITE toward ``peer`` of ``num_descs`` descriptors (before merging)."""
-
-    peer: str
-    num_descs: int
-    _raw: object = field(repr=False)
-
-
-def poll_pauses(spin_s: float = 1e-3, max_pause_s: float = 5e-4) -> Iterator[float]:
-    """Seconds to sleep between two polls of one WRITE, forever.
-
-    0 (a bare yield of the GIL) for the first ``spin_s``: a GPU WRITE of tens of MiB ends inside
-    it, and ``time.sleep(1e-5)`` really sleeps ~60 µs (timer slack), which alone would add a third
-    to a 0.2 ms WRITE. Then 1/16 of the time waited so far, at most ``max_pause_s``: completion is
-    seen within ~6 % of the wait, and a frozen peer costs a core nothing.
-    """
-    start = time.perf_counter()
-    while True:
-        waited = time.perf_counter() - start
-        yield 0.0 if waited < spin_s else min(waited / 16, max_pause_s)
-
-
-def _nixl_error(op: str, peer: str | None, exc: BaseException, cls: type = TransferError) -> Exception:
-    name = type(exc).__name__
-    hint = _HINTS.get(name, "see the NIXL log lines above for the backend's reason")
-    return cls(f"NIXL {op} failed (peer={peer or 'local'}): {name}: {exc}; {hint}")
-
-
-def _check_mem(mem: str) -> None:
-    if mem not in MEM_KINDS:
-        raise ValueError(f"mem must be one of {MEM_KINDS}, got {mem!r}")
-
-
-def _as_desc_array(descs: Sequence[Desc] | np.ndarray, what: str) -> np.ndarray:
-    """Descriptors as the Nx3 uint64 array NIXL takes without a per-tuple Python conversion."""
-    arr = np.asarray(descs, dtype=np.uint64)
-    if arr.ndim != 2 or arr.shape[1] != 3 or arr.shape[0] == 0:
-        raise ValueError(f"{what}: expected a non-empty list of (addr, nbytes, device), got {arr.shape}")
-    return arr
-
-
-class NixlEngine:
+class NixlEngine(WriteOps):
     """One NIXL agent named ``f"{name_prefix}-{uuid4hex}"``, unique per process start.
 
     The constructor creates the agent (UCX initialisation, a few ms, no threads), so a daemon builds
@@ -139,8 +48,8 @@ class NixlEngine:
             capture_telemetry=capture_telemetry, sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
         try:
             self._agent = nixl_agent(self.name, config)
-        except (*_NIXL_ERRORS, RuntimeError) as exc:
-            raise _nixl_error("agent creation", None, exc) from exc
+        except (*NIXL_ERRORS, RuntimeError) as exc:
+            raise nixl_error("agent creation", None, exc) from exc
         missing = set(backends) - set(self._agent.backends)
         if missing:
             raise TransferError(f"NIXL agent {self.name}: backend(s) {sorted(missing)} unavailable; "
@@ -166,14 +75,14 @@ class NixlEngine:
 
     def register_buffer(self, addr: int, nbytes: int, mem: str, device: int) -> RegisteredMemory:
         """Register ``nbytes`` at ``addr``; call before ``metadata()`` so peers can see it."""
-        _check_mem(mem)
+        check_mem(mem)
         if nbytes <= 0:
             raise ValueError(f"register_buffer: nbytes must be positive, got {nbytes}")
         self._check_open("register memory")
         try:
             descs = self._agent.register_memory([(addr, nbytes, device, "")], mem)
-        except _NIXL_ERRORS as exc:
-            raise _nixl_error(f"register {nbytes} bytes of {mem} at {addr:#x}", None, exc) from exc
+        except NIXL_ERRORS as exc:
+            raise nixl_error(f"register {nbytes} bytes of {mem} at {addr:#x}", None, exc) from exc
         reg = RegisteredMemory(addr, nbytes, mem, device, descs)
         with self._lock:
             self._registrations.append(reg)
@@ -188,8 +97,8 @@ class NixlEngine:
             self._registrations.remove(reg)
         try:
             self._agent.deregister_memory(reg._descs)
-        except _NIXL_ERRORS as exc:
-            raise _nixl_error(f"deregister {reg.mem} at {reg.addr:#x}", None, exc) from exc
+        except NIXL_ERRORS as exc:
+            raise nixl_error(f"deregister {reg.mem} at {reg.addr:#x}", None, exc) from exc
 
     def metadata(self) -> bytes:
         """This agent's metadata (connection info and registrations) for the peer's ``add_peer``."""
@@ -220,9 +129,9 @@ class NixlEngine:
         try:
             raw = self._agent.add_remote_agent(metadata)
         except nixl_bindings.nixlMismatchError as exc:
-            raise _nixl_error("load peer metadata", None, exc, ProtocolError) from exc
-        except _NIXL_ERRORS as exc:
-            raise _nixl_error("load peer metadata", None, exc, PeerUnavailableError) from exc
+            raise nixl_error("load peer metadata", None, exc, ProtocolError) from exc
+        except NIXL_ERRORS as exc:
+            raise nixl_error("load peer metadata", None, exc, PeerUnavailableError) from exc
         # nixl 1.5.1 returns the name as bytes although its docstring says str.
         return raw.decode() if isinstance(raw, bytes) else str(raw)
 
@@ -237,8 +146,8 @@ class NixlEngine:
             return
         try:
             self._agent.remove_remote_agent(name)
-        except _NIXL_ERRORS as exc:
-            raise _nixl_error("remove peer", name, exc, PeerUnavailableError) from exc
+        except NIXL_ERRORS as exc:
+            raise nixl_error("remove peer", name, exc, PeerUnavailableError) from exc
         logger.info("nixl peer removed name=%s peer=%s", self.name, name)
 
     def peers(self) -> list[str]:
@@ -260,13 +169,13 @@ class NixlEngine:
         return self._prep(peer, descs, mem)
 
     def _prep(self, peer: str | None, descs: Sequence[Desc] | np.ndarray, mem: str) -> PreppedList:
-        _check_mem(mem)
+        check_mem(mem)
         self._check_open("prep descriptors")
-        arr = _as_desc_array(descs, f"prep {'local' if peer is None else peer}")
+        arr = as_desc_array(descs, f"prep {'local' if peer is None else peer}")
         try:
             raw = self._agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", arr, mem)
-        except _NIXL_ERRORS as exc:
-            raise _nixl_error(f"prep {len(arr)} {mem} descriptors", peer, exc) from exc
+        except NIXL_ERRORS as exc:
+            raise nixl_error(f"prep {len(arr)} {mem} descriptors", peer, exc) from exc
         prepped = PreppedList(peer, mem, len(arr), raw)
         with self._lock:
             self._prepped.add(prepped)
@@ -278,133 +187,17 @@ class NixlEngine:
             self._prepped.discard(p)
         try:
             p._raw.release()
-        except _NIXL_ERRORS as exc:
-            raise _nixl_error("release prepared list", p.peer, exc) from exc
+        except NIXL_ERRORS as exc:
+            raise nixl_error("release prepared list", p.peer, exc) from exc
 
-
-    def post_write(self, local: PreppedList, local_idx: Sequence[int] | np.ndarray, remote: PreppedList,
-                   remote_idx: Sequence[int] | np.ndarray, notif: bytes | None) -> XferHandle:
-        """WRITE ``local[local_idx[i]]`` into ``remote[remote_idx[i]]`` and post it.
-
-        Blocks: on loopback the copy happens inside this call (the GIL is released). The
-        notification reaches the peer only once ``wait``/``poll`` has seen DONE.
-        """
-        peer = remote.peer
-        if local.peer is not None or peer is None:
-            raise ValueError(f"post_write: local list has peer={local.peer}, remote list has peer={peer}; "
-                             "pass prep_local's list first and prep_remote's second")
-        if len(local_idx) != len(remote_idx) or len(local_idx) == 0:
-            raise ValueError(f"post_write peer={peer}: {len(local_idx)} local and {len(remote_idx)} "
-                             "remote indices; they must be equal and non-zero")
-        self._check_open("post write")
-        local_idx = local_idx if isinstance(local_idx, np.ndarray) else list(local_idx)
-        remote_idx = remote_idx if isinstance(remote_idx, np.ndarray) else list(remote_idx)
-        try:
-            raw = self._agent.make_prepped_xfer("WRITE", local._raw, local_idx, remote._raw, remote_idx,
-                                                notif or b"")
-        except _NIXL_ERRORS as exc:
-            raise _nixl_error(f"make WRITE of {len(local_idx)} descriptors", peer, exc) from exc
-        handle = XferHandle(peer, len(local_idx), raw)
-        with self._lock:
-            self._xfers.add(handle)
-        try:
-            state = self._agent.transfer(raw)
-        except _NIXL_ERRORS as exc:
-            self._release_quietly(handle)
-            raise _nixl_error(f"post WRITE of {len(local_idx)} descriptors", peer, exc) from exc
-        if state == "ERR":
-            self._release_quietly(handle)
-            raise TransferError(f"NIXL post WRITE failed (peer={peer}): backend returned ERR")
-        return handle
-
-    def poll(self, handle: XferHandle) -> XferState:
-        """One progress step; also what makes NIXL send the notification on completion."""
-        self._check_open("check WRITE state")
-        try:
-            return XferState(self._agent.check_xfer_state(handle._raw))
-        except _NIXL_ERRORS as exc:
-            self._drive_progress()
-            raise _nixl_error("check WRITE state", handle.peer, exc) from exc
-
-    def wait(self, handle: XferHandle, deadline_s: float, poll_interval_s: float = 0.0005,
-             stop: Callable[[], str | None] | None = None) -> None:
-        """Poll ``handle`` to DONE for at most ``deadline_s`` seconds from now; blocks.
-
-        Pauses follow ``poll_pauses`` up to ``poll_interval_s``: a short WRITE is seen at once, and a
-        long wait must not burn a core. ``stop`` is asked between polls; a reason from it cancels the
-        WRITE like the deadline does. On ERR, error, deadline or stop the handle is released
-        (cancelling the WRITE) and ``TransferError`` raised (``UnsafeWriteError`` when the cancel
-        itself fails); on DONE it stays live, so ``release`` it afterwards.
-        """
-        start = time.monotonic()
-        pauses = poll_pauses(max_pause_s=poll_interval_s)
-        while True:
-            try:
-                state = self.poll(handle)
-            except TransferError:
-                self.release(handle)
-                raise
-            if state is XferState.DONE:
-                return
-            if state is XferState.ERR:
-                self.release(handle)
-                raise TransferError(f"NIXL WRITE to peer={handle.peer} failed: state ERR after "
-                                    f"{time.monotonic() - start:.3f} s")
-            reason = stop() if stop is not None else None
-            if reason is not None:
-                self.release(handle)
-                raise TransferError(reason, code=FailCode.ABORTED)
-            if time.monotonic() - start >= deadline_s:
-                break
-            time.sleep(next(pauses))
-        # A frozen peer never fails the WRITE; cancel it so the pages can be freed.
-        self.release(handle)
-        raise TransferError(f"NIXL WRITE to peer={handle.peer} timed out after {deadline_s} s "
-                            f"({handle.num_descs} descriptors); cancelled. Is the peer frozen?",
-                            code=FailCode.TIMEOUT)
-
-    def release(self, handle: XferHandle) -> None:
-        """Release a handle, cancelling it if still in flight; idempotent.
-
-        Raises ``UnsafeWriteError`` when NIXL cannot cancel: the peer's memory may then still be written,
-        so its pages must not be reused.
-        """
-        try:
-            self._release_raw(handle)
-        except _NIXL_ERRORS as exc:
-            raise _nixl_error("release/cancel WRITE (target pages may still be written)", handle.peer,
-                              exc, UnsafeWriteError) from exc
-        with self._lock:
-            self._xfers.discard(handle)
-
-    def _release_raw(self, handle: XferHandle) -> None:
-        """NIXL's release (a cancel when the WRITE is in flight); raises what NIXL raises."""
-        handle._raw.release()
-
-    def _release_quietly(self, handle: XferHandle) -> None:
-        """Release on an error path whose own error is the one to report; log a second failure."""
-        try:
-            self.release(handle)
-        except TransferError:
-            logger.exception("nixl release after a failed WRITE failed name=%s peer=%s", self.name,
-                             handle.peer)
-        self._drive_progress()
-
-    def num_descriptors(self, handle: XferHandle) -> int:
-        """Descriptors left after merging, for a DONE handle (needs ``capture_telemetry=True``)."""
-        self._check_open("read WRITE telemetry")
-        try:
-            return int(self._agent.get_xfer_telemetry(handle._raw).descCount)
-        except _NIXL_ERRORS as exc:
-            raise _nixl_error("read WRITE telemetry (capture_telemetry off?)", handle.peer, exc) from exc
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         """Notifications received since the last call, by sender agent name; also drives progress."""
         self._check_open("read notifications")
         try:
             new = self._agent.get_new_notifs()
-        except _NIXL_ERRORS as exc:
-            raise _nixl_error("read notifications", None, exc) from exc
+        except NIXL_ERRORS as exc:
+            raise nixl_error("read notifications", None, exc) from exc
         with self._lock:
             if not self._pending_notifs:
                 return new
@@ -424,7 +217,7 @@ class NixlEngine:
             return
         try:
             new = agent.get_new_notifs()
-        except _NIXL_ERRORS:
+        except NIXL_ERRORS:
             logger.warning("nixl progress step failed name=%s", self.name, exc_info=True)
             return
         with self._lock:

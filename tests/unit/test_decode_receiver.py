@@ -110,7 +110,7 @@ def test_client_gone_before_the_transfer_is_told_to_the_prefill():
         room = prefill.open_room(21, num_tokens=20)
         gate = threading.Event()
         for _ in range(2):  # the prefill's registration threads are busy: the register stays pending
-            prefill.bootstrap.executor.submit(gate.wait, 20)
+            prefill.bootstrap.registrar.executor.submit(gate.wait, 20)
         task = asyncio.get_running_loop().create_task(decode.fetch(prefill, 21, 20, [0, 1]))
         await until(lambda: len(prefill.peers.known) == 1, what="the register pending on the prefill")
         task.cancel()  # the client leaves while the decode waits for its registration
@@ -251,7 +251,7 @@ def test_registration_cut_short_by_the_deadline_is_tried_again_next_time():
     async def body(prefill, decode):
         gate = threading.Event()
         for _ in range(2):  # the prefill's registration threads are busy: no ack comes in time
-            prefill.bootstrap.executor.submit(gate.wait, 20)
+            prefill.bootstrap.registrar.executor.submit(gate.wait, 20)
         prefill.open_room(101, num_tokens=20)
         with pytest.raises(PeerUnavailableError, match="did not acknowledge registration within 0.3s"):
             await decode.fetch(prefill, 101, 20, [0, 1], timeout_s=0.3)
@@ -261,7 +261,7 @@ def test_registration_cut_short_by_the_deadline_is_tried_again_next_time():
             await decode.fetch(prefill, 103, 20, [4, 5], timeout_s=3.0)
         assert decode.released == [101, 103] and decode.receiver.links[("127.0.0.1", prefill.port)].refusal is None
         gate.set()
-        await until(lambda: not prefill.bootstrap._registering, what="the late registration to end on the prefill")
+        await until(lambda: not prefill.bootstrap.registrar._registering, what="the late registration to end on the prefill")
         room = prefill.open_room(102, num_tokens=20)
         fetch = asyncio.get_running_loop().create_task(decode.fetch(prefill, 102, 20, [2, 3]))
         await until(lambda: room.transfer is not None, what="the second request's transfer bound")

@@ -217,7 +217,7 @@ def test_registration_runs_off_the_frame_loop_and_a_timed_out_one_is_cleaned_up(
     async def body(prefill, slow, other):
         gate = threading.Event()
         for _ in range(2):  # both registration threads busy: slow's NIXL work cannot start
-            prefill.bootstrap.executor.submit(gate.wait, 20)
+            prefill.bootstrap.registrar.executor.submit(gate.wait, 20)
         await slow.send(slow.register_msg())
         await other.send(wire.Ping(t=1.0))
         assert await other.recv(wire.Pong, timeout_s=1.0) == wire.Pong(t=1.0)  # answered meanwhile
@@ -225,7 +225,7 @@ def test_registration_runs_off_the_frame_loop_and_a_timed_out_one_is_cleaned_up(
         assert not ack.accepted and "within 0.5s" in ack.error
         assert prefill.counter("kvferry_timeouts_total", stage="register") == 1
         gate.set()
-        await until(lambda: not prefill.bootstrap._registering, what="the late registration job to end")
+        await until(lambda: not prefill.bootstrap.registrar._registering, what="the late registration job to end")
         await asyncio.sleep(0.05)  # its done-callback runs on the loop right after
         assert slow.engine.name not in prefill.engine.peers() and prefill.peers.get(slow.decode_id) is None
         assert (await slow.register()).accepted  # and the decode can register again
