@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from common.engine.output import OutputTracker, StepOutput
 from common.engine.runner import ModelRunner
 from common.engine.sequence import Sequence, SeqState
-from common.model.sampling import FinishReason
+from common.model.stops import FinishReason
 
 logger = logging.getLogger(__name__)
 

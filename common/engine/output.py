@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from common.engine.sequence import Sequence
 from common.model.detok import StreamingOutput
-from common.model.sampling import FinishReason
+from common.model.stops import FinishReason
 
 
 @dataclass(slots=True)

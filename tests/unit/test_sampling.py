@@ -9,14 +9,8 @@ import torch
 
 from common.errors import RequestError
 from common.model.detok import StreamingOutput
-from common.model.sampling import (
-    FinishReason,
-    Sampler,
-    SamplingParams,
-    StopChecker,
-    make_generator,
-    probs,
-)
+from common.model.sampling import Sampler, SamplingParams, make_generator, probs
+from common.model.stops import FinishReason, StopChecker
 
 torch.set_num_threads(1)
 

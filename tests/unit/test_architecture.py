@@ -1,0 +1,105 @@
+"""The shape of the house, checked: imports go one way and form no circle (TYPE_CHECKING imports
+included), and no production file or class outgrows what one reader holds in their head."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("common", "prefill_worker", "decode_worker")
+MAX_FILE_LINES, MAX_CLASS_LINES = 400, 250
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            mods[name.removesuffix(".__init__")] = path
+    return mods
+
+
+def _imports(path: Path, mods: dict[str, Path]) -> set[str]:
+    """Project modules ``path`` imports, anywhere in it (functions and TYPE_CHECKING blocks too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in mods]
+            found.update(subs or ([node.module] if node.module in mods else []))
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in mods)
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack, on_stack, out = [], set(), []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def test_no_import_circle():
+    mods = _modules()
+    graph = {name: _imports(path, mods) - {name} for name, path in mods.items()}
+    assert _cycles(graph) == []
+
+
+def test_imports_go_one_way():
+    mods = _modules()
+    for name, path in mods.items():
+        imported = _imports(path, mods)
+        if name.startswith("common"):
+            assert not [m for m in imported if not m.startswith("common")], f"{name} imports a worker"
+        for worker, other in (("prefill_worker", "decode_worker"), ("decode_worker", "prefill_worker")):
+            if name.startswith(worker):
+                assert not [m for m in imported if m.startswith(other)], f"{name} imports {other}"
+
+
+def test_files_and_classes_stay_small():
+    too_long = []
+    for name, path in _modules().items():
+        source = path.read_text()
+        if len(source.splitlines()) > MAX_FILE_LINES:
+            too_long.append(f"{name}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                too_long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert too_long == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
