@@ -38,9 +38,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emit, git_hash, hardware, median  # noqa: E402
-from common import geometry, wire  # noqa: E402
+from common import wire
+from common.plan import geometry  # noqa: E402
 from common.aux import AuxSlots  # noqa: E402
-from common.geometry import KvLayout  # noqa: E402
+from common.plan.geometry import KvLayout  # noqa: E402
 from common.model.config import ModelConfig  # noqa: E402
 from common.model.kv_cache import KV_LAYOUTS, KvCache, PageAllocator  # noqa: E402
 from common.transport.nixl import NixlEngine  # noqa: E402

@@ -17,7 +17,7 @@ from common.api.app import create_app
 from common.daemon_core import DaemonCore
 from common.engine.batcher import DecodeBatcher
 from common.errors import OverloadedError
-from common.layout import layout_summary
+from common.plan.layout import layout_summary
 from common.lifecycle import start_http
 from common.transport.zmq import load_keys
 from decode_worker.config import DecodeConfig

@@ -17,7 +17,7 @@ import torch
 from common.api.app import create_app
 from common.daemon_core import DaemonCore
 from common.errors import FailCode, OverloadedError
-from common.layout import layout_summary
+from common.plan.layout import layout_summary
 from common.lifecycle import start_http
 from common.transport.nixl_probe import MetadataProbe
 from common.transport.zmq import BootstrapServer, load_keys, load_public_keys

@@ -18,7 +18,8 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 
-from common import geometry, wire
+from common import wire
+from common.plan import geometry
 from common.aux import AuxSlots
 from common.errors import FailCode, GeometryMismatchError, PeerUnavailableError, TransferError, UnsafeWriteError
 from common.metrics import Metrics

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from common.errors import DisaggError, FailCode
-from common.geometry import TransferPlan
+from common.plan.geometry import TransferPlan
 from common.transport.nixl import NixlEngine, PreppedList
 
 logger = logging.getLogger(__name__)

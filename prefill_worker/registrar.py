@@ -15,9 +15,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from common import geometry, wire
+from common import wire
+from common.plan import geometry
 from common.errors import DisaggError, FailCode, GeometryMismatchError, ProtocolError
-from common.geometry import KvLayout, TransferPlan
+from common.plan.geometry import KvLayout, TransferPlan
 from common.metrics import Metrics
 from common.transport.nixl import NixlEngine
 from common.transport.nixl_probe import MetadataProbe

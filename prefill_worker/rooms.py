@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from common import wire
 from common.errors import FailCode, OverloadedError, TransferError
-from common.geometry import RequestXfer, TransferPlan
+from common.plan.geometry import RequestXfer, TransferPlan
 
 logger = logging.getLogger(__name__)
 

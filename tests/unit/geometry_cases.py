@@ -8,7 +8,8 @@ import math
 
 from hypothesis import strategies as st
 
-from common import geometry as g
+from common.plan import geometry as g
+from common.plan.layout import KvLayout
 from common.wire import AuxInfo, Region, Transfer
 
 
@@ -31,9 +32,9 @@ def page_major(model="target", layers=4, base=0x10_0000, mem="DRAM", item_len=IT
             for i, r in enumerate(table(model, layers, base, mem, item_len, num_pages))]
 
 
-def layout(regions, aux=AUX, **kw) -> g.KvLayout:
+def layout(regions, aux=AUX, **kw) -> KvLayout:
     fields = dict(model="llama-3-8b/fp1", page_size=16, kv_dtype="bfloat16", tp_size=1, tp_rank=0)
-    return g.KvLayout(regions=tuple(regions), aux=aux, **(fields | kw))
+    return KvLayout(regions=tuple(regions), aux=aux, **(fields | kw))
 
 
 def plan_ranges(plan):
@@ -170,7 +171,7 @@ def rooms(draw):
     return Room(plan, xfer, prefill_ids, decode_ids, *slots, n_tokens)
 
 
-def locate(layout_: g.KvLayout, mem, addr, nbytes, device):
+def locate(layout_: KvLayout, mem, addr, nbytes, device):
     """(region key or "aux", page or slot index) of the byte range, or None if no single page holds it."""
     a = layout_.aux
     spans = [(r.key, r.mem, r.device, r.addr, r.item_len, r.page_stride, r.num_pages) for r in layout_.regions]
@@ -190,7 +191,7 @@ def nixl_merged(plan, xfer) -> int:
         p_descs, d_descs = grp.prefill_descs(), grp.decode_descs()
         for k in range(len(p_idx)):
             joins = k > 0 and p_idx[k] == p_idx[k - 1] + 1 and d_idx[k] == d_idx[k - 1] + 1 and all(
-                g._adjacent(descs[idx[k - 1]], descs[idx[k]]) for descs, idx in ((p_descs, p_idx), (d_descs, d_idx)))
+                g.is_adjacent(descs[idx[k - 1]], descs[idx[k]]) for descs, idx in ((p_descs, p_idx), (d_descs, d_idx)))
             total += not joins
     return total
 

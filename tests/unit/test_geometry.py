@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common import geometry as g
+from common.plan import geometry as g
+from common.plan.layout import KvLayout, check_layout
 from common.errors import GeometryMismatchError
 from common.wire import Region, Register
 from tests.unit.geometry_cases import (
@@ -144,7 +145,7 @@ def test_duplicate_keys_are_refused(side):
 
 def test_address_overflow_is_refused():
     end_fits = [dataclasses.replace(r, addr=(1 << 64) - ITEM * PAGES * (8 - i)) for i, r in enumerate(table())]
-    g.check_layout(layout(end_fits), "decode")  # ends exactly at 2**64: the last byte is addressable
+    check_layout(layout(end_fits), "decode")  # ends exactly at 2**64: the last byte is addressable
     past = end_fits[:-1] + [dataclasses.replace(end_fits[-1], addr=end_fits[-1].addr + 1)]
     with pytest.raises(GeometryMismatchError, match="decode region target layer 3 v: addr .* past the 64-bit"):
         g.build_plan(layout(table()), layout(past))
@@ -182,15 +183,15 @@ def test_overlapping_regions_are_refused():
     with pytest.raises(GeometryMismatchError, match="decode: target layer 1 k .* and target layer 1 v .* overlap"):
         g.build_plan(layout(table()), layout(bad))
     with pytest.raises(GeometryMismatchError, match="overlap on DRAM device 0"):
-        g.check_layout(layout(table(), aux=dataclasses.replace(AUX, addr=0x10_0000)), "prefill")
+        check_layout(layout(table(), aux=dataclasses.replace(AUX, addr=0x10_0000)), "prefill")
     moved = bad[:3] + [dataclasses.replace(bad[3], device=1)] + bad[4:]
-    g.check_layout(layout(moved), "decode")  # same addresses on another device do not overlap
+    check_layout(layout(moved), "decode")  # same addresses on another device do not overlap
 
 
 def test_from_register_keeps_every_field():
     reg = Register(decode_id="d", agent_name="a", agent_metadata=b"", model="m", page_size=8, kv_dtype="fp8",
                    tp_size=2, tp_rank=1, regions=table(), aux=AUX)
-    assert g.KvLayout.from_register(reg) == layout(table(), model="m", page_size=8, kv_dtype="fp8",
+    assert KvLayout.from_register(reg) == layout(table(), model="m", page_size=8, kv_dtype="fp8",
                                                    tp_size=2, tp_rank=1)
 
 
@@ -338,7 +339,7 @@ def test_overlap_check_agrees_with_brute_force(spans):
                       for i, a in enumerate(extents) for b in extents[i + 1:])
     if sharing:
         with pytest.raises(GeometryMismatchError, match="overlap on") as err:
-            g.check_layout(layout(regions), "decode")
+            check_layout(layout(regions), "decode")
         shown = re.search(r"on (\w+) device (\d): byte (0x[0-9a-f]+) lies in a page of both", str(err.value))
         if shown:  # the byte named is really in two regions' pages
             mem, dev, byte = shown[1], int(shown[2]), int(shown[3], 16)
@@ -347,28 +348,28 @@ def test_overlap_check_agrees_with_brute_force(spans):
             assert "different page strides" in str(err.value)
     elif interleaved:
         with pytest.raises(GeometryMismatchError, match="overlap on .* with different page strides"):
-            g.check_layout(layout(regions), "decode")
+            check_layout(layout(regions), "decode")
     else:
-        g.check_layout(layout(regions), "decode")
+        check_layout(layout(regions), "decode")
 
 
 def test_page_major_regions_interleave_without_sharing_a_byte():
-    g.check_layout(layout(page_major()), "decode")
+    check_layout(layout(page_major()), "decode")
     block = 8 * ITEM
     # one region shifted by half a page into its neighbour's bytes
     bad = page_major()
     bad[5] = dataclasses.replace(bad[5], addr=bad[5].addr + ITEM // 2)
     with pytest.raises(GeometryMismatchError, match=r"decode: target layer 2 v \[.*\) and target layer 3 k .* "
                                                     r"overlap on DRAM device 0: byte 0x100600 lies in a page of both"):
-        g.check_layout(layout(bad), "decode")
+        check_layout(layout(bad), "decode")
     # a stride one page short of the block: page 1 of layer 0 k lands on page 0 of layer 3 v
     short = [dataclasses.replace(r, stride=block - ITEM) for r in page_major()]
     with pytest.raises(GeometryMismatchError, match="target layer 0 k .* and target layer 3 v .* byte 0x100700"):
-        g.check_layout(layout(short), "decode")
+        check_layout(layout(short), "decode")
     # a page-major pool beside a layer-major one (another model) in its own span is fine
-    g.check_layout(layout(page_major() + table("draft", 2, base=0x10_0000 + PAGES * block)), "decode")
+    check_layout(layout(page_major() + table("draft", 2, base=0x10_0000 + PAGES * block)), "decode")
     with pytest.raises(GeometryMismatchError, match="different page strides"):
-        g.check_layout(layout(page_major() + table("draft", 2, base=0x10_0000 + PAGES * block - ITEM)), "decode")
+        check_layout(layout(page_major() + table("draft", 2, base=0x10_0000 + PAGES * block - ITEM)), "decode")
 
 
 def test_stride_is_checked():
@@ -376,7 +377,7 @@ def test_stride_is_checked():
                                                     r"item_len.*got 255"):
         g.build_plan(layout(table()), layout([dataclasses.replace(table()[0], stride=ITEM - 1)] + table()[1:]))
     last = dataclasses.replace(page_major()[0], addr=(1 << 64) - (PAGES - 1) * 8 * ITEM - ITEM)
-    g.check_layout(layout([last]), "decode")  # the last page ends exactly at 2**64
+    check_layout(layout([last]), "decode")  # the last page ends exactly at 2**64
     with pytest.raises(GeometryMismatchError, match="every 2048 bytes ends at 0x10000000000000001, past the 64-bit"):
-        g.check_layout(layout([dataclasses.replace(last, addr=last.addr + 1)]), "decode")
+        check_layout(layout([dataclasses.replace(last, addr=last.addr + 1)]), "decode")
     assert page_major()[0].page_stride == 8 * ITEM and table()[0].page_stride == ITEM

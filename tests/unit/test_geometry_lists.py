@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common import geometry as g
+from common.plan import geometry as g
 from common.errors import GeometryMismatchError
 from common.wire import Region
 from tests.unit.geometry_cases import (

@@ -43,9 +43,9 @@ import numpy as np
 from common.errors import GeometryMismatchError
 from common.wire import AuxInfo, Region, RegionKey, Transfer
 # One side's table and checks live in common.layout; they are part of this module's API too.
-from common.layout import ADDR_LIMIT, Desc, KvLayout, _format_keys, check_layout, format_key  # noqa: F401
+from common.plan.layout import Desc, KvLayout, check_layout, format_key, format_keys
 # The prepared lists live in common.desc_lists; they are part of this module's API too.
-from common.desc_lists import DescGroup, ListOrder, Run, fuse_pairs  # noqa: F401
+from common.plan.desc_lists import DescGroup
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,17 +118,17 @@ def _match_regions(prefill: KvLayout, decode: KvLayout
     if missing:
         lead = ("decode registered fewer KV regions than prefill" if len(decode.regions) < len(prefill.regions)
                 else "decode KV regions do not cover the prefill's")
-        raise GeometryMismatchError(f"{lead}: missing {_format_keys(missing)}; serve the same model "
+        raise GeometryMismatchError(f"{lead}: missing {format_keys(missing)}; serve the same model "
                                     f"(and the same draft model, if the prefill runs one) on both sides")
     extra = [d.key for d in decode.regions if d.key not in prefill_keys]
     extra_target = [k for k in extra if k[0] != "draft"]
     if extra_target:
         raise GeometryMismatchError(f"decode registered target regions the prefill does not have: "
-                                    f"{_format_keys(extra_target)}; serve the same target model on both sides")
+                                    f"{format_keys(extra_target)}; serve the same target model on both sides")
     if extra and any(k[0] == "draft" for k in prefill_keys):
         # Half the draft's KV written and half computed locally is never what was meant.
         raise GeometryMismatchError(f"decode registered draft regions the prefill does not have: "
-                                    f"{_format_keys(extra)}, while the prefill runs a draft model too; "
+                                    f"{format_keys(extra)}, while the prefill runs a draft model too; "
                                     f"use the same --draft-model on both sides, or none on the prefill")
     pairs = [(p, by_key[p.key]) for p in prefill.regions]
     for p, d in pairs:
@@ -280,7 +280,7 @@ def merge_runs(prefill_descs: Sequence[Desc], decode_descs: Sequence[Desc]) -> t
     merged_p: list[Desc] = []
     merged_d: list[Desc] = []
     for p, d in zip(prefill_descs, decode_descs):
-        if merged_p and _adjacent(merged_p[-1], p) and _adjacent(merged_d[-1], d):
+        if merged_p and is_adjacent(merged_p[-1], p) and is_adjacent(merged_d[-1], d):
             merged_p[-1] = (merged_p[-1][0], merged_p[-1][1] + p[1], p[2])
             merged_d[-1] = (merged_d[-1][0], merged_d[-1][1] + d[1], d[2])
         else:
@@ -294,5 +294,5 @@ def count_merged_descs(prefill_descs: Sequence[Desc], decode_descs: Sequence[Des
     return len(merge_runs(prefill_descs, decode_descs)[0])
 
 
-def _adjacent(prev: Desc, cur: Desc) -> bool:
+def is_adjacent(prev: Desc, cur: Desc) -> bool:
     return prev[2] == cur[2] and prev[0] + prev[1] == cur[0]

@@ -27,7 +27,7 @@ def format_key(key: RegionKey) -> str:
     return f"{key[0]} layer {key[1]} {key[2]}"
 
 
-def _format_keys(keys: Sequence[RegionKey]) -> str:
+def format_keys(keys: Sequence[RegionKey]) -> str:
     shown = ", ".join(format_key(k) for k in keys[:_MAX_KEYS_SHOWN])
     more = len(keys) - _MAX_KEYS_SHOWN
     return f"{shown} and {more} more" if more > 0 else shown

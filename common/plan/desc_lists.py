@@ -15,7 +15,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from common.layout import Desc
+from common.plan.layout import Desc
 from common.wire import AuxInfo, Region
 
 
