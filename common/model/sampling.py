@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from common.errors import RequestError
+from common.model.h2d import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -268,23 +269,22 @@ def probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tenso
     logits = logits.float()
     device, vocab_size = logits.device, logits.shape[-1]
     is_greedy = [p.is_greedy for p in params]
-    temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, is_greedy)],
-                         device=device)
+    temps = to_device([1.0 if g else p.temperature for p, g in zip(params, is_greedy)], device)
     scaled = logits / temps[:, None]
     top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     top_ps = [p.top_p if p.top_p < 1 else 2.0 for p in params]
     if any(k < vocab_size for k in top_ks) or any(p <= 1 for p in top_ps):
-        scaled = _mask_top_k_top_p(scaled, torch.tensor(top_ks, device=device),
-                                   torch.tensor(top_ps, device=device))
+        scaled = _mask_top_k_top_p(scaled, to_device(top_ks, device), to_device(top_ps, device))
     out = torch.softmax(scaled, dim=-1)
     if any(p.min_p > 0 for p in params):
-        min_ps = torch.tensor([p.min_p for p in params], device=device)
+        min_ps = to_device([p.min_p for p in params], device)
         threshold = out.max(dim=-1, keepdim=True).values * min_ps[:, None]
         out = out.masked_fill(out < threshold, 0.0)
         out = out / out.sum(dim=-1, keepdim=True)
     if any(is_greedy):
-        one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab_size).to(out.dtype)
-        out = torch.where(torch.tensor(is_greedy, device=device)[:, None], one_hot, out)
+        # scatter, not F.one_hot: one_hot checks its indices on the host (a sync on CUDA)
+        one_hot = torch.zeros_like(out).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        out = torch.where(to_device(is_greedy, device)[:, None], one_hot, out)
     return out
 
 
@@ -295,7 +295,7 @@ def sample_from_probs(p: torch.Tensor,
     out = torch.empty(p.shape[0], dtype=torch.long, device=p.device)
     shared = [i for i, g in enumerate(generators) if g is None]
     if shared:
-        rows = torch.tensor(shared, device=p.device)
+        rows = to_device(shared, p.device)
         out[rows] = torch.multinomial(p[rows], 1).squeeze(-1)
     for i, generator in enumerate(generators):
         if generator is not None:
@@ -317,7 +317,7 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
+            rows = to_device(sampled, logits.device)
             p = probs(logits[rows], [params[i] for i in sampled])
             token_ids[rows] = sample_from_probs(p, [generators[i] for i in sampled])
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, token_ids[:, None]).squeeze(-1)
