@@ -135,6 +135,8 @@ def main() -> None:
     from common.engine.factory import build_runner
     from common.model.config import ModelConfig
 
+    if not a.device.startswith("cuda") or not torch.cuda.is_available():
+        raise SystemExit(f"bench/engine.py measures a CUDA device against its roofline; got --device {a.device}")
     torch.manual_seed(0)
     bw, peak = ceilings(a.device)
     cfg = ModelConfig.from_dir(a.model)
