@@ -17,6 +17,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
@@ -24,11 +26,11 @@ from common.api.auth import ApiKeyMiddleware
 from common.api.backend import Backend, GenerateEvent, GenerateInput
 from common.api.info import add_info_routes
 from common.api.limits import DEFAULT_MAX_REQUEST_BYTES, max_prompt_chars, read_body
-from common.api.openai_schema import OpenAIRequest, parse_openai
+from common.api.openai_schema import ChatBody, CompletionBody, OpenAIRequest, parse_openai
 from common.api.responses import (
     ItemOutput, error_info, generate_response, openai_response, simple_error,
 )
-from common.api.schema import FieldError, ParseContext, PromptItem, parse_generate
+from common.api.schema import FieldError, GenerateBody, ParseContext, PromptItem, parse_generate
 from common.api.sse import (
     ClientGone, SSEResponse, StreamFormatter, close_all, dumps, merge_events, sse_body,
     until_disconnect,
@@ -233,6 +235,27 @@ def guarded(timeout_s: float) -> Callable[[Callable[[Request], Awaitable[Respons
     return wrap
 
 
+def document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
+    """Publish each route's body model in /openapi.json. The routes read and validate their body
+    themselves (bounded by --max-request-bytes, off the event loop), so FastAPI does not see the
+    models in their signatures; they are added to the generated document here."""
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in bodies.items():
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(schema.pop("$defs", {}))
+                schemas[model.__name__] = schema
+                ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+                doc["paths"][path]["post"]["requestBody"] = {
+                    "required": True, "content": {"application/json": {"schema": ref}}}
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented override
+
+
 def _peer(request: Request) -> str:
     return f"{request.client.host}:{request.client.port}" if request.client else "-"
 
@@ -249,7 +272,7 @@ def create_app(backend: Backend, *, api_key: str | None, request_timeout_s: floa
         raise ConfigError(f"request_timeout_s must be > 0, got {request_timeout_s!r}")
     if not max_request_bytes > 0:
         raise ConfigError(f"max_request_bytes must be > 0, got {max_request_bytes!r}")
-    app = FastAPI(title="kvferry", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvferry", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     api = _Api(backend, request_timeout_s, default_bootstrap_port, max_request_bytes)
@@ -270,6 +293,8 @@ def create_app(backend: Backend, *, api_key: str | None, request_timeout_s: floa
     async def chat_completions(request: Request) -> Response:
         return await api.openai(request, is_chat=True)
 
+    document_bodies(app, {"/generate": GenerateBody, "/v1/completions": CompletionBody,
+                          "/v1/chat/completions": ChatBody})
     add_info_routes(app, backend, guard, request_timeout_s)
 
     @app.exception_handler(StarletteHTTPException)

@@ -1,6 +1,7 @@
 """OpenAI `/v1/completions` and `/v1/chat/completions` bodies, parsed and tokenized.
 
-Sampling fields go through `SamplingParams.from_openai`; this module owns the rest: prompts and
+`CompletionBody` and `ChatBody` are pydantic models: the sampling fields come from
+`OpenAISampling` (common/api/sampling_schema.py); this module adds the rest: prompts and
 messages, logprobs, streaming options, the PD fields (`bootstrap_*`, `kv_transfer_params`) and
 the fields routers add. sglang-router 0.3 re-serializes its own request types, so it sends
 `no_stop_trim`, `skip_special_tokens`, `separate_reasoning`, ... on every request; vllm-router's
@@ -11,30 +12,24 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
+from pydantic import BaseModel, model_validator
 
+from common.api.fields import (
+    BODY_CONFIG, FieldError, Object, Refused, Str, StrictBool, check_keys, documented, exactly,
+    field, type_name, validate_body,
+)
+from common.api.sampling_schema import SAMPLING_NEUTRAL, OpenAISampling
 from common.api.schema import (
-    BOOTSTRAP_KEYS, MISSING, FieldError, ParseContext, PromptItem, bootstrap_fields,
-    check_fields, check_prompt_ids, check_text_length, encode_text, expect, parse_kv_transfer_params, per_prompt,
-    prompt_item, request_ids, type_name,
+    MISSING, ParseContext, PromptItem, bootstrap_fields, check_prompt_ids, check_text_length,
+    encode_text, error_param, parse_kv_transfer_params, per_prompt, prompt_item, request_ids,
+    set_fields,
 )
 from common.errors import RequestError
-from common.model.sampling import SGLANG_TOLERATED_KEYS, SamplingParams
+from common.model.sampling import SamplingParams
 
-_SAMPLING = frozenset({
-    "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop",
-    "seed", "ignore_eos", "stop_token_ids", "skip_special_tokens", "no_stop_trim",
-    "response_format",
-})
-# Checked by SamplingParams.from_openai (accepted only at their neutral value there).
-_SAMPLING_NEUTRAL = SGLANG_TOLERATED_KEYS - {"spaces_between_special_tokens", "stream_interval"}
-_COMMON_KNOWN = _SAMPLING | _SAMPLING_NEUTRAL | {
-    "model", "stream", "stream_options", "logprobs", "rid", "kv_transfer_params", *BOOTSTRAP_KEYS,
-}
-COMPLETION_KNOWN = frozenset(_COMMON_KNOWN | {"prompt"})
-CHAT_KNOWN = frozenset(_COMMON_KNOWN | {"messages", "top_logprobs", "tool_choice"})
 _COMMON_IGNORED: dict[str, tuple[type, ...]] = {
     "user": (str,), "spaces_between_special_tokens": (bool,), "stream_interval": (int,),
     "priority": (int,), "service_tier": (str,), "metadata": (dict,),
@@ -132,66 +127,145 @@ def _chat_prompt(ctx: ParseContext, messages: Any) -> list[int]:
     return check_prompt_ids(ctx, list(ids), "messages")
 
 
-def _sampling(body: Mapping[str, Any], is_chat: bool,
-              kv: Mapping[str, Any] | None) -> SamplingParams:
-    fields = {k: v for k, v in body.items() if k in _SAMPLING or k in _SAMPLING_NEUTRAL}
-    if not is_chat and fields.get("max_tokens") is None and "max_completion_tokens" in fields:
-        fields["max_tokens"] = fields["max_completion_tokens"]
-    if kv is not None and kv.get("do_remote_decode") is True:
-        # vllm-router's prefill leg: min_tokens=1 only keeps vLLM from stopping before the
-        # KV exists; a prefill always computes it, so the hint is dropped rather than refused.
-        fields.pop("min_tokens", None)
-    return SamplingParams.from_openai(fields, chat=is_chat)
+def _zero_only(value: Any) -> Any:
+    if exactly(int)(value) not in (None, 0):
+        raise Refused(value, lambda path: f"{path}={value} is not supported; only 0 (the chosen "
+                                          "token's logprob)")
+    return value
 
 
-def _logprobs(body: Mapping[str, Any], is_chat: bool) -> bool:
-    if is_chat:
-        top = expect(body, "top_logprobs", (int,), 0)
-        if top != 0:
-            raise FieldError("top_logprobs", f"top_logprobs={top} is not supported; only 0 "
-                                             "(the chosen token's logprob)")
-        return expect(body, "logprobs", (bool,), False)
-    num = expect(body, "logprobs", (int,), None)
-    if num not in (None, 0):
-        raise FieldError("logprobs", f"logprobs={num} is not supported; send 0 for the chosen "
-                                     "token's logprob, or omit it")
-    return num is not None
+def _completion_logprobs(value: Any) -> Any:
+    if exactly(int)(value) not in (None, 0):
+        raise Refused(value, lambda path: f"{path}={value} is not supported; send 0 for the "
+                                          "chosen token's logprob, or omit it")
+    return value
 
 
-def _rids(ctx: ParseContext, body: Mapping[str, Any], num_prompts: int,
+def _tool_choice(value: Any) -> Any:
+    if value not in (None, "none", "auto"):
+        raise Refused(value, lambda path: f"{path}={value!r} is not supported; tools are not "
+                                          "served")
+    return value
+
+
+class StreamOptions(BaseModel):
+    model_config = BODY_CONFIG
+
+    include_usage: StrictBool = None
+    """Every chunk carries "usage": null, and a last chunk with no choices the totals."""
+
+
+class ChatMessage(BaseModel):
+    """One message: text content, or a list of text parts (joined with newlines)."""
+
+    role: str
+    """system, developer, user, assistant or tool."""
+    content: str | list[dict[str, Any]] | None = None
+
+
+class _OpenAIBody(OpenAISampling):
+    """What completions and chat share beyond the sampling fields."""
+
+    model: Str = None
+    """Echoed in the answer; null: the served model name."""
+    stream: StrictBool = None
+    """Server-sent events, then data: [DONE]."""
+    stream_options: StreamOptions | None = None
+    rid: documented(str | list[str] | None) = None
+    """Request id (a list: one per prompt); else X-Request-Id, else a fresh one."""
+    kv_transfer_params: Object = None
+    """vllm-router's PD fields (one prompt only)."""
+    bootstrap_host: documented(str | list[str] | None) = None
+    """sglang-router's PD fields (a list: one per prompt)."""
+    bootstrap_port: documented(int | list[int | None] | None) = None
+    """null: the default bootstrap port."""
+    bootstrap_room: documented(int | list[int] | None) = None
+    """The room both daemons meet in, in [0, 2**64)."""
+
+    IGNORED: ClassVar[Mapping[str, tuple[type, ...]]] = {}
+    NEUTRAL: ClassVar[Mapping[str, Any]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tolerated(cls, body: Any) -> Any:
+        if isinstance(body, Mapping):
+            plain = {k: v for k, v in body.items() if k not in SAMPLING_NEUTRAL}
+            check_keys(plain, cls, cls.IGNORED, cls.NEUTRAL)
+        return body
+
+
+class CompletionBody(_OpenAIBody):
+    """`/v1/completions`. Unknown fields are 400s; fields SDKs and routers add are accepted at
+    values that do not change the output."""
+
+    prompt: documented(str | list[str] | list[int] | list[list[int]]) = None
+    """A prompt, a list of prompts (a batch), token ids, or a list of token id lists."""
+    logprobs: field(_completion_logprobs, int | None) = None
+    """0: the chosen token's logprob; more is not served."""
+
+    IGNORED = COMPLETION_IGNORED
+    NEUTRAL = COMPLETION_NEUTRAL
+
+
+class ChatBody(_OpenAIBody):
+    """`/v1/chat/completions`: messages rendered by the model's chat template."""
+
+    messages: documented(list[ChatMessage]) = None
+    logprobs: StrictBool = None
+    """The chosen token's logprob."""
+    top_logprobs: field(_zero_only, int | None) = None
+    """0 only."""
+    tool_choice: field(_tool_choice, str | None) = None
+    """none or auto: tools are not served."""
+
+    IGNORED = CHAT_IGNORED
+    NEUTRAL = CHAT_NEUTRAL
+
+
+def _sampling(body: _OpenAIBody, is_chat: bool) -> SamplingParams:
+    try:
+        params = SamplingParams(**body.kwargs(is_chat))
+        params.check_ranges(body.range_names(is_chat))
+    except RequestError as exc:
+        raise FieldError(error_param(exc), str(exc)) from exc
+    return params
+
+
+def _rids(ctx: ParseContext, fields: Mapping[str, Any], num_prompts: int,
           is_batch: bool) -> list[str]:
-    rid = body.get("rid")
+    rid = fields.get("rid")
     if isinstance(rid, list):
-        return request_ids(per_prompt(body, "rid", num_prompts, is_batch), ctx.request_id)
-    base = expect(body, "rid", (str,), None) or ctx.request_id
-    return request_ids([MISSING] * num_prompts, base)
+        return request_ids(per_prompt(fields, "rid", num_prompts, is_batch), ctx.request_id)
+    if rid is not None and not isinstance(rid, str):
+        raise FieldError("rid", f"rid must be str, got {type_name(rid)} {rid!r}")
+    return request_ids([MISSING] * num_prompts, rid or ctx.request_id)
 
 
 def parse_openai(ctx: ParseContext, body: Mapping[str, Any], is_chat: bool) -> OpenAIRequest:
     """Validate and tokenize a `/v1/completions` (is_chat False) or `/v1/chat/completions` body."""
-    known, ignored, neutral = ((CHAT_KNOWN, CHAT_IGNORED, CHAT_NEUTRAL) if is_chat else
-                               (COMPLETION_KNOWN, COMPLETION_IGNORED, COMPLETION_NEUTRAL))
-    check_fields(body, known, ignored, neutral)
+    kv_raw = body.get("kv_transfer_params")
+    if isinstance(kv_raw, dict) and kv_raw.get("do_remote_decode") is True:
+        # vllm-router's prefill leg: min_tokens=1 only keeps vLLM from stopping before the
+        # KV exists; a prefill always computes it, so the hint is dropped rather than refused.
+        body = {k: v for k, v in body.items() if k != "min_tokens"}
+    model: _OpenAIBody = validate_body(ChatBody if is_chat else CompletionBody, body)
+    fields = set_fields(model)
     if is_chat:
-        if body.get("tool_choice") not in (None, "none", "auto"):
-            raise FieldError("tool_choice", f"tool_choice={body['tool_choice']!r} is not "
-                                            "supported; tools are not served")
-        prompts, is_batch = [_chat_prompt(ctx, body.get("messages"))], False
+        prompts, is_batch = [_chat_prompt(ctx, fields.get("messages"))], False
     else:
-        prompts, is_batch = _completion_prompts(ctx, body.get("prompt"))
+        prompts, is_batch = _completion_prompts(ctx, fields.get("prompt"))
     n = len(prompts)
-    kv = parse_kv_transfer_params(body, n)
-    params = _sampling(body, is_chat, kv)
-    logprobs = _logprobs(body, is_chat)
-    options = expect(body, "stream_options", (dict,), {})
-    include_usage = expect(options, "include_usage", (bool,), False, "stream_options.")
-    rids = _rids(ctx, body, n, is_batch)
-    boot = bootstrap_fields(ctx, body, n, is_batch)
+    kv = parse_kv_transfer_params(model.kv_transfer_params, n)
+    params = _sampling(model, is_chat)
+    logprobs = model.logprobs is True if is_chat else model.logprobs is not None
+    options = model.stream_options
+    rids = _rids(ctx, fields, n, is_batch)
+    boot = bootstrap_fields(ctx, fields, n, is_batch)
     # No input logprobs: echo is not served, so they would have nowhere to go.
-    limit = ("max_completion_tokens" if is_chat and body.get("max_completion_tokens") is not None
-             else "max_tokens")
+    limit = model.limit_key(is_chat)
     items = tuple(prompt_item(ctx, rids[i], ids, params, boot, i, kv, len(ids), limit)
                   for i, ids in enumerate(prompts))
-    return OpenAIRequest(is_chat=is_chat, model=expect(body, "model", (str,), None), items=items,
-                         stream=expect(body, "stream", (bool,), False),
-                         include_usage=include_usage, logprobs=logprobs, kv_transfer_params=kv)
+    return OpenAIRequest(is_chat=is_chat, model=model.model, items=items,
+                         stream=model.stream is True,
+                         include_usage=options is not None and options.include_usage is True,
+                         logprobs=logprobs, kv_transfer_params=kv)

@@ -1,10 +1,13 @@
 """Request parsing shared by every route, and SGLang's native `/generate` body.
 
-Pure functions: a decoded JSON body and a `ParseContext` in, a frozen request description out, or
-a `FieldError` (HTTP 400) that names the field. Unknown top-level fields are errors, except the
-ones routers and SDKs add on their own (`GENERATE_IGNORED`, `GENERATE_NEUTRAL`), which are
-accepted at the values that do not change the output. Tokenization happens here, so every length
-check happens before the backend sees the request.
+The body is first validated as a pydantic model (`GenerateBody`: field types, unknown and
+tolerated keys; common/api/fields.py), then checked against the serving daemon (`ParseContext`):
+prompts are tokenized, so every length check happens before the backend sees the request, and the
+bootstrap triple is resolved for the daemon's role. Pure functions: a decoded JSON body and a
+`ParseContext` in, a frozen request description out, or a `FieldError` (HTTP 400) that names the
+field. Unknown top-level fields are errors, except the ones routers and SDKs add on their own
+(`GENERATE_IGNORED`, `GENERATE_NEUTRAL`), which are accepted at the values that do not change the
+output.
 """
 
 from __future__ import annotations
@@ -12,9 +15,16 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, Discriminator, Tag, model_validator
 
 from common.api.backend import BootstrapInfo, TokenizerLike
+from common.api.fields import (
+    BODY_CONFIG, TAG_LIST, TAG_OBJECT, FieldError, Object, Refused, StrictBool, StrictInt,
+    check_keys, documented, exactly, field, type_name, validate_body,
+)
+from common.api.sampling_schema import SGLangSampling
 from common.errors import RequestError
 from common.model.sampling import SamplingParams
 
@@ -22,10 +32,6 @@ MISSING: Any = object()
 MAX_ROOM = 2**64
 BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
-GENERATE_KNOWN = frozenset({
-    "text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
-    "top_logprobs_num", "return_text_in_logprobs", "rid", "kv_transfer_params", *BOOTSTRAP_KEYS,
-})
 # Sent by sglang-router 0.3 (it serializes every field of its own request type) or by SGLang
 # clients; their value does not change the output, so any value of the right type is accepted.
 GENERATE_IGNORED: dict[str, tuple[type, ...]] = {
@@ -42,14 +48,6 @@ GENERATE_NEUTRAL: dict[str, Any] = {
 # vllm-router's prefill leg adds these at the top level of every body it forwards (its own
 # "generate one token" hint); a prefill generates exactly one token anyway.
 VLLM_PREFILL_HINTS = ("max_tokens", "min_tokens")
-
-
-class FieldError(RequestError):
-    """A client error about one request field; `param` is the field's path in the body."""
-
-    def __init__(self, param: str | None, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 _PARAM_RE = re.compile(r"^([A-Za-z_][\w.\[\]]*)(?=[ =])")
@@ -99,39 +97,6 @@ class GenerateRequest:
     return_logprob: bool
     return_text_in_logprobs: bool
     kv_transfer_params: dict[str, Any] | None
-
-
-def type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def expect(body: Mapping[str, Any], key: str, types: tuple[type, ...], default: Any,
-           where: str = "") -> Any:
-    """body[key] if it has one of `types` (bool is never an int here), default if absent/null."""
-    value = body.get(key)
-    if value is None:
-        return default
-    is_bool_as_int = isinstance(value, bool) and bool not in types
-    if is_bool_as_int or not isinstance(value, types):
-        want = " or ".join(t.__name__ for t in types)
-        raise FieldError(where + key, f"{where}{key} must be {want}, got {type_name(value)} "
-                                      f"{value!r}")
-    return value
-
-
-def check_fields(body: Mapping[str, Any], known: frozenset[str],
-                 ignored: Mapping[str, tuple[type, ...]], neutral: Mapping[str, Any]) -> None:
-    """Reject unknown fields (naming all of them) and non-neutral values of tolerated fields."""
-    unknown = sorted(k for k in body if k not in known and k not in ignored and k not in neutral)
-    if unknown:
-        raise FieldError(unknown[0], f"unknown field(s) {unknown}; this server accepts "
-                                     f"{sorted(known)}")
-    for key, types in ignored.items():
-        expect(body, key, types, None)
-    for key, off in neutral.items():
-        value = body.get(key)
-        if value is not None and value != off and value not in ({}, [], "", False):
-            raise FieldError(key, f"{key}={value!r} is not supported; send {off!r} or omit it")
 
 
 def check_prompt_ids(ctx: ParseContext, ids: Any, where: str) -> list[int]:
@@ -224,8 +189,7 @@ def resolve_bootstrap(ctx: ParseContext, fields: Mapping[str, Any],
                      + ", ".join(BOOTSTRAP_KEYS))
 
 
-def parse_kv_transfer_params(body: Mapping[str, Any], num_prompts: int) -> dict[str, Any] | None:
-    kv = expect(body, "kv_transfer_params", (dict,), None)
+def parse_kv_transfer_params(kv: dict[str, Any] | None, num_prompts: int) -> dict[str, Any] | None:
     if kv is not None and num_prompts != 1:
         raise FieldError("kv_transfer_params", f"kv_transfer_params works with one prompt per "
                                                f"request, got {num_prompts} prompts")
@@ -299,17 +263,70 @@ def _generate_prompts(ctx: ParseContext, body: Mapping[str, Any]) -> tuple[list[
     return [check_prompt_ids(ctx, input_ids, "input_ids")], False
 
 
-def _sglang_params(raw: Any, where: str) -> SamplingParams:
+def one_or_list(item: Any) -> Any:
+    """A field that takes one `item` or a list of them (one per prompt of a batch)."""
+    return Annotated[Annotated[item, Tag(TAG_OBJECT)] | Annotated[list[item], Tag(TAG_LIST)],
+                     Discriminator(lambda v: TAG_LIST if isinstance(v, list) else TAG_OBJECT)]
+
+
+def _zero_only(value: Any) -> Any:
+    if exactly(int)(value) not in (None, 0):
+        raise Refused(value, lambda path: f"{path}={value} is not supported; only 0 (chosen-token "
+                                          "logprobs)")
+    return value
+
+
+class GenerateBody(BaseModel):
+    """SGLang's `/generate` body. Send exactly one of `text` and `input_ids`; a list of prompts
+    is a batch, answered with a list. Fields routers add (`model`, `log_metrics`, ...) are
+    accepted; features not served (`return_hidden_states: true`, LoRA, images, ...) are 400s."""
+
+    model_config = BODY_CONFIG
+
+    text: documented(str | list[str] | None) = None
+    """The prompt, or a list of prompts."""
+    input_ids: documented(list[int] | list[list[int]] | None) = None
+    """The prompt's token ids, or a list of them."""
+    sampling_params: one_or_list(SGLangSampling) | None = None
+    """One object for every prompt, or one per prompt."""
+    stream: StrictBool = None
+    """Server-sent events, each with the whole output so far."""
+    return_logprob: StrictBool = None
+    """Add input_token_logprobs and output_token_logprobs to meta_info."""
+    logprob_start_len: StrictInt = None
+    """First prompt position with a logprob; -1 (the default): output logprobs only."""
+    top_logprobs_num: field(_zero_only, int | None) = None
+    """0 only."""
+    return_text_in_logprobs: StrictBool = None
+    """Add each token's text to the logprob entries."""
+    rid: documented(str | list[str] | None) = None
+    """Request id (one per prompt for a batch); else X-Request-Id, else a fresh one."""
+    kv_transfer_params: Object = None
+    """vllm-router's PD fields (one prompt only)."""
+    bootstrap_host: documented(str | list[str] | None) = None
+    """sglang-router's PD fields: the prefill's bootstrap address (one per prompt for a batch)."""
+    bootstrap_port: documented(int | list[int | None] | None) = None
+    """null: the default bootstrap port."""
+    bootstrap_room: documented(int | list[int] | None) = None
+    """The room both daemons meet in, in [0, 2**64)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tolerated(cls, body: Any) -> Any:
+        check_keys(body, cls, GENERATE_IGNORED, GENERATE_NEUTRAL)
+        return body
+
+
+def sampling_params(raw: SGLangSampling | None, where: str) -> SamplingParams:
+    """`SamplingParams` from a validated `sampling_params` object; a range error names the field
+    where it sits in the body."""
     try:
-        return SamplingParams.from_sglang(raw)
-    except FieldError:
-        raise
+        params = SamplingParams(**raw.kwargs()) if raw is not None else SamplingParams()
+        params.check_ranges(raw.range_names() if raw is not None else None)
     except RequestError as exc:
-        # Range errors name the bare field ("top_p must be ..."); say where it sits in the body.
         param = error_param(exc)
-        if param is None or param.startswith("sampling_params"):
-            raise FieldError(param or where, str(exc)) from exc
         raise FieldError(f"{where}.{param}", f"{where}.{exc}") from exc
+    return params
 
 
 def _logprob_start(value: int, num_prompt_tokens: int) -> int:
@@ -323,34 +340,43 @@ def _logprob_start(value: int, num_prompt_tokens: int) -> int:
     return value
 
 
+def set_fields(model: BaseModel) -> dict[str, Any]:
+    """The fields the body sent (null ones included), as validated."""
+    return {k: getattr(model, k) for k in model.model_fields_set}
+
+
 def parse_generate(ctx: ParseContext, body: Mapping[str, Any]) -> GenerateRequest:
     """Validate and tokenize an SGLang `/generate` body."""
-    kv_raw = body.get("kv_transfer_params")
-    hints = VLLM_PREFILL_HINTS if isinstance(kv_raw, dict) else ()
-    check_fields({k: v for k, v in body.items() if k not in hints}, GENERATE_KNOWN,
-                 GENERATE_IGNORED, GENERATE_NEUTRAL)
-    for key in hints:
-        expect(body, key, (int,), None)
-    if expect(body, "top_logprobs_num", (int,), 0) != 0:
-        raise FieldError("top_logprobs_num", f"top_logprobs_num={body['top_logprobs_num']} is "
-                                             "not supported; only 0 (chosen-token logprobs)")
-    prompts, is_batch = _generate_prompts(ctx, body)
+    if isinstance(body.get("kv_transfer_params"), dict):
+        hints = {k: body[k] for k in VLLM_PREFILL_HINTS if k in body}
+        validate_body(_PrefillHints, hints)
+        body = {k: v for k, v in body.items() if k not in hints}
+    model = validate_body(GenerateBody, body)
+    fields = set_fields(model)
+    prompts, is_batch = _generate_prompts(ctx, fields)
     n = len(prompts)
-    kv = parse_kv_transfer_params(body, n)
-    start = expect(body, "logprob_start_len", (int,), -1)
-    rids = request_ids(per_prompt(body, "rid", n, is_batch), ctx.request_id)
-    sampling = per_prompt(body, "sampling_params", n, is_batch, broadcast=True)
-    boot = bootstrap_fields(ctx, body, n, is_batch)
+    kv = parse_kv_transfer_params(model.kv_transfer_params, n)
+    start = -1 if model.logprob_start_len is None else model.logprob_start_len
+    rids = request_ids(per_prompt(fields, "rid", n, is_batch), ctx.request_id)
+    sampling = per_prompt(fields, "sampling_params", n, is_batch, broadcast=True)
+    boot = bootstrap_fields(ctx, fields, n, is_batch)
     items = []
     for i, ids in enumerate(prompts):
-        raw = sampling[i]
-        where = f"sampling_params[{i}]" if isinstance(body.get("sampling_params"), list) else \
+        raw = None if sampling[i] is MISSING else sampling[i]
+        where = f"sampling_params[{i}]" if isinstance(model.sampling_params, list) else \
             "sampling_params"
-        params = _sglang_params({} if raw is MISSING or raw is None else raw, where)
-        items.append(prompt_item(ctx, rids[i], ids, params, boot, i, kv,
+        items.append(prompt_item(ctx, rids[i], ids, sampling_params(raw, where), boot, i, kv,
                                  _logprob_start(start, len(ids)), "sampling_params.max_new_tokens"))
     return GenerateRequest(
-        items=tuple(items), is_batch=is_batch, stream=expect(body, "stream", (bool,), False),
-        return_logprob=expect(body, "return_logprob", (bool,), False),
-        return_text_in_logprobs=expect(body, "return_text_in_logprobs", (bool,), False),
-        kv_transfer_params=kv)
+        items=tuple(items), is_batch=is_batch, stream=model.stream is True,
+        return_logprob=model.return_logprob is True,
+        return_text_in_logprobs=model.return_text_in_logprobs is True, kv_transfer_params=kv)
+
+
+class _PrefillHints(BaseModel):
+    """What vllm-router's prefill leg adds at the top level (with kv_transfer_params)."""
+
+    model_config = BODY_CONFIG
+
+    max_tokens: StrictInt = None
+    min_tokens: StrictInt = None

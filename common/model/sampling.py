@@ -1,12 +1,12 @@
 """Sampling parameters, the shared probability transform and the sampler.
 
-Reading path: `SamplingParams` (parse and validate a request), `probs` (temperature, top-k, top-p,
-min-p; also used by speculative decoding's accept/reject), `Sampler.sample`; then
+Reading path: `SamplingParams` (what a request asks; its ranges), `probs` (temperature, top-k,
+top-p, min-p; also used by speculative decoding's accept/reject), `Sampler.sample`; then
 `common.model.stops` (when a request ends).
 
 Penalties (frequency, presence, repetition), `min_new_tokens`, logit bias and constrained decoding
-are not implemented: a request setting any of them to a non-neutral value gets a `RequestError`
-instead of silently different output.
+are not implemented: a request setting any of them to a non-neutral value gets a 400 instead of
+silently different output (request parsing: common/api/sampling_schema.py).
 """
 
 from __future__ import annotations
@@ -29,81 +29,6 @@ MAX_SEED = 2**63
 # Below this temperature logits / T leaves fp32's useful range; such requests are greedy, as in
 # SGLang (its _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-6
-
-_SGLANG_FIELDS = {
-    "max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
-    "top_k": "top_k", "min_p": "min_p", "stop": "stop", "stop_token_ids": "stop_token_ids",
-    "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens", "n": "n",
-    "no_stop_trim": "no_stop_trim", "sampling_seed": "seed", "seed": "seed",
-}
-# SGLang keys accepted only at their neutral value: anything else changes the output in a way this
-# engine does not implement. `spaces_between_special_tokens` and `stream_interval` are accepted with
-# any value of the right type: the first does not affect byte-level tokenizers, the second only
-# paces streaming.
-_NEUTRAL = {
-    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-    "min_new_tokens": 0, "min_tokens": 0, "regex": None, "json_schema": None, "ebnf": None,
-    "structural_tag": None, "stop_regex": None, "custom_params": None, "logit_bias": None,
-    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "best_of": 1,
-}
-_IGNORED_SGLANG = {"spaces_between_special_tokens": bool, "stream_interval": int}
-SGLANG_TOLERATED_KEYS = frozenset(_NEUTRAL) | frozenset(_IGNORED_SGLANG)
-
-
-def _type_error(where: str, key: str, want: str, value: Any) -> RequestError:
-    return RequestError(f"{where}{key} must be {want}, got {type(value).__name__} {value!r}")
-
-
-def _as_float(where: str, key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _type_error(where, key, "a number", value)
-    return float(value)
-
-
-def _as_int(where: str, key: str, value: Any) -> int:
-    # JSON clients sometimes send 16.0 for 16; a fractional value is still an error.
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _type_error(where, key, "an integer", value)
-    return value
-
-
-def _as_bool(where: str, key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _type_error(where, key, "a boolean", value)
-    return value
-
-
-def _as_stop(where: str, key: str, value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        return (value,)
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise _type_error(where, key, "a string or a list of strings", value)
-    return tuple(value)
-
-
-def _as_ids(where: str, key: str, value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list):
-        raise _type_error(where, key, "a list of integers", value)
-    return tuple(_as_int(where, f"{key}[{i}]", v) for i, v in enumerate(value))
-
-
-_CONVERT = {
-    "max_new_tokens": _as_int, "temperature": _as_float, "top_p": _as_float, "top_k": _as_int,
-    "min_p": _as_float, "seed": _as_int, "stop": _as_stop, "stop_token_ids": _as_ids,
-    "ignore_eos": _as_bool, "skip_special_tokens": _as_bool, "no_stop_trim": _as_bool,
-    "n": _as_int,
-}
-
-
-def _check_neutral(where: str, key: str, value: Any) -> None:
-    neutral = _NEUTRAL[key]
-    is_neutral = value is None or value == neutral or (neutral is None and value in ({}, [], ""))
-    if not is_neutral:
-        raise RequestError(f"{where}{key}={value!r} is not supported; send {neutral!r} or omit it")
-
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -168,68 +93,33 @@ class SamplingParams:
                     f"= {prompt_tokens + self.max_new_tokens} exceeds the context of "
                     f"{max_context_tokens} tokens; shorten the prompt or lower max_new_tokens")
 
+    # TODO(#14): the reference runs in tests/ and bench/ build their params through these two;
+    # once they call common.api.sampling_schema directly, drop them (request parsing lives in
+    # common/api/, which imports this module, hence the imports inside).
     @classmethod
     def from_sglang(cls, d: Mapping[str, Any]) -> SamplingParams:
-        """Build from SGLang's `/generate` `sampling_params` object. Unknown keys are errors;
-        `SGLANG_TOLERATED_KEYS` are accepted at their neutral value. `None` means the default."""
-        if not isinstance(d, Mapping):
-            raise _type_error("", "sampling_params", "an object", d)
-        where = "sampling_params."
-        unknown = sorted(k for k in d if k not in _SGLANG_FIELDS and k not in SGLANG_TOLERATED_KEYS)
-        if unknown:
-            raise RequestError(f"sampling_params has unknown keys {unknown}; supported: "
-                               f"{sorted(_SGLANG_FIELDS)} plus neutral {sorted(_NEUTRAL)}")
-        kwargs: dict[str, Any] = {}
-        for key, value in d.items():
-            if value is None:
-                continue
-            if key in _NEUTRAL:
-                _check_neutral(where, key, value)
-            elif key in _IGNORED_SGLANG:
-                want = _IGNORED_SGLANG[key]
-                (_as_bool if want is bool else _as_int)(where, key, value)
-            else:
-                field = _SGLANG_FIELDS[key]
-                kwargs[field] = _CONVERT[field](where, key, value)
-        params = cls(**kwargs)
-        params.check_ranges({"seed": "sampling_seed" if "sampling_seed" in d else "seed"})
+        """From SGLang's `sampling_params` object (common.api.sampling_schema.SGLangSampling)."""
+        from common.api.fields import validate_body
+        from common.api.sampling_schema import SGLangSampling
+
+        fields = validate_body(SGLangSampling, d, "sampling_params")
+        params = cls(**fields.kwargs())
+        params.check_ranges(fields.range_names())
         return params
 
     @classmethod
     def from_openai(cls, d: Mapping[str, Any], chat: bool,
                     default_max_new_tokens: int | None = None) -> SamplingParams:
-        """Build from an OpenAI `/v1/completions` (chat=False) or `/v1/chat/completions` body.
+        """From the sampling fields of an OpenAI body (common.api.sampling_schema.OpenAISampling);
+        its other fields are ignored here."""
+        from common.api.fields import validate_body
+        from common.api.sampling_schema import SAMPLING_NEUTRAL, OpenAISampling
 
-        Keys that are not sampling fields (model, messages, stream, ...) belong to the HTTP layer
-        and are ignored here. Without a token limit, completions default to 16 (OpenAI's
-        default) and chat to 128, unless `default_max_new_tokens` is given."""
-        if not isinstance(d, Mapping):
-            raise _type_error("", "body", "an object", d)
-        kwargs: dict[str, Any] = {}
-        limit_key = "max_tokens"
-        if chat and d.get("max_completion_tokens") is not None:
-            limit_key = "max_completion_tokens"
-        renames = {limit_key: "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
-                   "top_k": "top_k", "min_p": "min_p", "seed": "seed", "stop": "stop",
-                   "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
-                   "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "no_stop_trim",
-                   "n": "n"}
-        for key, field in renames.items():
-            if d.get(key) is not None:
-                kwargs[field] = _CONVERT[field]("", key, d[key])
-        for key in _NEUTRAL:
-            if key in d:
-                _check_neutral("", key, d[key])
-        fmt = d.get("response_format")
-        if fmt is not None and (not isinstance(fmt, Mapping) or fmt.get("type") != "text"):
-            raise RequestError(f"response_format={fmt!r} is not supported; send "
-                               "{'type': 'text'} or omit it")
-        if "max_new_tokens" not in kwargs:
-            default = 128 if chat else 16
-            kwargs["max_new_tokens"] = (default if default_max_new_tokens is None
-                                        else default_max_new_tokens)
-        params = cls(**kwargs)
-        params.check_ranges({"max_new_tokens": limit_key})
+        keys = set(OpenAISampling.model_fields) | set(SAMPLING_NEUTRAL)
+        sampling = {k: v for k, v in d.items() if k in keys} if isinstance(d, Mapping) else d
+        fields = validate_body(OpenAISampling, sampling)
+        params = cls(**fields.kwargs(chat, default_max_new_tokens))
+        params.check_ranges(fields.range_names(chat))
         return params
 
 

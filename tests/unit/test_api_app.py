@@ -399,6 +399,35 @@ async def test_unknown_route_is_a_json_404():
     assert r.status_code == 404 and r.json()["error"]["code"] == 404
 
 
+async def test_openapi_documents_the_three_request_bodies():
+    async with client_for(EchoBackend()) as c:
+        r = await c.get("/openapi.json")
+    assert r.status_code == 200
+    doc = r.json()
+    schemas = doc["components"]["schemas"]
+
+    def body_schema(path: str) -> dict:
+        ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        return schemas[ref["$ref"].rsplit("/", 1)[-1]]
+
+    fields = {path: set(body_schema(path)["properties"])
+              for path in ("/generate", "/v1/completions", "/v1/chat/completions")}
+    assert {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
+            "rid", "kv_transfer_params", "bootstrap_host", "bootstrap_port",
+            "bootstrap_room"} <= fields["/generate"]
+    openai = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+              "min_p", "stop", "seed", "n", "stream", "stream_options", "logprobs",
+              "kv_transfer_params", "bootstrap_room"}
+    assert openai | {"prompt"} <= fields["/v1/completions"]
+    assert openai | {"messages", "top_logprobs"} <= fields["/v1/chat/completions"]
+    sampling = body_schema("/generate")["properties"]["sampling_params"]
+    assert "SGLangSampling" in json.dumps(sampling)
+    assert {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
+            "ignore_eos", "sampling_seed"} <= set(schemas["SGLangSampling"]["properties"])
+    assert schemas["SGLangSampling"]["properties"]["top_p"]["description"]
+    assert "ChatMessage" in json.dumps(body_schema("/v1/chat/completions")["properties"]["messages"])
+
+
 # --- PD fields and routers ------------------------------------------------------------------
 
 async def test_kv_transfer_params_round_trip():

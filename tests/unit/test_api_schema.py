@@ -95,6 +95,19 @@ def test_generate_batch_sampling_params_per_prompt():
     ({"text": "a", "sampling_params": {"top_p": 2}}, "sampling_params.top_p"),
     ({"text": "a", "sampling_params": {"max_new_tokens": 5000}}, "sampling_params.max_new_tokens"),
     ({"text": "a", "max_tokens": 1}, "max_tokens"),
+    ({"text": ["a", "b"], "sampling_params": [{}, {"top_k": "x"}]}, "sampling_params[1].top_k"),
+    ({"text": ["a", "b"], "sampling_params": [{}, {"top_p": 2}]}, "sampling_params[1].top_p"),
+    ({"text": "a", "sampling_params": {"stop_token_ids": [1, None]}},
+     "sampling_params.stop_token_ids[1]"),
+    ({"text": "a", "sampling_params": "greedy"}, "sampling_params"),
+    ({"text": "a", "sampling_params": {"wobble": 1}}, "sampling_params"),
+    ({"text": "a", "sampling_params": {"frequency_penalty": 0.5}},
+     "sampling_params.frequency_penalty"),
+    ({"text": "a", "return_logprob": 1}, "return_logprob"),
+    ({"text": "a", "log_metrics": "yes"}, "log_metrics"),
+    ({"text": "a", "kv_transfer_params": [1]}, "kv_transfer_params"),
+    ({"text": "a", "max_tokens": "1", "kv_transfer_params": {"do_remote_decode": True}},
+     "max_tokens"),
 ])
 def test_generate_rejects_naming_the_field(body, param):
     with pytest.raises(RequestError) as info:
@@ -282,6 +295,16 @@ def test_vllm_prefill_leg_drops_min_tokens_only_there():
     (True, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      "tools"),
     (True, {"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "prompt"),
+    (False, {"prompt": "a", "stream_options": []}, "stream_options"),
+    (False, {"prompt": "a", "presence_penalty": 1.0}, "presence_penalty"),
+    (False, {"prompt": "a", "response_format": {"type": "json_object"}}, "response_format"),
+    (False, {"prompt": "a", "stop_token_ids": [1, "x"]}, "stop_token_ids[1]"),
+    (False, {"prompt": "a", "max_completion_tokens": -1}, "max_completion_tokens"),
+    (True, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},
+     "max_completion_tokens"),
+    (True, {"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
+    (True, {"messages": [{"role": "user", "content": "x"}], "user": 5}, "user"),
+    (False, {"prompt": "a", "model": 5}, "model"),
 ])
 def test_openai_rejects_naming_the_field(is_chat, body, param):
     with pytest.raises(RequestError) as info:

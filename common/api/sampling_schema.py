@@ -1,0 +1,151 @@
+"""The sampling fields of a request: SGLang's `sampling_params` object and the OpenAI body's
+sampling fields, as pydantic models.
+
+A model checks each field's type and refuses the features this engine does not implement
+(penalties, `min_new_tokens`, logit bias, constrained decoding) unless they are sent at their
+neutral value. `kwargs()` gives the keyword arguments of `common.model.sampling.SamplingParams`,
+whose `check_ranges` then checks the ranges; `range_names()` maps a `SamplingParams` field to the
+client's name for it. This module does not import `SamplingParams`: `SamplingParams.from_sglang`
+and `from_openai` (kept for callers outside the HTTP layer) build on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, model_validator
+
+from common.api.fields import (
+    BODY_CONFIG, Bool, Float, Int, Refused, Stop, TokenIds, as_bool, as_int, check_keys, field,
+)
+
+# Accepted only at the value that means "off": anything else changes the output in a way this
+# engine does not implement.
+SAMPLING_NEUTRAL: dict[str, Any] = {
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+    "min_new_tokens": 0, "min_tokens": 0, "regex": None, "json_schema": None, "ebnf": None,
+    "structural_tag": None, "stop_regex": None, "custom_params": None, "logit_bias": None,
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "best_of": 1,
+}
+# Accepted with any value of the right type: the first does not affect byte-level tokenizers,
+# the second only paces streaming.
+SGLANG_IGNORED = {"spaces_between_special_tokens": as_bool, "stream_interval": as_int}
+SGLANG_TOLERATED_KEYS = frozenset(SAMPLING_NEUTRAL) | frozenset(SGLANG_IGNORED)
+_SHARED = ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
+           "skip_special_tokens", "no_stop_trim", "n")
+
+
+class _Sampling(BaseModel):
+    """The fields SGLang and OpenAI bodies share. null (or absent) means the default."""
+
+    model_config = BODY_CONFIG
+
+    temperature: Float = None
+    """0 is greedy. Default 1."""
+    top_p: Float = None
+    """In (0, 1]. Default 1."""
+    top_k: Int = None
+    """-1 or 0: off (the default)."""
+    min_p: Float = None
+    """In [0, 1]. Default 0."""
+    stop: Stop = None
+    """Up to 16 non-empty stop strings."""
+    stop_token_ids: TokenIds = None
+    """Token ids that end the output."""
+    ignore_eos: Bool = None
+    """Keep going past the end-of-sequence token."""
+    skip_special_tokens: Bool = None
+    """Leave special tokens out of the text. Default true."""
+    no_stop_trim: Bool = None
+    """Keep the matched stop string or token in the text."""
+    n: Int = None
+    """Completions per prompt: 1 only."""
+
+    def shared_kwargs(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in _SHARED if getattr(self, k) is not None}
+
+
+class SGLangSampling(_Sampling):
+    """SGLang's `sampling_params` object. Unknown keys are refused; penalties, `min_new_tokens`,
+    logit bias and constrained decoding are accepted only at their neutral value."""
+
+    max_new_tokens: Int = None
+    """Output token limit. Default 128."""
+    sampling_seed: Int = None
+    """Seed of this request's draws, in [0, 2**63)."""
+    seed: Int = None
+    """Same as sampling_seed."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tolerated(cls, body: Any) -> Any:
+        check_keys(body, cls, SGLANG_IGNORED, SAMPLING_NEUTRAL, is_lenient=False)
+        return body
+
+    def kwargs(self) -> dict[str, Any]:
+        out = self.shared_kwargs()
+        seed = self.sampling_seed if self.sampling_seed is not None else self.seed
+        if seed is not None:
+            out["seed"] = seed
+        if self.max_new_tokens is not None:
+            out["max_new_tokens"] = self.max_new_tokens
+        return out
+
+    def range_names(self) -> dict[str, str]:
+        return {"seed": "sampling_seed" if self.sampling_seed is not None else "seed"}
+
+
+def _response_format(value: Any) -> Any:
+    if value is not None and (not isinstance(value, dict) or value.get("type") != "text"):
+        raise Refused(value, lambda path: f"{path}={value!r} is not supported; send "
+                                          "{'type': 'text'} or omit it")
+    return value
+
+
+class OpenAISampling(_Sampling):
+    """The sampling fields of `/v1/completions` and `/v1/chat/completions` (with SGLang's
+    extensions `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
+    `no_stop_trim`). Penalties, logit bias, `best_of`, `min_tokens` and constrained decoding are
+    accepted only at their neutral value."""
+
+    max_tokens: Int = None
+    """Output token limit. Default 16 for completions, 128 for chat."""
+    max_completion_tokens: Int = None
+    """Chat: wins over max_tokens. Completions: used when max_tokens is absent."""
+    seed: Int = None
+    """Seed of this request's draws, in [0, 2**63)."""
+    response_format: field(_response_format, dict[str, Any] | None) = None
+    """{"type": "text"} only."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _neutral(cls, body: Any) -> Any:
+        if isinstance(body, Mapping):
+            check_keys({k: v for k, v in body.items() if k in SAMPLING_NEUTRAL}, cls, {},
+                       SAMPLING_NEUTRAL, is_lenient=False)
+        return body
+
+    def limit_key(self, is_chat: bool) -> str:
+        """The field that sets the output limit: chat prefers `max_completion_tokens` (what
+        sglang-router sends), completions `max_tokens`."""
+        first, second = (("max_completion_tokens", "max_tokens") if is_chat else
+                         ("max_tokens", "max_completion_tokens"))
+        if getattr(self, first) is None and getattr(self, second) is not None:
+            return second
+        return first
+
+    def kwargs(self, is_chat: bool, default_max_new_tokens: int | None = None) -> dict[str, Any]:
+        out = self.shared_kwargs()
+        if self.seed is not None:
+            out["seed"] = self.seed
+        limit = getattr(self, self.limit_key(is_chat))
+        if limit is None:
+            limit = default_max_new_tokens if default_max_new_tokens is not None else (
+                128 if is_chat else 16)
+        out["max_new_tokens"] = limit
+        return out
+
+    def range_names(self, is_chat: bool) -> dict[str, str]:
+        return {"max_new_tokens": self.limit_key(is_chat)}
