@@ -14,7 +14,7 @@ import torch
 
 from common.engine.cuda_graph import StepGraphs
 from common.engine.sequence import Sequence, pages_needed
-from common.engine.spec import verify_greedy, verify_sampled
+from common.engine.spec import Verdict, verify_greedy_ids, verify_sampled
 from common.errors import OverloadedError
 from common.model.kv_cache import KvCache, PageAllocator
 from common.model.llama import SeqChunk
@@ -155,17 +155,19 @@ class ModelRunner:
         proposals, q_rows = self._propose(seqs, k)
         chunks = [SeqChunk([s.last_token] + d, s.num_cached, s.pages) for s, d in zip(seqs, proposals)]
         target_logits = self.target.forward(chunks, all_logits=True)  # list of [k+1, V]
+        greedy = _greedy_verdicts(seqs, proposals, target_logits)
         results = []
-        for s, d, q, logits in zip(seqs, proposals, q_rows, target_logits):
-            logits = logits.float()
-            if s.params.is_greedy:
-                verdict = verify_greedy(logits, d)
+        for i, (s, d, q, logits) in enumerate(zip(seqs, proposals, q_rows, target_logits)):
+            if i in greedy:
+                verdict, lps = greedy[i]
+                accepted = verdict.tokens(d)
             else:
+                logits = logits.float()
                 p = probs(logits, [s.params] * logits.shape[0])
                 verdict = verify_sampled(p, torch.stack(q), d, s.generator)
-            accepted = verdict.tokens(d)
-            logp = torch.log_softmax(logits[: len(accepted)], dim=-1)
-            lps = [float(logp[i, t]) for i, t in enumerate(accepted)]
+                accepted = verdict.tokens(d)
+                logp = torch.log_softmax(logits[: len(accepted)], dim=-1)
+                lps = [float(logp[i, t]) for i, t in enumerate(accepted)]
             s.num_proposed += k
             s.num_accepted += verdict.num_accepted
             # Target cache now validly holds last_token + accepted drafts; the new token is uncached.
@@ -188,9 +190,11 @@ class ModelRunner:
                 else:
                     chunks.append(SeqChunk([d[-1]], s.num_tokens + step - 1, s.draft_pages))
             logits = self.draft.forward(chunks).float()
+            # every greedy row's pick in one device-to-host copy
+            best = logits.argmax(dim=-1).tolist() if any(s.params.is_greedy for s in seqs) else []
             for i, s in enumerate(seqs):
                 if s.params.is_greedy:
-                    tok = int(logits[i].argmax())
+                    tok = best[i]
                 else:
                     # The draft may live on another device (DRAM draft, VRAM target): sample where
                     # the request's generator and the target's probabilities live.
@@ -205,6 +209,24 @@ class ModelRunner:
             # Proposals d0..d(k-2) were fed to the draft; d(k-1) was not.
             s.draft_num_cached = s.num_tokens + k - 1
         return proposals, q_rows
+
+
+def _greedy_verdicts(seqs: list[Sequence], proposals: list[list[int]],
+                     target_logits: list[torch.Tensor]) -> dict[int, tuple[Verdict, list[float]]]:
+    """Greedy rows of a verify step, checked together: their argmax tokens and logprobs come to the
+    host in one copy. Returns {row: (verdict, logprob of each output token)}."""
+    rows = [i for i, s in enumerate(seqs) if s.params.is_greedy]
+    if not rows:
+        return {}
+    stacked = torch.stack([target_logits[i] for i in rows]).float()  # [G, k+1, V]
+    best = stacked.argmax(dim=-1, keepdim=True)
+    logp = torch.log_softmax(stacked, dim=-1).gather(-1, best)  # the output tokens are the argmaxes
+    host = torch.cat([best.double(), logp.double()], dim=-1).tolist()  # [G][k+1][token, logprob]
+    out = {}
+    for i, row in zip(rows, host):
+        verdict = verify_greedy_ids([int(t) for t, _ in row], proposals[i])
+        out[i] = (verdict, [lp for _, lp in row[: verdict.num_accepted + 1]])
+    return out
 
 
 def _pairs(tokens: torch.Tensor, logprobs: torch.Tensor) -> list[tuple[int, float]]:

@@ -34,7 +34,11 @@ class Verdict:
 
 def verify_greedy(target_logits: torch.Tensor, draft_tokens: list[int]) -> Verdict:
     """target_logits: [k+1, V]; draft_tokens: k ids."""
-    best = target_logits.argmax(dim=-1).tolist()
+    return verify_greedy_ids(target_logits.argmax(dim=-1).tolist(), draft_tokens)
+
+
+def verify_greedy_ids(best: list[int], draft_tokens: list[int]) -> Verdict:
+    """best: the target's argmax at each of the k+1 positions; draft_tokens: k ids."""
     for i, token in enumerate(draft_tokens):
         if best[i] != token:
             return Verdict(i, best[i])
