@@ -117,7 +117,7 @@ def gemv_cases(model) -> list[dict]:
     return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--device", default="cuda:0")
@@ -129,7 +129,22 @@ def main() -> None:
     ap.add_argument("--kv-budget-gib", type=float, default=80.0, help="KV pool size")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--disable-cuda-graph", action="store_true")
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def with_gemv(runner, a, base: dict, weight_bytes: int, kv_token_bytes: int, bw: float) -> None:
+    """Batch 1 again with the Triton GEMV for every one-row projection (graphs recaptured)."""
+    model = runner.target.model
+    model.attn.use_gemv = True
+    for graphs in runner.target.graphs:
+        graphs.capture()
+    for context in map(int, a.contexts.split(",")):
+        emit({**base, "gemv": True, **decode_case(runner, a, 1, context, weight_bytes, kv_token_bytes, bw)})
+    model.attn.use_gemv = False
+
+
+def main() -> None:
+    a = parse_args()
     import torch
 
     from common.engine.factory import build_runner
@@ -165,13 +180,8 @@ def main() -> None:
                       "skipped": f"needs {batch * context} KV tokens, the pool holds {max_tokens}"})
                 continue
             emit({**base, **decode_case(runner, a, batch, context, weight_bytes, kv_token_bytes, bw)})
-    if model.attn.name == "triton" and runner.target.graphs:  # batch 1 again with the Triton GEMV
-        model.attn.use_gemv = True
-        for graphs in runner.target.graphs:
-            graphs.capture()
-        for context in map(int, a.contexts.split(",")):
-            emit({**base, "gemv": True, **decode_case(runner, a, 1, context, weight_bytes, kv_token_bytes, bw)})
-        model.attn.use_gemv = False
+    if model.attn.name == "triton" and runner.target.graphs:
+        with_gemv(runner, a, base, weight_bytes, kv_token_bytes, bw)
     for tokens in (map(int, a.prefill.split(",")) if a.prefill else []):
         emit({**base, **prefill_case(runner, tokens, num_params, model.config, peak)})
 
