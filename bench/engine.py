@@ -33,7 +33,6 @@ def ceilings(device) -> tuple[float, float]:
     dst, a = torch.empty_like(src), torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     copy_ms = timed(lambda: dst.copy_(src), 10)
     matmul_ms = timed(lambda: a @ a, 20)
-    del src, dst
     return 2 * (4 << 30) / copy_ms / 1e6, 2 * 8192**3 / matmul_ms / 1e9
 
 
