@@ -315,13 +315,13 @@ def references(target: str, prompts: list[list[int]]) -> list[list[int]]:
 
     from common.engine.colocated import ColocatedEngine
     from common.engine.factory import build_runner
-    from common.model.sampling import SamplingParams
+    from common.api.sampling_schema import sglang_params
     from common.model.tokenizer import Tokenizer
 
     torch.set_num_threads(1)
     engine = ColocatedEngine(build_runner(target, None, page_size=16, max_total_tokens=16384),
                              Tokenizer.from_dir(target))
-    return [r.output_ids for r in engine.generate(prompts, SamplingParams.from_sglang(SAMPLING))]
+    return [r.output_ids for r in engine.generate(prompts, sglang_params(SAMPLING))]
 
 
 def during_faults(outcomes: list[Outcome], records: list[FaultRecord], end_s: float) -> int:

@@ -201,9 +201,7 @@ def error_info(exc: BaseException, timeout_s: float | None = None
                       "code": status}}
     headers = {}
     if status == 503:
-        # An OverloadedError may say how long to wait; every other 503 gets the default.
-        retry = getattr(exc, "retry_after_s", RETRY_AFTER_S)
-        headers["Retry-After"] = str(max(1, math.ceil(retry)))
+        headers["Retry-After"] = str(max(1, math.ceil(RETRY_AFTER_S)))
     return status, body, headers
 
 

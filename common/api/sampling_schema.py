@@ -5,8 +5,8 @@ A model checks each field's type and refuses the features this engine does not i
 (penalties, `min_new_tokens`, logit bias, constrained decoding) unless they are sent at their
 neutral value. `kwargs()` gives the keyword arguments of `common.model.sampling.SamplingParams`,
 whose `check_ranges` then checks the ranges; `range_names()` maps a `SamplingParams` field to the
-client's name for it. This module does not import `SamplingParams`: `SamplingParams.from_sglang`
-and `from_openai` (kept for callers outside the HTTP layer) build on it.
+client's name for it. `sglang_params` and `openai_params` build a checked `SamplingParams` in one call (the HTTP layer,
+reference runs in tests and benchmarks).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from typing import Any
 from pydantic import BaseModel, model_validator
 
 from common.api.fields import (
-    BODY_CONFIG, Bool, Float, Int, Refused, Stop, TokenIds, as_bool, as_int, check_keys, field,
+    BODY_CONFIG, Bool, Float, Int, Refused, Stop, TokenIds, as_bool, as_int, check_keys, field, validate_body,
 )
+from common.model.sampling import SamplingParams
 
 # Accepted only at the value that means "off": anything else changes the output in a way this
 # engine does not implement.
@@ -149,3 +150,22 @@ class OpenAISampling(_Sampling):
 
     def range_names(self, is_chat: bool) -> dict[str, str]:
         return {"max_new_tokens": self.limit_key(is_chat)}
+
+
+def sglang_params(d: Mapping[str, Any]) -> SamplingParams:
+    """A checked ``SamplingParams`` from SGLang's `sampling_params` object (``SGLangSampling``)."""
+    fields = validate_body(SGLangSampling, d, "sampling_params")
+    params = SamplingParams(**fields.kwargs())
+    params.check_ranges(fields.range_names())
+    return params
+
+
+def openai_params(d: Mapping[str, Any], chat: bool, default_max_new_tokens: int | None = None) -> SamplingParams:
+    """A checked ``SamplingParams`` from the sampling fields of an OpenAI body (``OpenAISampling``);
+    its other fields are ignored here."""
+    keys = set(OpenAISampling.model_fields) | set(SAMPLING_NEUTRAL)
+    sampling = {k: v for k, v in d.items() if k in keys} if isinstance(d, Mapping) else d
+    fields = validate_body(OpenAISampling, sampling)
+    params = SamplingParams(**fields.kwargs(chat, default_max_new_tokens))
+    params.check_ranges(fields.range_names(chat))
+    return params

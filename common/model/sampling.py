@@ -93,35 +93,6 @@ class SamplingParams:
                     f"= {prompt_tokens + self.max_new_tokens} exceeds the context of "
                     f"{max_context_tokens} tokens; shorten the prompt or lower max_new_tokens")
 
-    # TODO(#14): the reference runs in tests/ and bench/ build their params through these two;
-    # once they call common.api.sampling_schema directly, drop them (request parsing lives in
-    # common/api/, which imports this module, hence the imports inside).
-    @classmethod
-    def from_sglang(cls, d: Mapping[str, Any]) -> SamplingParams:
-        """From SGLang's `sampling_params` object (common.api.sampling_schema.SGLangSampling)."""
-        from common.api.fields import validate_body
-        from common.api.sampling_schema import SGLangSampling
-
-        fields = validate_body(SGLangSampling, d, "sampling_params")
-        params = cls(**fields.kwargs())
-        params.check_ranges(fields.range_names())
-        return params
-
-    @classmethod
-    def from_openai(cls, d: Mapping[str, Any], chat: bool,
-                    default_max_new_tokens: int | None = None) -> SamplingParams:
-        """From the sampling fields of an OpenAI body (common.api.sampling_schema.OpenAISampling);
-        its other fields are ignored here."""
-        from common.api.fields import validate_body
-        from common.api.sampling_schema import SAMPLING_NEUTRAL, OpenAISampling
-
-        keys = set(OpenAISampling.model_fields) | set(SAMPLING_NEUTRAL)
-        sampling = {k: v for k, v in d.items() if k in keys} if isinstance(d, Mapping) else d
-        fields = validate_body(OpenAISampling, sampling)
-        params = cls(**fields.kwargs(chat, default_max_new_tokens))
-        params.check_ranges(fields.range_names(chat))
-        return params
-
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
     """A per-request generator; seeded requests draw the same tokens whatever their batch."""

@@ -16,6 +16,7 @@ import pytest
 
 from common.model.sampling import SamplingParams
 from common.model.tokenizer import Tokenizer
+from common.api.sampling_schema import openai_params, sglang_params
 from tests.cluster import Cluster, free_pages
 
 PROMPT = "The ferry leaves the north pier at seven"
@@ -97,7 +98,7 @@ def reference(colocated, prompt, params: SamplingParams, **kw):
 def test_generate_json_and_stream(pd, colocated):
     _, prefill, decode = pd
     body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 24, "temperature": 0}}
-    ref = reference(colocated, PROMPT, SamplingParams.from_sglang(body["sampling_params"]))
+    ref = reference(colocated, PROMPT, sglang_params(body["sampling_params"]))
     first, out = map(ok, route(prefill, decode, "/generate", body))
     assert (out["text"], out["output_ids"]) == (ref.text, ref.output_ids)
     meta = out["meta_info"]
@@ -122,7 +123,7 @@ def test_logprobs(pd, colocated, stream):
     ids = [rng.randrange(5, 512) for _ in range(40)]
     body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0, "stream": stream,
             "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
-    ref = reference(colocated, ids, SamplingParams.from_sglang(body["sampling_params"]), return_logprob=True)
+    ref = reference(colocated, ids, sglang_params(body["sampling_params"]), return_logprob=True)
     first, out = map(ok, route(prefill, decode, "/generate", body))
     # The prefill answers one JSON object even to a stream, so that sglang-router can merge its
     # input_token_logprobs into the decode's chunks (docs/routers.md).
@@ -145,7 +146,7 @@ def test_completions(pd, colocated, stream):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 20, "temperature": 0, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
-    ref = reference(colocated, PROMPT, SamplingParams.from_openai(body, chat=False))
+    ref = reference(colocated, PROMPT, openai_params(body, chat=False))
     usage = {"prompt_tokens": len(ref.prompt_ids), "completion_tokens": len(ref.output_ids),
              "total_tokens": len(ref.prompt_ids) + len(ref.output_ids)}
     _, out = map(ok, route(prefill, decode, "/v1/completions", body))
@@ -167,7 +168,7 @@ def test_chat_completions_apply_the_template(pd, colocated, tok, stream):
     _, prefill, decode = pd
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 24, "temperature": 0, "stream": stream}
     ids = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True), add_special_tokens=False)
-    ref = reference(colocated, ids, SamplingParams.from_openai(body, chat=True))
+    ref = reference(colocated, ids, openai_params(body, chat=True))
     _, out = map(ok, route(prefill, decode, "/v1/chat/completions", body))
     if not stream:
         assert out["object"] == "chat.completion"
@@ -188,7 +189,7 @@ def test_incremental_detokenization_of_multibyte_characters(pd, colocated):
     _, prefill, decode = pd
     sampling = {"max_new_tokens": 64, "temperature": 4.0}
     for seed in range(60):
-        params = SamplingParams.from_sglang({**sampling, "seed": seed})
+        params = sglang_params({**sampling, "seed": seed})
         ref = reference(colocated, PROMPT, params)
         if any(ord(c) > 127 and c != "\ufffd" for c in ref.text):
             break  # tiny-model tokens past ASCII are single bytes: that character spans tokens
@@ -216,7 +217,7 @@ def test_sixteen_concurrent_requests_mixed(pd, colocated):
         s = {"max_new_tokens": rng.randrange(4, 40), "ignore_eos": True}
         s.update({"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "top_p": 0.95, "seed": 1000 + i})
         samplings.append(s)
-    refs = colocated(False).generate(prompts, [SamplingParams.from_sglang(s) for s in samplings])
+    refs = colocated(False).generate(prompts, [sglang_params(s) for s in samplings])
 
     def one(i: int):
         body = {"input_ids": prompts[i], "sampling_params": samplings[i], "stream": i % 4 < 2}

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from common.model.sampling import SamplingParams
 from common.procs import Proc, free_port, http_json
+from common.api.sampling_schema import sglang_params
 from tests.cluster import ROOM_EVENTS, LogWatch, free_pages, post
 
 SLACK_S = 5.0
@@ -232,7 +232,7 @@ def test_sigterm_mid_load_drains(cluster, notify, colocated, victim):
     # after the signal, so every room is prefilled and waiting for its transfer when it arrives.
     max_new = 160 if victim == "decode" else 8
     sampling = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
-    refs = colocated(False).generate(prompts, SamplingParams.from_sglang(sampling))
+    refs = colocated(False).generate(prompts, sglang_params(sampling))
     bodies = [{"input_ids": p, "sampling_params": sampling, **boot(prefill.bootstrap_port)} for p in prompts]
     go = threading.Event() if victim == "prefill" else None
     watch = LogWatch(prefill)

@@ -15,6 +15,7 @@ import pytest
 
 from common.model.sampling import SamplingParams
 from common.model.tokenizer import Tokenizer
+from common.api.sampling_schema import openai_params, sglang_params
 from tests.cluster import Cluster, assert_pages_return, post
 
 PROMPT = "The ferry leaves the north pier at seven"
@@ -51,7 +52,7 @@ def ok(answer):
 def test_generate_equals_colocated(pd, colocated, tok, prompt_key):
     router = pd[3]
     prompt = PROMPT if prompt_key == "text" else tok.encode(PROMPT)
-    ref = reference(colocated, prompt, SamplingParams.from_sglang(GREEDY))
+    ref = reference(colocated, prompt, sglang_params(GREEDY))
     out = ok(post(router.url + "/generate", {prompt_key: prompt, "sampling_params": GREEDY})).json()
     assert (out["output_ids"], out["text"]) == (ref.output_ids, ref.text)
     assert out["meta_info"]["prompt_tokens"] == len(ref.prompt_ids)
@@ -68,7 +69,7 @@ def test_generate_stream_ends_with_the_non_stream_text(pd, colocated):
     for ev in events:  # cumulative: each event repeats the text so far
         assert plain["text"].startswith(ev["text"]), ev
     assert (events[-1]["text"], events[-1]["output_ids"]) == (plain["text"], plain["output_ids"])
-    ref = reference(colocated, PROMPT, SamplingParams.from_sglang(GREEDY))
+    ref = reference(colocated, PROMPT, sglang_params(GREEDY))
     assert plain["output_ids"] == ref.output_ids
 
 
@@ -76,7 +77,7 @@ def test_generate_stream_ends_with_the_non_stream_text(pd, colocated):
 def test_completions(pd, colocated, stream):
     router = pd[3]
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": stream}
-    ref = reference(colocated, PROMPT, SamplingParams.from_openai(body, chat=False))
+    ref = reference(colocated, PROMPT, openai_params(body, chat=False))
     answer = ok(post(router.url + "/v1/completions", body))
     if stream:
         chunks = answer.events()
@@ -99,7 +100,7 @@ def test_chat_completions(pd, colocated, tok, stream):
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 12, "temperature": 0, "stream": stream}
     ids = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True), add_special_tokens=False)
     # The router renames max_tokens to max_completion_tokens; the limit is the same.
-    ref = reference(colocated, ids, SamplingParams.from_openai(body, chat=True))
+    ref = reference(colocated, ids, openai_params(body, chat=True))
     answer = ok(post(router.url + "/v1/chat/completions", body))
     if stream:
         chunks = answer.events()
@@ -122,7 +123,7 @@ def test_prompt_logprobs_merged_by_the_router(pd, colocated, tok, stream):
     ids = tok.encode(PROMPT)
     body = {"input_ids": ids, "sampling_params": GREEDY, "return_logprob": True, "logprob_start_len": 0,
             "stream": stream}
-    ref = reference(colocated, ids, SamplingParams.from_sglang(GREEDY), return_logprob=True)
+    ref = reference(colocated, ids, sglang_params(GREEDY), return_logprob=True)
     answer = ok(post(router.url + "/generate", body))
     outs = answer.events() if stream else [answer.json()]
     for out in outs:
@@ -144,7 +145,7 @@ def test_batched_input_ids(pd, colocated, tok):
     list in prompt order, each equal to the colocated engine's."""
     router = pd[3]
     prompts = [tok.encode(p) for p in ("a short one", PROMPT, "Hello there, ferry")]
-    refs = colocated(False).generate(prompts, SamplingParams.from_sglang(GREEDY))
+    refs = colocated(False).generate(prompts, sglang_params(GREEDY))
     outs = ok(post(router.url + "/generate", {"input_ids": prompts, "sampling_params": GREEDY})).json()
     assert isinstance(outs, list) and len(outs) == len(prompts)
     assert [o["output_ids"] for o in outs] == [r.output_ids for r in refs]
@@ -193,8 +194,8 @@ def test_decode_only_speculative_behind_the_router(pd, colocated, tok):
     params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
     for ids in prompts:
         out = ok(post(router.url + "/generate", {"input_ids": ids, "sampling_params": params})).json()
-        plain = reference(colocated, ids, SamplingParams.from_sglang(params))
-        speculative = reference(colocated, ids, SamplingParams.from_sglang(params), draft=True)
+        plain = reference(colocated, ids, sglang_params(params))
+        speculative = reference(colocated, ids, sglang_params(params), draft=True)
         assert out["output_ids"] == plain.output_ids == speculative.output_ids
         assert out["meta_info"]["spec_num_proposed"] > 0
         assert out["meta_info"]["spec_accept_rate"] == pytest.approx(speculative.acceptance_rate)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.model.sampling import SamplingParams
 from common.model.tokenizer import Tokenizer
+from common.api.sampling_schema import openai_params, sglang_params
 from tests.cluster import Cluster, assert_pages_return, post
 
 PROMPT = "The ferry leaves the north pier at seven"
@@ -52,7 +52,7 @@ def check_two_stage_id(response_id: str, prefill, decode) -> None:
 def test_completions(pd, colocated, stream):
     prefill, decode, router, _ = pd
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "stream": stream}
-    ref = colocated(False).generate([PROMPT], SamplingParams.from_openai(body, chat=False))[0]
+    ref = colocated(False).generate([PROMPT], openai_params(body, chat=False))[0]
     answer = ok(post(router.url + "/v1/completions", body))
     if stream:
         chunks = answer.events()
@@ -74,7 +74,7 @@ def test_chat_completions(pd, colocated, tok, stream):
     prefill, decode, router, _ = pd
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 16, "temperature": 0, "stream": stream}
     ids = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True), add_special_tokens=False)
-    ref = colocated(False).generate([ids], SamplingParams.from_openai(body, chat=True))[0]
+    ref = colocated(False).generate([ids], openai_params(body, chat=True))[0]
     answer = ok(post(router.url + "/v1/chat/completions", body))
     if stream:
         chunks = answer.events()
@@ -94,7 +94,7 @@ def test_generate_with_token_ids(pd, colocated, tok):
     prefill, decode, router, _ = pd
     ids = tok.encode(PROMPT)
     sampling = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
-    ref = colocated(False).generate([ids], SamplingParams.from_sglang(sampling))[0]
+    ref = colocated(False).generate([ids], sglang_params(sampling))[0]
     out = ok(post(router.url + "/generate", {"input_ids": ids, "sampling_params": sampling})).json()
     assert (out["output_ids"], out["text"]) == (ref.output_ids, ref.text)
     check_two_stage_id(out["meta_info"]["id"], prefill, decode)

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from common.model.sampling import SamplingParams
 from common.procs import http_json
+from common.api.sampling_schema import sglang_params
 from tests.cluster import Cluster, assert_pages_return, free_pages, post
 
 NUM_REQUESTS = 200
@@ -55,7 +55,7 @@ def test_two_by_two_round_robin(mesh, colocated):
     # would pair them for good (p0 with d0, p1 with d1); a random decode choice mixes the pairs.
     router = c.router(prefills, decodes, extra=["--decode-policy", "random"])
     jobs = workload()
-    refs = colocated(False).generate([ids for ids, _ in jobs], [SamplingParams.from_sglang(s) for _, s in jobs])
+    refs = colocated(False).generate([ids for ids, _ in jobs], [sglang_params(s) for _, s in jobs])
 
     def one(job):
         ids, sampling = job

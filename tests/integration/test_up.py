@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from common.model.sampling import SamplingParams
 from common.procs import free_port, http_json
+from common.api.sampling_schema import sglang_params
 from tests.cluster import REPO, TINY_DIR, post
 
 
@@ -84,7 +84,7 @@ def test_up_serves_through_the_router_and_stops_cleanly(tmp_path, tiny_models, c
         prompt = "The capital of France is"
         answer = post(router + "/generate", {"text": prompt, "sampling_params": sampling})
         assert answer.status == 200, answer
-        ref = colocated(False).generate([prompt], SamplingParams.from_sglang(sampling))[0]
+        ref = colocated(False).generate([prompt], sglang_params(sampling))[0]
         assert (answer.json()["output_ids"], answer.json()["text"]) == (ref.output_ids, ref.text)
 
         children = descendants(up.pid)

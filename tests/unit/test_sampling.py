@@ -11,6 +11,7 @@ from common.errors import RequestError
 from common.model.detok import StreamingOutput
 from common.model.sampling import Sampler, SamplingParams, make_generator, probs
 from common.model.stops import FinishReason, StopChecker
+from common.api.sampling_schema import openai_params, sglang_params
 
 torch.set_num_threads(1)
 
@@ -87,7 +88,7 @@ def test_validate_accepts_fractional_top_p_as_clients_send_it():
 
 
 def test_from_sglang_maps_fields():
-    params = SamplingParams.from_sglang({
+    params = sglang_params({
         "max_new_tokens": 7, "temperature": 0.8999999761581421, "top_p": 0.95, "top_k": 20,
         "min_p": 0.05, "stop": "###", "stop_token_ids": [3, 4], "ignore_eos": True,
         "skip_special_tokens": False, "n": 1, "sampling_seed": 42, "no_stop_trim": True,
@@ -99,10 +100,10 @@ def test_from_sglang_maps_fields():
         max_new_tokens=7, temperature=0.8999999761581421, top_p=0.95, top_k=20, min_p=0.05,
         stop=("###",), stop_token_ids=(3, 4), ignore_eos=True, skip_special_tokens=False,
         seed=42, no_stop_trim=True)
-    assert SamplingParams.from_sglang({}) == SamplingParams()
-    assert SamplingParams.from_sglang({"temperature": None, "stop": None}) == SamplingParams()
-    assert SamplingParams.from_sglang({"seed": 5, "max_new_tokens": 16.0}).seed == 5
-    assert SamplingParams.from_sglang({"stop": ["a", "b"]}).stop == ("a", "b")
+    assert sglang_params({}) == SamplingParams()
+    assert sglang_params({"temperature": None, "stop": None}) == SamplingParams()
+    assert sglang_params({"seed": 5, "max_new_tokens": 16.0}).seed == 5
+    assert sglang_params({"stop": ["a", "b"]}).stop == ("a", "b")
 
 
 @pytest.mark.parametrize(
@@ -127,7 +128,7 @@ def test_from_sglang_maps_fields():
 )
 def test_from_sglang_rejects(body, pattern):
     with pytest.raises(RequestError, match=pattern):
-        SamplingParams.from_sglang(body)
+        sglang_params(body)
 
 
 def test_from_openai_maps_fields():
@@ -135,16 +136,16 @@ def test_from_openai_maps_fields():
             "top_p": 0.9, "stop": "\n", "seed": 3, "n": 1, "top_k": 5, "min_p": 0.1,
             "ignore_eos": True, "stop_token_ids": [2], "frequency_penalty": 0,
             "logit_bias": {}, "user": "u", "logprobs": None}
-    assert SamplingParams.from_openai(body, chat=False) == SamplingParams(
+    assert openai_params(body, chat=False) == SamplingParams(
         max_new_tokens=9, temperature=0.5, top_p=0.9, stop=("\n",), seed=3, top_k=5, min_p=0.1,
         ignore_eos=True, stop_token_ids=(2,))
     chat = {"messages": [], "max_tokens": 9, "max_completion_tokens": 11, "stop": ["a", "b"]}
-    params = SamplingParams.from_openai(chat, chat=True)
+    params = openai_params(chat, chat=True)
     assert (params.max_new_tokens, params.stop) == (11, ("a", "b"))
-    assert SamplingParams.from_openai({}, chat=False).max_new_tokens == 16
-    assert SamplingParams.from_openai({}, chat=True).max_new_tokens == 128
-    assert SamplingParams.from_openai({}, chat=True, default_max_new_tokens=50).max_new_tokens == 50
-    assert SamplingParams.from_openai({"response_format": {"type": "text"}}, chat=True)
+    assert openai_params({}, chat=False).max_new_tokens == 16
+    assert openai_params({}, chat=True).max_new_tokens == 128
+    assert openai_params({}, chat=True, default_max_new_tokens=50).max_new_tokens == 50
+    assert openai_params({"response_format": {"type": "text"}}, chat=True)
 
 
 @pytest.mark.parametrize(
@@ -165,7 +166,7 @@ def test_from_openai_maps_fields():
 )
 def test_from_openai_rejects(body, chat, pattern):
     with pytest.raises(RequestError, match=pattern):
-        SamplingParams.from_openai(body, chat=chat)
+        openai_params(body, chat=chat)
 
 
 def _logits(batch: int, vocab: int, seed: int = 0) -> torch.Tensor:
