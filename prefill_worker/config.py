@@ -19,6 +19,9 @@ class PrefillConfig(CommonConfig):
     transfer_wait_timeout_s: float = flag(30.0, help="how long a prefilled room waits for its decode's transfer request")
     register_timeout_s: float = flag(10.0, help="deadline for building a decode's transfer plan")
     max_prefill_tokens: int = flag(8192, help="prompt tokens per prefill batch")
+    chunked_prefill_size: int = flag(8192, help="a longer prompt is prefilled in chunks of this many tokens, one "
+                                                "per batch, so it holds other prompts up by one chunk at most; "
+                                                "0 = whole prompts")
     xfer_threads: int | None = flag(None, help="rooms whose NIXL WRITE is in flight at once (threads); default 8 "
                                                "on a GPU (a thread mostly waits), 2 on CPU (a thread copies)")
     max_prompt_logprob_tokens: int = flag(8192, help="prompt tokens whose logprobs one request may ask for "
@@ -33,6 +36,7 @@ class PrefillConfig(CommonConfig):
                 f"--bootstrap-port {self.bootstrap_port} equals --port; pick two ports")
         require(self.transfer_wait_timeout_s > 0, "--transfer-wait-timeout-s must be positive")
         require(self.max_prefill_tokens > 0, "--max-prefill-tokens must be positive")
+        require(self.chunked_prefill_size >= 0, f"--chunked-prefill-size must be >= 0, got {self.chunked_prefill_size}")
         require(self.max_prompt_logprob_tokens >= 0, "--max-prompt-logprob-tokens must be >= 0")
         require(self.xfer_threads is None or 1 <= self.xfer_threads <= 64,
                 f"--xfer-threads must be in 1..64, got {self.xfer_threads}")

@@ -71,7 +71,8 @@ class PrefillDaemon(DaemonCore):
                                send=self.bootstrap.send, metrics=self.metrics,
                                transfer_wait_timeout_s=c.transfer_wait_timeout_s, xfer_timeout_s=c.xfer_timeout_s)
         self.scheduler = PrefillScheduler(self.runner, self.model_executor, max_prefill_tokens=c.max_prefill_tokens,
-                                          with_draft=self.runner.draft is not None)
+                                          with_draft=self.runner.draft is not None,
+                                          chunk_tokens=c.chunked_prefill_size)
         self.scheduler.start()
         self._tasks.append(asyncio.create_task(self._serve_bootstrap(), name="bootstrap"))
         self.every("sweep", self._sweep)

@@ -101,17 +101,22 @@ class ModelRunner:
 
     # -- prefill ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence], *, with_draft: bool = False) -> None:
-        """Compute prompt KV for ``seqs`` and sample each one's first token.
+    def prefill(self, seqs: list[Sequence], *, ends: list[int] | None = None, with_draft: bool = False) -> None:
+        """Compute prompt KV for ``seqs`` from ``num_cached`` on, up to ``ends`` (default: the whole
+        prompt), and sample the first token of each prompt that is then complete.
 
-        Logits are computed for each prompt's last token, and for the prompt tokens whose logprobs a
-        sequence asks for (``input_logprobs`` set, from ``logprob_start_len`` on) and no others: the
-        prompt before that range runs in the batch like any other, the range in a second pass over
-        its cached prefix, so a request for a few prompt logprobs never costs [tokens x vocab]."""
+        A chunk that ends before its prompt does (chunked prefill) only fills KV and moves
+        ``num_cached``. Logits are computed for each completed prompt's last token, and for the
+        prompt tokens whose logprobs a sequence asks for (``input_logprobs`` set, from
+        ``logprob_start_len`` on; such a prompt is never chunked) and no others: the prompt before
+        that range runs in the batch like any other, the range in a second pass over its cached
+        prefix, so a request for a few prompt logprobs never costs [tokens x vocab]."""
+        ends = ends or [s.num_prompt_tokens for s in seqs]
         first_row = {id(s): _first_logit_row(s) for s in seqs}
-        head_seqs = [s for s in seqs if first_row[id(s)] != 0]  # 0: the whole prompt runs in the second pass
-        head = [SeqChunk(s.prompt_ids if first_row[id(s)] is None else s.prompt_ids[:first_row[id(s)]], 0, s.pages)
-                for s in head_seqs]
+        # first pass: every chunk up to its end, or up to the logprob range of a sequence that wants one
+        stops = {id(s): end if first_row[id(s)] is None else first_row[id(s)] for s, end in zip(seqs, ends)}
+        head_seqs = [s for s in seqs if stops[id(s)] > s.num_cached]
+        head = [SeqChunk(s.prompt_ids[s.num_cached:stops[id(s)]], s.num_cached, s.pages) for s in head_seqs]
         last_rows = dict(zip(map(id, head_seqs), self.target.forward(head) if head else []))
         wanting = [s for s in seqs if first_row[id(s)] is not None]
         if wanting:
@@ -119,14 +124,17 @@ class ModelRunner:
             for s, logits in zip(wanting, self.target.forward(tails, all_logits=True)):
                 s.input_logprobs = _input_logprobs(logits, s.prompt_ids, first_row[id(s)])
                 last_rows[id(s)] = logits[-1]
-        last = torch.stack([last_rows[id(s)] for s in seqs])
-        tokens, logprobs = self.sampler.sample(last, [s.params for s in seqs], [s.generator for s in seqs])
-        for s, (tok, lp) in zip(seqs, _pairs(tokens, logprobs)):
-            s.num_cached = s.num_prompt_tokens
-            s.output_ids.append(tok)
-            s.output_logprobs.append(lp)
-        if with_draft and self.draft is not None:
-            self.prefill_draft(seqs)
+        for s, end in zip(seqs, ends):
+            s.num_cached = end
+        done = [s for s in seqs if s.num_cached == s.num_prompt_tokens]
+        if done:
+            last = torch.stack([last_rows[id(s)] for s in done])
+            tokens, logprobs = self.sampler.sample(last, [s.params for s in done], [s.generator for s in done])
+            for s, (tok, lp) in zip(done, _pairs(tokens, logprobs)):
+                s.output_ids.append(tok)
+                s.output_logprobs.append(lp)
+            if with_draft and self.draft is not None:
+                self.prefill_draft(done)
         _synchronize(self.target.kv.device)  # the KV must be in memory before NIXL reads it
 
     @torch.inference_mode()

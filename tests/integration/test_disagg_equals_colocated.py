@@ -59,6 +59,16 @@ def test_decode_only_speculative(cluster, colocated):
     assert got == expected(colocated, draft=True)
 
 
+def test_chunked_prefill(cluster, colocated):
+    """The prefill splits every prompt longer than 100 tokens into chunks (and runs the draft on
+    the completed prompt): output equals the colocated engine's, and every page comes back."""
+    prefill = cluster.prefill(draft=True, extra=["--chunked-prefill-size", "100", "--max-prefill-tokens", "256"])
+    decode = cluster.decode(draft=True)
+    before = free_pages(prefill), free_pages(decode)
+    assert run_all(prefill, decode, "concurrent") == expected(colocated, draft=True)
+    assert (free_pages(prefill), free_pages(decode)) == before
+
+
 def test_draft_on_both_sides(cluster, colocated):
     """Prefill runs the draft too: the draft regions are written, and the decode uses them."""
     prefill, decode = cluster.prefill(draft=True), cluster.decode(draft=True)

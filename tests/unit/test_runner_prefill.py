@@ -64,3 +64,37 @@ def test_target_and_draft_pools_hand_out_the_same_pages(runner):
         assert runner.target.allocator.num_free == free_before  # nothing kept on the refusal
     finally:
         runner.draft.allocator.free(stray)
+
+
+def _pool_pages(runner, seq) -> torch.Tensor:
+    """[k|v, layer, token, heads, dim] of ``seq``'s prompt tokens in the target pool."""
+    kv = runner.target.kv
+    pages = torch.stack([torch.stack([torch.stack([side[layer][p] for p in seq.pages]) for layer in range(len(side))])
+                         for side in (kv.k, kv.v)])  # [2, L, pages, page_size, H, D]
+    return pages.flatten(2, 3)[:, :, :seq.num_prompt_tokens]
+
+
+@pytest.mark.parametrize("chunk", [1, 16, 23, 64])
+def test_chunked_prefill_fills_the_same_kv_and_first_token(runner, chunk):
+    whole = Sequence("whole", list(PROMPT), SamplingParams(max_new_tokens=1, temperature=0.0))
+    runner.admit(whole, prompt_only=True)
+    try:
+        runner.prefill([whole])
+        want_kv = _pool_pages(runner, whole).clone()
+    finally:
+        runner.release(whole)
+    seq = Sequence("chunked", list(PROMPT), SamplingParams(max_new_tokens=1, temperature=0.0))
+    runner.admit(seq, prompt_only=True)
+    kv = runner.target.kv
+    for side in (kv.k, kv.v):  # whatever an earlier prefill left in these pages is gone
+        for layer in range(len(side)):
+            side[layer][seq.pages] = 0
+    try:
+        while seq.num_cached < seq.num_prompt_tokens:
+            assert seq.output_ids == []  # no token before the last chunk
+            runner.prefill([seq], ends=[min(seq.num_cached + chunk, seq.num_prompt_tokens)])
+        assert seq.output_ids == whole.output_ids
+        assert math.isclose(seq.output_logprobs[0], whole.output_logprobs[0], rel_tol=1e-4, abs_tol=1e-4)
+        torch.testing.assert_close(_pool_pages(runner, seq), want_kv, rtol=1e-4, atol=1e-4)
+    finally:
+        runner.release(seq)
