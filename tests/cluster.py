@@ -28,6 +28,15 @@ def tiny_model_dirs() -> tuple[str, str]:
     return str(target), str(draft)
 
 
+def tiny_runner(*, draft: bool, max_total_tokens: int = 4096):
+    """A ModelRunner over the tiny checkpoint (with its draft or not), one thread, 16-token pages."""
+    from common.engine.factory import build_runner
+
+    torch.set_num_threads(1)
+    target, draft_dir = tiny_model_dirs()
+    return build_runner(target, draft_dir if draft else None, page_size=16, max_total_tokens=max_total_tokens)
+
+
 @pytest.fixture(scope="session")
 def tiny_models() -> tuple[str, str]:
     return tiny_model_dirs()

@@ -8,13 +8,11 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
-from common.engine.factory import build_runner
 from common.engine.prefill_scheduler import PrefillScheduler
 from common.engine.sequence import Sequence
 from common.model.sampling import SamplingParams
-from tests.cluster import tiny_model_dirs
+from tests.cluster import tiny_runner
 from tests.unit.control_plane import run
 
 LONG = [(11 * i + 7) % 400 + 5 for i in range(150)]
@@ -23,9 +21,7 @@ SHORT = [(5 * i + 1) % 400 + 5 for i in range(12)]
 
 @pytest.fixture(scope="module")
 def runner():
-    torch.set_num_threads(1)
-    target, _ = tiny_model_dirs()
-    return build_runner(target, None, page_size=16, max_total_tokens=4096)
+    return tiny_runner(draft=False)
 
 
 def _seq(runner, name: str, ids: list[int]) -> Sequence:

@@ -8,19 +8,16 @@ import math
 import pytest
 import torch
 
-from common.engine.factory import build_runner
 from common.engine.sequence import Sequence
 from common.model.sampling import SamplingParams
-from tests.cluster import tiny_model_dirs
+from tests.cluster import tiny_runner
 
 PROMPT = [(7 * i + 3) % 400 + 5 for i in range(70)]
 
 
 @pytest.fixture(scope="module")
 def runner():
-    torch.set_num_threads(1)
-    target, draft = tiny_model_dirs()
-    return build_runner(target, draft, page_size=16, max_total_tokens=4096)
+    return tiny_runner(draft=True)
 
 
 def _prefill(runner, start: int | None) -> Sequence:
