@@ -6,6 +6,7 @@ disagree, and says what to do about it. HTTP handlers map these to status codes 
 
 from __future__ import annotations
 
+import asyncio
 import enum
 
 
@@ -111,3 +112,11 @@ class ModelLoadError(DisaggError):
     """A checkpoint folder is missing a file or holds an unsupported architecture or field."""
 
     http_status = 500
+
+
+def fail_code_of(exc: BaseException, default: FailCode = FailCode.OTHER) -> FailCode:
+    """The code a failure carries: its own for our errors, ``cancelled`` for a cancellation,
+    else ``default`` (what the failing step was, e.g. ``prefill_failed``)."""
+    if isinstance(exc, DisaggError):
+        return exc.code
+    return FailCode.CANCELLED if isinstance(exc, asyncio.CancelledError) else default

@@ -8,7 +8,6 @@ or, when a failed room's WRITE may still land, once the prefill confirms (or a h
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,11 +21,13 @@ from common.engine.colocated import decode_seed
 from common.engine.output import OutputTracker
 from common.engine.runner import ModelRunner
 from common.engine.sequence import Sequence
-from common.errors import DisaggError, FailCode, RequestError
+from common.errors import DisaggError, RequestError, fail_code_of
 from common.metrics import Metrics
 from common.model.sampling import make_generator
 from decode_worker.config import DecodeConfig
 from decode_worker.kv_transfer import KvReceiver
+
+logger = logging.getLogger(__name__)
 
 
 class DecodeParts(DaemonView, Protocol):
@@ -41,8 +42,6 @@ class DecodeParts(DaemonView, Protocol):
     inflight: int
 
     def admit_or_raise(self) -> None: ...
-
-logger = logging.getLogger(__name__)
 
 
 class DecodeBackend(DaemonBackend):
@@ -77,9 +76,7 @@ class DecodeBackend(DaemonBackend):
                 release=lambda: d.runner.release(seq))
         except BaseException as exc:  # the receiver freed or quarantined the pages
             d.metrics.requests.labels(outcome="kv_failed").inc()
-            code = (exc.code if isinstance(exc, DisaggError) else
-                    FailCode.CANCELLED if isinstance(exc, asyncio.CancelledError) else FailCode.OTHER)
-            d.metrics.failed_transfers.labels(reason=code.value).inc()
+            d.metrics.failed_transfers.labels(reason=fail_code_of(exc).value).inc()
             raise
         seq.num_cached = seq.num_prompt_tokens
         seq.output_ids.append(record.first_token_id)

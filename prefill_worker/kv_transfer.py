@@ -98,7 +98,7 @@ class KvWriter:
                                 f"within {self.transfer_wait_timeout_s:.1f}s (is the decode leg of this request "
                                 f"alive and pointed at this prefill's bootstrap port?)", code=FailCode.TIMEOUT) from None
         if room.is_aborted:
-            raise TransferError(room.error or f"room {room.room} aborted", code=room.code)
+            raise room.failure()
 
     def _peer_of(self, room: Room) -> DecodePeer:
         msg = room.transfer
@@ -117,7 +117,7 @@ class KvWriter:
         last = len(xfer.per_group) - 1
         for g, (local_idx, remote_idx) in enumerate(xfer.per_group):
             if room.is_aborted:
-                raise TransferError(room.error or f"room={room.room}: aborted during the WRITE", code=room.code)
+                raise room.failure()
             pair = lists[g]
             try:
                 handle = self.engine.post_write(pair.prefill, local_idx, pair.decode, remote_idx,
@@ -134,7 +134,7 @@ class KvWriter:
 
 
 def _abort_reason(room: Room) -> str | None:
-    return (room.error or f"room={room.room}: aborted during the WRITE") if room.is_aborted else None
+    return str(room.failure()) if room.is_aborted else None
 
 
 def _indices(plan: geometry.TransferPlan, room: Room) -> geometry.RequestXfer:

@@ -22,7 +22,7 @@ from common.api.backend import DaemonBackend, DaemonView, GenerateEvent, Generat
 from common.api.schema import FieldError
 from common.engine.runner import ModelRunner
 from common.engine.sequence import Sequence
-from common.errors import DisaggError, FailCode, RequestError, TransferError
+from common.errors import DisaggError, FailCode, RequestError, fail_code_of
 from common.model.sampling import make_generator
 from prefill_worker.bootstrap import Bootstrap
 from prefill_worker.config import PrefillConfig
@@ -73,9 +73,10 @@ class PrefillBackend(DaemonBackend):
         num_wanted = seq.num_prompt_tokens - inp.logprob_start_len
         if inp.return_logprob and num_wanted > 0:  # the OpenAI routes ask for none (no echo)
             if num_wanted > d.config.max_prompt_logprob_tokens:
-                raise FieldError("logprob_start_len", f"logprob_start_len {inp.logprob_start_len} asks for the logprobs of {num_wanted} "
-                                   f"prompt tokens; this prefill returns at most "
-                                   f"{d.config.max_prompt_logprob_tokens} (--max-prompt-logprob-tokens)")
+                raise FieldError("logprob_start_len",
+                                 f"logprob_start_len {inp.logprob_start_len} asks for the logprobs of {num_wanted} "
+                                 f"prompt tokens; this prefill returns at most "
+                                 f"{d.config.max_prompt_logprob_tokens} (--max-prompt-logprob-tokens)")
             seq.input_logprobs, seq.logprob_start_len = [], inp.logprob_start_len
         started = time.monotonic()
         d.runner.admit(seq, prompt_only=True)
@@ -105,13 +106,13 @@ class PrefillBackend(DaemonBackend):
 
     async def _prefill_or_fail(self, seq: Sequence, room: Room) -> None:
         if room.is_aborted:  # its decode gave it up before this request came: no forward for nothing
-            raise _room_error(room)
+            await self.daemon.bootstrap.fail_room(room, room.error or "aborted", room.code)
+            raise room.failure()
         try:
             await self.daemon.scheduler.prefill(seq)
         except BaseException as exc:
-            code = FailCode.CANCELLED if isinstance(exc, asyncio.CancelledError) else FailCode.PREFILL_FAILED
             await self.daemon.bootstrap.fail_room(room, f"prefill failed: {exc}" if str(exc) else "prefill cancelled",
-                                                  code)
+                                                  fail_code_of(exc, FailCode.PREFILL_FAILED))
             raise
         room.first_token_id = seq.output_ids[0]
         room.first_token_logprob = seq.output_logprobs[0]
@@ -123,9 +124,7 @@ class PrefillBackend(DaemonBackend):
         try:
             await d.writer.send_room(room, started + d.config.request_timeout_s)
         except BaseException as exc:
-            code = (exc.code if isinstance(exc, DisaggError) else
-                    FailCode.CANCELLED if isinstance(exc, asyncio.CancelledError) else FailCode.OTHER)
-            await d.bootstrap.fail_room(room, str(exc) or "request cancelled", code)
+            await d.bootstrap.fail_room(room, str(exc) or "request cancelled", fail_code_of(exc))
             raise
 
     async def _finish_room(self, seq: Sequence, room: Room, started: float) -> None:
@@ -153,6 +152,3 @@ class PrefillBackend(DaemonBackend):
         return GenerateEvent(token_ids=seq.output_ids[:1], logprobs=seq.output_logprobs[:1], text=text,
                              finished=True, finish_reason={"type": "length", "length": 1}, meta=meta)
 
-
-def _room_error(room: Room) -> DisaggError:
-    return TransferError(room.error or f"room {room.room} aborted", code=room.code)

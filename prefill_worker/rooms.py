@@ -84,6 +84,10 @@ class Room:
             self.is_aborted, self.error, self.code = True, self.error or reason, code
         self.arrived.set()
 
+    def failure(self) -> TransferError:
+        """The error an aborted room ends its HTTP request and its WRITE job with."""
+        return TransferError(self.error or f"room={self.room}: aborted", code=self.code)
+
     @property
     def is_finished(self) -> bool:
         return self.state in (RoomState.DONE, RoomState.FAILED)

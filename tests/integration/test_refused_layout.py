@@ -31,13 +31,21 @@ def mismatched(tmp_path_factory, tiny_models):
         c.stop_all()
 
 
-def registrations(proc, result: str) -> float:
+def sample(proc, series: str) -> float:
     status, text = http_json(proc.url + "/metrics", timeout_s=10)
     assert status == 200
     for line in text.splitlines():
-        if line.startswith(f'kvferry_registrations_total{{result="{result}"}}'):
+        if line.startswith(series + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+def registrations(proc, result: str) -> float:
+    return sample(proc, f'kvferry_registrations_total{{result="{result}"}}')
+
+
+ABORTED = 'kvferry_failed_transfers_total{reason="aborted"}'
+DECODE_ABORTS = 'kvferry_aborts_total{side="decode"}'
 
 
 def test_server_info_shows_both_layouts(mismatched):
@@ -55,7 +63,7 @@ def test_both_legs_fail_at_once_with_the_reason(mismatched, router_kind):
     c, prefill, decode, before = mismatched
     router = (c.router if router_kind == "sglang" else c.vllm_router)([prefill], [decode])
     try:
-        counts = []
+        counts, aborted, aborts = [], sample(prefill, ABORTED), sample(prefill, DECODE_ABORTS)
         for attempt in range(2):
             started = time.monotonic()
             answer = post(router.url + "/generate", BODY, timeout_s=TRANSFER_WAIT_S)
@@ -65,6 +73,10 @@ def test_both_legs_fail_at_once_with_the_reason(mismatched, router_kind):
             assert_pages_return([prefill, decode], before, timeout_s=10.0)
             assert time.monotonic() - started < TRANSFER_WAIT_S / 2
             counts.append(registrations(prefill, "rejected"))
+            # one failed transfer per aborted room (the router may retry a request), whether the
+            # decode's abort reached the prefill before the prefill leg opened the room or after
+            num_aborts = sample(prefill, DECODE_ABORTS) - aborts
+            assert num_aborts >= attempt + 1 and sample(prefill, ABORTED) - aborted == num_aborts
         # the second request was answered from the decode's memory of the refusal: no new register
         assert counts[0] >= 1 and counts[1] == counts[0], counts
     finally:
