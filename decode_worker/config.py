@@ -14,6 +14,9 @@ class DecodeConfig(CommonConfig):
 
     port: int = flag(30001, help="HTTP port")
     spec_k: int = flag(4, help="draft tokens proposed per step (with --draft-model)")
+    disable_overlap_schedule: bool = flag(False, help="wait for each decode step's tokens before launching the "
+                                                      "next (by default step N+1 is launched first, fed on the "
+                                                      "device, while the host reads and detokenizes step N)")
     kv_wait_timeout_s: float = flag(60.0, help="how long a request waits for its KV after asking the prefill")
     register_timeout_s: float = flag(10.0, help="deadline for a prefill to acknowledge registration")
     curve_secret_key: str | None = flag(None, help="this decode's CURVE secret key file (kvferry keygen)")

@@ -48,7 +48,8 @@ class DecodeDaemon(DaemonCore):
                                    quarantine_s=max(2 * c.xfer_timeout_s, 5.0), client_keys=self._curve(),
                                    allowed_hosts=c.bootstrap_hosts, max_links=c.max_prefill_links)
         self.batcher = DecodeBatcher(self.runner, self.model_executor, max_running=c.max_running_requests,
-                                     on_finish=self.runner.release, on_step=self._on_step)
+                                     on_finish=self.runner.release, on_step=self._on_step,
+                                     overlap=not c.disable_overlap_schedule)
         self.batcher.start()
         self.receiver.start()
         self.every("sweep", self._sweep)

@@ -4,7 +4,16 @@ Used by the decode daemon (and by the colocated server). A request enters with i
 already in place (received from a prefill, or computed locally) and its first token sampled; each
 iteration admits new requests, fills the draft KV of those that need it, runs one decode step for
 every running request on the model executor, and hands each request its new tokens through its
-own queue. Aborted requests leave between steps, never during a forward that uses their pages.
+own queue.
+
+Overlap (the default without speculative decoding): step N+1 is launched before step N's tokens
+reach the host, its input tokens taken from step N's on the device, so the GPU never waits for the
+host; step N's tokens are then read (the step's one host sync) and detokenized, checked for stops
+and handed out while the GPU runs step N+1. A request that ends at step N was already put into
+step N+1: that token is dropped, and no request's pages go back to the pool while a step that
+writes them may still run (``_release``). A request whose step-N token is its last
+(``max_new_tokens``) is left out of step N+1. Speculative steps, and batches with a grammar-bound
+request (its next mask needs the token on the host), run one step at a time.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from common.engine.output import OutputTracker, StepOutput
-from common.engine.runner import ModelRunner
+from common.engine.runner import ModelRunner, PendingStep
 from common.engine.sequence import Sequence, SeqState
 from common.model.stops import FinishReason
 
@@ -32,10 +41,23 @@ class Job:
     is_aborted: bool = False
 
 
+@dataclass(eq=False)
+class Inflight:
+    """A launched step and the jobs in it: their pages stay taken until it has run."""
+
+    jobs: list[Job]
+    step: PendingStep
+
+    def holds(self, job: Job) -> bool:
+        return any(j is job for j in self.jobs)
+
+
 class DecodeBatcher:
     def __init__(self, runner: ModelRunner, executor: Executor, *, max_running: int,
-                 on_finish: Callable[[Sequence], None], on_step: Callable[[list[Job], list[StepOutput]], None] | None = None):
+                 on_finish: Callable[[Sequence], None], on_step: Callable[[list[Job], list[StepOutput]], None] | None = None,
+                 overlap: bool = True):
         self.runner = runner
+        self.overlap = overlap
         self.executor = executor
         self.max_running = max_running
         self.on_finish = on_finish
@@ -45,6 +67,8 @@ class DecodeBatcher:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self._inflight: Inflight | None = None  # the launched step whose tokens are not read yet
+        self._retiring: list[Job] = []          # ended jobs whose pages a launched step still writes
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="decode-batcher")
@@ -75,7 +99,7 @@ class DecodeBatcher:
     async def _loop(self) -> None:
         while not self._stopping:
             self._drop_aborted()
-            if not self.running and not self.incoming:
+            if not self.running and not self.incoming and self._inflight is None:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -88,6 +112,7 @@ class DecodeBatcher:
                 for job in self.running + self.incoming:
                     self._fail(job, f"decode step failed: {exc}")
                 self.running, self.incoming = [], []
+                await self._settle_inflight()
 
     async def _iteration(self) -> None:
         loop = asyncio.get_running_loop()
@@ -98,20 +123,69 @@ class DecodeBatcher:
             await loop.run_in_executor(self.executor, self.runner.prefill_draft, needs_draft)
         self.running.extend(new)
         self._drop_aborted()
-        if not self.running:
+        if not self._can_overlap():
+            await self._settle_inflight()  # the step before, if one was launched overlapped
+            if self.running:
+                batch = list(self.running)
+                results = await loop.run_in_executor(self.executor, self.runner.decode, [j.seq for j in batch])
+                self._deliver(batch, results)
             return
-        batch = list(self.running)
-        results = await loop.run_in_executor(self.executor, self.runner.decode, [j.seq for j in batch])
-        outputs = []
+        prev = self._inflight
+        batch = [j for j in self.running if not (prev is not None and prev.holds(j) and _last_is_in_flight(j.seq))]
+        if batch:
+            step = await loop.run_in_executor(self.executor, self.runner.launch_decode, [j.seq for j in batch],
+                                              prev.step if prev is not None else None)
+            self._inflight = Inflight(batch, step)  # from here, a job in ``batch`` that ends must wait for it
+        else:
+            self._inflight = None
+        if prev is not None:
+            self._deliver(prev.jobs, await loop.run_in_executor(self.executor, prev.step.result))
+        self._release_retired()
+
+    def _can_overlap(self) -> bool:
+        return (self.overlap and not self.runner.is_speculative
+                and all(j.seq.grammar is None for j in self.running))
+
+    def _deliver(self, batch: list[Job], results: list[list[tuple[int, float]]]) -> None:
+        """Hand each job its step's tokens; a job that ended meanwhile (aborted, or finished by the
+        step before) gets nothing more."""
+        jobs, outputs = [], []
         for job, pairs in zip(batch, results):
+            if job.seq.is_done:
+                continue
             out = job.tracker.add(pairs)
+            jobs.append(job)
             outputs.append(out)
             job.queue.put_nowait(out)
             if out.finished:
                 self._finish(job, out.finish_reason)
-        if self.on_step is not None:
-            self.on_step(batch, outputs)
+        if self.on_step is not None and jobs:
+            self.on_step(jobs, outputs)
         self.running = [j for j in self.running if not j.seq.is_done]
+
+    async def _settle_inflight(self) -> None:
+        """Wait for the launched step (its tokens are dropped if nobody reads them), then free the
+        pages of the jobs that ended while it ran."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            try:
+                results = await asyncio.get_running_loop().run_in_executor(self.executor, inflight.step.result)
+            except Exception:  # the step failed: its pages are written no more either way
+                logger.exception("decode step in flight failed")
+            else:
+                self._deliver(inflight.jobs, results)
+        self._release_retired()
+
+    def _release(self, job: Job) -> None:
+        if self._inflight is not None and self._inflight.holds(job):
+            self._retiring.append(job)
+        else:
+            self.on_finish(job.seq)
+
+    def _release_retired(self) -> None:
+        retiring, self._retiring = self._retiring, []
+        for job in retiring:
+            self._release(job)
 
     def _drop_aborted(self) -> None:
         for job in [j for j in self.running + self.incoming if j.is_aborted and not j.seq.is_done]:
@@ -122,7 +196,7 @@ class DecodeBatcher:
     def _finish(self, job: Job, reason: FinishReason) -> None:
         job.seq.finish_reason = reason.to_sglang()
         job.seq.transition(SeqState.FINISHED)
-        self.on_finish(job.seq)
+        self._release(job)
 
     def _fail(self, job: Job, message: str) -> None:
         if job.seq.is_done:
@@ -130,7 +204,7 @@ class DecodeBatcher:
         job.seq.error = message
         job.seq.transition(SeqState.FAILED)
         job.queue.put_nowait(StepOutput(finish_reason=FinishReason("abort", message=message)))
-        self.on_finish(job.seq)
+        self._release(job)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -144,3 +218,9 @@ class DecodeBatcher:
         for job in self.running + self.incoming:
             self._fail(job, "decode worker shutting down")
         self.running, self.incoming = [], []
+        await self._settle_inflight()
+
+
+def _last_is_in_flight(seq: Sequence) -> bool:
+    """The token the step in flight samples for ``seq`` is its last one (``max_new_tokens``)."""
+    return len(seq.output_ids) + 1 >= seq.params.max_new_tokens

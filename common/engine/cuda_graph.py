@@ -92,9 +92,10 @@ class StepGraphs:
                     self.kv.model_name, self.tokens_per_seq, self.sizes, self.max_pages * self.kv.page_size, took_s)
         return took_s
 
-    def run(self, chunks):
+    def run(self, chunks, feed=None):
         """Logits of n <= max batch chunks of ``tokens_per_seq`` tokens: [n, vocab] fp32 (q = 1) or
-        a list of n [q, vocab] (q > 1)."""
+        a list of n [q, vocab] (q > 1). ``feed`` (``llama.TokenFeed``, q = 1) puts device tokens
+        into the static input after the host rows are copied."""
         num, q = len(chunks), self.tokens_per_seq
         batch = next(b for b in self.sizes if b >= num)
         token_inputs, seq_inputs, table = graph_inputs(chunks, self.kv.page_size, batch)
@@ -104,6 +105,8 @@ class StepGraphs:
         self.seq_inputs[:batch].copy_(_stage(self.host_seqs, seq_inputs), non_blocking=True)
         self.page_table[:num, :table.shape[1]].copy_(_stage(self.host_table, table), non_blocking=True)
         self.staged.record()
+        if feed is not None:
+            self.token_inputs[:, 0].index_copy_(0, feed.rows, feed.values)
         self.graphs[batch].replay()
         return self.outputs[batch][:num]
 

@@ -17,7 +17,8 @@ from common.engine.sequence import Sequence, pages_needed
 from common.engine.spec import Verdict, verify_greedy_ids, verify_sampled
 from common.errors import OverloadedError
 from common.model.kv_cache import KvCache, PageAllocator
-from common.model.llama import SeqChunk
+from common.model.h2d import to_device
+from common.model.llama import SeqChunk, TokenFeed
 from common.model.sampling import Sampler, probs
 
 logger = logging.getLogger(__name__)
@@ -33,12 +34,44 @@ class ModelSlot:
     allocator: PageAllocator
     graphs: list[StepGraphs] = field(default_factory=list)  # decode (q = 1), then verify (q = k + 1)
 
-    def forward(self, chunks: list[SeqChunk], *, all_logits: bool = False):
+    def forward(self, chunks: list[SeqChunk], *, all_logits: bool = False, feed: TokenFeed | None = None):
         for graphs in self.graphs:
             if graphs.can_run(chunks, all_logits):
                 self.model.check(chunks, self.kv)
-                return graphs.run(chunks)
-        return self.model.forward(chunks, self.kv, all_logits=all_logits)
+                return graphs.run(chunks, feed)
+        return self.model.forward(chunks, self.kv, all_logits=all_logits, feed=feed)
+
+
+@dataclass(eq=False)
+class PendingStep:
+    """A decode step launched on the device whose sampled tokens are not on the host yet.
+
+    ``tokens`` stay on the device as the next step's input; the tokens and logprobs also go to a
+    pinned host buffer by a copy queued right behind the sampling, so ``result`` waits for this
+    step only, not for a later one queued after it."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor                 # [B] int64 on the device
+    host: torch.Tensor                   # [2, B] float64: token ids (exact below 2**53), logprobs
+    ready: torch.cuda.Event | None = None
+
+    @classmethod
+    def of(cls, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> "PendingStep":
+        both = torch.stack([tokens.double(), logprobs.double()])
+        if not both.is_cuda:
+            return cls(seqs, tokens, both)
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        host.copy_(both, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(seqs, tokens, host, ready)
+
+    def result(self) -> list[list[tuple[int, float]]]:
+        """Each sequence's (token, logprob), after the step's one host sync."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        ids, logprobs = self.host.tolist()
+        return [[(int(t), lp)] for t, lp in zip(ids, logprobs)]
 
 
 class ModelRunner:
@@ -146,17 +179,33 @@ class ModelRunner:
             s.draft_num_cached = s.num_prompt_tokens
 
     # -- decode -----------------------------------------------------------------------------
+    @property
+    def is_speculative(self) -> bool:
+        return self.draft is not None and self.spec_k > 0
+
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> list[list[tuple[int, float]]]:
         """One step for every running sequence; returns the (token, logprob) pairs each produced."""
-        if self.draft is not None and self.spec_k > 0:
+        if self.is_speculative:
             return self._spec_step(seqs)
-        chunks = [SeqChunk([s.last_token], s.num_cached, s.pages) for s in seqs]
-        logits = self.target.forward(chunks)
+        return self.launch_decode(seqs).result()
+
+    @torch.inference_mode()
+    def launch_decode(self, seqs: list[Sequence], prev: PendingStep | None = None) -> PendingStep:
+        """Queue one decode step (no speculation) on the device and return without waiting for it.
+
+        A sequence of ``prev`` (the step before, still running) takes its input token from
+        ``prev.tokens`` on the device; its ``output_ids`` lack that token until the caller has
+        read ``prev.result()``. ``num_cached`` moves at launch: the step writes that position."""
+        rows = {id(s): i for i, s in enumerate(prev.seqs)} if prev is not None else {}
+        chunks = [SeqChunk([0 if id(s) in rows else s.last_token], s.num_cached, s.pages) for s in seqs]
+        feed = _feed([i for i, s in enumerate(seqs) if id(s) in rows], [rows[id(s)] for s in seqs if id(s) in rows],
+                     prev.tokens if prev is not None else None)
+        logits = self.target.forward(chunks, feed=feed)
         tokens, logprobs = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         for s in seqs:
             s.num_cached += 1
-        return [[pair] for pair in _pairs(tokens, logprobs)]
+        return PendingStep.of(seqs, tokens, logprobs)
 
     def _spec_step(self, seqs: list[Sequence]) -> list[list[tuple[int, float]]]:
         k = self.spec_k
@@ -235,6 +284,15 @@ def _greedy_verdicts(seqs: list[Sequence], proposals: list[list[int]],
         verdict = verify_greedy_ids([int(t) for t, _ in row], proposals[i])
         out[i] = (verdict, [lp for _, lp in row[: verdict.num_accepted + 1]])
     return out
+
+
+def _feed(dst: list[int], src: list[int], tokens: torch.Tensor | None) -> TokenFeed | None:
+    """Rows ``dst`` of the next batch take ``tokens[src]``; the common case (the same sequences
+    in the same order) needs no gather."""
+    if not dst:
+        return None
+    values = tokens[:len(src)] if src == list(range(len(src))) else tokens.index_select(0, to_device(src, tokens.device))
+    return TokenFeed(to_device(dst, tokens.device), values)
 
 
 def _pairs(tokens: torch.Tensor, logprobs: torch.Tensor) -> list[tuple[int, float]]:

@@ -58,6 +58,9 @@ class Sequence:
     state: SeqState = SeqState.WAITING
     finish_reason: dict | None = None
     error: str | None = None
+    # structured output's matcher, None when unconstrained: its next mask needs this step's token
+    # on the host, so a batch holding one is never overlapped with the step before
+    grammar: object | None = None
 
     def transition(self, new: SeqState) -> None:
         if new not in _TRANSITIONS[self.state]:

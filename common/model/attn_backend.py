@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from common.model import attention, rope
+from common.model.h2d import to_device
 from common.model.norm import rms_norm
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -157,7 +158,7 @@ class TritonBackend:
 
     def plan(self, chunks, page_size: int, device: torch.device):
         host, max_pages = pack_chunks(chunks, page_size)
-        packed = torch.from_numpy(host).to(device)
+        packed = to_device(host, device)  # pinned and non-blocking: no wait for the step in flight
         query_lens = [len(c.token_ids) for c in chunks]
         num_tokens, batch = sum(query_lens), len(chunks)
         per_token = packed[:4 * num_tokens].view(4, num_tokens)

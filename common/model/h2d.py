@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -9,7 +10,7 @@ def to_device(values, device: torch.device | str, dtype: torch.dtype | None = No
     """``torch.tensor(values, device=device)``, minus the wait: on CUDA the values go through pinned
     memory and a non-blocking copy (a copy from pageable memory waits for the stream), and the
     caching host allocator keeps the pinned block until the copy has run."""
-    host = torch.tensor(values, dtype=dtype)
+    host = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
     device = torch.device(device)
     if device.type != "cuda":
         return host

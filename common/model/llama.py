@@ -35,6 +35,18 @@ class SeqChunk:
 
 
 @dataclass(frozen=True)
+class TokenFeed:
+    """Input tokens still on the device (the previous step's samples, not yet on the host): rows
+    ``rows`` of a one-token-per-sequence batch take ``values`` instead of their chunk's placeholder."""
+
+    rows: torch.Tensor    # [n] int64, on the device
+    values: torch.Tensor  # [n] int64, on the device
+
+    def apply(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return token_ids.index_copy(0, self.rows, self.values)
+
+
+@dataclass(frozen=True)
 class TensorSlot:
     """Where a Hugging Face tensor lands: rows [row_start, row_start + num_rows) of ``target``."""
 
@@ -160,15 +172,18 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, chunks: list[SeqChunk], kv: KvCache, *, all_logits: bool = False
+        self, chunks: list[SeqChunk], kv: KvCache, *, all_logits: bool = False, feed: TokenFeed | None = None
     ) -> torch.Tensor | list[torch.Tensor]:
-        """Run the new tokens of ``chunks``, writing their K/V into ``kv``.
+        """Run the new tokens of ``chunks``, writing their K/V into ``kv``; ``feed`` replaces some
+        input tokens with device values (one token per chunk only).
 
         Returns fp32 logits: [num_chunks, vocab] of each chunk's last token, or with ``all_logits``
         a list of [len(token_ids), vocab], one per chunk.
         """
         self.check(chunks, kv)
         token_ids, plan = self.attn.plan(chunks, kv.page_size, self.device)
+        if feed is not None:
+            token_ids = feed.apply(token_ids)
         return self.run(token_ids, plan, kv, all_logits=all_logits)
 
     def run(self, token_ids: torch.Tensor, plan, kv: KvCache, *, all_logits: bool = False):
