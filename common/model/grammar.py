@@ -1,0 +1,217 @@
+"""Structured output: grammars compiled by xgrammar, one matcher per constrained sequence.
+
+Reading path: `GrammarSpec` (what a request asks: a JSON schema, a regex or an EBNF grammar, and
+the client's name for the field, which every error names), `GrammarCache` (the model's vocabulary
+as xgrammar's `TokenizerInfo`, compilation, a bounded LRU of compiled grammars keyed by
+(kind, text); `matcher_async` compiles on the executor its daemon owns, never on the event loop),
+`GrammarMatcher` (one sequence's parser state: the next-token bitmask, advancing by a token),
+`mask_logits` (what the runner calls on a step's logits before sampling).
+
+Who calls what: the prefill samples the first token under the grammar and advances its matcher
+by it (`ModelRunner.prefill`); the decode builds its own matcher, advances it by the first token
+(from the aux record), then masks and advances each step (`ModelRunner.decode`). A sequence ends
+when its matcher rejects a token (an abort: masking makes that a bug) or terminates (it accepted
+a stop token: finish reason stop); `common.engine.output.OutputTracker` reads both. A stop token
+is allowed only where the grammar is complete, as xgrammar's masks say.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from common.errors import RequestError
+
+KINDS = ("json_schema", "regex", "ebnf")
+JSON_OBJECT_SCHEMA = '{"type": "object"}'  # OpenAI's {"type": "json_object"}, as SGLang maps it
+ANY_JSON = "$$ANY$$"  # SGLang's json_schema value for any JSON value
+DEFAULT_CACHE_ENTRIES = 256
+MAX_GRAMMAR_CHARS = 1 << 20
+# A whitespace run inside JSON is at most this long, so that a model cannot spin on spaces
+# forever between two values (xgrammar's max_whitespace_cnt); enough for indented output.
+MAX_JSON_WHITESPACE = 32
+# xgrammar's messages start with "[hh:mm:ss] /path/file.cc:123: " and sometimes "Check failed: ...".
+_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """A request's output constraint. `kind`: json_schema (`text` a JSON schema as a string, or
+    `ANY_JSON`), regex, or ebnf (xgrammar's EBNF, `root ::= ...`). `field`: the client's name of
+    the field it came from (sampling_params.regex, response_format), named by every error."""
+
+    kind: str
+    text: str
+    field: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"grammar kind must be one of {KINDS}, got {self.kind!r}")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.kind, self.text
+
+
+def tokenizer_info(tokenizer: Any, vocab_size: int) -> xgr.TokenizerInfo:
+    """xgrammar's view of `tokenizer` (common.model.tokenizer.Tokenizer over a `tokenizers`
+    backend), over the model's `vocab_size` (the width of its logits): ids past the tokenizer's
+    vocabulary are never allowed, tokenizer ids past the model's are dropped. Special tokens are passed as empty strings, which
+    xgrammar never lets a grammar produce: their text ("<|eot_id|>") would otherwise count as
+    characters. Stop tokens are the tokenizer's end-of-sequence ids."""
+    backend = tokenizer.backend
+    special = {i for i, added in backend.get_added_tokens_decoder().items() if added.special}
+    encoded = [""] * vocab_size
+    for text, token_id in backend.get_vocab(with_added_tokens=True).items():
+        if token_id < vocab_size and token_id not in special:
+            encoded[token_id] = text
+    meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+    return xgr.TokenizerInfo(encoded, meta["vocab_type"], vocab_size=vocab_size,
+                             stop_token_ids=list(tokenizer.eos_token_ids), add_prefix_space=meta["add_prefix_space"])
+
+
+def xgrammar_message(exc: Exception) -> str:
+    """xgrammar's error text without its timestamp and source-file prefix."""
+    return _NOISE.sub("", str(exc).strip()).strip()
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar. `error` is set when a token was rejected; the
+    matcher is `is_terminated` once it accepted a stop token (the grammar was complete)."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, spec: GrammarSpec):
+        self.spec = spec
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.error: str | None = None
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    @property
+    def is_done(self) -> bool:
+        return self.error is not None or self.matcher.is_terminated()
+
+    def is_completed(self) -> bool:
+        """The tokens so far form a complete string of the grammar (no stop token needed)."""
+        return self.matcher.is_completed()
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by `token_id`; False (and `error` set) when the grammar does not allow it."""
+        if self.error is not None:
+            return False
+        if not self.matcher.accept_token(int(token_id)):
+            self.error = f"token {token_id} is not allowed by the grammar of {self.spec.field}"
+            return False
+        return True
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` ([B, ceil(V / 32)] int32, CPU)."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def mask_logits(logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None]) -> torch.Tensor:
+    """Set to -inf every token the grammar of each constrained row forbids next; rows without a
+    matcher (or whose matcher is done: the sequence is ending) are left as they are. Returns the
+    logits to sample from: `logits` itself when no row is constrained, else fp32 logits masked in
+    place on their device. logits: [B, V]."""
+    rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_done]
+    if not rows:
+        return logits
+    logits = logits.float()
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])  # [B, ceil(V / 32)] int32
+    for i in rows:
+        matchers[i].fill(bitmask, i)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+    return logits
+
+
+def advance(matchers: Sequence[GrammarMatcher | None], tokens: Sequence[int]) -> None:
+    """Advance each constrained row's matcher by the token sampled for it."""
+    for matcher, token in zip(matchers, tokens):
+        if matcher is not None:
+            matcher.accept(token)
+
+
+class GrammarCache:
+    """Compiles grammars for one model's vocabulary and keeps the last `max_entries` of them.
+    `compile` blocks (run it on `executor`); `matcher_async` answers a cached grammar without
+    leaving the loop. An invalid grammar raises `RequestError` naming the spec's field with
+    xgrammar's message."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, *, executor: Executor | None = None,
+                 max_entries: int = DEFAULT_CACHE_ENTRIES):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.executor = executor
+        self.max_entries = max_entries
+        self._compiled: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+
+    def cached(self, spec: GrammarSpec) -> xgr.CompiledGrammar | None:
+        with self._lock:
+            compiled = self._compiled.get(spec.key)
+            if compiled is not None:
+                self._compiled.move_to_end(spec.key)
+            return compiled
+
+    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        compiled = self.cached(spec)
+        if compiled is not None:
+            return compiled
+        compiled = self._compile(spec)
+        with self._lock:
+            self._compiled[spec.key] = compiled
+            while len(self._compiled) > self.max_entries:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
+        return GrammarMatcher(self.compile(spec), spec)
+
+    async def matcher_async(self, spec: GrammarSpec) -> GrammarMatcher:
+        compiled = self.cached(spec)
+        if compiled is None:
+            loop = asyncio.get_running_loop()
+            compiled = await loop.run_in_executor(self.executor, self.compile, spec)
+        return GrammarMatcher(compiled, spec)
+
+    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        if len(spec.text) > MAX_GRAMMAR_CHARS:
+            raise RequestError(f"{spec.field} has {len(spec.text)} characters; at most {MAX_GRAMMAR_CHARS} are served")
+        if self._compiler is None:
+            with self._lock:
+                if self._compiler is None:
+                    info = tokenizer_info(self.tokenizer, self.vocab_size)
+                    self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        try:
+            if spec.kind == "regex":
+                return self._compiler.compile_regex(spec.text)
+            if spec.kind == "ebnf":
+                return self._compiler.compile_grammar(spec.text)
+            if spec.text == ANY_JSON:
+                return self._compiler.compile_builtin_json_grammar()
+            json.loads(spec.text)  # a clearer message than xgrammar's for text that is no JSON
+            return self._compiler.compile_json_schema(spec.text, any_whitespace=True,
+                                                      max_whitespace_cnt=MAX_JSON_WHITESPACE)
+        except json.JSONDecodeError as exc:
+            raise RequestError(f"{spec.field} is not valid JSON: {exc}") from None
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise RequestError(f"{spec.field} is not a valid {_NAMES[spec.kind]}: {xgrammar_message(exc)}") from None
+
+
+_NAMES = {"json_schema": "JSON schema", "regex": "regular expression", "ebnf": "EBNF grammar"}
