@@ -16,6 +16,7 @@ from common.engine.output import OutputTracker
 from common.engine.runner import ModelRunner
 from common.engine.sequence import Sequence, SeqState
 from common.errors import RequestError
+from common.model.grammar import GrammarCache
 from common.model.sampling import SamplingParams, make_generator
 
 
@@ -48,6 +49,7 @@ class ColocatedEngine:
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
         self.device = runner.target.kv.device
+        self.grammars = GrammarCache(tokenizer, runner.target.model.config.vocab_size)
 
     def new_sequence(self, prompt: list[int] | str, params: SamplingParams, *, return_logprob: bool = False,
                      request_id: str | None = None) -> Sequence:
@@ -57,6 +59,8 @@ class ColocatedEngine:
         seq = Sequence(request_id or uuid.uuid4().hex, ids, params, generator=make_generator(params.seed, self.device))
         if return_logprob:
             seq.input_logprobs = []
+        if params.grammar is not None:
+            seq.grammar = self.grammars.matcher(params.grammar)
         return seq
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams], *,

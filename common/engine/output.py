@@ -11,7 +11,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from common.engine.sequence import Sequence
-from common.model.detok import StreamingOutput
+from common.model.detok import StreamingOutput, StreamStep
 from common.model.stops import FinishReason
 
 
@@ -44,9 +44,27 @@ class OutputTracker:
             return StepOutput(finish_reason=self.stream.finish)
         step = self.stream.add([t for t, _ in pairs])
         kept = pairs[: step.num_tokens]
+        if self.seq.grammar is not None:
+            step = self._advance_grammar(step, [p[0] for p in kept])
         self.seq.output_ids.extend(t for t, _ in kept)
         self.seq.output_logprobs.extend(lp for _, lp in kept)
         return StepOutput([t for t, _ in kept], [lp for _, lp in kept], step.delta, step.finish)
+
+    def _advance_grammar(self, step: StreamStep, tokens: list[int]) -> StreamStep:
+        """Advance the sequence's grammar matcher by this step's kept tokens (the one place it
+        moves on the decode side, the first token included). A rejected token (an abort: the
+        mask allowed it) or a terminated grammar (it accepted a stop token) ends the output."""
+        grammar = self.seq.grammar
+        for token in tokens:
+            if not grammar.accept(token):
+                break
+        if step.finish is not None or not tokens:
+            return step
+        if grammar.error is not None:
+            return self.stream.end(FinishReason("abort", message=grammar.error), step)
+        if grammar.is_terminated:
+            return self.stream.end(FinishReason("stop", matched=tokens[-1]), step)
+        return step
 
     def add_first(self, token: int, logprob: float) -> StepOutput:
         """The prefill appended its sampled ``token`` to ``seq.output_ids``: account for it here."""

@@ -16,6 +16,7 @@ from common.engine.cuda_graph import StepGraphs
 from common.engine.sequence import Sequence, pages_needed
 from common.engine.spec import Verdict, verify_greedy_ids, verify_sampled
 from common.errors import OverloadedError
+from common.model.grammar import mask_logits
 from common.model.kv_cache import KvCache, PageAllocator
 from common.model.h2d import to_device
 from common.model.llama import SeqChunk, TokenFeed
@@ -161,7 +162,7 @@ class ModelRunner:
             s.num_cached = end
         done = [s for s in seqs if s.num_cached == s.num_prompt_tokens]
         if done:
-            last = torch.stack([last_rows[id(s)] for s in done])
+            last = mask_logits(torch.stack([last_rows[id(s)] for s in done]), [s.grammar for s in done])
             tokens, logprobs = self.sampler.sample(last, [s.params for s in done], [s.generator for s in done])
             for s, (tok, lp) in zip(done, _pairs(tokens, logprobs)):
                 s.output_ids.append(tok)
@@ -186,9 +187,21 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> list[list[tuple[int, float]]]:
         """One step for every running sequence; returns the (token, logprob) pairs each produced."""
+        if self.is_speculative and any(s.grammar is not None for s in seqs):
+            return self._split_step(seqs)
         if self.is_speculative:
             return self._spec_step(seqs)
         return self.launch_decode(seqs).result()
+
+    def _split_step(self, seqs: list[Sequence]) -> list[list[tuple[int, float]]]:
+        """Structured output turns speculation off for its sequences (their next mask needs each
+        token on the host): they take a plain step, the others a speculative one."""
+        plain = [s for s in seqs if s.grammar is not None]
+        spec = [s for s in seqs if s.grammar is None]
+        pairs = dict(zip(map(id, plain), self.launch_decode(plain).result()))
+        if spec:
+            pairs.update(zip(map(id, spec), self._spec_step(spec)))
+        return [pairs[id(s)] for s in seqs]
 
     @torch.inference_mode()
     def launch_decode(self, seqs: list[Sequence], prev: PendingStep | None = None) -> PendingStep:
@@ -201,7 +214,7 @@ class ModelRunner:
         chunks = [SeqChunk([0 if id(s) in rows else s.last_token], s.num_cached, s.pages) for s in seqs]
         feed = _feed([i for i, s in enumerate(seqs) if id(s) in rows], [rows[id(s)] for s in seqs if id(s) in rows],
                      prev.tokens if prev is not None else None)
-        logits = self.target.forward(chunks, feed=feed)
+        logits = mask_logits(self.target.forward(chunks, feed=feed), [s.grammar for s in seqs])
         tokens, logprobs = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         for s in seqs:
             s.num_cached += 1

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from common.model.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from common.model.grammar import GrammarMatcher
 
 
 class SeqState(enum.Enum):
@@ -60,7 +64,7 @@ class Sequence:
     error: str | None = None
     # structured output's matcher, None when unconstrained: its next mask needs this step's token
     # on the host, so a batch holding one is never overlapped with the step before
-    grammar: object | None = None
+    grammar: GrammarMatcher | None = None  # common/model/grammar.py
 
     def transition(self, new: SeqState) -> None:
         if new not in _TRANSITIONS[self.state]:

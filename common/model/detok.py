@@ -159,6 +159,14 @@ class StreamingOutput:
                 break
         return StreamStep(self._take_delta(), num_tokens, self.finish)
 
+    def end(self, reason: FinishReason, step: StreamStep) -> StreamStep:
+        """Finish now for a reason the tokens and text do not show (structured output: the
+        grammar ended); `step` is what `add` returned for this step, its delta included."""
+        if self.finish is not None:
+            return step
+        self._end(reason, self._detok.text + self._detok.flush())
+        return StreamStep(step.delta + self._take_delta(), step.num_tokens, reason)
+
     def _num_held_chars(self, text: str) -> int:
         # The longest tail of the text that is a proper prefix of a stop string may still grow
         # into a match; sending it now could not be taken back.

@@ -4,9 +4,10 @@ Reading path: `SamplingParams` (what a request asks; its ranges), `probs` (tempe
 top-p, min-p; also used by speculative decoding's accept/reject), `Sampler.sample`; then
 `common.model.stops` (when a request ends).
 
-Penalties (frequency, presence, repetition), `min_new_tokens`, logit bias and constrained decoding
-are not implemented: a request setting any of them to a non-neutral value gets a 400 instead of
-silently different output (request parsing: common/api/sampling_schema.py).
+Penalties (frequency, presence, repetition), `min_new_tokens` and logit bias are not implemented:
+a request setting any of them to a non-neutral value gets a 400 instead of silently different
+output (request parsing: common/api/sampling_schema.py). Structured output: `grammar`, applied by
+the runner through common/model/grammar.py.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from common.errors import RequestError
 from common.model.h2d import to_device
+
+if TYPE_CHECKING:
+    from common.model.grammar import GrammarSpec
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +51,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False  # keep the matched stop string/token in the text (SGLang's name)
     n: int = 1
+    grammar: GrammarSpec | None = None  # structured output: common/model/grammar.py
 
     @property
     def is_greedy(self) -> bool:

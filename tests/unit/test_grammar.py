@@ -1,0 +1,159 @@
+"""Structured output on the tiny model: masks, matchers, the compile cache, and constrained
+generation through the colocated engine (the runner's prefill and decode paths)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from common.engine.colocated import ColocatedEngine
+from common.errors import RequestError
+from common.model.grammar import ANY_JSON, GrammarCache, GrammarSpec, mask_logits
+from common.model.sampling import SamplingParams
+from common.model.tokenizer import Tokenizer
+from tests.cluster import tiny_model_dirs, tiny_runner
+from tests.json_schema_check import errors
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pet": {"type": "string", "enum": ["cat", "dog", "none"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "pet", "ok"],
+    "additionalProperties": False,
+}
+ANSWER = r"(yes|no), [0-9]{1,3}"
+PROMPTS = ["Hello there", "The capital of France is", "Write a short story about a dog"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_dir(tiny_model_dirs()[0])
+
+
+@pytest.fixture(scope="module")
+def cache(tokenizer) -> GrammarCache:
+    return GrammarCache(tokenizer, tokenizer.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def engines(tokenizer) -> dict[bool, ColocatedEngine]:
+    return {draft: ColocatedEngine(tiny_runner(draft=draft), tokenizer) for draft in (False, True)}
+
+
+def allowed(matcher, vocab_size: int) -> set[int]:
+    logits = mask_logits(torch.zeros(1, vocab_size), [matcher])
+    return set(torch.isfinite(logits[0]).nonzero().flatten().tolist())
+
+
+def spec(kind: str, text: str) -> GrammarSpec:
+    return GrammarSpec(kind, text, f"sampling_params.{kind}")
+
+
+def test_mask_allows_exactly_the_tokens_that_continue_the_grammar(cache, tokenizer):
+    matcher = cache.matcher(spec("regex", "(yes|no)"))
+    special = {i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special}
+    texts = {i: tokenizer.decode([i], skip_special_tokens=False) for i in range(tokenizer.vocab_size)}
+    want = {i for i, text in texts.items()
+            if i not in special and text and ("yes".startswith(text) or "no".startswith(text))}
+    assert want and allowed(matcher, tokenizer.vocab_size) == want
+
+
+def test_stop_token_only_where_the_grammar_is_complete(cache, tokenizer):
+    matcher = cache.matcher(spec("regex", "(yes|no)"))
+    eos = set(tokenizer.eos_token_ids)
+    assert not eos & allowed(matcher, tokenizer.vocab_size)
+    for token in tokenizer.encode("no", add_special_tokens=False):
+        assert matcher.accept(token)
+    assert allowed(matcher, tokenizer.vocab_size) == eos  # "no" cannot grow: a stop token only
+    assert matcher.accept(tokenizer.eos_token_ids[0]) and matcher.is_terminated
+
+
+def test_rejected_token_is_an_error_and_special_tokens_never_pass(cache, tokenizer):
+    matcher = cache.matcher(spec("json_schema", json.dumps(PERSON)))
+    bos = tokenizer.bos_token_id
+    assert bos not in allowed(matcher, tokenizer.vocab_size)
+    assert not matcher.accept(tokenizer.encode("x", add_special_tokens=False)[0])
+    assert "sampling_params.json_schema" in matcher.error and matcher.is_done
+
+
+def test_model_vocab_past_the_tokenizer_is_masked(tokenizer):
+    padded = GrammarCache(tokenizer, tokenizer.vocab_size + 40)
+    ids = allowed(padded.matcher(spec("json_schema", ANY_JSON)), tokenizer.vocab_size + 40)
+    assert ids and max(ids) < tokenizer.vocab_size
+
+
+def test_unconstrained_rows_and_batches_are_untouched(cache):
+    logits = torch.randn(3, 512)
+    assert mask_logits(logits, [None, None, None]) is logits
+    masked = mask_logits(logits.clone(), [None, cache.matcher(spec("regex", "a")), None])
+    assert torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])
+    assert torch.isinf(masked[1]).sum() > 0
+
+
+@pytest.mark.parametrize("kind,text,words", [
+    ("json_schema", "{not json", "not valid JSON"),
+    ("json_schema", '{"type": "frog"}', "not a valid JSON schema"),
+    ("regex", "(ab", "not a valid regular expression"),
+    ("ebnf", "root ::= ", "not a valid EBNF grammar"),
+])
+def test_invalid_grammar_names_the_field(cache, kind, text, words):
+    with pytest.raises(RequestError) as info:
+        cache.compile(spec(kind, text))
+    message = str(info.value)
+    assert message.startswith(f"sampling_params.{kind} ") and words in message
+    assert "/project/" not in message  # xgrammar's source-file prefix is dropped
+
+
+def test_cache_is_a_bounded_lru_keyed_by_kind_and_text(tokenizer):
+    cache = GrammarCache(tokenizer, tokenizer.vocab_size, max_entries=2)
+    a, b, c = spec("regex", "a"), spec("regex", "b"), spec("ebnf", 'root ::= "a"')
+    first = cache.compile(a)
+    cache.compile(b)
+    assert cache.compile(GrammarSpec("regex", "a", "response_format")) is first  # the field is no part of the key
+    cache.compile(c)  # evicts b, the least recently used
+    assert len(cache) == 2 and cache.cached(b) is None and cache.cached(a) is first
+
+
+def test_json_schema_generation_parses_and_validates(engines):
+    engine = engines[False]
+    schema = spec("json_schema", json.dumps(PERSON))
+    for params in (SamplingParams(max_new_tokens=300, temperature=0, grammar=schema),
+                   SamplingParams(max_new_tokens=300, temperature=1.0, seed=7, grammar=schema)):
+        for result in engine.generate(PROMPTS, params):
+            assert result.finish_reason["type"] == "stop", result
+            assert errors(json.loads(result.text), PERSON) == []
+
+
+def test_regex_generation_matches_fully_with_and_without_eos(engines):
+    engine = engines[False]
+    for ignore_eos in (False, True):
+        params = SamplingParams(max_new_tokens=40, temperature=0.8, seed=3, ignore_eos=ignore_eos,
+                                grammar=spec("regex", ANSWER))
+        for result in engine.generate(PROMPTS, params):
+            assert re.fullmatch(ANSWER, result.text), result.text
+            assert result.finish_reason["type"] == "stop"
+
+
+def test_truncated_output_is_a_prefix_the_grammar_accepts(engines, cache, tokenizer):
+    params = SamplingParams(max_new_tokens=6, temperature=0, grammar=spec("json_schema", json.dumps(PERSON)))
+    for result in engines[False].generate(PROMPTS, params):
+        assert result.finish_reason == {"type": "length", "length": 6}
+        matcher = cache.matcher(spec("json_schema", json.dumps(PERSON)))
+        assert all(matcher.accept(t) for t in result.output_ids)
+
+
+def test_speculation_is_off_for_constrained_rows_only(engines):
+    grammar = spec("json_schema", json.dumps(PERSON))
+    constrained = SamplingParams(max_new_tokens=200, temperature=0, grammar=grammar)
+    free = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
+    plain = engines[False].generate(PROMPTS[:2], [constrained, free])
+    spec_results = engines[True].generate(PROMPTS[:2], [constrained, free])
+    assert [r.output_ids for r in spec_results] == [r.output_ids for r in plain]
+    assert spec_results[0].num_proposed == 0 and spec_results[1].num_proposed > 0
