@@ -58,6 +58,7 @@ class DaemonCore:
                 **runner_options))
         self.device: torch.device = self.runner.target.kv.device
         self.tokenizer = Tokenizer.from_dir(c.model)
+        self.runner.history.eos_token_ids = tuple(self.tokenizer.eos_token_ids)  # min_tokens masks them
         self.model_name = Path(c.model).name
         self.max_context_tokens = min(self.runner.target.model.config.max_position_embeddings, c.max_total_tokens)
         # Aux slots live beside the target KV so that KV and aux travel in one WRITE (one list per side).

@@ -46,6 +46,7 @@ class ColocatedEngine:
     def __init__(self, runner: ModelRunner, tokenizer, *, max_running: int = 64, max_prefill_tokens: int = 8192):
         self.runner = runner
         self.tokenizer = tokenizer
+        runner.history.eos_token_ids = tuple(tokenizer.eos_token_ids)  # min_tokens masks them
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
         self.device = runner.target.kv.device

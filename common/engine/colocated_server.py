@@ -34,6 +34,7 @@ class ColocatedServer:
         self.executor = ThreadPoolExecutor(1)
         self.runner = build_runner(self.target, self.draft, device=self.device, max_total_tokens=self.max_total_tokens)
         self.tokenizer = Tokenizer.from_dir(self.target)
+        self.runner.history.eos_token_ids = tuple(self.tokenizer.eos_token_ids)  # min_tokens masks them
         self.max_context_tokens = self.runner.target.model.config.max_position_embeddings
         self.scheduler = PrefillScheduler(self.runner, self.executor, max_prefill_tokens=8192, with_draft=True)
         self.batcher = DecodeBatcher(self.runner, self.executor, max_running=64, on_finish=self.runner.release)

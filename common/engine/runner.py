@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.engine.cuda_graph import StepGraphs
+from common.engine.penalty_inputs import decode_adjust, prefill_adjust, record_accepted, verify_logits
 from common.engine.sequence import Sequence, pages_needed
 from common.engine.spec import Verdict, verify_greedy_ids, verify_sampled
 from common.errors import OverloadedError
@@ -20,6 +21,7 @@ from common.model.grammar import mask_logits
 from common.model.kv_cache import KvCache, PageAllocator
 from common.model.h2d import to_device
 from common.model.llama import SeqChunk, TokenFeed
+from common.model.penalties import TokenHistory
 from common.model.sampling import Sampler, probs
 
 logger = logging.getLogger(__name__)
@@ -82,6 +84,8 @@ class ModelRunner:
         self.spec_k = spec_k if draft is not None else 0
         self.page_size = target.kv.page_size
         self.sampler = Sampler()
+        # penalties' token counts; the daemons set the tokenizer's EOS ids (what min_tokens masks)
+        self.history = TokenHistory(target.model.config.vocab_size, target.kv.device, target.model.config.eos_token_ids)
 
     # -- pages ------------------------------------------------------------------------------
     @property
@@ -132,6 +136,9 @@ class ModelRunner:
         if seq.draft_pages and self.draft is not None:
             self.draft.allocator.free(seq.draft_pages)
             seq.draft_pages = []
+        if seq.history_row is not None:
+            self.history.release(seq.history_row)
+            seq.history_row = None
 
     # -- prefill ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -163,7 +170,8 @@ class ModelRunner:
         done = [s for s in seqs if s.num_cached == s.num_prompt_tokens]
         if done:
             last = mask_logits(torch.stack([last_rows[id(s)] for s in done]), [s.grammar for s in done])
-            tokens, logprobs = self.sampler.sample(last, [s.params for s in done], [s.generator for s in done])
+            tokens, logprobs = self.sampler.sample(last, [s.params for s in done], [s.generator for s in done],
+                                                   prefill_adjust(done, self.history))
             for s, (tok, lp) in zip(done, _pairs(tokens, logprobs)):
                 s.output_ids.append(tok)
                 s.output_logprobs.append(lp)
@@ -215,7 +223,8 @@ class ModelRunner:
         feed = _feed([i for i, s in enumerate(seqs) if id(s) in rows], [rows[id(s)] for s in seqs if id(s) in rows],
                      prev.tokens if prev is not None else None)
         logits = mask_logits(self.target.forward(chunks, feed=feed), [s.grammar for s in seqs])
-        tokens, logprobs = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens, logprobs = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                                               decode_adjust(seqs, self.history))
         for s in seqs:
             s.num_cached += 1
         return PendingStep.of(seqs, tokens, logprobs)
@@ -225,7 +234,8 @@ class ModelRunner:
         proposals, q_rows = self._propose(seqs, k)
         chunks = [SeqChunk([s.last_token] + d, s.num_cached, s.pages) for s, d in zip(seqs, proposals)]
         target_logits = self.target.forward(chunks, all_logits=True)  # list of [k+1, V]
-        greedy = _greedy_verdicts(seqs, proposals, target_logits)
+        chosen = verify_logits(seqs, proposals, target_logits, self.history)  # penalized, or None
+        greedy = _greedy_verdicts(seqs, proposals, target_logits, chosen)
         results = []
         for i, (s, d, q, logits) in enumerate(zip(seqs, proposals, q_rows, target_logits)):
             if i in greedy:
@@ -233,7 +243,7 @@ class ModelRunner:
                 accepted = verdict.tokens(d)
             else:
                 logits = logits.float()
-                p = probs(logits, [s.params] * logits.shape[0])
+                p = probs(logits if chosen is None else chosen[i].float(), [s.params] * logits.shape[0])
                 verdict = verify_sampled(p, torch.stack(q), d, s.generator)
                 accepted = verdict.tokens(d)
                 logp = torch.log_softmax(logits[: len(accepted)], dim=-1)
@@ -244,6 +254,8 @@ class ModelRunner:
             s.num_cached += 1 + verdict.num_accepted
             s.draft_num_cached = min(s.draft_num_cached, s.num_cached)
             results.append(list(zip(accepted, lps)))
+        if chosen is not None:
+            record_accepted(seqs, [[pair[0] for pair in r] for r in results], self.history)
         return results
 
     def _propose(self, seqs: list[Sequence], k: int):
@@ -282,14 +294,17 @@ class ModelRunner:
 
 
 def _greedy_verdicts(seqs: list[Sequence], proposals: list[list[int]],
-                     target_logits: list[torch.Tensor]) -> dict[int, tuple[Verdict, list[float]]]:
-    """Greedy rows of a verify step, checked together: their argmax tokens and logprobs come to the
-    host in one copy. Returns {row: (verdict, logprob of each output token)}."""
+                     target_logits: list[torch.Tensor],
+                     chosen: list[torch.Tensor] | None = None) -> dict[int, tuple[Verdict, list[float]]]:
+    """Greedy rows of a verify step, checked together: their argmax tokens (of ``chosen``, the
+    penalized logits, when given) and logprobs (of the raw logits) come to the host in one copy.
+    Returns {row: (verdict, logprob of each output token)}."""
     rows = [i for i, s in enumerate(seqs) if s.params.is_greedy]
     if not rows:
         return {}
     stacked = torch.stack([target_logits[i] for i in rows]).float()  # [G, k+1, V]
-    best = stacked.argmax(dim=-1, keepdim=True)
+    picks = stacked if chosen is None else torch.stack([chosen[i] for i in rows])
+    best = picks.argmax(dim=-1, keepdim=True)
     logp = torch.log_softmax(stacked, dim=-1).gather(-1, best)  # the output tokens are the argmaxes
     host = torch.cat([best.double(), logp.double()], dim=-1).tolist()  # [G][k+1][token, logprob]
     out = {}

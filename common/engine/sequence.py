@@ -59,6 +59,7 @@ class Sequence:
     draft_num_cached: int = 0
     num_proposed: int = 0
     num_accepted: int = 0
+    history_row: int | None = None  # its penalties' TokenHistory row (common/model/penalties.py)
     state: SeqState = SeqState.WAITING
     finish_reason: dict | None = None
     error: str | None = None

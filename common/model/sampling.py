@@ -4,9 +4,8 @@ Reading path: `SamplingParams` (what a request asks; its ranges), `probs` (tempe
 top-p, min-p; also used by speculative decoding's accept/reject), `Sampler.sample`; then
 `common.model.stops` (when a request ends).
 
-Penalties (frequency, presence, repetition), `min_new_tokens` and logit bias are not implemented:
-a request setting any of them to a non-neutral value gets a 400 instead of silently different
-output (request parsing: common/api/sampling_schema.py). Structured output: `grammar`, applied by
+Penalties (repetition, frequency, presence), logit bias and `min_new_tokens` change the raw
+logits before `probs` (common/model/penalties.py, through `Sampler.sample`'s `adjust`). Structured output: `grammar`, applied by
 the runner through common/model/grammar.py.
 """
 
@@ -14,9 +13,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -30,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+MAX_BIAS = 100.0  # |bias| of one logit_bias entry (OpenAI's range)
 # Below this temperature logits / T leaves fp32's useful range; such requests are greedy, as in
 # SGLang (its _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-6
@@ -45,6 +46,13 @@ class SamplingParams:
     top_k: int = -1
     min_p: float = 0.0
     seed: int | None = None
+    # vLLM's definitions, applied on the raw logits before the transform above
+    # (common/model/penalties.py); neutral: 1.0, 0.0, 0.0, no bias, 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), by token id
+    min_new_tokens: int = 0  # no stop (token or string) is honoured before this many tokens
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -82,6 +90,23 @@ class SamplingParams:
             raise bad("stop", "non-empty strings", list(self.stop))
         if self.n != 1:
             raise bad("n", "1 (one completion per request is supported)", self.n)
+        self._check_adjustments(bad, (names or {}).get("max_new_tokens", "max_new_tokens"))
+
+    def _check_adjustments(self, bad: Callable[[str, str, Any], RequestError], limit_name: str) -> None:
+        if not 0 < self.repetition_penalty <= 2:
+            raise bad("repetition_penalty", "in (0, 2] (1 is off)", self.repetition_penalty)
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise bad(name, "in [-2, 2] (0 is off)", getattr(self, name))
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise bad("min_new_tokens", f"in [0, {limit_name}={self.max_new_tokens}]", self.min_new_tokens)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"an object of at most {MAX_LOGIT_BIAS} entries", len(self.logit_bias))
+        for token_id, bias in self.logit_bias:
+            if not -MAX_BIAS <= bias <= MAX_BIAS:
+                raise bad("logit_bias", f"an object of biases in [-{MAX_BIAS:g}, {MAX_BIAS:g}]", {str(token_id): bias})
+            if token_id < 0:
+                raise bad("logit_bias", "an object whose keys are token ids >= 0", {str(token_id): bias})
 
     def validate(self, vocab_size: int, max_context_tokens: int | None = None,
                  prompt_tokens: int | None = None) -> None:
@@ -91,6 +116,10 @@ class SamplingParams:
             if not 0 <= token_id < vocab_size:
                 raise RequestError(
                     f"stop_token_ids must be in [0, {vocab_size}) (vocab_size), got {token_id}")
+        for token_id, _ in self.logit_bias:
+            if token_id >= vocab_size:
+                raise RequestError(f"logit_bias must be an object whose keys are token ids in "
+                                   f"[0, {vocab_size}) (vocab_size), got {token_id}")
         if max_context_tokens is not None and prompt_tokens is not None:
             if prompt_tokens + self.max_new_tokens > max_context_tokens:
                 raise RequestError(
@@ -169,22 +198,36 @@ def sample_from_probs(p: torch.Tensor,
     return out
 
 
+class LogitsAdjust(Protocol):
+    """What a batch's rows ask to change in the raw logits before sampling (penalties, logit
+    bias, min_tokens: `common.model.penalties.LogitAdjust`)."""
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+    def record(self, token_ids: torch.Tensor) -> None: ...
+
+
 class Sampler:
     """Picks the next token of every row of a batch."""
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               generators: Sequence[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+               generators: Sequence[torch.Generator | None],
+               adjust: LogitsAdjust | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """logits: [B, V] → (token_ids [B] long, logprobs [B] fp32). The logprob is log_softmax of
-        the raw logits at the chosen token (temperature-free, as SGLang reports it)."""
+        the raw logits at the chosen token (temperature-free, as SGLang reports it). `adjust`
+        (None: no row asks) changes the logits the token is picked from, then counts the picks."""
         if not logits.shape[0] == len(params) == len(generators):
             raise ValueError(f"batch mismatch: {logits.shape[0]} logit rows, {len(params)} "
                              f"params, {len(generators)} generators")
         logits = logits.float()
-        token_ids = logits.argmax(dim=-1)
+        chosen = logits if adjust is None else adjust.apply(logits)
+        token_ids = chosen.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled:
             rows = to_device(sampled, logits.device)
-            p = probs(logits[rows], [params[i] for i in sampled])
+            p = probs(chosen[rows], [params[i] for i in sampled])
             token_ids[rows] = sample_from_probs(p, [generators[i] for i in sampled])
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, token_ids[:, None]).squeeze(-1)
+        if adjust is not None:
+            adjust.record(token_ids)
         return token_ids, logprobs

@@ -48,7 +48,9 @@ class StopDecision:
 class StopChecker:
     """Decides when one request is finished. Precedence for each token: eos / stop token id, then
     stop strings, then max_new_tokens. Stop strings match the decoded text, so they match across
-    token boundaries."""
+    token boundaries. As in vLLM, no stop token or string is honoured among the first
+    `min_new_tokens` tokens (the sampler masks the stop tokens there; a stop string must end
+    after them); max_new_tokens always is."""
 
     def __init__(self, params: SamplingParams, eos_token_ids: Collection[int]) -> None:
         self.params = params
@@ -61,6 +63,8 @@ class StopChecker:
     def check_token(self, token_id: int) -> FinishReason | None:
         """Count one generated token; finish if it is an eos or stop token."""
         self.num_tokens += 1
+        if self.num_tokens <= self.params.min_new_tokens:
+            return None
         if token_id in self._eos or token_id in self._stop_ids:
             return FinishReason("stop", matched=token_id)
         return None
@@ -69,6 +73,9 @@ class StopChecker:
         """Search the newly appended part of the output text (it only grows) for a stop string;
         return the reason and where the output ends (before the match unless no_stop_trim)."""
         if not self.params.stop:
+            return None
+        if self.num_tokens <= self.params.min_new_tokens:
+            self._num_checked_chars = len(text)
             return None
         start = max(0, self._num_checked_chars - self._max_stop_chars + 1)
         self._num_checked_chars = len(text)
