@@ -2,8 +2,8 @@
 sampling fields, as pydantic models.
 
 A model checks each field's type and refuses the features this engine does not implement
-(penalties, `min_new_tokens`, logit bias, constrained decoding) unless they are sent at their
-neutral value. `kwargs()` gives the keyword arguments of `common.model.sampling.SamplingParams`,
+(constrained decoding, `best_of`) unless they are sent at their neutral value; penalties,
+`logit_bias` and `min_new_tokens`/`min_tokens` are served (common/model/penalties.py). `kwargs()` gives the keyword arguments of `common.model.sampling.SamplingParams`,
 whose `check_ranges` then checks the ranges; `range_names()` maps a `SamplingParams` field to the
 client's name for it. `sglang_params` and `openai_params` build a checked `SamplingParams` in one call (the HTTP layer,
 reference runs in tests and benchmarks).
@@ -17,25 +17,53 @@ from typing import Any
 from pydantic import BaseModel, model_validator
 
 from common.api.fields import (
-    BODY_CONFIG, Bool, Float, Int, Refused, Stop, TokenIds, as_bool, as_int, check_keys, field, validate_body,
+    BODY_CONFIG, Bool, Float, Int, Refused, Stop, TokenIds, WrongType, as_bool, as_float, as_int, check_keys,
+    field, validate_body,
 )
 from common.model.sampling import SamplingParams
 
 # Accepted only at the value that means "off": anything else changes the output in a way this
 # engine does not implement.
 SAMPLING_NEUTRAL: dict[str, Any] = {
-    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-    "min_new_tokens": 0, "min_tokens": 0, "regex": None, "json_schema": None, "ebnf": None,
-    "structural_tag": None, "stop_regex": None, "custom_params": None, "logit_bias": None,
+    "regex": None, "json_schema": None, "ebnf": None,
+    "structural_tag": None, "stop_regex": None, "custom_params": None,
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
     "best_of": 1,
 }
+# OpenAI's name for min_new_tokens, tolerated at 0 inside SGLang's sampling_params
+SGLANG_NEUTRAL: dict[str, Any] = {**SAMPLING_NEUTRAL, "min_tokens": 0}
 # Accepted with any value of the right type: the first does not affect byte-level tokenizers,
 # the second only paces streaming.
 SGLANG_IGNORED = {"spaces_between_special_tokens": as_bool, "stream_interval": as_int}
-SGLANG_TOLERATED_KEYS = frozenset(SAMPLING_NEUTRAL) | frozenset(SGLANG_IGNORED)
+SGLANG_TOLERATED_KEYS = frozenset(SGLANG_NEUTRAL) | frozenset(SGLANG_IGNORED)
 _SHARED = ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
-           "skip_special_tokens", "no_stop_trim", "n")
+           "skip_special_tokens", "no_stop_trim", "n", "frequency_penalty", "presence_penalty",
+           "repetition_penalty", "logit_bias")
+
+
+def as_logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's logit_bias: an object from token ids (JSON keys, so strings) to numbers, as
+    (token id, bias) pairs by token id; ranges are checked by `SamplingParams.check_ranges`."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise WrongType("an object from token ids to biases", value)
+    pairs: dict[int, float] = {}
+    for key, bias in value.items():
+        text = str(key)
+        if not text.isdecimal():
+            raise Refused(value, lambda path, k=text: f"{path} keys must be token ids (decimal "
+                                                      f"integers >= 0), got {k!r}")
+        try:
+            pairs[int(text)] = as_float(bias)
+        except WrongType as exc:
+            raise WrongType(exc.want, bias, key=text) from None
+        if pairs[int(text)] is None:
+            raise WrongType("a number", bias, key=text)
+    return tuple(sorted(pairs.items()))
+
+
+LogitBias = field(as_logit_bias, dict[str, float] | None)
 
 
 class _Sampling(BaseModel):
@@ -63,14 +91,23 @@ class _Sampling(BaseModel):
     """Keep the matched stop string or token in the text."""
     n: Int = None
     """Completions per prompt: 1 only."""
+    frequency_penalty: Float = None
+    """In [-2, 2]: minus this times the token's count in the output so far. Default 0."""
+    presence_penalty: Float = None
+    """In [-2, 2]: minus this for a token already in the output. Default 0."""
+    repetition_penalty: Float = None
+    """In (0, 2]: a token in the prompt or output has a positive logit divided by it, any other
+    multiplied. Default 1."""
+    logit_bias: LogitBias = None
+    """Token id (a string) to a bias in [-100, 100] added to its logit; up to 300 entries."""
 
     def shared_kwargs(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in _SHARED if getattr(self, k) is not None}
 
 
 class SGLangSampling(_Sampling):
-    """SGLang's `sampling_params` object. Unknown keys are refused; penalties, `min_new_tokens`,
-    logit bias and constrained decoding are accepted only at their neutral value."""
+    """SGLang's `sampling_params` object. Unknown keys are refused; constrained decoding is
+    accepted only at its neutral value."""
 
     max_new_tokens: Int = None
     """Output token limit. Default 128."""
@@ -78,15 +115,19 @@ class SGLangSampling(_Sampling):
     """Seed of this request's draws, in [0, 2**63)."""
     seed: Int = None
     """Same as sampling_seed."""
+    min_new_tokens: Int = None
+    """No stop token or string ends the output before this many tokens. Default 0."""
 
     @model_validator(mode="before")
     @classmethod
     def _tolerated(cls, body: Any) -> Any:
-        check_keys(body, cls, SGLANG_IGNORED, SAMPLING_NEUTRAL, is_lenient=False)
+        check_keys(body, cls, SGLANG_IGNORED, SGLANG_NEUTRAL, is_lenient=False)
         return body
 
     def kwargs(self) -> dict[str, Any]:
         out = self.shared_kwargs()
+        if self.min_new_tokens is not None:
+            out["min_new_tokens"] = self.min_new_tokens
         seed = self.sampling_seed if self.sampling_seed is not None else self.seed
         if seed is not None:
             out["seed"] = seed
@@ -108,7 +149,7 @@ def _response_format(value: Any) -> Any:
 class OpenAISampling(_Sampling):
     """The sampling fields of `/v1/completions` and `/v1/chat/completions` (with SGLang's
     extensions `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
-    `no_stop_trim`). Penalties, logit bias, `best_of`, `min_tokens` and constrained decoding are
+    `no_stop_trim`, `repetition_penalty`, `min_tokens`). `best_of` and constrained decoding are
     accepted only at their neutral value."""
 
     max_tokens: Int = None
@@ -117,6 +158,8 @@ class OpenAISampling(_Sampling):
     """Chat: wins over max_tokens. Completions: used when max_tokens is absent."""
     seed: Int = None
     """Seed of this request's draws, in [0, 2**63)."""
+    min_tokens: Int = None
+    """No stop token or string ends the output before this many tokens (vLLM's). Default 0."""
     response_format: field(_response_format, dict[str, Any] | None) = None
     """{"type": "text"} only."""
 
@@ -139,6 +182,8 @@ class OpenAISampling(_Sampling):
 
     def kwargs(self, is_chat: bool, default_max_new_tokens: int | None = None) -> dict[str, Any]:
         out = self.shared_kwargs()
+        if self.min_tokens is not None:
+            out["min_new_tokens"] = self.min_tokens
         if self.seed is not None:
             out["seed"] = self.seed
         limit = getattr(self, self.limit_key(is_chat))
@@ -149,7 +194,7 @@ class OpenAISampling(_Sampling):
         return out
 
     def range_names(self, is_chat: bool) -> dict[str, str]:
-        return {"max_new_tokens": self.limit_key(is_chat)}
+        return {"max_new_tokens": self.limit_key(is_chat), "min_new_tokens": "min_tokens"}
 
 
 def sglang_params(d: Mapping[str, Any]) -> SamplingParams:

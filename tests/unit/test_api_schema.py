@@ -101,8 +101,11 @@ def test_generate_batch_sampling_params_per_prompt():
      "sampling_params.stop_token_ids[1]"),
     ({"text": "a", "sampling_params": "greedy"}, "sampling_params"),
     ({"text": "a", "sampling_params": {"wobble": 1}}, "sampling_params"),
-    ({"text": "a", "sampling_params": {"frequency_penalty": 0.5}},
+    ({"text": "a", "sampling_params": {"frequency_penalty": 2.5}},
      "sampling_params.frequency_penalty"),
+    ({"text": "a", "sampling_params": {"logit_bias": {"1": -101}}}, "sampling_params.logit_bias"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 3}},
+     "sampling_params.min_new_tokens"),
     ({"text": "a", "return_logprob": 1}, "return_logprob"),
     ({"text": "a", "log_metrics": "yes"}, "log_metrics"),
     ({"text": "a", "kv_transfer_params": [1]}, "kv_transfer_params"),
@@ -270,8 +273,9 @@ def test_vllm_prefill_leg_drops_min_tokens_only_there():
     body = {"prompt": "a", "max_tokens": 1, "min_tokens": 1, "kv_transfer_params": kv}
     req = parse_openai(ctx("prefill"), body, False)
     assert req.kv_transfer_params == kv and req.items[0].bootstrap is None
-    with pytest.raises(RequestError) as info:
-        parse_openai(ctx("colocated"), {"prompt": "a", "min_tokens": 1}, False)
+    assert parse_openai(ctx("colocated"), {"prompt": "a", "min_tokens": 3}, False).items[0].params.min_new_tokens == 3
+    with pytest.raises(RequestError) as info:  # past max_tokens (16 by default)
+        parse_openai(ctx("colocated"), {"prompt": "a", "min_tokens": 17}, False)
     assert error_param(info.value) == "min_tokens"
 
 
@@ -296,7 +300,10 @@ def test_vllm_prefill_leg_drops_min_tokens_only_there():
      "tools"),
     (True, {"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "prompt"),
     (False, {"prompt": "a", "stream_options": []}, "stream_options"),
-    (False, {"prompt": "a", "presence_penalty": 1.0}, "presence_penalty"),
+    (False, {"prompt": "a", "presence_penalty": -2.5}, "presence_penalty"),
+    (True, {"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0}, "repetition_penalty"),
+    (False, {"prompt": "a", "logit_bias": {"1": "x"}}, "logit_bias.1"),
+    (False, {"prompt": "a", "logit_bias": {"100000": 1}}, "logit_bias"),
     (False, {"prompt": "a", "response_format": {"type": "json_object"}}, "response_format"),
     (False, {"prompt": "a", "stop_token_ids": [1, "x"]}, "stop_token_ids[1]"),
     (False, {"prompt": "a", "max_completion_tokens": -1}, "max_completion_tokens"),

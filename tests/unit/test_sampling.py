@@ -69,6 +69,15 @@ EDGES = [
     ("seed", 0, -1),
     ("stop", tuple(f"s{i}" for i in range(16)), tuple(f"s{i}" for i in range(17))),
     ("stop_token_ids", (0, VOCAB_SIZE - 1), (0, VOCAB_SIZE)),
+    ("repetition_penalty", 2.0, 2.0000001),
+    ("repetition_penalty", 1e-9, 0.0),
+    ("frequency_penalty", -2.0, -2.0000001),
+    ("presence_penalty", 2.0, 2.0000001),
+    ("min_new_tokens", 128, 129),  # max_new_tokens is 128
+    ("min_new_tokens", 0, -1),
+    ("logit_bias", ((0, -100.0), (VOCAB_SIZE - 1, 100.0)), ((0, -100.0001),)),
+    ("logit_bias", tuple((i, 1.0) for i in range(VOCAB_SIZE)), ((VOCAB_SIZE, 1.0),)),
+    ("logit_bias", (), ((-1, 1.0),)),
 ]
 
 
@@ -92,14 +101,15 @@ def test_from_sglang_maps_fields():
         "max_new_tokens": 7, "temperature": 0.8999999761581421, "top_p": 0.95, "top_k": 20,
         "min_p": 0.05, "stop": "###", "stop_token_ids": [3, 4], "ignore_eos": True,
         "skip_special_tokens": False, "n": 1, "sampling_seed": 42, "no_stop_trim": True,
-        "frequency_penalty": 0.0, "presence_penalty": 0, "repetition_penalty": 1.0,
+        "frequency_penalty": 0.5, "presence_penalty": -1, "repetition_penalty": 1.25,
         "regex": None, "json_schema": None, "spaces_between_special_tokens": False,
-        "logit_bias": None,
+        "logit_bias": {"7": -100, "3": 2.5}, "min_new_tokens": 2, "min_tokens": 0,
     })
     assert params == SamplingParams(
         max_new_tokens=7, temperature=0.8999999761581421, top_p=0.95, top_k=20, min_p=0.05,
         stop=("###",), stop_token_ids=(3, 4), ignore_eos=True, skip_special_tokens=False,
-        seed=42, no_stop_trim=True)
+        seed=42, no_stop_trim=True, frequency_penalty=0.5, presence_penalty=-1.0,
+        repetition_penalty=1.25, logit_bias=((3, 2.5), (7, -100.0)), min_new_tokens=2)
     assert sglang_params({}) == SamplingParams()
     assert sglang_params({"temperature": None, "stop": None}) == SamplingParams()
     assert sglang_params({"seed": 5, "max_new_tokens": 16.0}).seed == 5
@@ -117,8 +127,13 @@ def test_from_sglang_maps_fields():
         ({"ignore_eos": "yes"}, r"sampling_params\.ignore_eos must be a boolean, got str"),
         ({"stop": [1]}, r"sampling_params\.stop must be a string or a list of strings, got list"),
         ({"stop_token_ids": ["a"]}, r"sampling_params\.stop_token_ids\[0\] must be an integer"),
-        ({"frequency_penalty": 0.5}, r"frequency_penalty=0\.5 is not supported; send 0\.0"),
-        ({"repetition_penalty": 1.1}, r"repetition_penalty=1\.1 is not supported; send 1\.0"),
+        ({"frequency_penalty": 2.5}, r"^frequency_penalty must be in \[-2, 2\] \(0 is off\), got 2\.5"),
+        ({"repetition_penalty": 0}, r"^repetition_penalty must be in \(0, 2\] \(1 is off\)"),
+        ({"max_new_tokens": 4, "min_new_tokens": 5}, r"^min_new_tokens must be in \[0, max_new_tokens=4\]"),
+        ({"min_tokens": 2}, r"min_tokens=2 is not supported; send 0"),
+        ({"logit_bias": {"x": 1}}, r"sampling_params\.logit_bias keys must be token ids .*got 'x'"),
+        ({"logit_bias": {"5": "up"}}, r"sampling_params\.logit_bias\.5 must be a number, got str"),
+        ({"logit_bias": [5]}, r"sampling_params\.logit_bias must be an object from token ids to biases"),
         ({"regex": "a+"}, r"regex='a\+' is not supported"),
         ({"spaces_between_special_tokens": 1}, r"spaces_between_special_tokens must be a boolean"),
         ({"n": 3}, r"^n must be 1"),
@@ -139,6 +154,11 @@ def test_from_openai_maps_fields():
     assert openai_params(body, chat=False) == SamplingParams(
         max_new_tokens=9, temperature=0.5, top_p=0.9, stop=("\n",), seed=3, top_k=5, min_p=0.1,
         ignore_eos=True, stop_token_ids=(2,))
+    asking = {"repetition_penalty": 0.5, "presence_penalty": 2, "frequency_penalty": -2,
+              "logit_bias": {"11": 100.0}, "min_tokens": 3, "max_tokens": 5}
+    assert openai_params(asking, chat=True) == SamplingParams(
+        max_new_tokens=5, repetition_penalty=0.5, presence_penalty=2.0, frequency_penalty=-2.0,
+        logit_bias=((11, 100.0),), min_new_tokens=3)
     chat = {"messages": [], "max_tokens": 9, "max_completion_tokens": 11, "stop": ["a", "b"]}
     params = openai_params(chat, chat=True)
     assert (params.max_new_tokens, params.stop) == (11, ("a", "b"))
@@ -158,8 +178,11 @@ def test_from_openai_maps_fields():
         ({"stop": 5}, True, r"^stop must be a string or a list of strings, got int"),
         ({"seed": "x"}, True, r"^seed must be an integer, got str"),
         ({"temperature": -1}, True, r"^temperature must be >= 0"),
-        ({"presence_penalty": 1.0}, True, r"presence_penalty=1\.0 is not supported"),
-        ({"logit_bias": {"5": 10}}, False, r"logit_bias=.* is not supported"),
+        ({"presence_penalty": -2.5}, True, r"^presence_penalty must be in \[-2, 2\]"),
+        ({"logit_bias": {"5": 101}}, False, r"^logit_bias must be an object of biases in \[-100, 100\], got \{'5': 101"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, False, r"^logit_bias must be an object of at most 300"),
+        ({"min_tokens": 17}, False, r"^min_tokens must be in \[0, max_tokens=16\]"),
+        ({"min_tokens": 9, "max_completion_tokens": 8}, True, r"^min_tokens must be in \[0, max_completion_tokens=8\]"),
         ({"best_of": 3}, False, r"best_of=3 is not supported"),
         ({"response_format": {"type": "json_object"}}, True, r"response_format=.*not supported"),
     ],
