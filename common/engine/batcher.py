@@ -78,13 +78,15 @@ class DecodeBatcher:
         return len(self.incoming) + len(self.running)
 
     def submit(self, seq: Sequence, tracker: OutputTracker, *, needs_draft_prefill: bool) -> Job:
-        """Add a sequence whose prompt KV is in place and whose first token is in ``seq.output_ids``."""
+        """Add a sequence whose prompt KV is in place and whose first token is in ``seq.output_ids``,
+        or, for a fork (``common/engine/fork.py``: no output yet), whose first decode step samples it."""
         job = Job(seq, tracker, needs_draft_prefill)
-        first = tracker.add_first(seq.output_ids[-1], seq.output_logprobs[-1])
-        job.queue.put_nowait(first)
-        if first.finished:
-            self._finish(job, first.finish_reason)
-            return job
+        if seq.output_ids:
+            first = tracker.add_first(seq.output_ids[-1], seq.output_logprobs[-1])
+            job.queue.put_nowait(first)
+            if first.finished:
+                self._finish(job, first.finish_reason)
+                return job
         seq.transition(SeqState.RUNNING)
         self.incoming.append(job)
         self._wake.set()

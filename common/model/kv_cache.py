@@ -39,14 +39,16 @@ class PageOwnershipError(DisaggError):
 
 class PageAllocator:
     """Hands out page ids in ``[0, num_pages)``. Lowest free ids first, so that a fresh pool gives
-    contiguous runs (fewer NIXL descriptors after merging). Not thread-safe: one owner thread."""
+    contiguous runs (fewer NIXL descriptors after merging). A page may be shared (``share``: the
+    prompt pages of n > 1 completions); it is free again once every holder has freed it. Not
+    thread-safe: one owner thread."""
 
     def __init__(self, num_pages: int) -> None:
         if num_pages <= 0:
             raise ValueError(f"num_pages is {num_pages}, expected > 0")
         self.num_pages = num_pages
         self._free_heap = list(range(num_pages))
-        self._is_free = [True] * num_pages
+        self._refs = [0] * num_pages  # holders of each page; 0 = free
 
     @property
     def num_free(self) -> int:
@@ -65,21 +67,33 @@ class PageAllocator:
             )
         pages = [heapq.heappop(self._free_heap) for _ in range(num)]
         for page in pages:
-            self._is_free[page] = False
+            self._refs[page] = 1
         return pages
 
+    def share(self, pages: list[int]) -> list[int]:
+        """One more holder for each of ``pages`` (all in use); returns them."""
+        self._check(pages)
+        for page in pages:
+            self._refs[page] += 1
+        return list(pages)
+
     def free(self, pages: list[int]) -> None:
-        """Return ``pages``. Checks every id first, so a bad call changes nothing."""
+        """Drop one hold on each of ``pages``; a page nobody holds goes back. Checks every id first,
+        so a bad call changes nothing."""
+        self._check(pages)
+        for page in pages:
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                heapq.heappush(self._free_heap, page)
+
+    def _check(self, pages: list[int]) -> None:
         seen: set[int] = set()
         for page in pages:
             if not isinstance(page, int) or not 0 <= page < self.num_pages:
                 raise PageOwnershipError(f"page {page!r} is not in this pool of {self.num_pages} pages")
-            if self._is_free[page] or page in seen:
+            if self._refs[page] == 0 or page in seen:
                 raise PageOwnershipError(f"page {page} freed twice (it is already free)")
             seen.add(page)
-        for page in pages:
-            self._is_free[page] = True
-            heapq.heappush(self._free_heap, page)
 
 
 class KvCache:
@@ -143,6 +157,13 @@ class KvCache:
         """Bytes from one page of a region to the next: ``page_bytes`` layer-major, every region's
         page (one block) page-major."""
         return self.k[0].stride(0) * self.buffer.element_size()
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Page ``dst`` of every region becomes a copy of page ``src`` (copy-on-write of a shared page)."""
+        if self.layout == "page-major":
+            self.buffer[dst].copy_(self.buffer[src])
+        else:
+            self.buffer[:, :, dst].copy_(self.buffer[:, :, src])
 
     def tensors(self) -> list[torch.Tensor]:
         """Every region's tensor, in ``regions()`` order (layer 0 k, layer 0 v, layer 1 k, ...)."""
