@@ -24,6 +24,7 @@ from common.engine.runner import ModelRunner
 from common.plan.geometry import KvLayout
 from common.lifecycle import stop_http
 from common.metrics import Metrics
+from common.model.grammar import GrammarCache
 from common.model.tokenizer import Tokenizer
 from common.transport.nixl import NixlEngine
 
@@ -43,6 +44,8 @@ class DaemonCore:
         self.metrics = Metrics(self.role)
         self.is_serving = False
         self.model_executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-model")
+        # structured output: grammars compile here, off the event loop and off the model's thread
+        self.grammar_executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-grammar")
         self.engine: NixlEngine | None = None
         self.http = None
         self._tasks: list[asyncio.Task] = []
@@ -58,6 +61,8 @@ class DaemonCore:
                 **runner_options))
         self.device: torch.device = self.runner.target.kv.device
         self.tokenizer = Tokenizer.from_dir(c.model)
+        self.grammars = GrammarCache(self.tokenizer, self.runner.target.model.config.vocab_size,
+                                     executor=self.grammar_executor)
         self.runner.history.eos_token_ids = tuple(self.tokenizer.eos_token_ids)  # min_tokens masks them
         self.model_name = Path(c.model).name
         self.max_context_tokens = min(self.runner.target.model.config.max_position_embeddings, c.max_total_tokens)
@@ -110,3 +115,4 @@ class DaemonCore:
         if self.engine is not None:
             self.engine.close()
         self.model_executor.shutdown(wait=True)
+        self.grammar_executor.shutdown(wait=True, cancel_futures=True)

@@ -23,6 +23,7 @@ from common.engine.runner import ModelRunner
 from common.engine.sequence import Sequence
 from common.errors import DisaggError, RequestError, fail_code_of
 from common.metrics import Metrics
+from common.model.grammar import GrammarCache
 from common.model.sampling import make_generator
 from decode_worker.config import DecodeConfig
 from decode_worker.kv_transfer import KvReceiver
@@ -40,6 +41,7 @@ class DecodeParts(DaemonView, Protocol):
     batcher: DecodeBatcher
     metrics: Metrics
     inflight: int
+    grammars: GrammarCache
 
     def admit_or_raise(self) -> None: ...
 
@@ -57,6 +59,8 @@ class DecodeBackend(DaemonBackend):
         started = time.monotonic()
         seq = Sequence(inp.request_id, list(inp.prompt_ids), inp.params,
                        generator=make_generator(decode_seed(inp.params.seed), d.device))
+        if inp.params.grammar is not None:  # advanced by the prefill's first token at submit
+            seq.grammar = await d.grammars.matcher_async(inp.params.grammar)
         d.runner.admit(seq)
         d.inflight += 1
         try:
@@ -98,6 +102,8 @@ class DecodeBackend(DaemonBackend):
                     meta["spec_accept_rate"] = seq.num_accepted / seq.num_proposed
                     meta["spec_num_proposed"] = seq.num_proposed
                     meta["spec_num_accepted"] = seq.num_accepted
+                if finished and seq.grammar is not None and d.runner.is_speculative:
+                    meta["spec_decode"] = "off: structured output"
                 if finished and out.finish_reason.type == "abort":
                     d.metrics.requests.labels(outcome="failed").inc()
                     raise DisaggError(out.finish_reason.message or "request aborted")

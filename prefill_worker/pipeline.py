@@ -23,6 +23,7 @@ from common.api.schema import FieldError
 from common.engine.runner import ModelRunner
 from common.engine.sequence import Sequence
 from common.errors import DisaggError, FailCode, RequestError, fail_code_of
+from common.model.grammar import GrammarCache
 from common.model.sampling import make_generator
 from prefill_worker.bootstrap import Bootstrap
 from prefill_worker.config import PrefillConfig
@@ -43,6 +44,7 @@ class PrefillParts(DaemonView, Protocol):
     rooms: RoomTable
     bootstrap: Bootstrap
     writer: KvWriter
+    grammars: GrammarCache
 
     def admit_or_raise(self) -> None: ...
 
@@ -78,6 +80,8 @@ class PrefillBackend(DaemonBackend):
                                  f"prompt tokens; this prefill returns at most "
                                  f"{d.config.max_prompt_logprob_tokens} (--max-prompt-logprob-tokens)")
             seq.input_logprobs, seq.logprob_start_len = [], inp.logprob_start_len
+        if inp.params.grammar is not None:  # the first token is sampled under it
+            seq.grammar = await d.grammars.matcher_async(inp.params.grammar)
         started = time.monotonic()
         d.runner.admit(seq, prompt_only=True)
         room = Room(room=room_id, request_id=inp.request_id, num_prompt_tokens=seq.num_prompt_tokens,

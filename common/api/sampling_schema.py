@@ -2,8 +2,10 @@
 sampling fields, as pydantic models.
 
 A model checks each field's type and refuses the features this engine does not implement
-(constrained decoding, `best_of`) unless they are sent at their neutral value; penalties,
-`logit_bias` and `min_new_tokens`/`min_tokens` are served (common/model/penalties.py). `kwargs()` gives the keyword arguments of `common.model.sampling.SamplingParams`,
+(`structural_tag`, vLLM's `guided_*`, `best_of`) unless they are sent at their neutral value;
+penalties, `logit_bias` and `min_new_tokens`/`min_tokens` are served (common/model/penalties.py),
+and so is structured output (`regex`, `json_schema`, `ebnf`, `response_format`:
+common/api/grammar_schema.py). `kwargs()` gives the keyword arguments of `common.model.sampling.SamplingParams`,
 whose `check_ranges` then checks the ranges; `range_names()` maps a `SamplingParams` field to the
 client's name for it. `sglang_params` and `openai_params` build a checked `SamplingParams` in one call (the HTTP layer,
 reference runs in tests and benchmarks).
@@ -14,18 +16,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, model_validator
+from pydantic import model_validator
 
 from common.api.fields import (
     BODY_CONFIG, Bool, Float, Int, Refused, Stop, TokenIds, WrongType, as_bool, as_float, as_int, check_keys,
     field, validate_body,
 )
+from common.api.grammar_schema import GrammarFields, check_response_format
 from common.model.sampling import SamplingParams
 
 # Accepted only at the value that means "off": anything else changes the output in a way this
 # engine does not implement.
 SAMPLING_NEUTRAL: dict[str, Any] = {
-    "regex": None, "json_schema": None, "ebnf": None,
     "structural_tag": None, "stop_regex": None, "custom_params": None,
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
     "best_of": 1,
@@ -66,7 +68,7 @@ def as_logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
 LogitBias = field(as_logit_bias, dict[str, float] | None)
 
 
-class _Sampling(BaseModel):
+class _Sampling(GrammarFields):
     """The fields SGLang and OpenAI bodies share. null (or absent) means the default."""
 
     model_config = BODY_CONFIG
@@ -102,12 +104,18 @@ class _Sampling(BaseModel):
     """Token id (a string) to a bias in [-100, 100] added to its logit; up to 300 entries."""
 
     def shared_kwargs(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in _SHARED if getattr(self, k) is not None}
+        out = {k: getattr(self, k) for k in _SHARED if getattr(self, k) is not None}
+        grammar = self.grammar_spec()  # regex, json_schema, ebnf, response_format: common/api/grammar_schema.py
+        if grammar is not None:
+            out["grammar"] = grammar
+        return out
 
 
 class SGLangSampling(_Sampling):
-    """SGLang's `sampling_params` object. Unknown keys are refused; constrained decoding is
-    accepted only at its neutral value."""
+    """SGLang's `sampling_params` object. Unknown keys are refused; `structural_tag` and
+    `stop_regex` are accepted only at their neutral value."""
+
+    FIELD_PREFIX = "sampling_params."
 
     max_new_tokens: Int = None
     """Output token limit. Default 128."""
@@ -139,18 +147,11 @@ class SGLangSampling(_Sampling):
         return {"seed": "sampling_seed" if self.sampling_seed is not None else "seed"}
 
 
-def _response_format(value: Any) -> Any:
-    if value is not None and (not isinstance(value, dict) or value.get("type") != "text"):
-        raise Refused(value, lambda path: f"{path}={value!r} is not supported; send "
-                                          "{'type': 'text'} or omit it")
-    return value
-
-
 class OpenAISampling(_Sampling):
     """The sampling fields of `/v1/completions` and `/v1/chat/completions` (with SGLang's
     extensions `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
-    `no_stop_trim`, `repetition_penalty`, `min_tokens`). `best_of` and constrained decoding are
-    accepted only at their neutral value."""
+    `no_stop_trim`, `repetition_penalty`, `min_tokens`, `regex`, `json_schema`, `ebnf`). `best_of`
+    and vLLM's `guided_*` fields are accepted only at their neutral value."""
 
     max_tokens: Int = None
     """Output token limit. Default 16 for completions, 128 for chat."""
@@ -160,8 +161,9 @@ class OpenAISampling(_Sampling):
     """Seed of this request's draws, in [0, 2**63)."""
     min_tokens: Int = None
     """No stop token or string ends the output before this many tokens (vLLM's). Default 0."""
-    response_format: field(_response_format, dict[str, Any] | None) = None
-    """{"type": "text"} only."""
+    response_format: field(check_response_format, dict[str, Any] | None) = None
+    """{"type": "text"}, {"type": "json_object"}, or {"type": "json_schema", "json_schema":
+    {"name", "schema", "strict", "description"}}: the output is JSON valid under the schema."""
 
     @model_validator(mode="before")
     @classmethod

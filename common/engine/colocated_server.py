@@ -28,6 +28,7 @@ class ColocatedServer:
         from common.engine.batcher import DecodeBatcher
         from common.engine.factory import build_runner
         from common.lifecycle import start_http
+        from common.model.grammar import GrammarCache
         from common.model.tokenizer import Tokenizer
         from common.engine.prefill_scheduler import PrefillScheduler
 
@@ -36,6 +37,8 @@ class ColocatedServer:
         self.tokenizer = Tokenizer.from_dir(self.target)
         self.runner.history.eos_token_ids = tuple(self.tokenizer.eos_token_ids)  # min_tokens masks them
         self.max_context_tokens = self.runner.target.model.config.max_position_embeddings
+        self.grammars = GrammarCache(self.tokenizer, self.runner.target.model.config.vocab_size,
+                                     executor=ThreadPoolExecutor(1))  # structured output compiles off the loop
         self.scheduler = PrefillScheduler(self.runner, self.executor, max_prefill_tokens=8192, with_draft=True)
         self.batcher = DecodeBatcher(self.runner, self.executor, max_running=64, on_finish=self.runner.release)
         self.scheduler.start()
@@ -48,6 +51,7 @@ class ColocatedServer:
         await stop_http(*self.http)
         await self.scheduler.stop()
         await self.batcher.stop()
+        self.grammars.executor.shutdown(cancel_futures=True)
         self.executor.shutdown()
 
     def is_ready(self) -> bool:
@@ -71,6 +75,8 @@ class ColocatedServer:
 
         device = self.runner.target.kv.device
         seq = Sequence(inp.request_id, list(inp.prompt_ids), inp.params, make_generator(inp.params.seed, device))
+        if inp.params.grammar is not None:
+            seq.grammar = await self.grammars.matcher_async(inp.params.grammar)
         self.runner.admit(seq)
         try:
             await self.scheduler.prefill(seq)

@@ -157,3 +157,21 @@ def test_speculation_is_off_for_constrained_rows_only(engines):
     spec_results = engines[True].generate(PROMPTS[:2], [constrained, free])
     assert [r.output_ids for r in spec_results] == [r.output_ids for r in plain]
     assert spec_results[0].num_proposed == 0 and spec_results[1].num_proposed > 0
+
+
+def test_request_fields_become_one_grammar_spec():
+    from common.api.sampling_schema import openai_params, sglang_params
+
+    assert sglang_params({"regex": "a+"}).grammar == GrammarSpec("regex", "a+", "sampling_params.regex")
+    assert sglang_params({"json_schema": ANY_JSON, "regex": None}).grammar.text == ANY_JSON
+    assert sglang_params({"ebnf": 'root ::= "a"'}).grammar.kind == "ebnf"
+    assert sglang_params({}).grammar is None
+    assert openai_params({"response_format": {"type": "text"}}, chat=True).grammar is None
+    json_object = openai_params({"response_format": {"type": "json_object"}}, chat=False).grammar
+    assert json_object == GrammarSpec("json_schema", '{"type": "object"}', "response_format")
+    body = {"response_format": {"type": "json_schema",
+                                "json_schema": {"name": "p", "schema": PERSON, "strict": True, "description": None}}}
+    schema = openai_params(body, chat=True).grammar
+    assert (schema.kind, json.loads(schema.text), schema.field) == ("json_schema", PERSON,
+                                                                    "response_format.json_schema.schema")
+    assert openai_params({"regex": "[0-9]"}, chat=False).grammar == GrammarSpec("regex", "[0-9]", "regex")

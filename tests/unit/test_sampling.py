@@ -134,7 +134,9 @@ def test_from_sglang_maps_fields():
         ({"logit_bias": {"x": 1}}, r"sampling_params\.logit_bias keys must be token ids .*got 'x'"),
         ({"logit_bias": {"5": "up"}}, r"sampling_params\.logit_bias\.5 must be a number, got str"),
         ({"logit_bias": [5]}, r"sampling_params\.logit_bias must be an object from token ids to biases"),
-        ({"regex": "a+"}, r"regex='a\+' is not supported"),
+        ({"structural_tag": "a"}, r"structural_tag='a' is not supported"),
+        ({"regex": "a+", "ebnf": "root ::= \"a\""}, r"^sampling_params\.regex, sampling_params\.ebnf: a request takes at most one"),
+        ({"json_schema": {"type": "object"}}, r"^sampling_params\.json_schema must be a string \(the JSON schema"),
         ({"spaces_between_special_tokens": 1}, r"spaces_between_special_tokens must be a boolean"),
         ({"n": 3}, r"^n must be 1"),
         ({"top_p": 0}, r"^top_p must be in \(0, 1\]"),
@@ -184,7 +186,8 @@ def test_from_openai_maps_fields():
         ({"min_tokens": 17}, False, r"^min_tokens must be in \[0, max_tokens=16\]"),
         ({"min_tokens": 9, "max_completion_tokens": 8}, True, r"^min_tokens must be in \[0, max_completion_tokens=8\]"),
         ({"best_of": 3}, False, r"best_of=3 is not supported"),
-        ({"response_format": {"type": "json_object"}}, True, r"response_format=.*not supported"),
+        ({"response_format": {"type": "regex"}}, True, r"^response_format\.type must be one of \['text', 'json_object'"),
+        ({"guided_regex": "a"}, True, r"guided_regex='a' is not supported"),
     ],
 )
 def test_from_openai_rejects(body, chat, pattern):
