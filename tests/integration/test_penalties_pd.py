@@ -220,7 +220,8 @@ def test_speculative_decode_behind_the_router(pd, colocated):
 
 def test_vllm_router(pd, colocated):
     """vllm-router's two stages: its prefill leg overwrites min_tokens with 1 (and kvferry drops
-    that hint), so min_tokens is left out here; the rest reaches both legs."""
+    that hint), so min_tokens is left out here; the rest reaches both legs. On /generate it drops
+    logit_bias and min_new_tokens from sampling_params (docs/routers.md)."""
     c, prefill, decode, _, _ = pd
     router = c.vllm_router([prefill], [decode])
     for case in ("repetition", "frequency_presence_seeded"):
@@ -228,6 +229,9 @@ def test_vllm_router(pd, colocated):
         ref = colocated(False).generate([PROMPT], openai_params(body, chat=False))[0]
         for stream in (False, True):
             assert openai(router.url, body, False, stream) == (ref.text, ref.finish_reason["type"]), case
+    sampling = {**GENERATE_CASES["repetition"], "logit_bias": {"300": 8.0}, "min_new_tokens": 15}
+    served = {k: v for k, v in sampling.items() if k not in ("logit_bias", "min_new_tokens")}
+    assert generate(router.url, sampling, False)[0] == colocated(False).generate([PROMPT], sglang_params(served))[0].output_ids
 
 
 def test_pages_return(pd):
