@@ -1,7 +1,8 @@
 """Aux record slots: a small pinned block of fixed-size records that rides along with each KV WRITE.
 
-The prefill fills its slot with the room id, first token and prompt length, and the same WRITE
-that moves the KV copies it into the decode's slot (DESIGN §3). Slots are handed out one per room
+The prefill fills its slot with the room id, first token (and its top logprobs) and prompt length,
+and the same WRITE that moves the KV copies it into the decode's slot (DESIGN §3; the record's
+layout and versions: ``common/aux_record.py``). Slots are handed out one per room
 in flight; ``acquire`` never returns a slot twice before ``release``.
 """
 
@@ -10,11 +11,12 @@ from __future__ import annotations
 import torch
 
 from common.errors import OverloadedError
-from common.wire import AUX_RECORD_BYTES, AuxInfo
+from common.aux_record import AUX_RECORD_V2_BYTES
+from common.wire import AuxInfo
 
 
 class AuxSlots:
-    def __init__(self, num_slots: int, *, item_len: int = AUX_RECORD_BYTES, device: str = "cpu"):
+    def __init__(self, num_slots: int, *, item_len: int = AUX_RECORD_V2_BYTES, device: str = "cpu"):
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
         # buffer: [num_slots, item_len] bytes; one contiguous block so one NIXL registration covers it

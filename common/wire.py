@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import reprlib
-import struct
 import types
 import typing
 from dataclasses import dataclass
@@ -42,6 +41,9 @@ from common.errors import FailCode, ProtocolError
 #   1 (kvferry 0.3): TransferResult.code and RegisterAck.code (default "": a peer that predates them,
 #                    read as FailCode.OTHER) and Register.draft_model (default "": no draft, or a
 #                    decode that predates it).
+#   1 (kvferry 0.4): aux record v2 (common/aux_record.py: the first token's top logprobs), written only
+#                    into a decode's slots that hold it, and TransferResult.prompt_logprobs (default
+#                    None), sent only to such a decode: a 0.3 peer on either side sees 0.3 frames.
 PROTOCOL_VERSION = 1
 
 # A register frame carries two entries per layer per model; 1 MiB holds ~5,000 regions.
@@ -166,14 +168,31 @@ class Transfer(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """The prompt logprobs a request asked for, computed by the prefill (in ``TransferResult``).
+
+    ``logprobs[i]`` is the logprob of prompt token ``start + i`` given the tokens before it (NaN for
+    the first prompt token, which has no prefix); ``top_ids[i]``/``top_logprobs[i]`` are that
+    position's top alternatives, most likely first (empty lists when none were asked for)."""
+
+    start: int
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@dataclass(frozen=True, slots=True)
 class TransferResult(Message):
-    """prefill → decode: the outcome of a room. Always sent on failure; may be sent on success."""
+    """prefill → decode: the outcome of a room. Always sent on failure; sent on success too, after the
+    WRITE is DONE, with ``prompt_logprobs`` when the request asked for them and the decode reads them
+    (its aux slots hold a v2 record): a decode that asked waits for this message, not the notification."""
 
     KIND: ClassVar[str] = "transfer_result"
     room: int
     ok: bool
     error: str | None
     code: str = ""  # a FailCode value on failure: what the decode does next depends on it, not on ``error``
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def fail_code(self) -> "FailCode":
@@ -365,35 +384,3 @@ def _check_scalar(hint: type, value, where: str):
     if out is None:
         raise ProtocolError(f"{where}: expected {_SCALAR_NAMES[hint]}, got {type(value).__name__}")
     return out
-
-
-# The aux record the prefill WRITEs into the decode's aux slot with the KV (one WRITE, one notif).
-# Layout, little-endian, 32 bytes:  magic u32 | num_prompt_tokens u32 | room u64 |
-#                                   first_token_id i64 | first_token_logprob f64
-AUX_MAGIC = 0x4B564631  # "KVF1"
-AUX_RECORD = struct.Struct("<IIQqd")
-AUX_RECORD_BYTES = AUX_RECORD.size
-
-
-@dataclass(frozen=True, slots=True)
-class AuxRecord:
-    """What the decode needs besides the KV: whose slot this is and the prefill's first token."""
-
-    room: int
-    first_token_id: int
-    first_token_logprob: float
-    num_prompt_tokens: int
-
-    def pack(self) -> bytes:
-        return AUX_RECORD.pack(AUX_MAGIC, self.num_prompt_tokens, self.room, self.first_token_id,
-                               self.first_token_logprob)
-
-    @classmethod
-    def unpack(cls, data: bytes) -> "AuxRecord":
-        if len(data) < AUX_RECORD_BYTES:
-            raise ProtocolError(f"aux record of {len(data)} bytes is shorter than {AUX_RECORD_BYTES}")
-        magic, num_prompt_tokens, room, token, logprob = AUX_RECORD.unpack_from(data)
-        if magic != AUX_MAGIC:
-            raise ProtocolError(f"aux record has magic {magic:#x}, expected {AUX_MAGIC:#x} (slot never written?)")
-        return cls(room=room, first_token_id=token, first_token_logprob=logprob,
-                   num_prompt_tokens=num_prompt_tokens)

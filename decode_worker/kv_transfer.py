@@ -22,9 +22,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from common import wire
 from common.aux import AuxSlots
+from common.aux_record import AuxRecord
 from common.errors import (DisaggError, FailCode, GeometryMismatchError, PeerUnavailableError, ProtocolError,
                            TransferError)
 from common.metrics import Metrics
@@ -52,12 +54,26 @@ class FetchError(Exception):
 
 @dataclass(eq=False)
 class Waiter:
+    """One room waiting for its KV. ``future`` ends with None (the notification) or the prefill's
+    ``TransferResult``; a room that asked for prompt logprobs (``needs_result``) waits for the latter,
+    which carries them and is sent only once the WRITE is DONE."""
+
     room: int
     request_id: str
     link: PrefillLink
     aux_slot: int
     future: asyncio.Future
+    needs_result: bool = False
     sent_at: float = field(default_factory=time.perf_counter)
+
+
+class Landed(NamedTuple):
+    """A room whose KV has landed: its aux record, the link it came over and, when the request asked
+    for them and the prefill sent them, the prompt logprobs."""
+
+    record: AuxRecord
+    link: PrefillLink
+    prompt_logprobs: wire.PromptLogprobs | None = None
 
 
 class KvReceiver:
@@ -122,10 +138,10 @@ class KvReceiver:
 
     # -- rooms -----------------------------------------------------------------------------------------
     async def fetch(self, *, request_id: str, host: str, port: int, room: int, page_ids: list[int],
-                    num_prompt_tokens: int, timeout_s: float, release: Callable[[], None]
-                    ) -> tuple[wire.AuxRecord, PrefillLink]:
-        """Ask the prefill for ``room``'s KV into ``page_ids``; return the aux record (and the link)
-        once it has landed. On failure the pages are freed (``release``) or quarantined, whichever
+                    num_prompt_tokens: int, timeout_s: float, release: Callable[[], None],
+                    wants_prompt_logprobs: bool = False) -> Landed:
+        """Ask the prefill for ``room``'s KV into ``page_ids``; return the aux record (and the link,
+        and the prompt logprobs when ``wants_prompt_logprobs``) once it has landed. On failure the pages are freed (``release``) or quarantined, whichever
         is safe, and the error raised; the caller frees them only after a success."""
         if room in self.waiters or room in self.holds:
             # A quarantined room's earlier WRITE may still land; a second request under that id
@@ -143,7 +159,7 @@ class KvReceiver:
         try:
             try:
                 result = await self._fetch_once(request_id, link, room, page_ids, num_prompt_tokens, deadline,
-                                                timeout_s)
+                                                timeout_s, wants_prompt_logprobs)
             except FetchError as exc:
                 if exc.code is not FailCode.NOT_REGISTERED:
                     raise
@@ -154,7 +170,7 @@ class KvReceiver:
                 self.holds.sent.pop(room, None)
                 self.holds.drop_slot(room)  # nothing was written: the first attempt's aux slot goes back
                 result = await self._fetch_once(request_id, link, room, page_ids, num_prompt_tokens, deadline,
-                                                timeout_s)
+                                                timeout_s, wants_prompt_logprobs)
         except FetchError as exc:
             self._settle(room, link, exc, release, num_pages)
             raise exc.error from None
@@ -186,8 +202,8 @@ class KvReceiver:
                 self.aborts.send_soon(link, room, str(exc.error))
 
     async def _fetch_once(self, request_id: str, link: PrefillLink, room: int, page_ids: list[int],
-                          num_prompt_tokens: int, deadline: float, timeout_s: float
-                          ) -> tuple[wire.AuxRecord, PrefillLink]:
+                          num_prompt_tokens: int, deadline: float, timeout_s: float,
+                          wants_prompt_logprobs: bool = False) -> Landed:
         """One attempt of ``fetch`` under its ``deadline``; ``timeout_s`` (the whole wait) names it in errors."""
         try:
             await asyncio.wait_for(link.ensure_registered(self.register_timeout_s), _remaining_s(deadline))
@@ -199,13 +215,16 @@ class KvReceiver:
         except DisaggError as exc:
             raise FetchError(exc, pages_safe=True) from None
         slot = self.aux.acquire()
-        waiter = Waiter(room, request_id, link, slot, asyncio.get_running_loop().create_future())
+        waiter = Waiter(room, request_id, link, slot, asyncio.get_running_loop().create_future(),
+                        needs_result=wants_prompt_logprobs)
         self.waiters[room] = waiter
         self.wake.set()
         try:
             await self._ask(waiter, page_ids, num_prompt_tokens, deadline, timeout_s)
             self.metrics.kv_wait_seconds.observe(time.perf_counter() - waiter.sent_at)
-            return read_aux(self.aux, waiter, num_prompt_tokens), link
+            record = read_aux(self.aux, waiter, num_prompt_tokens)
+            result = waiter.future.result()
+            return Landed(record, link, result.prompt_logprobs if isinstance(result, wire.TransferResult) else None)
         except BaseException:
             if room in self.holds.sent:  # the WRITE may still fill the slot: it is held with the pages
                 self.holds.keep_slot(room, slot)
@@ -249,7 +268,7 @@ class KvReceiver:
         if waiter is None or waiter.future.done():
             return
         if msg.ok:
-            waiter.future.set_result(None)
+            waiter.future.set_result(msg)
             return
         code = msg.fail_code
         err = GeometryMismatchError if code is FailCode.GEOMETRY else TransferError
@@ -280,7 +299,7 @@ class KvReceiver:
                 logger.warning("notification for unknown or expired room=%d from peer=%s ignored", notif.room, agent)
             self.holds.written(notif.room)  # a quarantined room's WRITE finished: the pages are quiet again
             return
-        if not waiter.future.done():
+        if not waiter.future.done() and not waiter.needs_result:
             waiter.future.set_result(None)
 
     def _remember(self, room: int) -> None:
@@ -312,13 +331,13 @@ def _remaining_s(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.0)
 
 
-def read_aux(aux: AuxSlots, waiter: Waiter, num_prompt_tokens: int) -> wire.AuxRecord:
+def read_aux(aux: AuxSlots, waiter: Waiter, num_prompt_tokens: int) -> AuxRecord:
     """The room's aux record once its outcome is settled: the failure, or the record if it is the room's."""
     exc = waiter.future.exception() if waiter.future.done() else None
     if exc is not None:
         raise exc
     try:
-        record = wire.AuxRecord.unpack(aux.read(waiter.aux_slot))
+        record = AuxRecord.unpack(aux.read(waiter.aux_slot))
     except ProtocolError as err:
         raise FetchError(TransferError(f"room={waiter.room}: {err}"), pages_safe=True) from None
     if record.room != waiter.room or record.num_prompt_tokens != num_prompt_tokens:

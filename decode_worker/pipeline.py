@@ -9,12 +9,14 @@ or, when a failed room's WRITE may still land, once the prefill confirms (or a h
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
 import torch
 
+from common import wire
 from common.api.backend import DaemonBackend, DaemonView, GenerateEvent, GenerateInput
 from common.engine.batcher import DecodeBatcher
 from common.engine.colocated import decode_seed
@@ -58,7 +60,8 @@ class DecodeBackend(DaemonBackend):
         d.admit_or_raise()
         started = time.monotonic()
         seq = Sequence(inp.request_id, list(inp.prompt_ids), inp.params,
-                       generator=make_generator(decode_seed(inp.params.seed), d.device))
+                       generator=make_generator(decode_seed(inp.params.seed), d.device),
+                       top_logprobs_num=inp.top_logprobs_num)
         if inp.params.grammar is not None:  # advanced by the prefill's first token at submit
             seq.grammar = await d.grammars.matcher_async(inp.params.grammar)
         d.runner.admit(seq)
@@ -74,10 +77,11 @@ class DecodeBackend(DaemonBackend):
         b = inp.bootstrap
         num_pages = -(-seq.num_prompt_tokens // d.runner.page_size)
         try:
-            record, link = await d.receiver.fetch(
+            record, link, prompt = await d.receiver.fetch(
                 request_id=seq.request_id, host=b.host, port=b.port, room=b.room, page_ids=seq.pages[:num_pages],
                 num_prompt_tokens=seq.num_prompt_tokens, timeout_s=d.config.kv_wait_timeout_s,
-                release=lambda: d.runner.release(seq))
+                release=lambda: d.runner.release(seq),
+                wants_prompt_logprobs=inp.return_logprob and inp.logprob_start_len < seq.num_prompt_tokens)
         except BaseException as exc:  # the receiver freed or quarantined the pages
             d.metrics.requests.labels(outcome="kv_failed").inc()
             d.metrics.failed_transfers.labels(reason=fail_code_of(exc).value).inc()
@@ -85,19 +89,25 @@ class DecodeBackend(DaemonBackend):
         seq.num_cached = seq.num_prompt_tokens
         seq.output_ids.append(record.first_token_id)
         seq.output_logprobs.append(record.first_token_logprob)
+        if seq.top_logprobs_num > 0:
+            seq.output_top_logprobs.append(list(record.top_logprobs)[:seq.top_logprobs_num])
         if link.writes_draft:
             seq.draft_num_cached = seq.num_prompt_tokens
         d.metrics.ttft_seconds.observe(time.monotonic() - started)
         tracker = OutputTracker(seq, self.tokenizer.decode, self.tokenizer.eos_token_ids)
         job = d.batcher.submit(seq, tracker, needs_draft_prefill=d.runner.draft is not None and not link.writes_draft)
         num_out = 0
+        # The prompt logprobs the prefill sent (sglang-router prepends the prefill's answer, which
+        # is then empty: common/api/README.md); from a prefill that sent none, none, as before.
+        first_meta = prompt_meta(prompt) if inp.return_logprob else {}
         try:
             while True:
                 out = await job.queue.get()
                 num_out += len(out.token_ids)
                 finished = out.finish_reason is not None
                 meta = {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": num_out,
-                        "e2e_latency": time.monotonic() - started}
+                        "e2e_latency": time.monotonic() - started, **first_meta}
+                first_meta = {}
                 if finished and seq.num_proposed:
                     meta["spec_accept_rate"] = seq.num_accepted / seq.num_proposed
                     meta["spec_num_proposed"] = seq.num_proposed
@@ -111,9 +121,22 @@ class DecodeBackend(DaemonBackend):
                     # Counted before the last yield: the HTTP layer closes the stream once it has it.
                     d.metrics.requests.labels(outcome="ok").inc()
                 yield GenerateEvent(token_ids=out.token_ids, logprobs=out.logprobs, text=out.text, finished=finished,
-                                    finish_reason=out.finish_reason.to_sglang() if finished else None, meta=meta)
+                                    finish_reason=out.finish_reason.to_sglang() if finished else None, meta=meta,
+                                    top_logprobs=out.top_logprobs)
                 if finished:
                     return
         finally:
             if not seq.is_done:
                 d.batcher.abort(job, "client disconnected")
+
+
+def prompt_meta(prompt: wire.PromptLogprobs | None) -> dict:
+    """``meta`` keys of the prompt logprobs a prefill sent: ``input_token_logprobs`` (None for the
+    first prompt token) and, with top logprobs, ``input_top_logprobs``; [] without any."""
+    if prompt is None:
+        return {"input_token_logprobs": []}
+    meta: dict = {"input_token_logprobs": [None if math.isnan(lp) else lp for lp in prompt.logprobs]}
+    if any(prompt.top_ids):
+        meta["input_top_logprobs"] = [list(zip(ids, lps)) or None
+                                      for ids, lps in zip(prompt.top_ids, prompt.top_logprobs)]
+    return meta

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 
 from common import wire
+from common.aux_record import AuxRecord, decode_reads_v2
 from common.plan import geometry
 from common.aux import AuxSlots
 from common.errors import FailCode, GeometryMismatchError, PeerUnavailableError, TransferError, UnsafeWriteError
@@ -66,9 +67,11 @@ class KvWriter:
         slot = self.aux.acquire()
         self.peers.acquire(peer)
         try:
-            self.aux.write(slot, wire.AuxRecord(room=room.room, first_token_id=room.first_token_id,
-                                                first_token_logprob=room.first_token_logprob,
-                                                num_prompt_tokens=room.num_prompt_tokens).pack())
+            self.aux.write(slot, AuxRecord(room=room.room, first_token_id=room.first_token_id,
+                                           first_token_logprob=room.first_token_logprob,
+                                           num_prompt_tokens=room.num_prompt_tokens,
+                                           top_logprobs=room.first_token_top).pack(peer.plan.aux_nbytes))
+            room.has_decode_logprobs = decode_reads_v2(peer.plan.aux_nbytes)
             xfer = room.xfer.with_prefill_aux_slot(peer.plan, slot)
             notif = wire.encode(wire.Notification(room=room.room, decode_id=peer.decode_id, ok=True))
             room.transition(RoomState.WRITING)
@@ -84,7 +87,9 @@ class KvWriter:
         room.transition(RoomState.DONE)
         self.metrics.transfer_bytes.inc(xfer.num_bytes)
         self.metrics.transfer_seconds.observe(elapsed)
-        await self.send(room.identity, wire.TransferResult(room=room.room, ok=True, error=None))
+        # Prompt logprobs go only to a decode that reads them (an older one would refuse the field).
+        prompt = room.prompt_logprobs if room.has_decode_logprobs else None
+        await self.send(room.identity, wire.TransferResult(room=room.room, ok=True, error=None, prompt_logprobs=prompt))
         return elapsed
 
     async def _await_transfer(self, room: Room, deadline: float) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from common import wire
 from common.api.backend import DaemonBackend, DaemonView, GenerateEvent, GenerateInput
 from common.api.schema import FieldError
 from common.engine.runner import ModelRunner
@@ -71,14 +73,15 @@ class PrefillBackend(DaemonBackend):
                                "(or kv_transfer_params.do_remote_decode)")
         room_id = inp.bootstrap.room if inp.bootstrap is not None else secrets.randbits(63)
         seq = Sequence(inp.request_id, list(inp.prompt_ids), inp.params,
-                       generator=make_generator(inp.params.seed, d.device))
+                       generator=make_generator(inp.params.seed, d.device), top_logprobs_num=inp.top_logprobs_num)
         num_wanted = seq.num_prompt_tokens - inp.logprob_start_len
-        if inp.return_logprob and num_wanted > 0:  # the OpenAI routes ask for none (no echo)
-            if num_wanted > d.config.max_prompt_logprob_tokens:
+        if inp.return_logprob and num_wanted > 0:
+            limit = min(d.config.max_prompt_logprob_tokens, max_prompt_logprob_tokens(inp.top_logprobs_num))
+            if num_wanted > limit:
                 raise FieldError("logprob_start_len",
                                  f"logprob_start_len {inp.logprob_start_len} asks for the logprobs of {num_wanted} "
-                                 f"prompt tokens; this prefill returns at most "
-                                 f"{d.config.max_prompt_logprob_tokens} (--max-prompt-logprob-tokens)")
+                                 f"prompt tokens; this prefill returns at most {limit} with top_logprobs_num "
+                                 f"{inp.top_logprobs_num} (--max-prompt-logprob-tokens, and one control frame)")
             seq.input_logprobs, seq.logprob_start_len = [], inp.logprob_start_len
         if inp.params.grammar is not None:  # the first token is sampled under it
             seq.grammar = await d.grammars.matcher_async(inp.params.grammar)
@@ -106,7 +109,7 @@ class PrefillBackend(DaemonBackend):
             await self._send_or_fail(room, started)
         finally:
             self._close(seq, room)
-        yield self._event(seq, inp, started)
+        yield self._event(seq, inp, started, has_decode_logprobs=room.has_decode_logprobs)
 
     async def _prefill_or_fail(self, seq: Sequence, room: Room) -> None:
         if room.is_aborted:  # its decode gave it up before this request came: no forward for nothing
@@ -120,6 +123,8 @@ class PrefillBackend(DaemonBackend):
             raise
         room.first_token_id = seq.output_ids[0]
         room.first_token_logprob = seq.output_logprobs[0]
+        room.first_token_top = tuple(seq.output_top_logprobs[0]) if seq.output_top_logprobs else ()
+        room.prompt_logprobs = _prompt_logprobs(seq)
         # The transfer wait counts from here: a long prompt on a busy prefill must not use it up.
         room.deadline = time.monotonic() + self.daemon.config.transfer_wait_timeout_s
 
@@ -147,12 +152,34 @@ class PrefillBackend(DaemonBackend):
         else:
             self.daemon.runner.release(seq)
 
-    def _event(self, seq: Sequence, inp: GenerateInput, started: float, **extra) -> GenerateEvent:
+    def _event(self, seq: Sequence, inp: GenerateInput, started: float, *, has_decode_logprobs: bool = False,
+               **extra) -> GenerateEvent:
+        """The prefill's answer. A decode that reads prompt logprobs (aux record v2) returns them
+        itself, so this answer's list is then empty: sglang-router puts the two lists end to end."""
         meta = {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": 1,
                 "e2e_latency": time.monotonic() - started, **extra}
         if inp.return_logprob:
-            meta["input_token_logprobs"] = (seq.input_logprobs or [])[inp.logprob_start_len:]
+            prompt = [] if has_decode_logprobs else (seq.input_logprobs or [])[inp.logprob_start_len:]
+            meta["input_token_logprobs"] = prompt
         text = self.tokenizer.decode(seq.output_ids[:1], skip_special_tokens=True)
         return GenerateEvent(token_ids=seq.output_ids[:1], logprobs=seq.output_logprobs[:1], text=text,
-                             finished=True, finish_reason={"type": "length", "length": 1}, meta=meta)
+                             finished=True, finish_reason={"type": "length", "length": 1}, meta=meta,
+                             top_logprobs=seq.output_top_logprobs[:1])
+
+
+def max_prompt_logprob_tokens(top_logprobs_num: int) -> int:
+    """Prompt positions whose logprobs (and ``top_logprobs_num`` alternatives each) fit one
+    TransferResult frame: msgpack spends at most 9 bytes on a float and 5 on a token id."""
+    return (wire.MAX_FRAME_BYTES - 4096) // (9 + 14 * top_logprobs_num)
+
+
+def _prompt_logprobs(seq: Sequence) -> wire.PromptLogprobs | None:
+    """The prompt logprobs ``seq`` asked for, as the TransferResult carries them to the decode."""
+    if not seq.input_logprobs:
+        return None
+    start = seq.logprob_start_len
+    tops = (seq.input_top_logprobs or [])[start:]
+    return wire.PromptLogprobs(start=start, logprobs=[math.nan if lp is None else lp for lp in seq.input_logprobs[start:]],
+                               top_ids=[[t for t, _ in alts] for alts in tops],
+                               top_logprobs=[[lp for _, lp in alts] for alts in tops])
 

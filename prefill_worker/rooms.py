@@ -54,6 +54,9 @@ class Room:
     deadline: float
     first_token_id: int = -1
     first_token_logprob: float = 0.0
+    first_token_top: tuple[tuple[int, float], ...] = ()  # its top logprobs, when the request asked
+    prompt_logprobs: wire.PromptLogprobs | None = None  # when the request asked; sent in the TransferResult
+    has_decode_logprobs: bool = False  # the decode reads both (aux record v2): it returns the prompt logprobs
     state: RoomState = RoomState.WAITING
     transfer: wire.Transfer | None = None  # the decode's request, once bound
     identity: bytes | None = None          # the connection that sent it

@@ -97,11 +97,11 @@ class _Api:
         return ctx, await loop.run_in_executor(None, parse, ctx, body, *args)
 
     def inputs(self, items: Sequence[PromptItem], stream: bool, return_logprob: bool,
-               kv: dict[str, Any] | None) -> list[GenerateInput]:
+               kv: dict[str, Any] | None, top_logprobs_num: int = 0) -> list[GenerateInput]:
         return [GenerateInput(request_id=it.request_id, prompt_ids=it.prompt_ids,
                               params=it.params, stream=stream, return_logprob=return_logprob,
                               logprob_start_len=it.logprob_start_len, bootstrap=it.bootstrap,
-                              kv_transfer_params=kv) for it in items]
+                              kv_transfer_params=kv, top_logprobs_num=top_logprobs_num) for it in items]
 
     def streams(self, is_stream: bool) -> bool:
         """Whether to answer with SSE. A prefill answers one JSON object even to `stream: true`:
@@ -154,7 +154,8 @@ class _Api:
     async def generate(self, request: Request) -> Response:
         started = asyncio.get_running_loop().time()
         ctx, req = await self.parse(request, parse_generate)
-        inputs = self.inputs(req.items, req.stream, req.return_logprob, req.kv_transfer_params)
+        inputs = self.inputs(req.items, req.stream, req.return_logprob, req.kv_transfer_params,
+                             req.top_logprobs_num)
         outs = [ItemOutput(item) for item in req.items]
         tokenizer = self.backend.tokenizer
 
@@ -173,7 +174,7 @@ class _Api:
         started = asyncio.get_running_loop().time()
         ctx, req = await self.parse(request, parse_openai, is_chat)
         req: OpenAIRequest
-        inputs = self.inputs(req.items, req.stream, req.logprobs, req.kv_transfer_params)
+        inputs = self.inputs(req.items, req.stream, req.logprobs, req.kv_transfer_params, req.top_logprobs_num)
         outs = [ItemOutput(item) for item in req.items]
         base_id = req.items[0].request_id if len(req.items) == 1 else ctx.request_id
         naming = {"model": req.model or self.backend.model_name, "created": int(time.time()),
@@ -185,7 +186,8 @@ class _Api:
         await self.collect(request, inputs, outs, deadline)
         log_done(ctx.request_id, "/v1/chat/completions" if is_chat else "/v1/completions", outs)
         return json_response(openai_response(outs, is_chat=is_chat, logprobs=req.logprobs,
-                                             tokenizer=self.backend.tokenizer, **naming))
+                                             tokenizer=self.backend.tokenizer, **naming,
+                                             top_logprobs_num=req.top_logprobs_num, echo=req.echo))
 
 
 def log_done(request_id: str, route: str, outs: Sequence[ItemOutput]) -> None:

@@ -38,7 +38,9 @@ class GenerateInput:
     choose the room itself (`kv_transfer_params["do_remote_decode"]` true): the backend then puts
     the chosen `{"bootstrap_host", "bootstrap_port", "bootstrap_room"}` in the final event's
     `meta["kv_transfer_params"]`, which the router copies into the decode request.
-    `kv_transfer_params` is the request's object as received (vllm-router's path), else None."""
+    `kv_transfer_params` is the request's object as received (vllm-router's path), else None.
+    `top_logprobs_num` (0 to 20): alternatives per output token (and per input token in the
+    logprob range), in `GenerateEvent.top_logprobs` and `meta["input_top_logprobs"]`."""
 
     request_id: str
     prompt_ids: list[int]
@@ -48,6 +50,7 @@ class GenerateInput:
     logprob_start_len: int
     bootstrap: BootstrapInfo | None
     kv_transfer_params: dict[str, Any] | None
+    top_logprobs_num: int = 0
 
 
 @dataclass(slots=True)
@@ -58,12 +61,18 @@ class GenerateEvent:
     `{"type": "stop", "matched": id | str}`, `{"type": "length", "length": n}` or
     `{"type": "abort", "message": str}`.
 
+    `top_logprobs[i]` holds the alternatives of `token_ids[i]`, `(token_id, logprob)` pairs, most
+    likely first (empty when none were asked for).
+
     `meta` holds extra SGLang `meta_info` keys; keys the HTTP layer reads: `prompt_tokens`,
     `completion_tokens`, `cached_tokens`, `e2e_latency` (it fills those it does not get),
     `input_token_logprobs` (list of float or None, one per token of
     `prompt_ids[logprob_start_len:]`, on the first event so that streams carry it from the start;
-    a decode backend sends [] because the PD routers prepend the prefill's list to the decode's) and `kv_transfer_params` (dict, echoed at the top level
-    of the response for vllm-router). Other keys (`spec_accept_rate`, ...) are passed through."""
+    a prefill whose decode returns them sends [], because sglang-router prepends the prefill's list
+    to the decode's), `input_top_logprobs` (with `top_logprobs_num`: per token of that range its
+    alternatives, None where there are none) and `kv_transfer_params` (dict, echoed at the top
+    level of the response for vllm-router). Other keys (`spec_accept_rate`, ...) are passed
+    through."""
 
     token_ids: list[int]
     logprobs: list[float] = field(default_factory=list)
@@ -71,6 +80,7 @@ class GenerateEvent:
     finished: bool = False
     finish_reason: dict[str, Any] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 class TokenizerLike(Protocol):

@@ -166,6 +166,17 @@ def exactly(*types: type) -> Callable[[Any], Any]:
     return check
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit; common.model.top_logprobs keeps the same
+
+
+def as_top_logprobs(value: Any) -> int | None:
+    """A count of top logprobs per token: an integer in [0, 20]."""
+    count = exactly(int)(value)
+    if count is not None and not 0 <= count <= MAX_TOP_LOGPROBS:
+        raise Refused(value, lambda path: f"{path} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}")
+    return count
+
+
 def field(convert: Callable[[Any], Any], shown: Any) -> Any:
     """A model field type: `convert` checks the value, `shown` is the type /openapi.json shows."""
     return Annotated[Any, PlainValidator(convert, json_schema_input_type=shown)]

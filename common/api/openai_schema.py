@@ -18,7 +18,7 @@ import jinja2
 from pydantic import BaseModel, model_validator
 
 from common.api.fields import (
-    BODY_CONFIG, FieldError, Object, Refused, Str, StrictBool, check_keys, documented, exactly,
+    BODY_CONFIG, FieldError, Object, Refused, Str, StrictBool, as_top_logprobs, check_keys, documented,
     field, type_name, validate_body,
 )
 from common.api.sampling_schema import SAMPLING_NEUTRAL, OpenAISampling
@@ -39,7 +39,7 @@ CHAT_IGNORED = {**_COMMON_IGNORED, "separate_reasoning": (bool,), "stream_reason
                 "include_reasoning": (bool,), "parallel_tool_calls": (bool,), "store": (bool,)}
 _COMMON_NEUTRAL: dict[str, Any] = {"return_hidden_states": False, "lora_path": None,
                                    "session_params": None, "custom_logit_processor": None}
-COMPLETION_NEUTRAL = {**_COMMON_NEUTRAL, "echo": False, "suffix": None}
+COMPLETION_NEUTRAL = {**_COMMON_NEUTRAL, "suffix": None}
 CHAT_NEUTRAL = {**_COMMON_NEUTRAL, "continue_final_message": False, "tools": None,
                 "functions": None, "function_call": None, "chat_template_kwargs": None,
                 "reasoning_effort": None, "audio": None, "prediction": None}
@@ -57,6 +57,8 @@ class OpenAIRequest:
     include_usage: bool
     logprobs: bool
     kv_transfer_params: dict[str, Any] | None
+    top_logprobs_num: int = 0  # chat top_logprobs, completions logprobs
+    echo: bool = False  # completions: the prompt (and, with logprobs, its logprobs) comes first
 
 
 def _completion_prompts(ctx: ParseContext, prompt: Any) -> tuple[list[list[int]], bool]:
@@ -127,20 +129,6 @@ def _chat_prompt(ctx: ParseContext, messages: Any) -> list[int]:
     return check_prompt_ids(ctx, list(ids), "messages")
 
 
-def _zero_only(value: Any) -> Any:
-    if exactly(int)(value) not in (None, 0):
-        raise Refused(value, lambda path: f"{path}={value} is not supported; only 0 (the chosen "
-                                          "token's logprob)")
-    return value
-
-
-def _completion_logprobs(value: Any) -> Any:
-    if exactly(int)(value) not in (None, 0):
-        raise Refused(value, lambda path: f"{path}={value} is not supported; send 0 for the "
-                                          "chosen token's logprob, or omit it")
-    return value
-
-
 def _tool_choice(value: Any) -> Any:
     if value not in (None, "none", "auto"):
         raise Refused(value, lambda path: f"{path}={value!r} is not supported; tools are not "
@@ -200,8 +188,11 @@ class CompletionBody(_OpenAIBody):
 
     prompt: documented(str | list[str] | list[int] | list[list[int]]) = None
     """A prompt, a list of prompts (a batch), token ids, or a list of token id lists."""
-    logprobs: field(_completion_logprobs, int | None) = None
-    """0: the chosen token's logprob; more is not served."""
+    logprobs: field(as_top_logprobs, int | None) = None
+    """0 to 20: each token's logprob and its `logprobs` most likely alternatives."""
+    echo: StrictBool = None
+    """Prepend the prompt to the text (and, with logprobs, its tokens to the logprobs; the first
+    prompt token has none)."""
 
     IGNORED = COMPLETION_IGNORED
     NEUTRAL = COMPLETION_NEUTRAL
@@ -213,8 +204,8 @@ class ChatBody(_OpenAIBody):
     messages: documented(list[ChatMessage]) = None
     logprobs: StrictBool = None
     """The chosen token's logprob."""
-    top_logprobs: field(_zero_only, int | None) = None
-    """0 only."""
+    top_logprobs: field(as_top_logprobs, int | None) = None
+    """0 to 20 most likely alternatives of each token; needs logprobs true."""
     tool_choice: field(_tool_choice, str | None) = None
     """none or auto: tools are not served."""
 
@@ -258,14 +249,18 @@ def parse_openai(ctx: ParseContext, body: Mapping[str, Any], is_chat: bool) -> O
     kv = parse_kv_transfer_params(model.kv_transfer_params, n)
     params = _sampling(model, is_chat)
     logprobs = model.logprobs is True if is_chat else model.logprobs is not None
+    top_num = (model.top_logprobs if is_chat else model.logprobs) or 0
+    if is_chat and top_num and not logprobs:
+        raise FieldError("top_logprobs", f"top_logprobs={top_num} needs logprobs: true")
+    echo = not is_chat and model.echo is True
     options = model.stream_options
     rids = _rids(ctx, fields, n, is_batch)
     boot = bootstrap_fields(ctx, fields, n, is_batch)
-    # No input logprobs: echo is not served, so they would have nowhere to go.
+    # Prompt logprobs only for echo with logprobs: nowhere else to put them.
     limit = model.limit_key(is_chat)
-    items = tuple(prompt_item(ctx, rids[i], ids, params, boot, i, kv, len(ids), limit)
+    items = tuple(prompt_item(ctx, rids[i], ids, params, boot, i, kv, 0 if echo and logprobs else len(ids), limit)
                   for i, ids in enumerate(prompts))
     return OpenAIRequest(is_chat=is_chat, model=model.model, items=items,
                          stream=model.stream is True,
                          include_usage=options is not None and options.include_usage is True,
-                         logprobs=logprobs, kv_transfer_params=kv)
+                         logprobs=logprobs, kv_transfer_params=kv, top_logprobs_num=top_num, echo=echo)

@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.api.backend import GenerateEvent, TokenizerLike
+from common.api.logprobs import (
+    chat_logprobs, completion_logprobs, join_completion_logprobs, sglang_logprobs, sglang_top_logprobs,
+)
 from common.api.schema import GenerateRequest, PromptItem, error_param
 from common.errors import DisaggError, RequestError
 
-NEG_INF_LOGPROB = -999999999.0  # SGLang's stand-in for -inf, which JSON cannot carry
 RETRY_AFTER_S = 1
 
 
@@ -35,15 +37,18 @@ class ItemOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     finished: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
     num_offset_chars: int = 0  # OpenAI completion logprobs' text_offset so far
+    is_echoed: bool = False  # a completions stream with echo sent the prompt already
 
     def add(self, ev: GenerateEvent) -> None:
         self.text += ev.text
         self.token_ids.extend(ev.token_ids)
         self.logprobs.extend(ev.logprobs)
+        self.top_logprobs.extend(ev.top_logprobs)
         self.meta.update(ev.meta)
         if ev.finished:
             self.finished, self.finish_reason = True, ev.finish_reason
@@ -57,25 +62,6 @@ class ItemOutput:
         return int(self.meta.get("completion_tokens", len(self.token_ids)))
 
 
-def clean_logprob(value: float | None) -> float | None:
-    if value is None or math.isnan(value):
-        return None
-    return value if math.isfinite(value) else NEG_INF_LOGPROB
-
-
-def sglang_logprobs(token_ids: Sequence[int], logprobs: Sequence[Any],
-                    tokenizer: TokenizerLike | None) -> list[list[Any]]:
-    """`[[logprob, token_id, text or None], ...]`; entries already shaped so pass through."""
-    out = []
-    for token_id, lp in zip(token_ids, logprobs):
-        if isinstance(lp, (list, tuple)):
-            out.append(list(lp))
-            continue
-        text = tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else None
-        out.append([clean_logprob(lp), token_id, text])
-    return out
-
-
 def sglang_output(out: ItemOutput, req: GenerateRequest, tokenizer: TokenizerLike,
                   elapsed_s: float) -> dict[str, Any]:
     """One prompt's SGLang object, cumulative over everything received so far."""
@@ -84,7 +70,7 @@ def sglang_output(out: ItemOutput, req: GenerateRequest, tokenizer: TokenizerLik
                             "completion_tokens": out.num_completion_tokens,
                             "cached_tokens": out.meta.get("cached_tokens", 0)}
     for key, value in out.meta.items():
-        if key not in meta and key != "input_token_logprobs":
+        if key not in meta and key not in ("input_token_logprobs", "input_top_logprobs"):
             meta[key] = value
     if out.finished:
         meta.setdefault("e2e_latency", elapsed_s)
@@ -96,6 +82,9 @@ def sglang_output(out: ItemOutput, req: GenerateRequest, tokenizer: TokenizerLik
         meta["input_token_logprobs"] = sglang_logprobs(
             out.item.prompt_ids[start:], out.meta.get("input_token_logprobs", []), text_tok)
         meta["output_token_logprobs"] = sglang_logprobs(out.token_ids, out.logprobs, text_tok)
+        if req.top_logprobs_num > 0:
+            meta["input_top_logprobs"] = sglang_top_logprobs(out.meta.get("input_top_logprobs", []), text_tok)
+            meta["output_top_logprobs"] = sglang_top_logprobs(out.top_logprobs, text_tok)
     return {"text": out.text, "output_ids": list(out.token_ids), "meta_info": meta}
 
 
@@ -121,28 +110,6 @@ def matched_stop(finish_reason: dict[str, Any] | None) -> Any:
     return finish_reason.get("matched")
 
 
-def completion_logprobs(tokenizer: TokenizerLike, token_ids: Sequence[int],
-                        logprobs: Sequence[float], offset: int) -> dict[str, Any]:
-    """OpenAI legacy completions logprobs; `offset` is the text_offset of the first token."""
-    tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
-    return {"tokens": tokens, "token_logprobs": [clean_logprob(lp) for lp in logprobs],
-            "top_logprobs": None, "text_offset": offsets}
-
-
-def chat_logprobs(tokenizer: TokenizerLike, token_ids: Sequence[int],
-                  logprobs: Sequence[float]) -> dict[str, Any]:
-    content = []
-    for token_id, lp in zip(token_ids, logprobs):
-        token = tokenizer.decode([token_id], skip_special_tokens=False)
-        content.append({"token": token, "logprob": clean_logprob(lp),
-                        "bytes": list(token.encode("utf-8")), "top_logprobs": []})
-    return {"content": content}
-
-
 def usage(outs: Sequence[ItemOutput]) -> dict[str, int]:
     prompt = sum(o.num_prompt_tokens for o in outs)
     completion = sum(o.num_completion_tokens for o in outs)
@@ -150,20 +117,43 @@ def usage(outs: Sequence[ItemOutput]) -> dict[str, int]:
             "total_tokens": prompt + completion}
 
 
+def echo_text(tokenizer: TokenizerLike, item: PromptItem) -> str:
+    """The prompt as completions' `echo` prepends it: its tokens decoded."""
+    return tokenizer.decode(item.prompt_ids, skip_special_tokens=item.params.skip_special_tokens)
+
+
+def openai_logprobs(tokenizer: TokenizerLike, o: ItemOutput, ev: GenerateEvent | None, *, is_chat: bool,
+                    top_logprobs_num: int, echo: bool, offset: int = 0) -> dict[str, Any]:
+    """One choice's logprobs: of the event `ev` (a stream chunk), else of everything `o` holds.
+    With `echo` (completions), the prompt's tokens come first, the first without a logprob."""
+    token_ids, lps, tops = ((ev.token_ids, ev.logprobs, ev.top_logprobs) if ev is not None
+                            else (o.token_ids, o.logprobs, o.top_logprobs))
+    tops = tops if top_logprobs_num > 0 else None
+    if is_chat:
+        return chat_logprobs(tokenizer, token_ids, lps, tops)
+    if not echo:
+        return completion_logprobs(tokenizer, token_ids, lps, offset, tops)
+    prompt_ids = o.item.prompt_ids[o.item.logprob_start_len:]
+    prompt_tops = o.meta.get("input_top_logprobs", [None] * len(prompt_ids)) if tops is not None else None
+    prompt = completion_logprobs(tokenizer, prompt_ids, o.meta.get("input_token_logprobs", []), offset,
+                                 prompt_tops)
+    offset += sum(len(t) for t in prompt["tokens"])
+    return join_completion_logprobs(prompt, completion_logprobs(tokenizer, token_ids, lps, offset, tops))
+
+
 def openai_response(outs: Sequence[ItemOutput], *, is_chat: bool, logprobs: bool, model: str,
-                    response_id: str, created: int,
-                    tokenizer: TokenizerLike) -> dict[str, Any]:
+                    response_id: str, created: int, tokenizer: TokenizerLike,
+                    top_logprobs_num: int = 0, echo: bool = False) -> dict[str, Any]:
     choices = []
     for i, o in enumerate(outs):
         choice: dict[str, Any] = {"index": i}
+        lp = (openai_logprobs(tokenizer, o, None, is_chat=is_chat, top_logprobs_num=top_logprobs_num, echo=echo)
+              if logprobs else None)
         if is_chat:
             choice["message"] = {"role": "assistant", "content": o.text}
-            choice["logprobs"] = (chat_logprobs(tokenizer, o.token_ids, o.logprobs)
-                                  if logprobs else None)
         else:
-            choice["text"] = o.text
-            choice["logprobs"] = (completion_logprobs(tokenizer, o.token_ids, o.logprobs, 0)
-                                  if logprobs else None)
+            choice["text"] = (echo_text(tokenizer, o.item) if echo else "") + o.text
+        choice["logprobs"] = lp
         choice["finish_reason"] = openai_finish(o.finish_reason)
         choice["matched_stop"] = matched_stop(o.finish_reason)
         choices.append(choice)

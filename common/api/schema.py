@@ -21,8 +21,8 @@ from pydantic import BaseModel, Discriminator, Tag, model_validator
 
 from common.api.backend import BootstrapInfo, TokenizerLike
 from common.api.fields import (
-    BODY_CONFIG, TAG_LIST, TAG_OBJECT, FieldError, Object, Refused, StrictBool, StrictInt,
-    check_keys, documented, exactly, field, type_name, validate_body,
+    BODY_CONFIG, TAG_LIST, TAG_OBJECT, FieldError, Object, StrictBool, StrictInt, as_top_logprobs,
+    check_keys, documented, field, type_name, validate_body,
 )
 from common.api.sampling_schema import SGLangSampling
 from common.errors import RequestError
@@ -97,6 +97,7 @@ class GenerateRequest:
     return_logprob: bool
     return_text_in_logprobs: bool
     kv_transfer_params: dict[str, Any] | None
+    top_logprobs_num: int = 0
 
 
 def check_prompt_ids(ctx: ParseContext, ids: Any, where: str) -> list[int]:
@@ -269,13 +270,6 @@ def one_or_list(item: Any) -> Any:
                      Discriminator(lambda v: TAG_LIST if isinstance(v, list) else TAG_OBJECT)]
 
 
-def _zero_only(value: Any) -> Any:
-    if exactly(int)(value) not in (None, 0):
-        raise Refused(value, lambda path: f"{path}={value} is not supported; only 0 (chosen-token "
-                                          "logprobs)")
-    return value
-
-
 class GenerateBody(BaseModel):
     """SGLang's `/generate` body. Send exactly one of `text` and `input_ids`; a list of prompts
     is a batch, answered with a list. Fields routers add (`model`, `log_metrics`, ...) are
@@ -295,8 +289,9 @@ class GenerateBody(BaseModel):
     """Add input_token_logprobs and output_token_logprobs to meta_info."""
     logprob_start_len: StrictInt = None
     """First prompt position with a logprob; -1 (the default): output logprobs only."""
-    top_logprobs_num: field(_zero_only, int | None) = None
-    """0 only."""
+    top_logprobs_num: field(as_top_logprobs, int | None) = None
+    """With return_logprob: the 0 to 20 most likely tokens at each position (output, and input
+    from logprob_start_len on) in output_top_logprobs / input_top_logprobs."""
     return_text_in_logprobs: StrictBool = None
     """Add each token's text to the logprob entries."""
     rid: documented(str | list[str] | None) = None
@@ -370,7 +365,8 @@ def parse_generate(ctx: ParseContext, body: Mapping[str, Any]) -> GenerateReques
     return GenerateRequest(
         items=tuple(items), is_batch=is_batch, stream=model.stream is True,
         return_logprob=model.return_logprob is True,
-        return_text_in_logprobs=model.return_text_in_logprobs is True, kv_transfer_params=kv)
+        return_text_in_logprobs=model.return_text_in_logprobs is True, kv_transfer_params=kv,
+        top_logprobs_num=model.top_logprobs_num or 0)
 
 
 class _PrefillHints(BaseModel):

@@ -12,8 +12,7 @@ from typing import Any
 from common.api.backend import GenerateEvent, TokenizerLike
 from common.api.openai_schema import OpenAIRequest
 from common.api.responses import (
-    ItemOutput, chat_logprobs, completion_logprobs, matched_stop, openai_finish, sglang_output,
-    usage,
+    ItemOutput, echo_text, matched_stop, openai_finish, openai_logprobs, sglang_output, usage,
 )
 from common.api.schema import GenerateRequest
 
@@ -66,26 +65,30 @@ class OpenAIStream:
                               "logprobs": None, "finish_reason": None}
                              for i in range(len(self._outs))])]
 
-    def _logprobs(self, out: ItemOutput, ev: GenerateEvent) -> dict[str, Any] | None:
+    def _logprobs(self, out: ItemOutput, ev: GenerateEvent, echo: bool) -> dict[str, Any] | None:
         if not self._req.logprobs:
             return None
-        if self._req.is_chat:
-            return chat_logprobs(self._tokenizer, ev.token_ids, ev.logprobs)
-        lp = completion_logprobs(self._tokenizer, ev.token_ids, ev.logprobs, out.num_offset_chars)
-        out.num_offset_chars += sum(len(t) for t in lp["tokens"])
+        lp = openai_logprobs(self._tokenizer, out, ev, is_chat=self._req.is_chat,
+                             top_logprobs_num=self._req.top_logprobs_num, echo=echo, offset=out.num_offset_chars)
+        if not self._req.is_chat:
+            out.num_offset_chars += sum(len(t) for t in lp["tokens"])
         return lp
 
     def event(self, index: int, ev: GenerateEvent) -> list[dict[str, Any]]:
         out = self._outs[index]
         out.add(ev)
-        if not ev.text and not ev.finished and not (self._req.logprobs and ev.token_ids):
+        # completions echo: the first chunk of each prompt starts with the prompt (and its logprobs)
+        echo = self._req.echo and not out.is_echoed
+        out.is_echoed = True
+        text = (echo_text(self._tokenizer, out.item) if echo else "") + ev.text
+        if not text and not ev.finished and not (self._req.logprobs and ev.token_ids):
             return []
         choice: dict[str, Any] = {"index": index}
         if self._req.is_chat:
             choice["delta"] = {"content": ev.text} if ev.text else {}
         else:
-            choice["text"] = ev.text
-        choice["logprobs"] = self._logprobs(out, ev)
+            choice["text"] = text
+        choice["logprobs"] = self._logprobs(out, ev, echo)
         choice["finish_reason"] = openai_finish(out.finish_reason) if ev.finished else None
         if ev.finished:
             choice["matched_stop"] = matched_stop(out.finish_reason)

@@ -31,6 +31,8 @@ class GenerationResult:
     num_proposed: int
     num_accepted: int
     input_logprobs: list[float | None] | None = None
+    output_top_logprobs: list[list[tuple[int, float]]] | None = None  # with top_logprobs_num
+    input_top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -53,11 +55,12 @@ class ColocatedEngine:
         self.grammars = GrammarCache(tokenizer, runner.target.model.config.vocab_size)
 
     def new_sequence(self, prompt: list[int] | str, params: SamplingParams, *, return_logprob: bool = False,
-                     request_id: str | None = None) -> Sequence:
+                     request_id: str | None = None, top_logprobs_num: int = 0) -> Sequence:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise RequestError("prompt is empty")
-        seq = Sequence(request_id or uuid.uuid4().hex, ids, params, generator=make_generator(params.seed, self.device))
+        seq = Sequence(request_id or uuid.uuid4().hex, ids, params, generator=make_generator(params.seed, self.device),
+                       top_logprobs_num=top_logprobs_num)
         if return_logprob:
             seq.input_logprobs = []
         if params.grammar is not None:
@@ -65,9 +68,12 @@ class ColocatedEngine:
         return seq
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams], *,
-                 return_logprob: bool = False) -> list[GenerationResult]:
+                 return_logprob: bool = False, top_logprobs_num: int = 0) -> list[GenerationResult]:
+        """``return_logprob``: every prompt token's logprob too (and, with ``top_logprobs_num``, its
+        alternatives, as for every output token)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        seqs = [self.new_sequence(p, sp, return_logprob=return_logprob) for p, sp in zip(prompts, params_list)]
+        seqs = [self.new_sequence(p, sp, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
+                for p, sp in zip(prompts, params_list)]
         trackers = {id(s): OutputTracker(s, self.tokenizer.decode, self.tokenizer.eos_token_ids) for s in seqs}
         waiting, running = deque(seqs), []
         while waiting or running:
@@ -114,4 +120,5 @@ class ColocatedEngine:
     @staticmethod
     def _result(seq: Sequence, text: str) -> GenerationResult:
         return GenerationResult(seq.request_id, seq.prompt_ids, list(seq.output_ids), list(seq.output_logprobs),
-                                text, seq.finish_reason, seq.num_proposed, seq.num_accepted, seq.input_logprobs)
+                                text, seq.finish_reason, seq.num_proposed, seq.num_accepted, seq.input_logprobs,
+                                list(seq.output_top_logprobs) if seq.top_logprobs_num else None, seq.input_top_logprobs)

@@ -74,7 +74,10 @@ class ColocatedServer:
         from common.model.sampling import make_generator
 
         device = self.runner.target.kv.device
-        seq = Sequence(inp.request_id, list(inp.prompt_ids), inp.params, make_generator(inp.params.seed, device))
+        seq = Sequence(inp.request_id, list(inp.prompt_ids), inp.params, make_generator(inp.params.seed, device),
+                       top_logprobs_num=inp.top_logprobs_num)
+        if inp.return_logprob and inp.logprob_start_len < seq.num_prompt_tokens:
+            seq.input_logprobs, seq.logprob_start_len = [], inp.logprob_start_len
         if inp.params.grammar is not None:
             seq.grammar = await self.grammars.matcher_async(inp.params.grammar)
         self.runner.admit(seq)
@@ -86,13 +89,25 @@ class ColocatedServer:
         seq.generator = make_generator(decode_seed(inp.params.seed), device)
         tracker = OutputTracker(seq, self.tokenizer.decode, self.tokenizer.eos_token_ids)
         job = self.batcher.submit(seq, tracker, needs_draft_prefill=False)
+        meta = prompt_meta(seq) if inp.return_logprob else {}
         try:
             while True:
                 out = await job.queue.get()
                 yield GenerateEvent(out.token_ids, out.logprobs, out.text, out.finished,
-                                    out.finish_reason.to_sglang() if out.finished else None)
+                                    out.finish_reason.to_sglang() if out.finished else None, meta,
+                                    top_logprobs=out.top_logprobs)
+                meta = {}
                 if out.finished:
                     return
         finally:
             if not seq.is_done:
                 self.batcher.abort(job, "client disconnected")
+
+
+def prompt_meta(seq) -> dict:
+    """The first event's prompt logprob keys, as the decode daemon sends them (decode_worker/pipeline.py)."""
+    start = seq.logprob_start_len
+    meta: dict = {"input_token_logprobs": (seq.input_logprobs or [])[start:]}
+    if seq.input_top_logprobs is not None:
+        meta["input_top_logprobs"] = [alts or None for alts in seq.input_top_logprobs[start:]]
+    return meta

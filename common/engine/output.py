@@ -22,6 +22,7 @@ class StepOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     text: str = ""
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when asked
     finish_reason: FinishReason | None = None
 
     @property
@@ -38,17 +39,21 @@ class OutputTracker:
     def text(self) -> str:
         return self.stream.text
 
-    def add(self, pairs: list[tuple[int, float]]) -> StepOutput:
-        """Append one step's (token, logprob) pairs; tokens past a stop are dropped."""
+    def add(self, pairs: list[tuple]) -> StepOutput:
+        """Append one step's (token, logprob) pairs, or (token, logprob, top logprobs) triples for a
+        sequence that asks for alternatives; tokens past a stop are dropped."""
         if self.stream.finish is not None:
             return StepOutput(finish_reason=self.stream.finish)
-        step = self.stream.add([t for t, _ in pairs])
+        step = self.stream.add([p[0] for p in pairs])
         kept = pairs[: step.num_tokens]
         if self.seq.grammar is not None:
             step = self._advance_grammar(step, [p[0] for p in kept])
-        self.seq.output_ids.extend(t for t, _ in kept)
-        self.seq.output_logprobs.extend(lp for _, lp in kept)
-        return StepOutput([t for t, _ in kept], [lp for _, lp in kept], step.delta, step.finish)
+        self.seq.output_ids.extend(p[0] for p in kept)
+        self.seq.output_logprobs.extend(p[1] for p in kept)
+        tops = [p[2] if len(p) > 2 else [] for p in kept] if self.seq.top_logprobs_num > 0 else []
+        self.seq.output_top_logprobs.extend(tops)
+        return StepOutput([p[0] for p in kept], [p[1] for p in kept], step.delta, top_logprobs=tops,
+                          finish_reason=step.finish)
 
     def _advance_grammar(self, step: StreamStep, tokens: list[int]) -> StreamStep:
         """Advance the sequence's grammar matcher by this step's kept tokens (the one place it
@@ -67,7 +72,10 @@ class OutputTracker:
         return step
 
     def add_first(self, token: int, logprob: float) -> StepOutput:
-        """The prefill appended its sampled ``token`` to ``seq.output_ids``: account for it here."""
+        """The prefill appended its sampled ``token`` (and its alternatives, when asked) to the
+        sequence: account for them here."""
         del self.seq.output_ids[-1:]
         del self.seq.output_logprobs[-1:]
+        if self.seq.top_logprobs_num > 0 and self.seq.output_top_logprobs:
+            return self.add([(token, logprob, self.seq.output_top_logprobs.pop())])
         return self.add([(token, logprob)])

@@ -23,6 +23,7 @@ from common.model.h2d import to_device
 from common.model.llama import SeqChunk, TokenFeed
 from common.model.penalties import TokenHistory
 from common.model.sampling import Sampler, probs
+from common.model.top_logprobs import TopK, attach, prompt_tops, spec_tops, to_host, top_logprobs, with_tops
 
 logger = logging.getLogger(__name__)
 
@@ -57,24 +58,27 @@ class PendingStep:
     tokens: torch.Tensor                 # [B] int64 on the device
     host: torch.Tensor                   # [2, B] float64: token ids (exact below 2**53), logprobs
     ready: torch.cuda.Event | None = None
+    tops: TopK | None = None             # the asking rows' top logprobs, copied with the tokens
 
     @classmethod
-    def of(cls, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> "PendingStep":
+    def of(cls, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor,
+           tops: TopK | None = None) -> "PendingStep":
         both = torch.stack([tokens.double(), logprobs.double()])
         if not both.is_cuda:
-            return cls(seqs, tokens, both)
+            return cls(seqs, tokens, both, tops=tops)
         host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
         host.copy_(both, non_blocking=True)
+        tops = to_host(tops, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return cls(seqs, tokens, host, ready)
+        return cls(seqs, tokens, host, ready, tops)
 
     def result(self) -> list[list[tuple[int, float]]]:
         """Each sequence's (token, logprob), after the step's one host sync."""
         if self.ready is not None:
             self.ready.synchronize()
         ids, logprobs = self.host.tolist()
-        return [[(int(t), lp)] for t, lp in zip(ids, logprobs)]
+        return [[pair] for pair in attach([(int(t), lp) for t, lp in zip(ids, logprobs)], self.tops)]
 
 
 class ModelRunner:
@@ -164,17 +168,23 @@ class ModelRunner:
             tails = [SeqChunk(s.prompt_ids[first_row[id(s)]:], first_row[id(s)], s.pages) for s in wanting]
             for s, logits in zip(wanting, self.target.forward(tails, all_logits=True)):
                 s.input_logprobs = _input_logprobs(logits, s.prompt_ids, first_row[id(s)])
+                if s.top_logprobs_num > 0:  # row j holds the alternatives of prompt token j + 1
+                    num_rows = s.num_prompt_tokens - 1 - first_row[id(s)]
+                    s.input_top_logprobs = ([[]] * (first_row[id(s)] + 1)
+                                            + prompt_tops(logits[:num_rows], s.top_logprobs_num))
                 last_rows[id(s)] = logits[-1]
         for s, end in zip(seqs, ends):
             s.num_cached = end
         done = [s for s in seqs if s.num_cached == s.num_prompt_tokens]
         if done:
             last = mask_logits(torch.stack([last_rows[id(s)] for s in done]), [s.grammar for s in done])
+            tops = top_logprobs(last, [s.top_logprobs_num for s in done])  # before sample: raw logits
             tokens, logprobs = self.sampler.sample(last, [s.params for s in done], [s.generator for s in done],
                                                    prefill_adjust(done, self.history))
-            for s, (tok, lp) in zip(done, _pairs(tokens, logprobs)):
+            for s, (tok, lp, *alts) in zip(done, with_tops(tokens, logprobs, tops)):
                 s.output_ids.append(tok)
                 s.output_logprobs.append(lp)
+                s.output_top_logprobs.extend(alts)
             if with_draft and self.draft is not None:
                 self.prefill_draft(done)
         _synchronize(self.target.kv.device)  # the KV must be in memory before NIXL reads it
@@ -223,11 +233,12 @@ class ModelRunner:
         feed = _feed([i for i, s in enumerate(seqs) if id(s) in rows], [rows[id(s)] for s in seqs if id(s) in rows],
                      prev.tokens if prev is not None else None)
         logits = mask_logits(self.target.forward(chunks, feed=feed), [s.grammar for s in seqs])
+        tops = top_logprobs(logits, [s.top_logprobs_num for s in seqs])
         tokens, logprobs = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
                                                decode_adjust(seqs, self.history))
         for s in seqs:
             s.num_cached += 1
-        return PendingStep.of(seqs, tokens, logprobs)
+        return PendingStep.of(seqs, tokens, logprobs, tops)
 
     def _spec_step(self, seqs: list[Sequence]) -> list[list[tuple[int, float]]]:
         k = self.spec_k
@@ -253,7 +264,8 @@ class ModelRunner:
             # Target cache now validly holds last_token + accepted drafts; the new token is uncached.
             s.num_cached += 1 + verdict.num_accepted
             s.draft_num_cached = min(s.draft_num_cached, s.num_cached)
-            results.append(list(zip(accepted, lps)))
+            tops = spec_tops(logits[: len(accepted)], s.top_logprobs_num)  # row i: accepted[i]'s alternatives
+            results.append(list(zip(accepted, lps, tops)) if tops else list(zip(accepted, lps)))
         if chosen is not None:
             record_accepted(seqs, [[pair[0] for pair in r] for r in results], self.history)
         return results

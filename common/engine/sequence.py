@@ -55,6 +55,12 @@ class Sequence:
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
     logprob_start_len: int = 0  # with input_logprobs: the first prompt token whose logprob is wanted
+    # top logprobs (common/model/top_logprobs.py): how many alternatives per token; per output token
+    # its alternatives (in step with output_ids while top_logprobs_num > 0); per prompt token from
+    # logprob_start_len on (with input_logprobs; [] where there is no value)
+    top_logprobs_num: int = 0
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]]] | None = None
     num_cached: int = 0
     draft_num_cached: int = 0
     num_proposed: int = 0

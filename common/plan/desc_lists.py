@@ -182,7 +182,7 @@ class DescGroup:
     pairs: tuple[tuple[Region, Region], ...]  # (prefill region, decode region), prefill table order
     prefill_aux: AuxInfo | None = None
     decode_aux: AuxInfo | None = None
-    aux_nbytes: int = 0  # bytes written into the decode's aux slot (the prefill's slot size)
+    aux_nbytes: int = 0  # bytes written into the decode's aux slot (the smaller slot size of the two sides)
     runs: tuple[tuple[Run, Run], ...] = field(init=False)  # the pairs fused (``fuse_pairs``)
     page_nbytes: int = field(init=False)  # bytes of one token page over every pair
     prefill_order: ListOrder = field(init=False)

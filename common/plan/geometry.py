@@ -67,6 +67,12 @@ class TransferPlan:
     num_decode_pages: int = field(init=False)  # pages every written decode region holds: ids lie below
     num_prefill_pages: int = field(init=False)
 
+    @property
+    def aux_nbytes(self) -> int:
+        """Bytes of aux record written per room: the smaller of the two sides' slots, so either side may
+        be the older one (common/aux_record.py says which record fits)."""
+        return self.groups[-1].aux_nbytes
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_decode_pages", min(d.num_pages for g in self.groups for _, d in g.pairs))
         object.__setattr__(self, "num_prefill_pages", min(r.num_pages for r in self.prefill.regions))
@@ -103,10 +109,6 @@ def _check_compatible(prefill: KvLayout, decode: KvLayout) -> None:
         p, d = getattr(prefill, name), getattr(decode, name)
         if p != d:
             raise GeometryMismatchError(f"{label} mismatch: prefill has {p!r}, decode has {d!r}; {fix}")
-    if decode.aux.item_len < prefill.aux.item_len:
-        raise GeometryMismatchError(
-            f"aux item_len mismatch: prefill writes {prefill.aux.item_len}-byte aux records, decode "
-            f"slots hold {decode.aux.item_len} bytes; upgrade the decode so both use the same record")
 
 
 def _match_regions(prefill: KvLayout, decode: KvLayout
@@ -151,7 +153,7 @@ def _group(pairs: Sequence[tuple[Region, Region]], prefill_aux: AuxInfo, decode_
     groups = [DescGroup(pm, dm, tuple(ps)) for (pm, dm), ps in by_mem.items() if (pm, dm) != aux_mem]
     groups.append(DescGroup(aux_mem[0], aux_mem[1], tuple(by_mem.get(aux_mem, ())),
                             prefill_aux=prefill_aux, decode_aux=decode_aux,
-                            aux_nbytes=prefill_aux.item_len))
+                            aux_nbytes=min(prefill_aux.item_len, decode_aux.item_len)))
     return tuple(groups)
 
 

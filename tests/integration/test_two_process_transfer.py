@@ -17,6 +17,7 @@ import time
 import torch
 
 from common import wire
+from common.aux_record import AuxRecord
 from common.aux import AuxSlots
 from common.model.config import ModelConfig
 from common.model.kv_cache import KvCache
@@ -107,7 +108,7 @@ def test_register_then_write_exactly_the_requested_pages(cluster, tiny_models):
         assert _page_is_poisoned(target, page) == (page not in PAGE_IDS), page
         assert _page_is_poisoned(draft, page), page
     # The aux slot carries the room, the prompt length and the first token; other slots are untouched.
-    record = wire.AuxRecord.unpack(aux.read(AUX_SLOT))
+    record = AuxRecord.unpack(aux.read(AUX_SLOT))
     assert (record.room, record.num_prompt_tokens) == (room, len(prompt))
     assert record.first_token_id == reply["output_ids"][0]
     for slot in range(8):

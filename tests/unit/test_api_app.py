@@ -282,9 +282,9 @@ async def test_chat_stream_role_first_then_content_then_usage():
     ("/generate", {"text": "a" * 600}, "text"),
     ("/generate", {"text": "a", "sampling_params": {"temperature": -1}},
      "sampling_params.temperature"),
-    ("/generate", {"text": "a", "top_logprobs_num": 3}, "top_logprobs_num"),
+    ("/generate", {"text": "a", "top_logprobs_num": 21}, "top_logprobs_num"),
     ("/v1/completions", {"prompt": "a", "max_tokens": "ten"}, "max_tokens"),
-    ("/v1/completions", {"prompt": "a", "logprobs": 5}, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 25}, "logprobs"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 3}, "n"),
 ])

@@ -10,10 +10,8 @@ from hypothesis import strategies as st
 
 from common.api.backend import BootstrapInfo, GenerateEvent
 from common.api.openai_schema import parse_openai
-from common.api.responses import (
-    ItemOutput, chat_logprobs, clean_logprob, completion_logprobs, error_info, generate_response,
-    openai_response, sglang_logprobs,
-)
+from common.api.logprobs import chat_logprobs, clean_logprob, completion_logprobs, sglang_logprobs
+from common.api.responses import ItemOutput, error_info, generate_response, openai_response
 from common.api.schema import (
     FieldError, ParseContext, PromptItem, error_param, parse_generate, resolve_bootstrap,
 )
@@ -83,7 +81,8 @@ def test_generate_batch_sampling_params_per_prompt():
     ({"input_ids": [1, 1000]}, "input_ids[1]"),
     ({"input_ids": [[1], [True]]}, "input_ids[1][0]"),
     ({"text": "a", "stream": "yes"}, "stream"),
-    ({"text": "a", "top_logprobs_num": 2}, "top_logprobs_num"),
+    ({"text": "a", "top_logprobs_num": 21}, "top_logprobs_num"),
+    ({"text": "a", "top_logprobs_num": "2"}, "top_logprobs_num"),
     ({"text": "a", "logprob_start_len": 5}, "logprob_start_len"),
     ({"text": "a", "return_hidden_states": True}, "return_hidden_states"),
     ({"text": "a", "lora_path": "x"}, "lora_path"),
@@ -280,9 +279,10 @@ def test_vllm_prefill_leg_drops_min_tokens_only_there():
 
 
 @pytest.mark.parametrize("is_chat, body, param", [
-    (False, {"prompt": "a", "logprobs": 2}, "logprobs"),
+    (False, {"prompt": "a", "logprobs": 21}, "logprobs"),
+    (False, {"prompt": "a", "logprobs": -1}, "logprobs"),
     (False, {"prompt": "a", "n": 2}, "n"),
-    (False, {"prompt": "a", "echo": True}, "echo"),
+    (False, {"prompt": "a", "echo": 1}, "echo"),
     (False, {}, "prompt"),
     (False, {"prompt": []}, "prompt"),
     (False, {"prompt": "a", "temperature": -1}, "temperature"),
@@ -293,7 +293,8 @@ def test_vllm_prefill_leg_drops_min_tokens_only_there():
     (True, {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     (True, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0]"),
-    (True, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 1}, "top_logprobs"),
+    (True, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 1}, "top_logprobs"),  # no logprobs
+    (True, {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (True, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
      "tool_choice"),
     (True, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},

@@ -83,7 +83,7 @@ def test_fetch_lands_kv_and_aux():
         room = prefill.open_room(1, num_tokens=40)
         fetch = asyncio.get_running_loop().create_task(decode.fetch(prefill, 1, 40, [4, 5, 6]))
         await prefill.writer.send_room(room, time.monotonic() + 5)
-        record, link = await fetch
+        record, link, _ = await fetch
         assert (record.room, record.first_token_id) == (1, 7) and link.state.value == "registered"
         assert decode.pool[4].equal(prefill.pool[0]) and decode.released == []  # the caller frees on success
     scenario(body)
@@ -238,7 +238,7 @@ def test_prefill_that_forgot_the_decode_is_registered_with_again_and_no_slot_lea
         fetch = asyncio.get_running_loop().create_task(decode.fetch(prefill, 92, 20, [2, 3]))
         await until(lambda: room.transfer is not None, what="the second attempt's transfer bound")
         await prefill.writer.send_room(room, time.monotonic() + 5)
-        record, _ = await fetch
+        record, _, _ = await fetch
         assert record.room == 92 and prefill.counter("kvferry_registrations_total", result="accepted") == 2
         assert decode.aux.num_free == decode.aux.num_slots and decode.released == []
     scenario(body)

@@ -170,11 +170,13 @@ def test_insane_aux_is_refused(field, value):
         g.build_plan(layout(table()), layout(table(), aux=dataclasses.replace(AUX, **{field: value})))
 
 
-def test_decode_aux_slot_smaller_than_prefill_record_is_refused():
-    with pytest.raises(GeometryMismatchError, match="prefill writes 128-byte aux records, decode slots hold 64"):
-        g.build_plan(layout(table(), aux=dataclasses.replace(AUX, item_len=128)), layout(table()))
+def test_aux_record_is_the_smaller_slot_of_the_two_sides():
+    """Either side may be the older one (a 32-byte v1 slot): the prefill writes what the smaller slot
+    holds (common/aux_record.py picks the record that fits)."""
+    plan = g.build_plan(layout(table(), aux=dataclasses.replace(AUX, item_len=128)), layout(table()))
+    assert plan.aux_nbytes == 64 and plan.groups[-1].prefill_descs()[-1][1] == 64
     plan = g.build_plan(layout(table()), layout(table(), aux=dataclasses.replace(AUX, item_len=128)))
-    assert plan.groups[-1].aux_nbytes == 64 and plan.groups[-1].decode_descs()[-1][:2] == (AUX.addr + 3 * 128, 64)
+    assert plan.aux_nbytes == 64 and plan.groups[-1].decode_descs()[-1][:2] == (AUX.addr + 3 * 128, 64)
 
 
 def test_overlapping_regions_are_refused():

@@ -12,6 +12,7 @@ import pytest
 from nixl import _bindings as nixl_bindings
 
 from common import wire
+from common.aux_record import AuxRecord
 from common.errors import FailCode, PeerUnavailableError, TransferError, UnsafeWriteError
 from common.transport.nixl import NixlEngine
 from prefill_worker.rooms import EarlyTransfer, RoomLimits, RoomTable
@@ -51,7 +52,7 @@ def test_room_written_end_to_end():
         assert (await result_for(decode, 11)).ok
         for decode_page, prefill_page in zip([5, 9, 2], range(3)):
             assert decode.pool[decode_page].equal(prefill.pool[prefill_page])
-        record = wire.AuxRecord.unpack(decode.aux.read(0))
+        record = AuxRecord.unpack(decode.aux.read(0))
         assert (record.room, record.first_token_id, record.num_prompt_tokens) == (11, 7, 40)
         await until(lambda: any(getattr(n, "room", None) == 11 for n in decode.notifs), what="notification")
         assert prefill.peers.get(decode.decode_id).num_writes == 0 and prefill.aux.num_slots == 8

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-import struct
 import types
 import typing
 
@@ -338,37 +336,3 @@ def test_frame_size_cap():
         wire.decode(over)
     at_limit = wire.encode(wire.Ping(t=1.0))
     assert wire.decode(at_limit, max_bytes=len(at_limit)) == wire.Ping(t=1.0)
-
-
-AUX_RECORDS = st.builds(wire.AuxRecord, room=st.integers(0, (1 << 64) - 1),
-                        first_token_id=st.integers(-(1 << 63), (1 << 63) - 1),
-                        first_token_logprob=st.floats(allow_nan=False),
-                        num_prompt_tokens=st.integers(0, (1 << 32) - 1))
-
-
-@given(AUX_RECORDS, st.binary(max_size=32))
-def test_aux_record_round_trips_inside_a_larger_slot(record, tail):
-    packed = record.pack()
-    assert len(packed) == wire.AUX_RECORD_BYTES == 32
-    assert wire.AuxRecord.unpack(packed) == record
-    assert wire.AuxRecord.unpack(packed + tail) == record
-
-
-def test_aux_record_nan_logprob_survives_bit_for_bit():
-    back = wire.AuxRecord.unpack(wire.AuxRecord(room=1, first_token_id=2, first_token_logprob=math.nan,
-                                                num_prompt_tokens=3).pack())
-    assert math.isnan(back.first_token_logprob) and back.room == 1
-
-
-@given(AUX_RECORDS, st.integers(0, (1 << 32) - 1).filter(lambda m: m != wire.AUX_MAGIC))
-def test_aux_record_bad_magic_is_refused(record, magic):
-    data = struct.pack("<I", magic) + record.pack()[4:]
-    with pytest.raises(ProtocolError, match=f"magic {magic:#x}, expected {wire.AUX_MAGIC:#x}"):
-        wire.AuxRecord.unpack(data)
-
-
-def test_aux_record_unwritten_or_short_slot_is_refused():
-    with pytest.raises(ProtocolError, match="never written"):
-        wire.AuxRecord.unpack(bytes(64))
-    with pytest.raises(ProtocolError, match="aux record of 31 bytes is shorter than 32"):
-        wire.AuxRecord.unpack(wire.AuxRecord(1, 2, 0.5, 3).pack()[:31])

@@ -1,0 +1,202 @@
+"""Top logprobs, prompt logprobs and echo, disaggregated against colocated (real daemons, ZeroMQ and
+NIXL over loopback, both real routers).
+
+The prefill samples the first token: its alternatives reach the decode in the aux record (v2), the
+prompt logprobs in the TransferResult (common/aux_record.py, common/wire.py). Every answer here
+comes from the decode through a router and is compared with the colocated engine (token ids
+exactly, logprob values within 1e-4) and with the colocated HTTP server given the same request
+(the same answer, values within 1e-4), greedy and seeded, streamed and not; the OpenAI routes
+through the official `openai` SDK.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+
+from common.api.sampling_schema import sglang_params
+from common.procs import Proc, free_port
+from tests.cluster import Cluster, assert_pages_return, post
+
+TOL = 1e-4
+PROMPT = "The ferry leaves the north pier at seven and"
+MESSAGES = [{"role": "user", "content": "Where does the ferry go?"}]
+# Routers pass floats through float32 (0.75 survives); sglang-router keeps SGLang's `sampling_seed`.
+SAMPLING = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.75, "sampling_seed": 11}}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory, tiny_models):
+    """(prefill, decode, sglang-router, vllm-router, colocated server, free pages at the start)."""
+    log_dir = tmp_path_factory.mktemp("logprobs") / "logs"
+    c = Cluster(log_dir, *tiny_models)
+    try:
+        prefill, decode, before = c.pair()
+        port = free_port()
+        colocated = Proc("colocated", [sys.executable, str(ROOT / "bench" / "e2e.py"), "--serve-colocated", str(port),
+                                       "--model", tiny_models[0], "--max-total-tokens", "16384"],
+                         f"http://127.0.0.1:{port}", log_dir / "colocated.log", env=c.env)
+        c.procs.append(colocated)
+        colocated.start().wait_ready(180)
+        yield prefill, decode, c.router([prefill], [decode]), c.vllm_router([prefill], [decode]), colocated, before
+    finally:
+        c.stop_all()
+
+
+def close(got, want, where: str = "answer") -> None:
+    """``got`` equals ``want``, floats within TOL (token ids, texts and shapes exactly)."""
+    if isinstance(want, float) and isinstance(got, (int, float)) and not isinstance(got, bool):
+        assert abs(got - want) <= TOL, (where, got, want)
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), (where, got, want)
+        for key in want:
+            close(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), (where, got, want)
+        for i, (g, w) in enumerate(zip(got, want)):
+            close(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, (where, got, want)
+
+
+def ok(answer):
+    assert answer.status == 200, (answer.status, answer.raw[:1000])
+    return answer
+
+
+def triples(pairs) -> list:
+    return [[lp, t, None] for t, lp in pairs]
+
+
+# --- /generate (SGLang's shape) --------------------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_generate_top_and_prompt_logprobs_equal_colocated(pd, colocated, tok_ids, sampling, stream):
+    prefill, decode, router, _, server, before = pd
+    sp = {"max_new_tokens": 6, "ignore_eos": True, **SAMPLING[sampling]}
+    start, k = 2, 4
+    body = {"input_ids": tok_ids, "sampling_params": sp, "return_logprob": True, "logprob_start_len": start,
+            "top_logprobs_num": k, "stream": stream}
+    answer = ok(post(router.url + "/generate", body))
+    got = answer.events()[-1] if stream else answer.json()
+    ref = colocated().generate([tok_ids], sglang_params(sp), return_logprob=True, top_logprobs_num=k)[0]
+    meta = got["meta_info"]
+    assert got["output_ids"] == ref.output_ids
+    close(meta["output_token_logprobs"], [[lp, t, None] for t, lp in zip(ref.output_ids, ref.output_logprobs)])
+    close(meta["output_top_logprobs"], [triples(alts) for alts in ref.output_top_logprobs])
+    # once, not twice: sglang-router prepends the prefill's list, which is empty for this decode
+    close(meta["input_token_logprobs"], [[lp, t, None] for t, lp in zip(tok_ids[start:], ref.input_logprobs[start:])])
+    close(meta["input_top_logprobs"], [triples(alts) for alts in ref.input_top_logprobs[start:]])
+    same = ok(post(server.url + "/generate", body))
+    same = same.events()[-1] if stream else same.json()
+    close({k: v for k, v in same["meta_info"].items() if "logprobs" in k},
+          {k: v for k, v in meta.items() if "logprobs" in k})
+    assert_pages_return([prefill, decode], before)
+
+
+def test_generate_through_vllm_router_keeps_output_logprobs_only(pd, tok_ids):
+    """vllm-router 0.1.17 re-serializes /generate bodies without `top_logprobs_num` and
+    `logprob_start_len` (docs/routers.md): the decode answers the output logprobs, which equal the
+    colocated server's, and no prompt or top logprobs. The OpenAI routes carry them (below)."""
+    _, _, _, vllm, server, _ = pd
+    body = {"input_ids": tok_ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+            "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 3}
+    got = ok(post(vllm.url + "/generate", body)).json()
+    want = ok(post(server.url + "/generate", body)).json()
+    assert got["output_ids"] == want["output_ids"]
+    close(got["meta_info"]["output_token_logprobs"], want["meta_info"]["output_token_logprobs"])
+    assert got["meta_info"]["input_token_logprobs"] == [] and "output_top_logprobs" not in got["meta_info"]
+
+
+@pytest.fixture(scope="module")
+def tok_ids(tiny_models) -> list[int]:
+    from common.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(tiny_models[0]).encode(PROMPT)
+
+
+# --- OpenAI routes through the official SDK --------------------------------------------------------
+
+def client(proc) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proc.url + "/v1", api_key="none", timeout=120, max_retries=0)
+
+
+def completion(proc, stream: bool, **kw) -> dict:
+    """A completion as one object; a stream's chunks are joined (text, and each logprobs list)."""
+    args = {"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "logprobs": 3, "echo": True, **kw}
+    if not stream:
+        choice = client(proc).completions.create(**args).choices[0]
+        return {"text": choice.text, "logprobs": choice.logprobs.model_dump()}
+    text, logprobs = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in client(proc).completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            text += choice.text
+            for key, values in (choice.logprobs.model_dump() if choice.logprobs else {}).items():
+                logprobs[key] += values or []
+    return {"text": text, "logprobs": logprobs}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_completions_echo_with_top_logprobs_equals_colocated(pd, colocated, tok_ids, sampling, stream):
+    _, _, router, _, server, _ = pd
+    extra = {"temperature": SAMPLING[sampling]["temperature"], "seed": SAMPLING[sampling].get("sampling_seed")}
+    got = completion(router, stream, **extra)
+    close(got, completion(server, stream, **extra))
+    ref = colocated().generate([tok_ids], sglang_params({"max_new_tokens": 5, **SAMPLING[sampling]}),
+                               return_logprob=True, top_logprobs_num=3)[0]
+    lp = got["logprobs"]
+    assert got["text"].startswith(PROMPT) and got["text"].endswith(ref.text)
+    assert len(lp["tokens"]) == len(tok_ids) + len(ref.output_ids)
+    close(lp["token_logprobs"], [None] + ref.input_logprobs[1:] + ref.output_logprobs)
+    assert lp["top_logprobs"][0] is None and len(lp["top_logprobs"][len(tok_ids)]) <= 3
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+
+
+def test_completions_echo_through_vllm_router(pd):
+    _, _, _, vllm, server, _ = pd
+    close(completion(vllm, False, temperature=0), completion(server, False, temperature=0))
+
+
+def test_completions_top_logprobs_without_echo(pd):
+    _, _, router, _, server, _ = pd
+    got = completion(router, False, echo=False, logprobs=5, temperature=0)
+    close(got, completion(server, False, echo=False, logprobs=5, temperature=0))
+    assert len(got["logprobs"]["tokens"]) == 5 and all(len(t) <= 5 for t in got["logprobs"]["top_logprobs"])
+
+
+def chat(proc, stream: bool, **kw) -> dict:
+    args = {"model": "tiny", "messages": MESSAGES, "max_tokens": 6, "logprobs": True, "top_logprobs": 3, **kw}
+    if not stream:
+        choice = client(proc).chat.completions.create(**args).choices[0]
+        return {"text": choice.message.content, "content": choice.logprobs.model_dump()["content"]}
+    text, content = "", []
+    for chunk in client(proc).chat.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            content += choice.logprobs.model_dump()["content"] if choice.logprobs else []
+    return {"text": text, "content": content}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_chat_top_logprobs_equal_colocated(pd, sampling, stream):
+    _, _, router, vllm, server, _ = pd
+    extra = {"temperature": SAMPLING[sampling]["temperature"], "seed": SAMPLING[sampling].get("sampling_seed")}
+    want = chat(server, stream, **extra)
+    got = chat(router, stream, **extra)
+    close(got, want)
+    assert len(got["content"]) == 6 and all(len(c["top_logprobs"]) == 3 for c in got["content"])
+    close(chat(vllm, stream, **extra), want)
+
+
+def test_a_bad_value_is_a_400_naming_it_through_the_router(pd):
+    _, _, router, _, _, _ = pd
+    with pytest.raises(openai.BadRequestError) as info:
+        client(router).chat.completions.create(model="tiny", messages=MESSAGES, logprobs=True, top_logprobs=21)
+    assert "top_logprobs" in str(info.value)
