@@ -41,13 +41,14 @@ GENERATE_SAMPLINGS = [{"temperature": 0}, {"temperature": 1.0, "sampling_seed": 
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory, tiny_models):
-    """(cluster, router over the plain decode, router over the decode with a draft, the workers
-    and their free pages at the start)."""
+    """(cluster, sglang-router over the plain decode, sglang-router over the decode with a draft,
+    the workers, their free pages at the start, vllm-router over the plain decode)."""
     c = Cluster(tmp_path_factory.mktemp("structured") / "logs", *tiny_models)
     try:
         prefill, decode, before = c.pair()
         spec_decode = c.decode(draft=True)
-        yield c, c.router([prefill], [decode]), c.router([prefill], [spec_decode]), (prefill, decode), before
+        yield (c, c.router([prefill], [decode]), c.router([prefill], [spec_decode]), (prefill, decode), before,
+               c.vllm_router([prefill], [decode]))
     finally:
         c.stop_all()
 
@@ -162,7 +163,7 @@ def test_decode_with_draft_turns_speculation_off_for_the_request(pd, colocated, 
 ])
 def test_invalid_constraints_are_400s_naming_the_field(pd, path, body, param, words):
     """Through the router (which rewraps a worker's error without its param), and at a worker."""
-    _, router, _, workers, before = pd
+    _, router, _, workers, before, _ = pd
     answer = post(router.url + path, body)
     assert answer.status == 400 and words in answer.raw and param.split(",")[0] in answer.raw, answer.raw[:500]
     prefill = workers[0]
@@ -172,3 +173,21 @@ def test_invalid_constraints_are_400s_naming_the_field(pd, path, body, param, wo
     error = answer.json()["error"]
     assert error["param"] == param and words in error["message"], error
     assert_pages_return(list(workers), before)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_vllm_router(pd, colocated, tok, stream):
+    """vllm-router's two stages: the prefill leg (max_tokens 1) samples the first token under the
+    grammar, the decode leg goes on from it."""
+    vllm = pd[5]
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 400, "temperature": 0,
+            "response_format": RESPONSE_FORMAT, "stream": stream}
+    text, finish = chat_text(ok(post(vllm.url + "/v1/chat/completions", body)), stream)
+    assert finish == "stop" and errors(json.loads(text), PERSON) == [], text
+    ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    assert text == colocated(False).generate([ids], openai_params(body, chat=True))[0].text
+    params = {"max_new_tokens": 40, "temperature": 0, "regex": ANSWER}
+    answer = ok(post(vllm.url + "/generate", {"text": PROMPTS[1], "sampling_params": params, "stream": stream}))
+    out = answer.events()[-1] if stream else answer.json()
+    assert re.fullmatch(ANSWER, out["text"]), out["text"]
