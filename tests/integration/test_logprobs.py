@@ -200,3 +200,14 @@ def test_a_bad_value_is_a_400_naming_it_through_the_router(pd):
     with pytest.raises(openai.BadRequestError) as info:
         client(router).chat.completions.create(model="tiny", messages=MESSAGES, logprobs=True, top_logprobs=21)
     assert "top_logprobs" in str(info.value)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_scoring_a_prompt_with_echo_and_max_tokens_0(pd, colocated, tok_ids, stream):
+    """What evaluation harnesses send to score a text: the prompt's logprobs, nothing generated."""
+    _, _, router, _, server, _ = pd
+    got = completion(router, stream, max_tokens=0, logprobs=1, temperature=0)
+    close(got, completion(server, stream, max_tokens=0, logprobs=1, temperature=0))
+    ref = colocated().generate([tok_ids], sglang_params({"max_new_tokens": 0}), return_logprob=True)[0]
+    assert got["text"] == PROMPT and len(got["logprobs"]["tokens"]) == len(tok_ids)
+    close(got["logprobs"]["token_logprobs"], [None] + ref.input_logprobs[1:])
