@@ -91,8 +91,13 @@ class GrammarMatcher:
 
     def __init__(self, compiled: xgr.CompiledGrammar, spec: GrammarSpec):
         self.spec = spec
+        self.compiled = compiled
         self.matcher = xgr.GrammarMatcher(compiled)
         self.error: str | None = None
+
+    def fresh(self) -> GrammarMatcher:
+        """A matcher of the same grammar at its start (another completion of the same request)."""
+        return GrammarMatcher(self.compiled, self.spec)
 
     @property
     def is_terminated(self) -> bool:
@@ -129,7 +134,10 @@ def mask_logits(logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None])
     if not rows:
         return logits
     logits = logits.float()
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])  # [B, ceil(V / 32)] int32
+    # [B, ceil(V / 32)] int32, all allowed; filled on the host while the forward runs on the device,
+    # pinned there so that its copy up does not wait for that forward
+    shape = xgr.get_bitmask_shape(logits.shape[0], logits.shape[-1])
+    bitmask = torch.full(shape, -1, dtype=torch.int32, pin_memory=logits.is_cuda)
     for i in rows:
         matchers[i].fill(bitmask, i)
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
