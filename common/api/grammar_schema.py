@@ -111,6 +111,11 @@ class GrammarFields(BaseModel):
         names = [name for name, _ in self._constraints()]
         if len(names) > 1:
             raise TooManyConstraints(names)
+        # min_tokens masks the stop tokens, a complete grammar allows nothing else: no token left
+        held = [k for k in ("min_tokens", "min_new_tokens") if getattr(self, k, None)]
+        if names and held:
+            raise _bad(held[0], f"cannot be combined with an output constraint ({names[0]}): once the "
+                                "grammar is complete only a stop token may follow")
         return self
 
     def _constraints(self) -> list[tuple[str, GrammarSpec]]:

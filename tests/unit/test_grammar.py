@@ -175,3 +175,14 @@ def test_request_fields_become_one_grammar_spec():
     assert (schema.kind, json.loads(schema.text), schema.field) == ("json_schema", PERSON,
                                                                     "response_format.json_schema.schema")
     assert openai_params({"regex": "[0-9]"}, chat=False).grammar == GrammarSpec("regex", "[0-9]", "regex")
+
+
+def test_min_tokens_with_a_constraint_is_refused_naming_it():
+    """min_tokens masks the stop tokens; a grammar complete before then would leave no token."""
+    from common.api.sampling_schema import openai_params, sglang_params
+
+    with pytest.raises(RequestError, match=r"^sampling_params\.min_new_tokens cannot be combined with an output"):
+        sglang_params({"regex": "a", "min_new_tokens": 2})
+    with pytest.raises(RequestError, match=r"^min_tokens cannot be combined with an output constraint \(response"):
+        openai_params({"response_format": {"type": "json_object"}, "min_tokens": 1}, chat=True)
+    assert openai_params({"regex": "a", "min_tokens": 0}, chat=False).grammar is not None
