@@ -225,13 +225,16 @@ def _pairs(entries: list[tuple], device: torch.device) -> _Pairs:
 def _penalties(rows: list[RowRequest], history: TokenHistory, device: torch.device) -> _Penalties:
     num, vocab = len(rows), history.vocab_size
     with_slot = [i for i, r in enumerate(rows) if r.slot is not None]
-    counts = torch.zeros(num, vocab, dtype=torch.int32, device=device)
-    in_prompt = torch.zeros(num, vocab, dtype=torch.bool, device=device)
-    if with_slot:
-        at = to_device(with_slot, device, torch.long)
-        slots = to_device([rows[i].slot for i in with_slot], device, torch.long)
-        counts.index_copy_(0, at, history.counts.index_select(0, slots))
-        in_prompt.index_copy_(0, at, history.in_prompt.index_select(0, slots))
+    slots = to_device([rows[i].slot for i in with_slot], device, torch.long) if with_slot else None
+    if len(with_slot) == num:  # decode and verify: every row has its history (gathered copies)
+        counts, in_prompt = history.counts.index_select(0, slots), history.in_prompt.index_select(0, slots)
+    else:
+        counts = torch.zeros(num, vocab, dtype=torch.int32, device=device)
+        in_prompt = torch.zeros(num, vocab, dtype=torch.bool, device=device)
+        if with_slot:
+            at = to_device(with_slot, device, torch.long)
+            counts.index_copy_(0, at, history.counts.index_select(0, slots))
+            in_prompt.index_copy_(0, at, history.in_prompt.index_select(0, slots))
     extra = [(i, t) for i, r in enumerate(rows) for t in r.extra_ids]
     if extra:
         pairs = _pairs(extra, device)
