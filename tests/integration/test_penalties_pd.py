@@ -234,6 +234,35 @@ def test_vllm_router(pd, colocated):
     assert generate(router.url, sampling, False)[0] == colocated(False).generate([PROMPT], sglang_params(served))[0].output_ids
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_sdk(pd, colocated, tok, stream):
+    """The official openai SDK through sglang-router: its own fields (frequency_penalty,
+    presence_penalty, logit_bias, seed) and the extensions in extra_body (repetition_penalty,
+    min_tokens, stop_token_ids); an out-of-range value is the SDK's BadRequestError."""
+    import openai
+
+    sdk = openai.OpenAI(base_url=pd[3].url + "/v1", api_key="none", timeout=120, max_retries=0)
+    fields = {"max_tokens": 12, "temperature": 0.5, "seed": 11, "frequency_penalty": 1.5, "presence_penalty": 0.5,
+              "logit_bias": {"300": 8.0}}
+    extra = {"repetition_penalty": 1.5, "min_tokens": 4, "stop_token_ids": [301]}
+    for chat in (False, True):
+        body = {"model": "tiny", **({"messages": MESSAGES} if chat else {"prompt": PROMPT}), **fields, **extra}
+        ref = colocated(False).generate([chat_ids(tok) if chat else PROMPT], openai_params(body, chat=chat))[0]
+        create = sdk.chat.completions.create if chat else sdk.completions.create
+        prompt = {"messages": MESSAGES} if chat else {"prompt": PROMPT}
+        answer = create(model="tiny", **prompt, **fields, extra_body=extra, stream=stream)
+        chunks = list(answer) if stream else [answer]
+        if chat:
+            text = "".join((c.choices[0].delta.content or "") if stream else c.choices[0].message.content
+                           for c in chunks if c.choices)
+        else:
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == ref.text, chat
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, logit_bias={"5": 150})
+    assert "logit_bias" in str(info.value)
+
+
 def test_pages_return(pd):
     _, prefill, decode, router, before = pd
     ok(post(router.url + "/generate", {"text": PROMPT, "sampling_params": GENERATE_CASES["repetition"]}))
