@@ -78,10 +78,10 @@ class PrefillBackend(DaemonBackend):
         if inp.return_logprob and num_wanted > 0:
             limit = min(d.config.max_prompt_logprob_tokens, max_prompt_logprob_tokens(inp.top_logprobs_num))
             if num_wanted > limit:
-                raise FieldError("logprob_start_len",
-                                 f"logprob_start_len {inp.logprob_start_len} asks for the logprobs of {num_wanted} "
-                                 f"prompt tokens; this prefill returns at most {limit} with top_logprobs_num "
-                                 f"{inp.top_logprobs_num} (--max-prompt-logprob-tokens, and one control frame)")
+                await self._refuse(room_id, inp, FieldError(
+                    "logprob_start_len", f"logprob_start_len {inp.logprob_start_len} asks for the logprobs of "
+                    f"{num_wanted} prompt tokens; this prefill returns at most {limit} with top_logprobs_num "
+                    f"{inp.top_logprobs_num} (--max-prompt-logprob-tokens, and one control frame)"))
             seq.input_logprobs, seq.logprob_start_len = [], inp.logprob_start_len
         if inp.params.grammar is not None:  # the first token is sampled under it
             seq.grammar = await d.grammars.matcher_async(inp.params.grammar)
@@ -110,6 +110,23 @@ class PrefillBackend(DaemonBackend):
         finally:
             self._close(seq, room)
         yield self._event(seq, inp, started, has_decode_logprobs=room.has_decode_logprobs)
+
+    async def _refuse(self, room_id: int, inp: GenerateInput, error: RequestError) -> None:
+        """Refuse a request the decode accepted: its room fails at once with ``error`` (a transfer
+        request already held is answered, a later one finds the room ended), so the decode leg ends
+        with the reason instead of waiting for the KV; then raise ``error``."""
+        d = self.daemon
+        room = Room(room=room_id, request_id=inp.request_id, num_prompt_tokens=len(inp.prompt_ids), page_ids=[],
+                    deadline=time.monotonic() + d.config.transfer_wait_timeout_s)
+        try:
+            d.rooms.open(room)
+        except DisaggError:
+            raise error from None  # a room id in use or a full table: the error stands alone
+        try:
+            await d.bootstrap.fail_room(room, f"prefill refused the request: {error}", FailCode.PREFILL_FAILED)
+        finally:
+            d.rooms.close(room)
+        raise error
 
     async def _prefill_or_fail(self, seq: Sequence, room: Room) -> None:
         if room.is_aborted:  # its decode gave it up before this request came: no forward for nothing

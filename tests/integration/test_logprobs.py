@@ -19,7 +19,7 @@ import pytest
 
 from common.api.sampling_schema import sglang_params
 from common.procs import Proc, free_port
-from tests.cluster import Cluster, assert_pages_return, post
+from tests.cluster import Cluster, assert_pages_return, free_pages, post, send_pair
 
 TOL = 1e-4
 PROMPT = "The ferry leaves the north pier at seven and"
@@ -211,3 +211,19 @@ def test_scoring_a_prompt_with_echo_and_max_tokens_0(pd, colocated, tok_ids, str
     ref = colocated().generate([tok_ids], sglang_params({"max_new_tokens": 0}), return_logprob=True)[0]
     assert got["text"] == PROMPT and len(got["logprobs"]["tokens"]) == len(tok_ids)
     close(got["logprobs"]["token_logprobs"], [None] + ref.input_logprobs[1:])
+
+
+def test_prompt_logprobs_over_the_prefill_limit_end_both_legs_with_the_reason(cluster):
+    """The prefill refuses more prompt positions than --max-prompt-logprob-tokens (a 400 naming
+    logprob_start_len); the decode, which accepted the request, gets the reason in the room's
+    transfer_result at once and answers with it, and both sides' pages come back."""
+    prefill = cluster.prefill(extra=["--max-prompt-logprob-tokens", "4"])
+    decode = cluster.decode()
+    before = {p.name: free_pages(p) for p in (prefill, decode)}
+    body = {"input_ids": list(range(5, 25)), "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+            "return_logprob": True, "logprob_start_len": 0}
+    for order in ("concurrent", "decode_first"):
+        (ps, pa), (ds, da) = send_pair(prefill, decode, body, order=order)
+        assert ps == 400 and pa["error"]["param"] == "logprob_start_len", pa
+        assert ds == 502 and "returns at most 4" in da["error"]["message"], da
+    assert_pages_return([prefill, decode], before)
