@@ -24,13 +24,18 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from common.model.h2d import to_device
 from common.model.sampling import SamplingParams
+
+
+MAX_CACHED_BIASES = 4096
 
 
 def needs_history(p: SamplingParams) -> bool:
@@ -70,6 +75,10 @@ class TokenHistory:
         self.in_prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=self.device)
         self._free: list[int] = []
         self._lock = threading.Lock()
+        # logit_bias tuple -> (ids, biases) arrays, by identity: a request's bias (up to 300
+        # entries) is converted once, not at every step; the entry holds the tuple, so its id
+        # cannot be reused while cached
+        self._bias: OrderedDict[int, tuple[tuple, tuple[np.ndarray, np.ndarray]]] = OrderedDict()
 
     @property
     def num_rows(self) -> int:
@@ -107,6 +116,19 @@ class TokenHistory:
         if rows:
             self.record(to_device(list(rows), self.device, torch.long),
                         to_device(list(token_ids), self.device, torch.long))
+
+    def bias_arrays(self, logit_bias: tuple[tuple[int, float], ...]) -> tuple[np.ndarray, np.ndarray]:
+        """`logit_bias` as (ids int64, biases float32); model thread only."""
+        hit = self._bias.get(id(logit_bias))
+        if hit is not None and hit[0] is logit_bias:
+            self._bias.move_to_end(id(logit_bias))
+            return hit[1]
+        ids, values = zip(*logit_bias)
+        arrays = np.asarray(ids, dtype=np.int64), np.asarray(values, dtype=np.float32)
+        self._bias[id(logit_bias)] = (logit_bias, arrays)
+        if len(self._bias) > MAX_CACHED_BIASES:
+            self._bias.popitem(last=False)
+        return arrays
 
     def _grow(self) -> None:
         old = self.num_rows
@@ -201,18 +223,26 @@ def build_adjust(requests: Sequence[RowRequest], history: TokenHistory) -> Logit
     device = history.device
     mask = [(r.row, t) for r in requests if r.num_generated < r.params.min_new_tokens
             for t in _stop_ids(r.params, history.eos_token_ids)]
-    bias = [(r.row, t, b) for r in requests for t, b in r.params.logit_bias]
+    biased = [r for r in requests if r.params.logit_bias]
     penalized = [r for r in requests if needs_history(r.params)]
     recorded = [r for r in penalized if r.is_recorded and r.slot is not None]
-    if not (mask or bias or penalized):
+    if not (mask or biased or penalized):
         return None
     return LogitAdjust(
         mask=_pairs(mask, device) if mask else None,
-        bias=_pairs(bias, device) if bias else None,
+        bias=_bias_pairs(biased, history) if biased else None,
         penalties=_penalties(penalized, history, device) if penalized else None,
         history=history if recorded else None,
         record_rows=to_device([r.row for r in recorded], device, torch.long) if recorded else None,
         record_slots=to_device([r.slot for r in recorded], device, torch.long) if recorded else None)
+
+
+def _bias_pairs(rows: list[RowRequest], history: TokenHistory) -> _Pairs:
+    device = history.device
+    arrays = [history.bias_arrays(r.params.logit_bias) for r in rows]
+    batch_rows = np.repeat(np.asarray([r.row for r in rows], dtype=np.int64), [len(ids) for ids, _ in arrays])
+    return _Pairs(to_device(batch_rows, device), to_device(np.concatenate([ids for ids, _ in arrays]), device),
+                  to_device(np.concatenate([values for _, values in arrays]), device))
 
 
 def _pairs(entries: list[tuple], device: torch.device) -> _Pairs:
