@@ -227,3 +227,21 @@ def test_prompt_logprobs_over_the_prefill_limit_end_both_legs_with_the_reason(cl
         assert ps == 400 and pa["error"]["param"] == "logprob_start_len", pa
         assert ds == 502 and "returns at most 4" in da["error"]["message"], da
     assert_pages_return([prefill, decode], before)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_top_logprobs_with_a_draft_on_the_decode_equal_colocated(cluster, colocated, tok_ids, sampling):
+    """Decode-only speculative decoding: each verified token's alternatives come from the target's
+    verify logits; tokens and values equal the colocated engine with the same draft."""
+    prefill, decode = cluster.prefill(), cluster.decode(draft=True)
+    sp = {"max_new_tokens": 8, "ignore_eos": True, **SAMPLING[sampling]}
+    body = {"input_ids": tok_ids, "sampling_params": sp, "return_logprob": True, "logprob_start_len": 1,
+            "top_logprobs_num": 3}
+    (ps, pa), (ds, got) = send_pair(prefill, decode, body)
+    assert ps == 200 and ds == 200, (pa, got)
+    ref = colocated(True).generate([tok_ids], sglang_params(sp), return_logprob=True, top_logprobs_num=3)[0]
+    meta = got["meta_info"]
+    assert got["output_ids"] == ref.output_ids and meta["spec_num_proposed"] > 0
+    close(meta["output_top_logprobs"], [triples(alts) for alts in ref.output_top_logprobs])
+    close(meta["input_top_logprobs"], [triples(alts) for alts in ref.input_top_logprobs[1:]])
+    assert pa["meta_info"]["input_token_logprobs"] == []  # the decode returns them (sglang-router merges)
