@@ -112,8 +112,6 @@ class DecodeBackend(DaemonBackend):
                     meta["spec_accept_rate"] = seq.num_accepted / seq.num_proposed
                     meta["spec_num_proposed"] = seq.num_proposed
                     meta["spec_num_accepted"] = seq.num_accepted
-                if finished and seq.grammar is not None and d.runner.is_speculative:
-                    meta["spec_decode"] = "off: structured output"
                 if finished and out.finish_reason.type == "abort":
                     d.metrics.requests.labels(outcome="failed").inc()
                     raise DisaggError(out.finish_reason.message or "request aborted")

@@ -17,7 +17,7 @@ from common.engine.penalty_inputs import decode_adjust, prefill_adjust, record_a
 from common.engine.sequence import Sequence, pages_needed
 from common.engine.spec import Verdict, verify_greedy_ids, verify_sampled
 from common.errors import OverloadedError
-from common.model.grammar import mask_logits
+from common.model.grammar import DraftMasks, mask_logits
 from common.model.kv_cache import KvCache, PageAllocator
 from common.model.h2d import to_device
 from common.model.llama import SeqChunk, TokenFeed
@@ -205,21 +205,9 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> list[list[tuple[int, float]]]:
         """One step for every running sequence; returns the (token, logprob) pairs each produced."""
-        if self.is_speculative and any(s.grammar is not None for s in seqs):
-            return self._split_step(seqs)
         if self.is_speculative:
             return self._spec_step(seqs)
         return self.launch_decode(seqs).result()
-
-    def _split_step(self, seqs: list[Sequence]) -> list[list[tuple[int, float]]]:
-        """Structured output turns speculation off for its sequences (their next mask needs each
-        token on the host): they take a plain step, the others a speculative one."""
-        plain = [s for s in seqs if s.grammar is not None]
-        spec = [s for s in seqs if s.grammar is None]
-        pairs = dict(zip(map(id, plain), self.launch_decode(plain).result()))
-        if spec:
-            pairs.update(zip(map(id, spec), self._spec_step(spec)))
-        return [pairs[id(s)] for s in seqs]
 
     @torch.inference_mode()
     def launch_decode(self, seqs: list[Sequence], prev: PendingStep | None = None) -> PendingStep:
@@ -242,9 +230,10 @@ class ModelRunner:
 
     def _spec_step(self, seqs: list[Sequence]) -> list[list[tuple[int, float]]]:
         k = self.spec_k
-        proposals, q_rows = self._propose(seqs, k)
+        masks = DraftMasks([s.grammar for s in seqs], k)  # structured output: propose and verify under it
+        proposals, q_rows = self._propose(seqs, k, masks)
         chunks = [SeqChunk([s.last_token] + d, s.num_cached, s.pages) for s, d in zip(seqs, proposals)]
-        target_logits = self.target.forward(chunks, all_logits=True)  # list of [k+1, V]
+        target_logits = masks.verify(self.target.forward(chunks, all_logits=True))  # list of [k+1, V]
         chosen = verify_logits(seqs, proposals, target_logits, self.history)  # penalized, or None
         greedy = _greedy_verdicts(seqs, proposals, target_logits, chosen)
         results = []
@@ -270,8 +259,9 @@ class ModelRunner:
             record_accepted(seqs, [[pair[0] for pair in r] for r in results], self.history)
         return results
 
-    def _propose(self, seqs: list[Sequence], k: int):
-        """Run the draft k times; returns proposals [B][k] and their draft probabilities [B][k][V]."""
+    def _propose(self, seqs: list[Sequence], k: int, masks: DraftMasks):
+        """Run the draft k times; returns proposals [B][k] and their draft probabilities [B][k][V]
+        (under each constrained row's grammar)."""
         proposals: list[list[int]] = [[] for _ in seqs]
         q_rows: list[list[torch.Tensor]] = [[] for _ in seqs]
         for step in range(k):
@@ -283,7 +273,7 @@ class ModelRunner:
                     chunks.append(SeqChunk(pending, s.draft_num_cached, s.draft_pages))
                 else:
                     chunks.append(SeqChunk([d[-1]], s.num_tokens + step - 1, s.draft_pages))
-            logits = self.draft.forward(chunks).float()
+            logits = masks.draft(self.draft.forward(chunks).float(), step)
             # every greedy row's pick in one device-to-host copy
             best = logits.argmax(dim=-1).tolist() if any(s.params.is_greedy for s in seqs) else []
             for i, s in enumerate(seqs):
@@ -296,12 +286,14 @@ class ModelRunner:
                     tok = int(torch.multinomial(q, 1, generator=s.generator).item())
                     q_rows[i].append(q)
                 proposals[i].append(tok)
+                masks.accept(i, tok)
             for s in seqs:
                 if step == 0:
                     s.draft_num_cached = s.num_tokens
         for s in seqs:
             # Proposals d0..d(k-2) were fed to the draft; d(k-1) was not.
             s.draft_num_cached = s.num_tokens + k - 1
+        masks.close()
         return proposals, q_rows
 
 

@@ -5,14 +5,17 @@ the client's name for the field, which every error names), `GrammarCache` (the m
 as xgrammar's `TokenizerInfo`, compilation, a bounded LRU of compiled grammars keyed by
 (kind, text); `matcher_async` compiles on the executor its daemon owns, never on the event loop),
 `GrammarMatcher` (one sequence's parser state: the next-token bitmask, advancing by a token),
-`mask_logits` (what the runner calls on a step's logits before sampling).
+`mask_logits` (what the runner calls on a step's logits before sampling), `DraftMasks` (the
+masks of a speculative step: the draft proposes under the grammar, the target verifies under it).
 
-Who calls what: the prefill samples the first token under the grammar and advances its matcher
-by it (`ModelRunner.prefill`); the decode builds its own matcher, advances it by the first token
-(from the aux record), then masks and advances each step (`ModelRunner.decode`). A sequence ends
-when its matcher rejects a token (an abort: masking makes that a bug) or terminates (it accepted
-a stop token: finish reason stop); `common.engine.output.OutputTracker` reads both. A stop token
-is allowed only where the grammar is complete, as xgrammar's masks say.
+Who calls what: the prefill samples the first token under the grammar (`ModelRunner.prefill`
+masks its logits); the decode builds its own matcher, which the first token (from the aux record)
+advances when the sequence joins the batch; each decode step is masked (`ModelRunner.decode`,
+`DraftMasks` when it speculates), and every token kept advances the matcher
+(`common.engine.output.OutputTracker`, the one place a matcher moves for good). A sequence ends
+when its matcher rejects a token (an abort: masking makes that a bug) or terminates (it accepted a
+stop token: finish reason stop). A stop token is allowed only where the grammar is complete, as
+xgrammar's masks say.
 """
 
 from __future__ import annotations
@@ -144,11 +147,70 @@ def mask_logits(logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None])
     return logits
 
 
-def advance(matchers: Sequence[GrammarMatcher | None], tokens: Sequence[int]) -> None:
-    """Advance each constrained row's matcher by the token sampled for it."""
-    for matcher, token in zip(matchers, tokens):
-        if matcher is not None:
-            matcher.accept(token)
+class DraftMasks:
+    """The grammar masks of one speculative step, for the rows that have a grammar.
+
+    At draft step j a row's matcher stands after its proposals d0..d(j-1): the mask it gives then
+    restricts the draft's pick (`draft`), and is also what the target's row j must be verified
+    under (`verify`); the proposal then advances the matcher for a while (`accept`). `close` fills
+    the mask after all k proposals (the bonus position) and rolls every matcher back to where it
+    was: the tokens the target keeps advance it for good (`OutputTracker`). A row whose grammar
+    terminated among its proposals (a stop token) is not masked past it: nothing after a stop
+    token is kept. Greedy and sampled verification of masked draft and target distributions then
+    give exactly what plain constrained decoding gives (greedy) or its distribution (sampled)."""
+
+    def __init__(self, matchers: Sequence[GrammarMatcher | None], k: int):
+        self.matchers = matchers
+        self.k = k
+        self.rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_done]
+        self.masks: dict[int, torch.Tensor] = {}  # row -> [k + 1, ceil(V / 32)] int32, host
+        self._live = set(self.rows)  # rows whose matcher can still give a mask
+        self._num_accepted = dict.fromkeys(self.rows, 0)
+
+    def draft(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        """The draft's logits of `step` ([B, V]), masked on the constrained rows."""
+        if not self.rows:
+            return logits
+        if not self.masks:
+            shape = xgr.get_bitmask_shape(self.k + 1, logits.shape[-1])
+            self.masks = {i: torch.full(shape, -1, dtype=torch.int32) for i in self.rows}
+        bitmask = torch.full(xgr.get_bitmask_shape(*logits.shape), -1, dtype=torch.int32)
+        for i in self._live:
+            self.matchers[i].fill(self.masks[i], step)
+            bitmask[i] = self.masks[i][step]
+        logits = logits.float()
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=self.rows)
+        return logits
+
+    def accept(self, row: int, token: int) -> None:
+        """Advance row `row`'s matcher by its proposal, for the rest of this step only."""
+        if row not in self._live:
+            return
+        matcher = self.matchers[row].matcher
+        if not matcher.accept_token(int(token)):  # a masked pick always passes; masks stay open past it
+            self._live.discard(row)
+            return
+        self._num_accepted[row] += 1
+        if matcher.is_terminated():
+            self._live.discard(row)
+
+    def close(self) -> None:
+        """Fill the masks after the last proposal, then roll each matcher back to the step's start."""
+        for i in self._live:
+            self.matchers[i].fill(self.masks[i], self.k)
+        for i, n in self._num_accepted.items():
+            if n:
+                self.matchers[i].matcher.rollback(n)
+
+    def verify(self, target_logits: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The target's logits ([k + 1, V] per row) with each constrained row masked, row j by the
+        grammar after that row's proposals d0..d(j-1)."""
+        out = list(target_logits)
+        for i in self.rows:
+            logits = out[i].float()
+            xgr.apply_token_bitmask_inplace(logits, self.masks[i].to(logits.device))
+            out[i] = logits
+        return out
 
 
 class GrammarCache:

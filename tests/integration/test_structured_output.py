@@ -1,10 +1,10 @@
 """Structured output through the real sglang-router in front of one prefill and two decodes (one
 with a draft model, behind its own router): OpenAI `response_format` (json_object, json_schema)
-on chat and completions, `/generate` `regex`, `json_schema` and `ebnf`, streamed and not.
+on chat and completions, `/generate` `regex`, `json_schema` and `ebnf`, streamed and not, and vllm-router.
 
 Every JSON answer parses and validates against its schema, every regex answer matches in full,
 and each answer equals the colocated engine's (greedy and seeded sampling). The decode with a
-draft turns speculation off for a constrained request and says so in meta_info. Invalid
+draft speculates under the grammar and gives plain constrained decoding's greedy tokens. Invalid
 grammars and two constraints at once are 400s naming the fields.
 """
 
@@ -132,17 +132,20 @@ def test_generate_json_schema_string_and_ebnf(pd, colocated):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_decode_with_draft_turns_speculation_off_for_the_request(pd, colocated, stream):
+def test_decode_with_draft_speculates_under_the_grammar(pd, colocated, stream):
+    """The decode's draft proposes and its target verifies under the grammar: the greedy answer is
+    plain constrained decoding's, with drafts accepted."""
     spec_router = pd[2]
-    params = {"max_new_tokens": 400, "temperature": 0, "json_schema": json.dumps(PERSON)}
-    answer = ok(post(spec_router.url + "/generate", {"text": PROMPTS[0], "sampling_params": params, "stream": stream}))
-    out = answer.events()[-1] if stream else answer.json()
-    assert errors(json.loads(out["text"]), PERSON) == []
-    assert out["output_ids"] == colocated(False).generate([PROMPTS[0]], sglang_params(params))[0].output_ids
-    assert out["meta_info"]["spec_decode"] == "off: structured output"
-    free = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}  # the same decode still speculates
-    plain = ok(post(spec_router.url + "/generate", {"text": PROMPTS[0], "sampling_params": free})).json()
-    assert plain["meta_info"]["spec_num_proposed"] > 0 and "spec_decode" not in plain["meta_info"]
+    for constraint in ({"json_schema": json.dumps(PERSON)}, {"regex": ANSWER}):
+        params = {"max_new_tokens": 400, "temperature": 0, **constraint}
+        answer = ok(post(spec_router.url + "/generate",
+                         {"text": PROMPTS[0], "sampling_params": params, "stream": stream}))
+        out = answer.events()[-1] if stream else answer.json()
+        assert out["output_ids"] == colocated(False).generate([PROMPTS[0]], sglang_params(params))[0].output_ids
+        assert out["meta_info"]["spec_num_accepted"] > 0
+    assert errors(json.loads(ok(post(spec_router.url + "/generate", {
+        "text": PROMPTS[2], "sampling_params": {"max_new_tokens": 400, "temperature": 1.0, "sampling_seed": 3,
+                                                "json_schema": json.dumps(PERSON)}})).json()["text"]), PERSON) == []
 
 
 @pytest.mark.parametrize("path,body,param,words", [

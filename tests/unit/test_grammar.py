@@ -11,7 +11,7 @@ import torch
 
 from common.engine.colocated import ColocatedEngine
 from common.errors import RequestError
-from common.model.grammar import ANY_JSON, GrammarCache, GrammarSpec, mask_logits
+from common.model.grammar import ANY_JSON, DraftMasks, GrammarCache, GrammarSpec, mask_logits
 from common.model.sampling import SamplingParams
 from common.model.tokenizer import Tokenizer
 from tests.cluster import tiny_model_dirs, tiny_runner
@@ -149,14 +149,52 @@ def test_truncated_output_is_a_prefix_the_grammar_accepts(engines, cache, tokeni
         assert all(matcher.accept(t) for t in result.output_ids)
 
 
-def test_speculation_is_off_for_constrained_rows_only(engines):
+def test_speculation_under_the_grammar_gives_plain_constrained_decoding(engines):
+    """The draft proposes and the target verifies under each row's grammar: greedy tokens are those
+    of plain constrained decoding, with drafts proposed for constrained and free rows alike."""
     grammar = spec("json_schema", json.dumps(PERSON))
     constrained = SamplingParams(max_new_tokens=200, temperature=0, grammar=grammar)
+    answer = SamplingParams(max_new_tokens=40, temperature=0, grammar=spec("regex", ANSWER))
     free = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
-    plain = engines[False].generate(PROMPTS[:2], [constrained, free])
-    spec_results = engines[True].generate(PROMPTS[:2], [constrained, free])
-    assert [r.output_ids for r in spec_results] == [r.output_ids for r in plain]
-    assert spec_results[0].num_proposed == 0 and spec_results[1].num_proposed > 0
+    params = [constrained, answer, free]
+    plain = engines[False].generate(PROMPTS, params)
+    speculative = engines[True].generate(PROMPTS, params)
+    assert [r.output_ids for r in speculative] == [r.output_ids for r in plain]
+    assert all(r.num_proposed > 0 for r in speculative)
+    assert errors(json.loads(speculative[0].text), PERSON) == []
+
+
+def test_draft_masks_are_the_grammar_after_each_proposal_and_leave_the_matcher_as_it_was(cache, tokenizer):
+    matchers = [cache.matcher(spec("regex", "(yes|no), [0-9]+")), None]
+    proposals = tokenizer.encode("no, 4", add_special_tokens=False)
+    k = len(proposals)
+    masks = DraftMasks(matchers, k)
+    for step, token in enumerate(proposals):
+        drafted = masks.draft(torch.zeros(2, tokenizer.vocab_size), step)
+        assert torch.isfinite(drafted[0, token]) and torch.isfinite(drafted[1]).all()
+        masks.accept(0, token)
+    masks.close()
+    verified = masks.verify([torch.zeros(k + 1, tokenizer.vocab_size) for _ in range(2)])
+    reference = cache.matcher(spec("regex", "(yes|no), [0-9]+"))
+    for j in range(k + 1):  # row j: the grammar after proposals[:j]
+        want = allowed(reference, tokenizer.vocab_size)
+        assert set(torch.isfinite(verified[0][j]).nonzero().flatten().tolist()) == want
+        if j < k:
+            assert reference.accept(proposals[j])
+    assert torch.isfinite(verified[1]).all()
+    fresh = cache.matcher(spec("regex", "(yes|no), [0-9]+"))
+    assert allowed(matchers[0], tokenizer.vocab_size) == allowed(fresh, tokenizer.vocab_size)  # rolled back
+
+
+def test_sampled_speculation_under_the_grammar_stays_inside_it(engines):
+    params = SamplingParams(max_new_tokens=300, temperature=1.0, seed=5,
+                            grammar=spec("json_schema", json.dumps(PERSON)))
+    for result in engines[True].generate(PROMPTS, params):
+        assert result.finish_reason["type"] == "stop" and result.num_proposed > 0
+        assert errors(json.loads(result.text), PERSON) == []
+    for result in engines[True].generate(PROMPTS, SamplingParams(max_new_tokens=40, temperature=0.9, seed=2,
+                                                                 grammar=spec("regex", ANSWER))):
+        assert re.fullmatch(ANSWER, result.text), result.text
 
 
 def test_request_fields_become_one_grammar_spec():
