@@ -1,6 +1,6 @@
 """Structured output on CUDA: the grammar mask applied on the device equals the one applied on the
 host; the engine (CUDA graphs, plain and speculative) produces schema-valid JSON and full regex
-matches, and speculates for the unconstrained row of the batch only."""
+matches, speculating under the grammar with a draft."""
 
 from __future__ import annotations
 
@@ -55,4 +55,4 @@ def test_constrained_generation_on_cuda(engines, draft):
     results = engine.generate(PROMPTS, params)
     assert errors(json.loads(results[0].text), PERSON) == [], results[0].text
     assert re.fullmatch(ANSWER, results[1].text), results[1].text
-    assert (results[2].num_proposed > 0) == draft and results[0].num_proposed == 0
+    assert all((r.num_proposed > 0) == draft for r in results)  # constrained rows speculate too
