@@ -132,8 +132,10 @@ def test_logprobs(pd, colocated, stream):
     got = out["meta_info"]["output_token_logprobs"]
     assert [t for _, t, _ in got] == ref.output_ids
     assert [lp for lp, _, _ in got] == pytest.approx(ref.output_logprobs, abs=1e-4)
-    assert out["meta_info"]["input_token_logprobs"] == []  # the router prepends the prefill's
-    prompt_lps = first["meta_info"]["input_token_logprobs"]
+    # The decode returns the prompt logprobs the prefill sent it; the prefill's answer lists none,
+    # so sglang-router, which prepends the prefill's list, shows them once.
+    assert first["meta_info"]["input_token_logprobs"] == []
+    prompt_lps = out["meta_info"]["input_token_logprobs"]
     assert [t for _, t, _ in prompt_lps] == ids
     assert prompt_lps[0][0] is None  # the first prompt token has no logprob
     assert [lp for lp, _, _ in prompt_lps[1:]] == pytest.approx(ref.input_logprobs[1:], abs=1e-4)
