@@ -116,9 +116,10 @@ def test_chat_completions(pd, colocated, tok, stream):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_prompt_logprobs_merged_by_the_router(pd, colocated, tok, stream):
-    """The router puts the prefill's `input_token_logprobs` in front of the decode's (empty) list:
-    one entry per prompt token, equal to the colocated engine's prompt logprobs. On a stream that
-    needs the prefill to answer one JSON object; the router then merges it into every chunk."""
+    """The router puts the prefill's `input_token_logprobs` in front of the decode's: the decode
+    returns the prompt logprobs the prefill sent it and the prefill's list is empty, so there is one
+    entry per prompt token, equal to the colocated engine's prompt logprobs. On a stream that needs
+    the prefill to answer one JSON object; the router then merges it into every chunk."""
     router = pd[3]
     ids = tok.encode(PROMPT)
     body = {"input_ids": ids, "sampling_params": GREEDY, "return_logprob": True, "logprob_start_len": 0,
