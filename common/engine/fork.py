@@ -43,6 +43,8 @@ def fork(runner: ModelRunner, parent: Sequence, children: list[Sequence]) -> Non
                                  + runner.draft.allocator.allocate(own))
             runner.draft.kv.copy_page(parent.draft_pages[last], child.draft_pages[last])
         child.num_cached = child.draft_num_cached = parent.num_prompt_tokens - 1
+        if parent.grammar is not None:  # structured output: its own matcher, at the grammar's start
+            child.grammar = parent.grammar.fresh()
 
 
 def _last_prompt_page(runner: ModelRunner, seq: Sequence) -> int:

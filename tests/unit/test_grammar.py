@@ -224,3 +224,46 @@ def test_min_tokens_with_a_constraint_is_refused_naming_it():
     with pytest.raises(RequestError, match=r"^min_tokens cannot be combined with an output constraint \(response"):
         openai_params({"response_format": {"type": "json_object"}, "min_tokens": 1}, chat=True)
     assert openai_params({"regex": "a", "min_tokens": 0}, chat=False).grammar is not None
+
+
+def test_forked_completions_each_follow_the_grammar(engines, tokenizer):
+    """n > 1: a fork (common/engine/fork.py) gets its own matcher at the grammar's start, and its
+    first token, sampled by its first decode step, is masked and then advances it."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from common.engine.batcher import DecodeBatcher
+    from common.engine.fork import fork
+    from common.engine.output import OutputTracker
+    from common.engine.sequence import Sequence
+    from common.model.sampling import make_generator
+    from tests.unit.control_plane import run
+
+    engine = engines[True]
+    runner = engine.runner
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, grammar=spec("regex", ANSWER))
+    prompt = tokenizer.encode(PROMPTS[0])
+    parent = engine.new_sequence(prompt, params)
+    runner.admit(parent)
+    runner.prefill([parent])
+    children = [Sequence(f"c{i}", list(prompt), params, generator=make_generator(i, "cpu")) for i in range(3)]
+    fork(runner, parent, children)
+    assert all(c.grammar is not None and c.grammar is not parent.grammar for c in children)
+
+    async def main():
+        with ThreadPoolExecutor(1) as executor:
+            batcher = DecodeBatcher(runner, executor, max_running=8, on_finish=runner.release)
+            batcher.start()
+            try:
+                trackers = [OutputTracker(s, tokenizer.decode, tokenizer.eos_token_ids) for s in [parent] + children]
+                jobs = [batcher.submit(t.seq, t, needs_draft_prefill=False) for t in trackers]
+                for job in jobs:
+                    for _ in range(100):
+                        if (await asyncio.wait_for(job.queue.get(), 30)).finished:
+                            break
+                return [t.text for t in trackers]
+            finally:
+                await batcher.stop()
+
+    for text in run(main()):
+        assert re.fullmatch(ANSWER, text), text
