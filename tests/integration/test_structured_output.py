@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Annotated, Literal
 
+import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from common.api.sampling_schema import openai_params, sglang_params
 from common.model.tokenizer import Tokenizer
@@ -194,3 +197,32 @@ def test_vllm_router(pd, colocated, tok, stream):
     answer = ok(post(vllm.url + "/generate", {"text": PROMPTS[1], "sampling_params": params, "stream": stream}))
     out = answer.events()[-1] if stream else answer.json()
     assert re.fullmatch(ANSWER, out["text"]), out["text"]
+
+
+class Person(BaseModel):
+    """What the SDK's parse() turns into a strict json_schema response_format."""
+
+    name: Annotated[str, Field(max_length=8)]
+    age: Annotated[int, Field(ge=0, le=120)]
+    pet: Literal["cat", "dog", "none"]
+
+
+def test_openai_sdk(pd):
+    """The official SDK through sglang-router: chat with a json_schema response_format, parse() with
+    a pydantic model, completions with json_object (extra_body), and an invalid schema's 400."""
+    client = openai.OpenAI(base_url=pd[1].url + "/v1", api_key="none", timeout=120, max_retries=0)
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=400, temperature=0,
+                                          response_format=RESPONSE_FORMAT)
+    assert errors(json.loads(chat.choices[0].message.content), PERSON) == []
+    parsed = client.chat.completions.parse(model="tiny", messages=messages, max_tokens=400, temperature=0,
+                                           response_format=Person)
+    person = parsed.choices[0].message.parsed
+    assert isinstance(person, Person) and person.pet in ("cat", "dog", "none"), parsed.choices[0].message.content
+    completion = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=200, temperature=0,
+                                           extra_body={"regex": ANSWER})
+    assert re.fullmatch(ANSWER, completion.choices[0].text), completion.choices[0].text
+    bad = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "frog"}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, response_format=bad)
+    assert "response_format.json_schema.schema is not a valid JSON schema" in str(info.value)
