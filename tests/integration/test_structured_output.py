@@ -1,6 +1,7 @@
 """Structured output through the real sglang-router in front of one prefill and two decodes (one
 with a draft model, behind its own router): OpenAI `response_format` (json_object, json_schema)
-on chat and completions, `/generate` `regex`, `json_schema` and `ebnf`, streamed and not, and vllm-router.
+on chat and completions, `/generate` `regex`, `json_schema` and `ebnf`, streamed and not; the
+official `openai` SDK (its `parse()` with a pydantic model too); and vllm-router.
 
 Every JSON answer parses and validates against its schema, every regex answer matches in full,
 and each answer equals the colocated engine's (greedy and seeded sampling). The decode with a
