@@ -275,6 +275,24 @@ def test_overlapped_decoding_equals_one_step_at_a_time(tokenizer):
     assert {rid: ids for rid, (ids, _, _) in got.items()} == {rid: ids for rid, (ids, _, _) in want.items()}
 
 
+@pytest.mark.parametrize("draft", [False, True], ids=["plain", "speculative"])
+def test_forked_completions_repeat_the_parent_under_penalties(tokenizer, draft):
+    """n > 1 (common/engine/fork.py): a fork samples its own first token at its first decode step,
+    with no output yet (its history starts from the prompt alone, min_tokens counts from 0), so
+    greedy forks repeat the parent's tokens."""
+    from tests.unit.test_fork import _complete
+
+    runner = tiny_runner(draft=draft, max_total_tokens=2048)
+    eos = tokenizer.eos_token_ids[0]
+    forced = SamplingParams(max_new_tokens=10, temperature=0.0, logit_bias=((eos, 100.0),), min_new_tokens=5,
+                            repetition_penalty=1.5)
+    for params in (ENGINE_PARAMS[1], ENGINE_PARAMS[3], forced):
+        outs = _complete(runner, tokenizer, PROMPTS[2], params, n=3)
+        assert outs[1] == outs[0] and outs[2] == outs[0], params
+    assert len(outs[0]) == 6 and outs[0][-1] == eos
+    assert runner.history.num_free == runner.history.num_rows
+
+
 # -- stops before min_tokens --------------------------------------------------------------------
 
 def test_no_stop_is_honoured_before_min_tokens():
