@@ -83,6 +83,25 @@ def test_rejected_token_is_an_error_and_special_tokens_never_pass(cache, tokeniz
     assert "sampling_params.json_schema" in matcher.error and matcher.is_done
 
 
+def test_tokenizer_info_is_xgrammars_own_but_for_special_tokens(tokenizer):
+    """Built from `tokenizers` alone, it equals xgrammar's from_huggingface (through transformers)
+    except that special tokens are empty, so that no grammar can produce them as text."""
+    import xgrammar as xgr
+    from transformers import PreTrainedTokenizerFast
+
+    from common.model.grammar import tokenizer_info
+
+    hf = PreTrainedTokenizerFast.from_pretrained(tiny_model_dirs()[0])
+    size = tokenizer.vocab_size + 8
+    theirs = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=size, stop_token_ids=list(tokenizer.eos_token_ids))
+    ours = tokenizer_info(tokenizer, size)
+    assert (ours.vocab_type, ours.add_prefix_space, ours.stop_token_ids) == (
+        theirs.vocab_type, theirs.add_prefix_space, theirs.stop_token_ids)
+    special = {i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special}
+    differ = {i for i, (a, b) in enumerate(zip(ours.decoded_vocab, theirs.decoded_vocab)) if a != b}
+    assert special and differ == special and all(ours.decoded_vocab[i] == b"" for i in special)
+
+
 def test_model_vocab_past_the_tokenizer_is_masked(tokenizer):
     padded = GrammarCache(tokenizer, tokenizer.vocab_size + 40)
     ids = allowed(padded.matcher(spec("json_schema", ANY_JSON)), tokenizer.vocab_size + 40)
