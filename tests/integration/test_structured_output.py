@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+from pathlib import Path
 from typing import Annotated, Literal
 
 import openai
@@ -21,6 +23,7 @@ from pydantic import BaseModel, Field
 
 from common.api.sampling_schema import openai_params, sglang_params
 from common.model.tokenizer import Tokenizer
+from common.procs import Proc, free_port
 from tests.cluster import Cluster, assert_pages_return, post
 from tests.json_schema_check import errors
 
@@ -38,6 +41,7 @@ PERSON = {
 }
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 ANSWER = r"(yes|no), [0-9]{1,3}"
+ROOT = Path(__file__).resolve().parents[2]
 SAMPLINGS = [{"temperature": 0}, {"temperature": 1.0, "seed": 11}]
 # sglang-router re-serializes sampling_params with its own type, which knows SGLang's name only
 GENERATE_SAMPLINGS = [{"temperature": 0}, {"temperature": 1.0, "sampling_seed": 11}]
@@ -46,13 +50,21 @@ GENERATE_SAMPLINGS = [{"temperature": 0}, {"temperature": 1.0, "sampling_seed": 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory, tiny_models):
     """(cluster, sglang-router over the plain decode, sglang-router over the decode with a draft,
-    the workers, their free pages at the start, vllm-router over the plain decode)."""
-    c = Cluster(tmp_path_factory.mktemp("structured") / "logs", *tiny_models)
+    the workers, their free pages at the start, vllm-router over the plain decode, the colocated
+    HTTP server)."""
+    log_dir = tmp_path_factory.mktemp("structured") / "logs"
+    c = Cluster(log_dir, *tiny_models)
     try:
         prefill, decode, before = c.pair()
         spec_decode = c.decode(draft=True)
+        port = free_port()
+        colocated = Proc("colocated", [sys.executable, str(ROOT / "bench" / "e2e.py"), "--serve-colocated", str(port),
+                                       "--model", tiny_models[0], "--max-total-tokens", "16384"],
+                         f"http://127.0.0.1:{port}", log_dir / "colocated.log", env=c.env)
+        c.procs.append(colocated)
+        colocated.start().wait_ready(180)
         yield (c, c.router([prefill], [decode]), c.router([prefill], [spec_decode]), (prefill, decode), before,
-               c.vllm_router([prefill], [decode]))
+               c.vllm_router([prefill], [decode]), colocated)
     finally:
         c.stop_all()
 
@@ -170,7 +182,7 @@ def test_decode_with_draft_speculates_under_the_grammar(pd, colocated, stream):
 ])
 def test_invalid_constraints_are_400s_naming_the_field(pd, path, body, param, words):
     """Through the router (which rewraps a worker's error without its param), and at a worker."""
-    _, router, _, workers, before, _ = pd
+    _, router, _, workers, before, *_ = pd
     answer = post(router.url + path, body)
     assert answer.status == 400 and words in answer.raw and param.split(",")[0] in answer.raw, answer.raw[:500]
     prefill = workers[0]
@@ -227,3 +239,21 @@ def test_openai_sdk(pd):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, response_format=bad)
     assert "response_format.json_schema.schema is not a valid JSON schema" in str(info.value)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_colocated_http_server_answers_the_same(pd, stream):
+    """The colocated HTTP server (bench/e2e.py --serve-colocated) compiles and applies the grammar
+    too, and answers what the pair answers through the router."""
+    router, colocated = pd[1], pd[6]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 400,
+            "temperature": 0, "response_format": RESPONSE_FORMAT, "stream": stream}
+    texts = [chat_text(ok(post(p.url + "/v1/chat/completions", body)), stream)[0] for p in (router, colocated)]
+    assert texts[0] == texts[1] and errors(json.loads(texts[1]), PERSON) == []
+    gen = {"text": PROMPTS[1], "sampling_params": {"max_new_tokens": 40, "temperature": 0, "regex": ANSWER},
+           "stream": stream}
+    outs = [ok(post(p.url + "/generate", gen)) for p in (router, colocated)]
+    ids = [(o.events()[-1] if stream else o.json())["output_ids"] for o in outs]
+    assert ids[0] == ids[1]
+    bad = post(colocated.url + "/generate", {"text": "x", "sampling_params": {"regex": "(ab"}})
+    assert bad.status == 400 and bad.json()["error"]["param"] == "sampling_params.regex"
