@@ -69,9 +69,11 @@ class GrammarSpec:
 def tokenizer_info(tokenizer: Any, vocab_size: int) -> xgr.TokenizerInfo:
     """xgrammar's view of `tokenizer` (common.model.tokenizer.Tokenizer over a `tokenizers`
     backend), over the model's `vocab_size` (the width of its logits): ids past the tokenizer's
-    vocabulary are never allowed, tokenizer ids past the model's are dropped. Special tokens are passed as empty strings, which
-    xgrammar never lets a grammar produce: their text ("<|eot_id|>") would otherwise count as
-    characters. Stop tokens are the tokenizer's end-of-sequence ids."""
+    vocabulary are never allowed, tokenizer ids past the model's are dropped. Special tokens are
+    passed as empty strings, which xgrammar never lets a grammar produce: their text
+    ("<|eot_id|>") would otherwise count as characters. Stop tokens are the tokenizer's
+    end-of-sequence ids. The vocabulary type and prefix space come from xgrammar's own detection
+    on tokenizer.json, the one its from_huggingface uses (a private function: xgrammar is pinned)."""
     backend = tokenizer.backend
     special = {i for i, added in backend.get_added_tokens_decoder().items() if added.special}
     encoded = [""] * vocab_size
