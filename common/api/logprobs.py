@@ -6,7 +6,8 @@ and OpenAI chat. Pure functions of token ids, their logprobs and their alternati
   hold per token a list of such triples, most likely first (`null` for a prompt token with none:
   the first one).
 - Completions: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`; `top_logprobs` is,
-  per token, `{token text: logprob}` of its alternatives (null without `logprobs` > 0, and for the
+  per token, `{token text: logprob}` of its alternatives and, as OpenAI documents (up to
+  `logprobs` + 1 entries), the chosen token itself (null without `logprobs` > 0, and for the
   first prompt token under `echo`, which has no logprob either).
 - Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
   "bytes"}]}]}`.
@@ -68,10 +69,17 @@ def completion_logprobs(tokenizer: TokenizerLike, token_ids: Sequence[int], logp
         offset += len(token)
     top = None
     if tops is not None:
-        top = [None if alts is None else {token_text(tokenizer, t): clean_logprob(lp) for t, lp in alts}
-               for alts in tops]
+        top = [None if alts is None else _with_chosen({token_text(tokenizer, t): clean_logprob(alp) for t, alp in alts},
+                                                       token, lp)
+               for alts, token, lp in zip(tops, tokens, logprobs)]
     return {"tokens": tokens, "token_logprobs": [clean_logprob(lp) for lp in logprobs],
             "top_logprobs": top, "text_offset": offsets}
+
+
+def _with_chosen(top: dict[str, float | None], token: str, logprob: float | None) -> dict[str, float | None]:
+    if token not in top and logprob is not None:
+        top[token] = clean_logprob(logprob)
+    return top
 
 
 def join_completion_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:

@@ -133,3 +133,21 @@ async def test_bad_values_are_400_naming_the_field(path, body, param):
         r = await c.post(path, json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+class OtherTopBackend(TopBackend):
+    """Each token's only alternative is "z", more likely than the token itself."""
+
+    async def _events(self, inp: GenerateInput):
+        async for ev in super()._events(inp):
+            ev.top_logprobs = [[(Z, -0.1)] for _ in ev.token_ids] if inp.top_logprobs_num else []
+            yield ev
+
+
+async def test_completions_top_logprobs_add_the_chosen_token_as_openai_documents():
+    r, _ = await post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "logprobs": 1}, OtherTopBackend())
+    assert r.json()["choices"][0]["logprobs"]["top_logprobs"] == [{"z": -0.1, "x": -0.25}, {"z": -0.1, "y": -1.25}]
+    chat, _ = await post("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "max_tokens": 2,
+                                                  "logprobs": True, "top_logprobs": 1}, OtherTopBackend())
+    assert [[t["token"] for t in c["top_logprobs"]] for c in chat.json()["choices"][0]["logprobs"]["content"]] == \
+        [["z"], ["z"]]  # chat lists exactly top_logprobs entries
