@@ -62,7 +62,7 @@ class DaemonCore:
         self.device: torch.device = self.runner.target.kv.device
         self.tokenizer = Tokenizer.from_dir(c.model)
         self.grammars = GrammarCache(self.tokenizer, self.runner.target.model.config.vocab_size,
-                                     executor=self.grammar_executor)
+                                     executor=self.grammar_executor, observe=self.metrics.observe_grammar)
         self.runner.history.eos_token_ids = tuple(self.tokenizer.eos_token_ids)  # min_tokens masks them
         self.model_name = Path(c.model).name
         self.max_context_tokens = min(self.runner.target.model.config.max_position_embeddings, c.max_total_tokens)

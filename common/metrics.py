@@ -43,6 +43,16 @@ class Metrics:
         self.generated_tokens = Counter("kvferry_generated_tokens", "tokens generated", registry=r)
         self.spec_proposed = Counter("kvferry_spec_proposed_tokens", "draft tokens proposed", registry=r)
         self.spec_accepted = Counter("kvferry_spec_accepted_tokens", "draft tokens accepted", registry=r)
+        self.grammars = Counter("kvferry_grammars", "structured-output grammars requests asked for, by result "
+                                "(cached, compiled, invalid)", ["result"], registry=r)
+        self.grammar_compile_seconds = Histogram("kvferry_grammar_compile_seconds", "one grammar's compilation "
+                                                 "(on the grammar executor)", buckets=_LATENCY_BUCKETS, registry=r)
+
+    def observe_grammar(self, result: str, seconds: float) -> None:
+        """``GrammarCache``'s report: a grammar found in the cache, compiled, or refused as invalid."""
+        self.grammars.labels(result=result).inc()
+        if result != "cached":
+            self.grammar_compile_seconds.observe(seconds)
 
     def observe_pools(self, slots) -> None:
         """Set the page gauges from ``ModelRunner.slots`` (each with ``kv`` and ``allocator``)."""

@@ -24,8 +24,9 @@ import asyncio
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -222,11 +223,12 @@ class GrammarCache:
     xgrammar's message."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, *, executor: Executor | None = None,
-                 max_entries: int = DEFAULT_CACHE_ENTRIES):
+                 max_entries: int = DEFAULT_CACHE_ENTRIES, observe: Callable[[str, float], None] | None = None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.executor = executor
         self.max_entries = max_entries
+        self.observe = observe or (lambda result, seconds: None)  # ("cached" | "compiled" | "invalid", seconds)
         self._compiled: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
         self._compiler: xgr.GrammarCompiler | None = None
         self._lock = threading.Lock()
@@ -244,8 +246,15 @@ class GrammarCache:
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         compiled = self.cached(spec)
         if compiled is not None:
+            self.observe("cached", 0.0)
             return compiled
-        compiled = self._compile(spec)
+        started = time.perf_counter()
+        try:
+            compiled = self._compile(spec)
+        except RequestError:
+            self.observe("invalid", time.perf_counter() - started)
+            raise
+        self.observe("compiled", time.perf_counter() - started)
         with self._lock:
             self._compiled[spec.key] = compiled
             while len(self._compiled) > self.max_entries:
@@ -260,6 +269,8 @@ class GrammarCache:
         if compiled is None:
             loop = asyncio.get_running_loop()
             compiled = await loop.run_in_executor(self.executor, self.compile, spec)
+        else:
+            self.observe("cached", 0.0)
         return GrammarMatcher(compiled, spec)
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -257,3 +258,26 @@ def test_colocated_http_server_answers_the_same(pd, stream):
     assert ids[0] == ids[1]
     bad = post(colocated.url + "/generate", {"text": "x", "sampling_params": {"regex": "(ab"}})
     assert bad.status == 400 and bad.json()["error"]["param"] == "sampling_params.regex"
+
+
+def test_metrics_count_grammars(pd):
+    """/metrics: kvferry_grammars_total by result (compiled, cached, invalid) on both daemons."""
+    router, (prefill, decode) = pd[1], pd[3]
+
+    def counts() -> dict:
+        out = {}
+        for proc in (prefill, decode):
+            text = urllib.request.urlopen(proc.url + "/metrics", timeout=10).read().decode()
+            for result in ("compiled", "cached", "invalid"):
+                match = re.search(rf'^kvferry_grammars_total{{result="{result}"}} (\S+)$', text, re.M)
+                out[proc.name, result] = float(match.group(1)) if match else 0.0
+        return out
+
+    before = counts()
+    regex = f"(maybe|never) {len(before)}[0-9]"  # a grammar no other test asks for
+    for _ in range(2):
+        ok(post(router.url + "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 8, "regex": regex}}))
+    assert post(router.url + "/generate", {"text": "x", "sampling_params": {"regex": "(x"}}).status == 400
+    after = counts()
+    for proc in (prefill, decode):
+        assert [after[proc.name, r] - before[proc.name, r] for r in ("compiled", "cached", "invalid")] == [1, 1, 1]

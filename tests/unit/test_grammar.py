@@ -286,3 +286,13 @@ def test_forked_completions_each_follow_the_grammar(engines, tokenizer):
 
     for text in run(main()):
         assert re.fullmatch(ANSWER, text), text
+
+
+def test_cache_reports_each_lookup(tokenizer):
+    seen = []
+    cache = GrammarCache(tokenizer, tokenizer.vocab_size, observe=lambda result, s: seen.append(result))
+    cache.compile(spec("regex", "ab"))
+    cache.matcher(spec("regex", "ab"))
+    with pytest.raises(RequestError):
+        cache.compile(spec("regex", "(ab"))
+    assert seen == ["compiled", "cached", "invalid"]
