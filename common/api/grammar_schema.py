@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, model_validator
 
-from common.api.fields import Refusal, Refused, Str, WrongType, field, join_path, type_name
+from common.api.fields import BODY_CONFIG, Refusal, Refused, Str, WrongType, field, join_path, type_name
 from common.model.grammar import JSON_OBJECT_SCHEMA, GrammarSpec
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -96,6 +96,8 @@ def _schema_text(value: Any) -> str | None:
 class GrammarFields(BaseModel):
     """SGLang's constraint fields; at most one of them (and of `response_format` where the model
     has it) may be set. `FIELD_PREFIX` is where the fields sit in the body, for error messages."""
+
+    model_config = BODY_CONFIG
 
     regex: Str = None
     """The output matches this regular expression in full."""
