@@ -8,10 +8,12 @@ or, when a failed room's WRITE may still land, once the prefill confirms (or a h
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor
 from typing import Protocol
 
 import torch
@@ -20,6 +22,7 @@ from common import wire
 from common.api.backend import DaemonBackend, DaemonView, GenerateEvent, GenerateInput
 from common.engine.batcher import DecodeBatcher
 from common.engine.colocated import decode_seed
+from common.engine.fork import check_group, children_of, fork, outputs
 from common.engine.output import OutputTracker
 from common.engine.runner import ModelRunner
 from common.engine.sequence import Sequence
@@ -44,6 +47,7 @@ class DecodeParts(DaemonView, Protocol):
     metrics: Metrics
     inflight: int
     grammars: GrammarCache
+    model_executor: Executor
 
     def admit_or_raise(self) -> None: ...
 
@@ -64,6 +68,8 @@ class DecodeBackend(DaemonBackend):
                        top_logprobs_num=inp.top_logprobs_num)
         if inp.params.grammar is not None:  # advanced by the prefill's first token at submit
             seq.grammar = await d.grammars.matcher_async(inp.params.grammar)
+        if inp.params.n > 1:
+            check_group(d.runner, seq, inp.params.n)
         d.runner.admit(seq)
         d.inflight += 1
         try:
@@ -94,38 +100,60 @@ class DecodeBackend(DaemonBackend):
         if link.writes_draft:
             seq.draft_num_cached = seq.num_prompt_tokens
         d.metrics.ttft_seconds.observe(time.monotonic() - started)
-        tracker = OutputTracker(seq, self.tokenizer.decode, self.tokenizer.eos_token_ids)
-        job = d.batcher.submit(seq, tracker, needs_draft_prefill=d.runner.draft is not None and not link.writes_draft)
-        num_out = 0
+        # the draft's prompt KV: written by the prefill, filled by the batcher, or (n > 1) by the fork
+        needs_draft = d.runner.draft is not None and not link.writes_draft and inp.params.n == 1
+        seqs = await self._fork(seq, inp)
+        jobs = [d.batcher.submit(s, OutputTracker(s, self.tokenizer.decode, self.tokenizer.eos_token_ids),
+                                 needs_draft_prefill=needs_draft) for s in seqs]
+        num_out = [0] * len(seqs)
         # The prompt logprobs the prefill sent (sglang-router prepends the prefill's answer, which
         # is then empty: common/api/README.md); from a prefill that sent none, none, as before.
-        first_meta = prompt_meta(prompt) if inp.return_logprob else {}
+        # Every completion's first event carries them.
+        first_meta = [prompt_meta(prompt) if inp.return_logprob else {}] * len(seqs)
+        num_left = len(seqs)
         try:
-            while True:
-                out = await job.queue.get()
-                num_out += len(out.token_ids)
+            async for index, out in outputs(jobs):
+                s = seqs[index]
+                num_out[index] += len(out.token_ids)
                 finished = out.finish_reason is not None
-                meta = {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": num_out,
-                        "e2e_latency": time.monotonic() - started, **first_meta}
-                first_meta = {}
-                if finished and seq.num_proposed:
-                    meta["spec_accept_rate"] = seq.num_accepted / seq.num_proposed
-                    meta["spec_num_proposed"] = seq.num_proposed
-                    meta["spec_num_accepted"] = seq.num_accepted
+                meta = {"prompt_tokens": s.num_prompt_tokens, "completion_tokens": num_out[index],
+                        "e2e_latency": time.monotonic() - started, **first_meta[index]}
+                first_meta[index] = {}
+                if finished and s.num_proposed:
+                    meta["spec_accept_rate"] = s.num_accepted / s.num_proposed
+                    meta["spec_num_proposed"] = s.num_proposed
+                    meta["spec_num_accepted"] = s.num_accepted
                 if finished and out.finish_reason.type == "abort":
                     d.metrics.requests.labels(outcome="failed").inc()
                     raise DisaggError(out.finish_reason.message or "request aborted")
-                if finished:
+                num_left -= finished
+                if not num_left:
                     # Counted before the last yield: the HTTP layer closes the stream once it has it.
                     d.metrics.requests.labels(outcome="ok").inc()
                 yield GenerateEvent(token_ids=out.token_ids, logprobs=out.logprobs, text=out.text, finished=finished,
                                     finish_reason=out.finish_reason.to_sglang() if finished else None, meta=meta,
-                                    top_logprobs=out.top_logprobs)
-                if finished:
-                    return
+                                    top_logprobs=out.top_logprobs, index=index)
         finally:
-            if not seq.is_done:
-                d.batcher.abort(job, "client disconnected")
+            for job in jobs:
+                if not job.seq.is_done:
+                    d.batcher.abort(job, "client disconnected")
+
+    async def _fork(self, seq: Sequence, inp: GenerateInput) -> list[Sequence]:
+        """``seq`` and, for ``n > 1``, its forks over the received prompt KV (common/engine/fork.py)."""
+        d = self.daemon
+        if inp.params.n == 1:
+            return [seq]
+        children = children_of(seq, inp.params.n, d.device)
+        try:
+            for child in children:
+                if inp.params.grammar is not None:
+                    child.grammar = await d.grammars.matcher_async(inp.params.grammar)
+            await asyncio.get_running_loop().run_in_executor(d.model_executor, fork, d.runner, seq, children)
+        except BaseException:
+            for s in [seq] + children:
+                d.runner.release(s)
+            raise
+        return [seq] + children
 
 
 def prompt_meta(prompt: wire.PromptLogprobs | None) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.procs import Proc, http_json, router_proc, vllm_router_proc, worker_proc
+from common.procs import Proc, free_port, http_json, router_proc, vllm_router_proc, worker_proc
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_DIR = REPO / ".tiny" / "seed0"
@@ -63,6 +64,15 @@ class Cluster:
         p = worker_proc("decode", self.target, port=port, log_dir=self.log_dir,
                         draft=self.draft if draft else None, extra=extra, env={**self.env, **(env or {})})
         return self._add(p, start)
+
+    def colocated_server(self, *, draft: bool = False) -> Proc:
+        """The colocated server over the same checkpoint: the daemons' HTTP layer, prefill scheduler
+        and continuous batcher in one process (``common/engine/colocated_server.py``)."""
+        port = free_port()
+        args = [sys.executable, "-m", "common.engine.colocated_server", "--model", self.target, "--port", str(port),
+                *(["--draft-model", self.draft] if draft else [])]
+        return self._add(Proc(f"colocated:{port}", args, f"http://127.0.0.1:{port}",
+                              self.log_dir / f"colocated-{port}.log", env=dict(self.env), picked=("--port",)), True)
 
     def router(self, prefills: list[Proc], decodes: list[Proc], extra: list[str] | None = None) -> Proc:
         p = router_proc([(x.url, x.bootstrap_port) for x in prefills], [x.url for x in decodes],

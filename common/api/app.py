@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -121,10 +121,23 @@ class _Api:
             raise
         return gens
 
+    def outputs(self, items: Sequence[PromptItem]) -> list[ItemOutput]:
+        """One output per completion: `n` per prompt (one on a prefill, which computes the prompt
+        once and samples only the first completion's first token)."""
+        n = (lambda item: 1) if self.backend.role == "prefill" else (lambda item: item.params.n)
+        return [ItemOutput(item, j) for item in items for j in range(n(item))]
+
+    def events(self, gens: Sequence[Any], outs: Sequence[ItemOutput],
+               deadline: float) -> AsyncGenerator[tuple[int, GenerateEvent], None]:
+        """`(output index, event)` pairs: prompt i's completion j is output `first[i] + j`."""
+        first = [i for i, out in enumerate(outs) if out.completion_index == 0]
+        nums = [end - start for start, end in zip(first, first[1:] + [len(outs)])]
+        return _renumber(merge_events(gens, deadline, nums), first)
+
     async def collect(self, request: Request, inputs: Sequence[GenerateInput],
                       outs: Sequence[ItemOutput], deadline: float) -> None:
         gens = await self.open(inputs)
-        events = merge_events(gens, deadline)
+        events = self.events(gens, outs, deadline)
 
         async def drain() -> None:
             async for index, ev in events:
@@ -136,10 +149,10 @@ class _Api:
             await events.aclose()
             await close_all(gens)
 
-    async def stream(self, request: Request, inputs: Sequence[GenerateInput],
+    async def stream(self, request: Request, inputs: Sequence[GenerateInput], outs: Sequence[ItemOutput],
                      fmt: StreamFormatter, deadline: float) -> Response:
         gens = await self.open(inputs)
-        events = merge_events(gens, deadline)
+        events = self.events(gens, outs, deadline)
         try:
             # The first event decides the status: an early OverloadedError is still a 503.
             first: tuple[int, GenerateEvent] = await until_disconnect(
@@ -156,7 +169,7 @@ class _Api:
         ctx, req = await self.parse(request, parse_generate)
         inputs = self.inputs(req.items, req.stream, req.return_logprob, req.kv_transfer_params,
                              req.top_logprobs_num)
-        outs = [ItemOutput(item) for item in req.items]
+        outs = self.outputs(req.items)
         tokenizer = self.backend.tokenizer
 
         def elapsed() -> float:
@@ -164,7 +177,7 @@ class _Api:
 
         deadline = started + self.timeout_s
         if self.streams(req.stream):
-            return await self.stream(request, inputs, SGLangStream(req, outs, tokenizer, elapsed),
+            return await self.stream(request, inputs, outs, SGLangStream(req, outs, tokenizer, elapsed),
                                      deadline)
         await self.collect(request, inputs, outs, deadline)
         log_done(ctx.request_id, "/generate", outs)
@@ -175,19 +188,28 @@ class _Api:
         ctx, req = await self.parse(request, parse_openai, is_chat)
         req: OpenAIRequest
         inputs = self.inputs(req.items, req.stream, req.logprobs, req.kv_transfer_params, req.top_logprobs_num)
-        outs = [ItemOutput(item) for item in req.items]
+        outs = self.outputs(req.items)
         base_id = req.items[0].request_id if len(req.items) == 1 else ctx.request_id
         naming = {"model": req.model or self.backend.model_name, "created": int(time.time()),
                   "response_id": ("chatcmpl-" if is_chat else "cmpl-") + base_id}
         deadline = started + self.timeout_s
         if self.streams(req.stream):
             fmt = OpenAIStream(req, outs, self.backend.tokenizer, **naming)
-            return await self.stream(request, inputs, fmt, deadline)
+            return await self.stream(request, inputs, outs, fmt, deadline)
         await self.collect(request, inputs, outs, deadline)
         log_done(ctx.request_id, "/v1/chat/completions" if is_chat else "/v1/completions", outs)
         return json_response(openai_response(outs, is_chat=is_chat, logprobs=req.logprobs,
                                              tokenizer=self.backend.tokenizer, **naming,
                                              top_logprobs_num=req.top_logprobs_num, echo=req.echo))
+
+
+async def _renumber(events: AsyncGenerator[tuple[int, GenerateEvent], None],
+                    first: Sequence[int]) -> AsyncGenerator[tuple[int, GenerateEvent], None]:
+    try:
+        async for index, ev in events:
+            yield first[index] + ev.index, ev
+    finally:
+        await events.aclose()
 
 
 def log_done(request_id: str, route: str, outs: Sequence[ItemOutput]) -> None:

@@ -59,7 +59,8 @@ class GenerateEvent:
     previous event (`logprobs[i]` belongs to `token_ids[i]`; empty when logprobs were not asked
     for). The last event has `finished=True` and an SGLang-style `finish_reason`:
     `{"type": "stop", "matched": id | str}`, `{"type": "length", "length": n}` or
-    `{"type": "abort", "message": str}`.
+    `{"type": "abort", "message": str}`. With `params.n > 1` the events of the n completions
+    interleave, each tagged with its `index`, and each completion ends with its own finished event.
 
     `top_logprobs[i]` holds the alternatives of `token_ids[i]`, `(token_id, logprob)` pairs, most
     likely first (empty when none were asked for).
@@ -81,6 +82,7 @@ class GenerateEvent:
     finish_reason: dict[str, Any] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    index: int = 0  # which of the prompt's `params.n` completions this event belongs to
 
 
 class TokenizerLike(Protocol):

@@ -23,7 +23,7 @@ from common.api.fields import (
 )
 from common.api.sampling_schema import SAMPLING_NEUTRAL, OpenAISampling
 from common.api.schema import (
-    MISSING, ParseContext, PromptItem, bootstrap_fields, check_prompt_ids, check_text_length,
+    BOOTSTRAP_KEYS, MISSING, ParseContext, PromptItem, bootstrap_fields, check_prompt_ids, check_text_length,
     encode_text, error_param, parse_kv_transfer_params, per_prompt, prompt_item, request_ids,
     set_fields,
 )
@@ -255,6 +255,8 @@ def parse_openai(ctx: ParseContext, body: Mapping[str, Any], is_chat: bool) -> O
     echo = not is_chat and model.echo is True
     options = model.stream_options
     rids = _rids(ctx, fields, n, is_batch)
+    if is_chat and params.n > 1:
+        fields = _first_room(fields, params.n)
     boot = bootstrap_fields(ctx, fields, n, is_batch)
     # Prompt logprobs only for echo with logprobs: nowhere else to put them.
     limit = model.limit_key(is_chat)
@@ -264,3 +266,11 @@ def parse_openai(ctx: ParseContext, body: Mapping[str, Any], is_chat: bool) -> O
                          stream=model.stream is True,
                          include_usage=options is not None and options.include_usage is True,
                          logprobs=logprobs, kv_transfer_params=kv, top_logprobs_num=top_num, echo=echo)
+
+
+def _first_room(fields: dict[str, Any], num: int) -> dict[str, Any]:
+    """sglang-router sends a chat request with n > 1 a list of ``num`` bootstrap values, one room per
+    completion. kvferry computes the prompt once and forks its KV on the decode: both daemons read
+    this same rule and use the first room."""
+    return {k: (v[0] if k in BOOTSTRAP_KEYS and isinstance(v, list) and len(v) == num else v)
+            for k, v in fields.items()}

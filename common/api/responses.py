@@ -31,9 +31,11 @@ RETRY_AFTER_S = 1
 
 @dataclass(slots=True)
 class ItemOutput:
-    """Everything one prompt produced so far; `add` folds in an event's deltas."""
+    """Everything one completion of a prompt produced so far; `add` folds in an event's deltas.
+    A prompt asking for `n` completions has n of them, `completion_index` 0 .. n - 1."""
 
     item: PromptItem
+    completion_index: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -91,7 +93,7 @@ def sglang_output(out: ItemOutput, req: GenerateRequest, tokenizer: TokenizerLik
 def generate_response(outs: Sequence[ItemOutput], req: GenerateRequest, tokenizer: TokenizerLike,
                       elapsed_s: float) -> dict[str, Any] | list[dict[str, Any]]:
     objs = [sglang_output(o, req, tokenizer, elapsed_s) for o in outs]
-    if req.is_batch:
+    if req.is_batch or len(outs) > 1:  # SGLang answers a list for a batch, and for n > 1
         return objs
     kv = outs[0].meta.get("kv_transfer_params")
     if kv is not None:
@@ -111,7 +113,8 @@ def matched_stop(finish_reason: dict[str, Any] | None) -> Any:
 
 
 def usage(outs: Sequence[ItemOutput]) -> dict[str, int]:
-    prompt = sum(o.num_prompt_tokens for o in outs)
+    """OpenAI's usage: each prompt counted once, whatever its `n`; every completion's tokens."""
+    prompt = sum(o.num_prompt_tokens for o in outs if o.completion_index == 0)
     completion = sum(o.num_completion_tokens for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}

@@ -79,21 +79,23 @@ def _check_ended(ev: GenerateEvent | None, index: int) -> GenerateEvent:
     return ev
 
 
-async def _merge_one(gen: AsyncIterator[GenerateEvent],
-                     deadline: float) -> AsyncGenerator[tuple[int, GenerateEvent], None]:
+async def _merge_one(gen: AsyncIterator[GenerateEvent], deadline: float,
+                     num: int) -> AsyncGenerator[tuple[int, GenerateEvent], None]:
     # One prompt, the common case: iterate in this task, no extra task per token.
     while True:
         async with asyncio.timeout_at(deadline):
             ev = await anext(gen, None)
         ev = _check_ended(ev, 0)
         yield 0, ev
-        if ev.finished:
+        num -= ev.finished
+        if not num:
             return
 
 
-async def _merge_many(gens: Sequence[AsyncIterator[GenerateEvent]],
-                      deadline: float) -> AsyncGenerator[tuple[int, GenerateEvent], None]:
+async def _merge_many(gens: Sequence[AsyncIterator[GenerateEvent]], deadline: float,
+                      nums: Sequence[int]) -> AsyncGenerator[tuple[int, GenerateEvent], None]:
     loop = asyncio.get_running_loop()
+    left = list(nums)
     pending = {asyncio.ensure_future(_next(g)): i for i, g in enumerate(gens)}
     try:
         while pending:
@@ -109,7 +111,8 @@ async def _merge_many(gens: Sequence[AsyncIterator[GenerateEvent]],
                     ev = None
                 ev = _check_ended(ev, index)
                 yield index, ev
-                if not ev.finished:
+                left[index] -= ev.finished
+                if left[index]:
                     pending[asyncio.ensure_future(_next(gens[index]))] = index
     finally:
         for task in pending:
@@ -117,12 +120,13 @@ async def _merge_many(gens: Sequence[AsyncIterator[GenerateEvent]],
         await asyncio.gather(*pending, return_exceptions=True)
 
 
-async def merge_events(gens: Sequence[AsyncIterator[GenerateEvent]],
-                       deadline: float) -> AsyncGenerator[tuple[int, GenerateEvent], None]:
+async def merge_events(gens: Sequence[AsyncIterator[GenerateEvent]], deadline: float,
+                       nums: Sequence[int] | None = None) -> AsyncGenerator[tuple[int, GenerateEvent], None]:
     """`(prompt index, event)` pairs from all generators, in arrival order, until each has sent
-    its finished event. Past `deadline` (loop time) it raises `TimeoutError`; on any exit every
-    generator is closed."""
-    inner = _merge_one(gens[0], deadline) if len(gens) == 1 else _merge_many(gens, deadline)
+    its finished events: ``nums[i]`` of them (its prompt's completions; default 1). Past
+    `deadline` (loop time) it raises `TimeoutError`; on any exit every generator is closed."""
+    nums = nums or [1] * len(gens)
+    inner = _merge_one(gens[0], deadline, nums[0]) if len(gens) == 1 else _merge_many(gens, deadline, nums)
     try:
         async for pair in inner:
             yield pair

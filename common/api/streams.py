@@ -18,8 +18,9 @@ from common.api.schema import GenerateRequest
 
 
 class SGLangStream:
-    """SGLang `/generate` streaming: each event is the prompt's cumulative object; a batch adds
-    `"index"` (the prompt's position), as SGLang's batch streams do."""
+    """SGLang `/generate` streaming: each event is the prompt's cumulative object; a batch, or
+    n > 1, adds `"index"` (the output's position: prompt by prompt, each prompt's n completions in
+    order), as SGLang's batch streams do."""
 
     def __init__(self, req: GenerateRequest, outs: Sequence[ItemOutput],
                  tokenizer: TokenizerLike, elapsed_s: Callable[[], float]) -> None:
@@ -32,7 +33,7 @@ class SGLangStream:
         out = self._outs[index]
         out.add(ev)
         obj = sglang_output(out, self._req, self._tokenizer, self._elapsed_s())
-        if self._req.is_batch:
+        if self._req.is_batch or len(self._outs) > 1:
             obj["index"] = index
         return [obj]
 

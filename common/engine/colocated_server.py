@@ -7,6 +7,7 @@ measures disaggregation against (``common.lifecycle.run`` serves it).
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -69,6 +70,7 @@ class ColocatedServer:
     async def generate(self, inp):
         from common.api.backend import GenerateEvent
         from common.engine.colocated import decode_seed
+        from common.engine.fork import check_group, children_of, fork, outputs
         from common.engine.output import OutputTracker
         from common.engine.sequence import Sequence
         from common.model.sampling import make_generator
@@ -80,28 +82,35 @@ class ColocatedServer:
             seq.input_logprobs, seq.logprob_start_len = [], inp.logprob_start_len
         if inp.params.grammar is not None:
             seq.grammar = await self.grammars.matcher_async(inp.params.grammar)
+        if inp.params.n > 1:
+            check_group(self.runner, seq, inp.params.n)
         self.runner.admit(seq)
+        children = children_of(seq, inp.params.n, device)
         try:
             await self.scheduler.prefill(seq)
+            for child in children:
+                if inp.params.grammar is not None:
+                    child.grammar = await self.grammars.matcher_async(inp.params.grammar)
+            if children:
+                await asyncio.get_running_loop().run_in_executor(self.executor, fork, self.runner, seq, children)
         except BaseException:
-            self.runner.release(seq)
+            for s in [seq] + children:
+                self.runner.release(s)
             raise
         seq.generator = make_generator(decode_seed(inp.params.seed), device)
-        tracker = OutputTracker(seq, self.tokenizer.decode, self.tokenizer.eos_token_ids)
-        job = self.batcher.submit(seq, tracker, needs_draft_prefill=False)
-        meta = prompt_meta(seq) if inp.return_logprob else {}
+        jobs = [self.batcher.submit(s, OutputTracker(s, self.tokenizer.decode, self.tokenizer.eos_token_ids),
+                                    needs_draft_prefill=False) for s in [seq] + children]
+        metas = [prompt_meta(seq) if inp.return_logprob else {}] * len(jobs)
         try:
-            while True:
-                out = await job.queue.get()
+            async for index, out in outputs(jobs):
                 yield GenerateEvent(out.token_ids, out.logprobs, out.text, out.finished,
-                                    out.finish_reason.to_sglang() if out.finished else None, meta,
-                                    top_logprobs=out.top_logprobs)
-                meta = {}
-                if out.finished:
-                    return
+                                    out.finish_reason.to_sglang() if out.finished else None, metas[index],
+                                    top_logprobs=out.top_logprobs, index=index)
+                metas[index] = {}
         finally:
-            if not seq.is_done:
-                self.batcher.abort(job, "client disconnected")
+            for job in jobs:
+                if not job.seq.is_done:
+                    self.batcher.abort(job, "client disconnected")
 
 
 def prompt_meta(seq) -> dict:
@@ -111,3 +120,25 @@ def prompt_meta(seq) -> dict:
     if seq.input_top_logprobs is not None:
         meta["input_top_logprobs"] = [alts or None for alts in seq.input_top_logprobs[start:]]
     return meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m common.engine.colocated_server --model DIR [--draft-model DIR] --port P``: the
+    baseline server on its own (tests compare the pair's answers with its answers)."""
+    import argparse
+
+    from common.lifecycle import run
+
+    ap = argparse.ArgumentParser(prog="python -m common.engine.colocated_server")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--draft-model")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--max-total-tokens", type=int, default=65536)
+    a = ap.parse_args(argv)
+    return run(ColocatedServer(a.model, a.draft_model, device=a.device, max_total_tokens=a.max_total_tokens,
+                               port=a.port))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -12,15 +12,77 @@ place first (``fork`` fills it when the prefill did not write it); the draft pag
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+
+import torch
+
+from common.engine.batcher import Job
+from common.engine.colocated import decode_seed
+from common.engine.output import StepOutput
 from common.engine.runner import ModelRunner
 from common.engine.sequence import Sequence
 from common.errors import OverloadedError
+from common.model.sampling import make_generator
 
 
 def pages_for_group(runner: ModelRunner, seq: Sequence, n: int) -> int:
     """Pages ``seq`` and ``n - 1`` forks of it take (for admission)."""
     own = runner.pages_for(seq)
     return own + (n - 1) * (own - _last_prompt_page(runner, seq))
+
+
+def check_group(runner: ModelRunner, seq: Sequence, n: int) -> None:
+    """Raise OverloadedError unless the pools hold ``seq`` and its ``n - 1`` forks now (checked at
+    admission, so that a request is refused before its prompt is computed or moved)."""
+    needed = pages_for_group(runner, seq, n)
+    for slot in runner.slots:
+        if slot.allocator.num_free < needed:
+            raise OverloadedError(f"request_id={seq.request_id}: n={n} completions need {needed} KV pages, "
+                                  f"the {slot.kv.model_name} pool has {slot.allocator.num_free} free; retry later")
+
+
+def fork_seed(seed: int | None, index: int) -> int | None:
+    """Generator seed of completion ``index`` of a request seeded with ``seed``: completion 0 is the
+    parent (``decode_seed``), the others their own reproducible streams."""
+    return None if seed is None else (decode_seed(seed) + index * 0x632BE59BD9B4E019) % (1 << 63)
+
+
+def children_of(parent: Sequence, n: int, device: torch.device) -> list[Sequence]:
+    """Completions 1 .. n - 1 of ``parent``'s prompt: no pages, no output yet (``fork`` gives them KV)."""
+    return [Sequence(f"{parent.request_id}-{i}", list(parent.prompt_ids), parent.params,
+                     generator=make_generator(fork_seed(parent.params.seed, i), device),
+                     top_logprobs_num=parent.top_logprobs_num) for i in range(1, n)]
+
+
+async def outputs(jobs: list[Job]) -> AsyncIterator[tuple[int, StepOutput]]:
+    """``(job index, output)`` of every job in arrival order, until each has sent its finished one."""
+    if len(jobs) == 1:
+        while True:
+            out = await jobs[0].queue.get()
+            yield 0, out
+            if out.finished:
+                return
+    merged: asyncio.Queue[tuple[int, StepOutput]] = asyncio.Queue()
+
+    async def pump(index: int, job: Job) -> None:
+        while True:
+            out = await job.queue.get()
+            merged.put_nowait((index, out))
+            if out.finished:
+                return
+
+    pumps = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+    try:
+        remaining = len(jobs)
+        while remaining:
+            index, out = await merged.get()
+            remaining -= out.finished
+            yield index, out
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
 
 
 def fork(runner: ModelRunner, parent: Sequence, children: list[Sequence]) -> None:

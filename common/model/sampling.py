@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 16
+MAX_N = 32  # completions per prompt (n): the prompt's KV is computed once and forked
 MAX_SEED = 2**63
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 MAX_BIAS = 100.0  # |bias| of one logit_bias entry (OpenAI's range)
@@ -38,7 +39,7 @@ GREEDY_TEMPERATURE = 1e-6
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one request samples and when it stops. `temperature` 0 means greedy; `top_k` -1 or 0
-    means off; `max_new_tokens` 0 means prefill only. Only `n == 1` is supported."""
+    means off; `max_new_tokens` 0 means prefill only; `n` completions share one prompt KV."""
 
     max_new_tokens: int = 128
     temperature: float = 1.0
@@ -88,8 +89,8 @@ class SamplingParams:
             raise bad("stop", f"at most {MAX_STOP_STRINGS} strings", len(self.stop))
         if any(s == "" for s in self.stop):
             raise bad("stop", "non-empty strings", list(self.stop))
-        if self.n != 1:
-            raise bad("n", "1 (one completion per request is supported)", self.n)
+        if not 1 <= self.n <= MAX_N:
+            raise bad("n", f"in [1, {MAX_N}] (completions of the prompt)", self.n)
         self._check_adjustments(bad, (names or {}).get("max_new_tokens", "max_new_tokens"))
 
     def _check_adjustments(self, bad: Callable[[str, str, Any], RequestError], limit_name: str) -> None:

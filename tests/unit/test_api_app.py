@@ -286,7 +286,7 @@ async def test_chat_stream_role_first_then_content_then_usage():
     ("/v1/completions", {"prompt": "a", "max_tokens": "ten"}, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "logprobs": 25}, "logprobs"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 3}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 40}, "n"),
 ])
 async def test_bad_requests_are_400_naming_the_field(path, body, param):
     async with client_for(EchoBackend()) as c:

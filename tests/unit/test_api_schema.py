@@ -281,7 +281,8 @@ def test_vllm_prefill_leg_drops_min_tokens_only_there():
 @pytest.mark.parametrize("is_chat, body, param", [
     (False, {"prompt": "a", "logprobs": 21}, "logprobs"),
     (False, {"prompt": "a", "logprobs": -1}, "logprobs"),
-    (False, {"prompt": "a", "n": 2}, "n"),
+    (False, {"prompt": "a", "n": 33}, "n"),
+    (True, {"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
     (False, {"prompt": "a", "echo": 1}, "echo"),
     (False, {}, "prompt"),
     (False, {"prompt": []}, "prompt"),
