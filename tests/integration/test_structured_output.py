@@ -281,3 +281,18 @@ def test_metrics_count_grammars(pd):
     after = counts()
     for proc in (prefill, decode):
         assert [after[proc.name, r] - before[proc.name, r] for r in ("compiled", "cached", "invalid")] == [1, 1, 1]
+
+
+def test_n_completions_each_follow_the_grammar(pd):
+    """n > 1: every completion of the prompt (forks of its KV on the decode) has its own matcher;
+    through the decode with a draft too."""
+    for router in (pd[1], pd[2]):
+        params = {"max_new_tokens": 40, "temperature": 1.0, "sampling_seed": 8, "n": 3, "regex": ANSWER}
+        outs = ok(post(router.url + "/generate", {"text": PROMPTS[2], "sampling_params": params})).json()
+        assert isinstance(outs, list) and len(outs) == 3, outs
+        for out in outs:
+            assert re.fullmatch(ANSWER, out["text"]), out["text"]
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 400, "n": 2,
+                "temperature": 1.0, "seed": 3, "response_format": RESPONSE_FORMAT}
+        for choice in ok(post(router.url + "/v1/chat/completions", chat)).json()["choices"]:
+            assert errors(json.loads(choice["message"]["content"]), PERSON) == []
