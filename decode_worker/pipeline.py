@@ -144,10 +144,7 @@ class DecodeBackend(DaemonBackend):
         if inp.params.n == 1:
             return [seq]
         children = children_of(seq, inp.params.n, d.device)
-        try:
-            for child in children:
-                if inp.params.grammar is not None:
-                    child.grammar = await d.grammars.matcher_async(inp.params.grammar)
+        try:  # a fork of a grammar-bound request gets a fresh matcher of the same grammar
             await asyncio.get_running_loop().run_in_executor(d.model_executor, fork, d.runner, seq, children)
         except BaseException:
             for s in [seq] + children:

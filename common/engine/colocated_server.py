@@ -88,9 +88,6 @@ class ColocatedServer:
         children = children_of(seq, inp.params.n, device)
         try:
             await self.scheduler.prefill(seq)
-            for child in children:
-                if inp.params.grammar is not None:
-                    child.grammar = await self.grammars.matcher_async(inp.params.grammar)
             if children:
                 await asyncio.get_running_loop().run_in_executor(self.executor, fork, self.runner, seq, children)
         except BaseException:
