@@ -43,6 +43,14 @@ def tiny_models() -> tuple[str, str]:
     return tiny_model_dirs()
 
 
+@pytest.fixture(scope="session")
+def tok(tiny_models):
+    """The tiny checkpoint's tokenizer."""
+    from common.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(tiny_models[0])
+
+
 class Cluster:
     """Real prefill/decode/router processes; everything is stopped at teardown."""
 
@@ -65,12 +73,12 @@ class Cluster:
                         draft=self.draft if draft else None, extra=extra, env={**self.env, **(env or {})})
         return self._add(p, start)
 
-    def colocated_server(self, *, draft: bool = False) -> Proc:
+    def colocated_server(self, *, draft: bool = False, max_total_tokens: int = 16384) -> Proc:
         """The colocated server over the same checkpoint: the daemons' HTTP layer, prefill scheduler
         and continuous batcher in one process (``common/engine/colocated_server.py``)."""
         port = free_port()
         args = [sys.executable, "-m", "common.engine.colocated_server", "--model", self.target, "--port", str(port),
-                *(["--draft-model", self.draft] if draft else [])]
+                "--max-total-tokens", str(max_total_tokens), *(["--draft-model", self.draft] if draft else [])]
         return self._add(Proc(f"colocated:{port}", args, f"http://127.0.0.1:{port}",
                               self.log_dir / f"colocated-{port}.log", env=dict(self.env), picked=("--port",)), True)
 
@@ -264,6 +272,12 @@ class Answer:
         assert blocks and blocks[-1] == "data: [DONE]", self.raw[-500:]
         assert all(b.startswith("data: ") for b in blocks), self.raw[:500]
         return [json.loads(b[len("data: "):]) for b in blocks[:-1]]
+
+
+def ok(answer: Answer) -> Answer:
+    """``answer``, after checking it is a 200."""
+    assert answer.status == 200, (answer.status, answer.raw[:1000])
+    return answer
 
 
 def post(url: str, body: dict, *, timeout_s: float = 120.0, headers: dict | None = None) -> Answer:

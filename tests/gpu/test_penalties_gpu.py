@@ -14,18 +14,10 @@ from common.engine.penalty_inputs import decode_adjust
 from common.model.penalties import TokenHistory
 from common.model.sampling import Sampler, SamplingParams, make_generator
 from common.model.tokenizer import Tokenizer
+from tests.gpu.test_host_syncs import _no_sync
 from tests.unit.test_penalties import ENGINE_PARAMS, EOS, PROMPTS, VOCAB, _case, _sequences, reference, reference_greedy
 
 pytestmark = pytest.mark.gpu
-
-
-def _no_sync(fn):
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        return fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def test_adjusted_sampling_makes_no_host_sync():

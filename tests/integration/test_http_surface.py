@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from common.model.sampling import SamplingParams
-from common.model.tokenizer import Tokenizer
 from common.api.sampling_schema import openai_params, sglang_params
 from tests.cluster import Cluster, free_pages
 
@@ -38,11 +37,6 @@ def pd(tmp_path_factory, tiny_models):
         yield c, *procs
     finally:
         c.stop_all()
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_models) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_models[0])
 
 
 def sse_events(raw: str) -> list:

@@ -11,22 +11,18 @@ through the official `openai` SDK.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import openai
 import pytest
 
 from common.api.sampling_schema import sglang_params
-from common.procs import Proc, free_port
-from tests.cluster import Cluster, assert_pages_return, free_pages, post, send_pair
+from tests.cluster import Cluster, assert_pages_return, free_pages, ok, post, send_pair
 
 TOL = 1e-4
 PROMPT = "The ferry leaves the north pier at seven and"
 MESSAGES = [{"role": "user", "content": "Where does the ferry go?"}]
 # Routers pass floats through float32 (0.75 survives); sglang-router keeps SGLang's `sampling_seed`.
 SAMPLING = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.75, "sampling_seed": 11}}
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +32,7 @@ def pd(tmp_path_factory, tiny_models):
     c = Cluster(log_dir, *tiny_models)
     try:
         prefill, decode, before = c.pair()
-        port = free_port()
-        colocated = Proc("colocated", [sys.executable, str(ROOT / "bench" / "e2e.py"), "--serve-colocated", str(port),
-                                       "--model", tiny_models[0], "--max-total-tokens", "16384"],
-                         f"http://127.0.0.1:{port}", log_dir / "colocated.log", env=c.env)
-        c.procs.append(colocated)
-        colocated.start().wait_ready(180)
+        colocated = c.colocated_server()
         yield prefill, decode, c.router([prefill], [decode]), c.vllm_router([prefill], [decode]), colocated, before
     finally:
         c.stop_all()
@@ -61,11 +52,6 @@ def close(got, want, where: str = "answer") -> None:
             close(g, w, f"{where}[{i}]")
     else:
         assert got == want, (where, got, want)
-
-
-def ok(answer):
-    assert answer.status == 200, (answer.status, answer.raw[:1000])
-    return answer
 
 
 def triples(pairs) -> list:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.cluster import Cluster, assert_pages_return, post
+from tests.cluster import Cluster, assert_pages_return, ok, post
 
 PROMPT = "The ferry leaves the north pier at seven"
 MESSAGES = [{"role": "user", "content": "Where does the ferry go?"}]
@@ -28,11 +28,6 @@ def pd(tmp_path_factory, tiny_models):
         yield (c, prefill, decode, *routers, c.colocated_server(), before)
     finally:
         c.stop_all()
-
-
-def ok(answer):
-    assert answer.status == 200, (answer.status, answer.raw[:1000])
-    return answer
 
 
 def generate(url: str, sampling: dict, stream: bool) -> list[tuple[list[int], str]]:

@@ -17,7 +17,7 @@ import pytest
 
 from common.api.sampling_schema import openai_params, sglang_params
 from common.model.tokenizer import Tokenizer
-from tests.cluster import Cluster, assert_pages_return, post, send_pair
+from tests.cluster import Cluster, assert_pages_return, ok, post, send_pair
 
 PROMPT = "The ferry leaves the north pier at seven"
 MESSAGES = [{"role": "user", "content": "Where does the ferry go?"}]
@@ -51,16 +51,6 @@ def pd(tmp_path_factory, tiny_models):
         yield c, prefill, decode, c.router([prefill], [decode]), before
     finally:
         c.stop_all()
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_models) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_models[0])
-
-
-def ok(answer):
-    assert answer.status == 200, (answer.status, answer.raw[:1000])
-    return answer
 
 
 def generate(url: str, sampling: dict, stream: bool, prompt=PROMPT) -> tuple[list[int], str, dict]:

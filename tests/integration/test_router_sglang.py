@@ -14,9 +14,8 @@ import json
 import pytest
 
 from common.model.sampling import SamplingParams
-from common.model.tokenizer import Tokenizer
 from common.api.sampling_schema import openai_params, sglang_params
-from tests.cluster import Cluster, assert_pages_return, post
+from tests.cluster import Cluster, assert_pages_return, ok, post
 
 PROMPT = "The ferry leaves the north pier at seven"
 MESSAGES = [{"role": "user", "content": "Where does the ferry go?"}]
@@ -34,18 +33,8 @@ def pd(tmp_path_factory, tiny_models):
         c.stop_all()
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_models) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_models[0])
-
-
 def reference(colocated, prompt, params: SamplingParams, draft: bool = False, **kw):
     return colocated(draft).generate([prompt], params, **kw)[0]
-
-
-def ok(answer):
-    assert answer.status == 200, (answer.status, answer.raw[:1000])
-    return answer
 
 
 @pytest.mark.parametrize("prompt_key", ["text", "input_ids"])

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.model.tokenizer import Tokenizer
 from common.api.sampling_schema import openai_params, sglang_params
-from tests.cluster import Cluster, assert_pages_return, post
+from tests.cluster import Cluster, assert_pages_return, ok, post
 
 PROMPT = "The ferry leaves the north pier at seven"
 MESSAGES = [{"role": "user", "content": "Where does the ferry go?"}]
@@ -29,16 +28,6 @@ def pd(tmp_path_factory, tiny_models):
         yield prefill, decode, c.vllm_router([prefill], [decode]), before
     finally:
         c.stop_all()
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_models) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_models[0])
-
-
-def ok(answer):
-    assert answer.status == 200, (answer.status, answer.raw[:1000])
-    return answer
 
 
 def check_two_stage_id(response_id: str, prefill, decode) -> None:

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import urllib.request
-from pathlib import Path
 from typing import Annotated, Literal
 
 import openai
@@ -23,9 +21,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from common.api.sampling_schema import openai_params, sglang_params
-from common.model.tokenizer import Tokenizer
-from common.procs import Proc, free_port
-from tests.cluster import Cluster, assert_pages_return, post
+from tests.cluster import Cluster, assert_pages_return, ok, post
 from tests.json_schema_check import errors
 
 PROMPTS = ["Give me a person as JSON", "The ferry leaves the north pier at seven", "Hello there"]
@@ -42,7 +38,6 @@ PERSON = {
 }
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 ANSWER = r"(yes|no), [0-9]{1,3}"
-ROOT = Path(__file__).resolve().parents[2]
 SAMPLINGS = [{"temperature": 0}, {"temperature": 1.0, "seed": 11}]
 # sglang-router re-serializes sampling_params with its own type, which knows SGLang's name only
 GENERATE_SAMPLINGS = [{"temperature": 0}, {"temperature": 1.0, "sampling_seed": 11}]
@@ -58,26 +53,11 @@ def pd(tmp_path_factory, tiny_models):
     try:
         prefill, decode, before = c.pair()
         spec_decode = c.decode(draft=True)
-        port = free_port()
-        colocated = Proc("colocated", [sys.executable, str(ROOT / "bench" / "e2e.py"), "--serve-colocated", str(port),
-                                       "--model", tiny_models[0], "--max-total-tokens", "16384"],
-                         f"http://127.0.0.1:{port}", log_dir / "colocated.log", env=c.env)
-        c.procs.append(colocated)
-        colocated.start().wait_ready(180)
+        colocated = c.colocated_server()
         yield (c, c.router([prefill], [decode]), c.router([prefill], [spec_decode]), (prefill, decode), before,
                c.vllm_router([prefill], [decode]), colocated)
     finally:
         c.stop_all()
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_models) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_models[0])
-
-
-def ok(answer):
-    assert answer.status == 200, (answer.status, answer.raw[:1000])
-    return answer
 
 
 def chat_text(answer, stream: bool) -> tuple[str, str]:
@@ -244,7 +224,7 @@ def test_openai_sdk(pd):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_colocated_http_server_answers_the_same(pd, stream):
-    """The colocated HTTP server (bench/e2e.py --serve-colocated) compiles and applies the grammar
+    """The colocated HTTP server (common/engine/colocated_server.py) compiles and applies the grammar
     too, and answers what the pair answers through the router."""
     router, colocated = pd[1], pd[6]
     body = {"model": "tiny", "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 400,
