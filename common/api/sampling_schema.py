@@ -92,7 +92,7 @@ class _Sampling(GrammarFields):
     no_stop_trim: Bool = None
     """Keep the matched stop string or token in the text."""
     n: Int = None
-    """Completions per prompt: 1 only."""
+    """Completions per prompt, 1 to 32: the prompt is computed once and its KV forked. Default 1."""
     frequency_penalty: Float = None
     """In [-2, 2]: minus this times the token's count in the output so far. Default 0."""
     presence_penalty: Float = None

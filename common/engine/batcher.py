@@ -166,8 +166,8 @@ class DecodeBatcher:
         self.running = [j for j in self.running if not j.seq.is_done]
 
     async def _settle_inflight(self) -> None:
-        """Wait for the launched step (its tokens are dropped if nobody reads them), then free the
-        pages of the jobs that ended while it ran."""
+        """Wait for the launched step, hand its tokens to the jobs still running, then free the pages
+        of the jobs that ended while it ran."""
         inflight, self._inflight = self._inflight, None
         if inflight is not None:
             try:
