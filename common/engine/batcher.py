@@ -47,9 +47,13 @@ class Inflight:
 
     jobs: list[Job]
     step: PendingStep
+    _ids: frozenset[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._ids = frozenset(id(j) for j in self.jobs)  # the jobs stay alive in ``jobs``: ids stay theirs
 
     def holds(self, job: Job) -> bool:
-        return any(j is job for j in self.jobs)
+        return id(job) in self._ids
 
 
 class DecodeBatcher:
