@@ -332,19 +332,24 @@ def _remaining_s(deadline: float) -> float:
 
 
 def read_aux(aux: AuxSlots, waiter: Waiter, num_prompt_tokens: int) -> AuxRecord:
-    """The room's aux record once its outcome is settled: the failure, or the record if it is the room's."""
+    """The room's aux record once its outcome is settled: the failure, or the record if it is the room's.
+
+    A record that is not the room's is discarded with the KV. Its pages are safe to free only when
+    the outcome is the prefill's ``transfer_result`` (sent once its WRITE is DONE); a bare
+    notification may have come from elsewhere before the real WRITE, so they wait for the prefill."""
     exc = waiter.future.exception() if waiter.future.done() else None
     if exc is not None:
         raise exc
+    confirmed = waiter.future.done() and isinstance(waiter.future.result(), wire.TransferResult)
     try:
         record = AuxRecord.unpack(aux.read(waiter.aux_slot))
     except ProtocolError as err:
-        raise FetchError(TransferError(f"room={waiter.room}: {err}"), pages_safe=True) from None
+        raise FetchError(TransferError(f"room={waiter.room}: {err}; KV discarded"), pages_safe=confirmed) from None
     if record.room != waiter.room or record.num_prompt_tokens != num_prompt_tokens:
         raise FetchError(TransferError(
             f"room={waiter.room} request_id={waiter.request_id}: aux slot {waiter.aux_slot} holds room "
             f"{record.room} with {record.num_prompt_tokens} prompt tokens, expected room {waiter.room} with "
-            f"{num_prompt_tokens}; KV discarded"), pages_safe=True)
+            f"{num_prompt_tokens}; KV discarded"), pages_safe=confirmed)
     return record
 
 

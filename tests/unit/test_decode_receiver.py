@@ -13,6 +13,7 @@ import pytest
 
 from common import wire
 from common.aux import AuxSlots
+from common.aux_record import AuxRecord
 from common.errors import (FailCode, GeometryMismatchError, OverloadedError, PeerUnavailableError, RequestError,
                            TransferError)
 from common.metrics import Metrics
@@ -134,18 +135,45 @@ def test_malformed_foreign_and_stale_notifications_are_counted_and_ignored():
     scenario(body)
 
 
-def test_forged_notification_before_the_write_discards_the_room():
-    """A notification for a waiting room whose aux slot does not hold that room's record: the KV
-    is discarded with a clear error, and the pages are freed (nothing was written into them)."""
+def test_notification_naming_another_decode_is_stale_and_the_room_keeps_waiting():
     async def body(prefill, decode):
-        prefill.open_room(31, num_tokens=20)
+        room = prefill.open_room(35, num_tokens=20)
+        task = asyncio.get_running_loop().create_task(decode.fetch(prefill, 35, 20, [2, 3]))
+        await until(lambda: room.transfer is not None, what="transfer bound")
+        decode.receiver.on_notification("prefill", wire.encode(wire.Notification(room=35, decode_id="other", ok=True)))
+        assert decode.counter("kvferry_stale_notifications_total") == 1
+        assert not decode.receiver.waiters[35].future.done()
+        await prefill.writer.send_room(room, time.monotonic() + 5)
+        record, _, _ = await task
+        assert record.room == 35 and decode.pool[2].equal(prefill.pool[0]) and decode.released == []
+    scenario(body)
+
+
+@pytest.mark.parametrize("slot", ["never written", "another room's record"])
+def test_notification_without_the_rooms_aux_record_discards_the_kv_and_holds_the_pages(slot):
+    """A notification for a waiting room whose aux slot does not hold that room's record: the KV
+    is discarded with a clear error. Such a notification may come before the real WRITE, so the
+    pages (and the slot) stay held and the prefill is told; they go back once it confirms."""
+    async def body(prefill, decode):
+        room = prefill.open_room(31, num_tokens=20)
         task = asyncio.get_running_loop().create_task(decode.fetch(prefill, 31, 20, [0, 1]))
-        await until(lambda: 31 in decode.receiver.waiters, what="the room waiting")
+        await until(lambda: room.transfer is not None, what="transfer bound")
+        waiter = decode.receiver.waiters[31]
+        if slot == "another room's record":
+            decode.aux.write(waiter.aux_slot, AuxRecord(room=30, first_token_id=7, first_token_logprob=0.0,
+                                                        num_prompt_tokens=20).pack())
         decode.receiver.on_notification("forger", wire.encode(wire.Notification(
-            room=31, decode_id=decode.receiver.waiters[31].link.decode_id, ok=True)))
-        with pytest.raises(TransferError, match="aux slot|KV discarded|aux record"):
+            room=31, decode_id=waiter.link.decode_id, ok=True)))
+        expected = "holds room 30 .*; KV discarded" if slot != "never written" else "never written.*; KV discarded"
+        with pytest.raises(TransferError, match=expected):
             await task
-        assert decode.released == [31]
+        assert decode.released == [] and 31 in decode.receiver.quarantined
+        await until(lambda: room.is_aborted, what="the abort on the prefill")
+        with pytest.raises(TransferError, match="KV discarded") as info:
+            await prefill.writer.send_room(room, time.monotonic() + 5)
+        await prefill.bootstrap.fail_room(room, str(info.value), info.value.code)
+        await until(lambda: decode.released == [31], what="the pages back once the prefill confirmed")
+        assert decode.aux.num_free == decode.aux.num_slots
     scenario(body)
 
 
