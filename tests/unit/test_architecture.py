@@ -20,13 +20,17 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
-def _imports(path: Path, mods: dict[str, Path]) -> set[str]:
-    """Project modules ``path`` imports, anywhere in it (functions and TYPE_CHECKING blocks too)."""
+def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """Project modules the module ``name`` (at ``path``) imports, anywhere in it (functions and
+    TYPE_CHECKING blocks too), relative imports resolved."""
     found = set()
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in mods]
-            found.update(subs or ([node.module] if node.module in mods else []))
+        if isinstance(node, ast.ImportFrom):
+            parts = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join(parts + ([node.module] if node.module else []))
+            subs = [f"{module}.{a.name}" for a in node.names if f"{module}.{a.name}" in mods]
+            found.update(subs or ([module] if module in mods else []))
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name in mods)
     return found
@@ -74,14 +78,14 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_circle():
     mods = _modules()
-    graph = {name: _imports(path, mods) - {name} for name, path in mods.items()}
+    graph = {name: _imports(name, path, mods) - {name} for name, path in mods.items()}
     assert _cycles(graph) == []
 
 
 def test_imports_go_one_way():
     mods = _modules()
     for name, path in mods.items():
-        imported = _imports(path, mods)
+        imported = _imports(name, path, mods)
         if name.startswith("common"):
             assert not [m for m in imported if not m.startswith("common")], f"{name} imports a worker"
         for worker, other in (("prefill_worker", "decode_worker"), ("decode_worker", "prefill_worker")):
@@ -103,3 +107,15 @@ def test_files_and_classes_stay_small():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_import_finder_sees_type_checking_function_and_relative_imports(tmp_path):
+    source = tmp_path / "a.py"
+    source.write_text("from typing import TYPE_CHECKING\n"
+                      "if TYPE_CHECKING:\n    from common.wire import Message\n"
+                      "def f():\n    import common.errors\n"
+                      "from . import rooms\nfrom .peers import PeerTable\n")
+    mods = {m: source for m in ("common.wire", "common.errors", "common.aux", "prefill_worker.rooms",
+                                "prefill_worker.peers")}
+    assert _imports("prefill_worker.a", source, mods) == {"common.wire", "common.errors", "prefill_worker.rooms",
+                                                          "prefill_worker.peers"}
