@@ -11,7 +11,7 @@ warm-up whose bytes are checked on the decode; ratio_vs_raw is the median of per
             NIXL WRITE can use for those bytes (the maximal runs contiguous on both sides): one per
             region layer-major, ONE for the whole prompt page-major, one per page per region mixed
   kvferry   one prepared WRITE per group from the room's index lists, notification on the last (as
-            KvSender, which builds the lists when the decode's request arrives, during the forward:
+            KvWriter, which builds the lists when the decode's request arrives, during the forward:
             index_ms, reported apart); aux slots sit beside the KV as in the daemons, so that is one
             WRITE of KV pages + aux record. Decode pages: contiguous (0..n-1), fragmented (random over
             the pool) or churned (what the decode's PageAllocator gives after 400 random rooms)
@@ -41,7 +41,7 @@ from bench._common import emit, git_hash, hardware, median  # noqa: E402
 from common import wire
 from common.plan import geometry  # noqa: E402
 from common.aux import AuxSlots  # noqa: E402
-from common.plan.geometry import KvLayout  # noqa: E402
+from common.plan.layout import KvLayout  # noqa: E402
 from common.model.config import ModelConfig  # noqa: E402
 from common.model.kv_cache import KV_LAYOUTS, KvCache, PageAllocator  # noqa: E402
 from common.transport.nixl import NixlEngine  # noqa: E402
@@ -115,7 +115,7 @@ def ratio(raw: list[tuple[float, float]], kvferry: list[tuple[float, float]]) ->
 
 
 def write(engine: NixlEngine, local, local_idx, remote, remote_idx, notif: bytes | None, counts: list) -> None:
-    """KvSender._write for one group: post, poll to DONE with the same backoff, release. Appends the
+    """KvWriter._write for one group: post, poll to DONE with the same backoff, release. Appends the
     descriptors NIXL reports after merging to ``counts`` (the engine captures telemetry)."""
     handle = engine.post_write(local, local_idx, remote, remote_idx, notif)
     try:
@@ -161,7 +161,7 @@ class Prefill:
 
     def kvferry_write(self, prefill_ids: list[int], decode_ids: list[int], notif: bytes, counts: list
                       ) -> tuple[float, float]:
-        """One room as KvSender sends it; returns (index-building seconds, WRITE seconds). KvSender
+        """One room as KvWriter sends it; returns (index-building seconds, WRITE seconds). KvWriter
         builds the index lists when the decode's request arrives, while the forward runs; the WRITE
         path starts from them: the aux slot, then the WRITE."""
         start = time.perf_counter()

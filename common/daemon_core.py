@@ -21,7 +21,7 @@ from common.aux import AuxSlots
 from common.daemon_config import CommonConfig
 from common.engine.factory import build_runner
 from common.engine.runner import ModelRunner
-from common.plan.geometry import KvLayout
+from common.plan.layout import KvLayout
 from common.lifecycle import stop_http
 from common.metrics import Metrics
 from common.model.grammar import GrammarCache

@@ -1,8 +1,8 @@
 """The decode daemon: model (+draft) + KV pools + NIXL agent + prefill links + batcher + HTTP.
 
 ``start`` loads the models, allocates the KV pools and aux slots, registers them with NIXL (they
-are the targets of the prefills' WRITEs), starts the batcher and the notification poller, then
-HTTP; ``stop`` drains and reverses it (DESIGN §8).
+are the targets of the prefills' WRITEs), starts the batcher and the receiver (which owns the
+notification poller), then HTTP; ``stop`` drains and reverses it (DESIGN §8).
 """
 
 from __future__ import annotations

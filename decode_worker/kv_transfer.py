@@ -7,6 +7,8 @@ the NIXL notification or a ``transfer_result``. ``fetch`` also owns the fate of 
 it frees them (the caller's ``release``) once nothing more can be written into them, or
 quarantines them until the prefill confirms (or a hold time passes while the prefill can no
 longer start the WRITE), because a late WRITE into a reused page would corrupt another request.
+``KvReceiver.start`` runs the one notification poller (``poll_notifications``); links report
+frames about rooms and the loss of their prefill through ``on_link_message`` and ``on_link_lost``.
 
 A failure known before the transfer request left (registration refused or timed out, client gone,
 deadline) is told to the prefill with ``abort`` at once, so that its leg ends with the reason

@@ -13,7 +13,7 @@ import time
 
 from common import wire
 from common.errors import DisaggError, FailCode
-from common.plan.geometry import KvLayout
+from common.plan.layout import KvLayout
 from common.metrics import Metrics
 from common.transport.nixl import NixlEngine
 from common.transport.nixl_probe import MetadataProbe

@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from common import wire
 from common.plan import geometry
 from common.errors import DisaggError, FailCode, GeometryMismatchError, ProtocolError
-from common.plan.geometry import KvLayout, TransferPlan
+from common.plan.geometry import TransferPlan
+from common.plan.layout import KvLayout
 from common.metrics import Metrics
 from common.transport.nixl import NixlEngine
 from common.transport.nixl_probe import MetadataProbe

@@ -2,7 +2,7 @@
 
 ``KvLayout`` is what a daemon derives from its own pools or reads from a ``register`` message;
 ``check_layout`` refuses a table no plan could use (bad kinds, overflowing or overlapping regions,
-a page stride shorter than a page). Pure functions, like ``common.geometry``, which builds the
+a page stride shorter than a page). Pure functions, like ``common.plan.geometry``, which builds the
 transfer plan from two of these.
 """
 

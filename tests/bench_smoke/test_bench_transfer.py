@@ -48,7 +48,7 @@ def test_figures_are_positive_and_consistent(lines):
             assert r[key] > 0, (key, r[key])
         assert r["kvferry_gbps"] == pytest.approx(r["bytes"] / r["kvferry_ms"] / 1e6, rel=0.01)
         assert r["raw_nixl_gbps"] == pytest.approx(r["bytes"] / r["raw_ms"] / 1e6, rel=0.01)
-        assert r["index_ms"] >= 0  # built before the WRITE (as KvSender does), not part of kvferry_ms
+        assert r["index_ms"] >= 0  # built before the WRITE (as KvWriter.prepare does), not part of kvferry_ms
         if r["layout"] != "contiguous":
             assert r["nixl_same_descs_ms"] > 0 and r["ratio_vs_same_descs"] > 0
 

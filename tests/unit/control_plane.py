@@ -21,7 +21,7 @@ import uvloop
 
 from common import wire
 from common.aux import AuxSlots
-from common.plan.geometry import KvLayout
+from common.plan.layout import KvLayout
 from common.metrics import Metrics
 from common.transport.nixl import NixlEngine
 from common.transport.zmq import BootstrapClient, BootstrapServer
