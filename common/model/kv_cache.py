@@ -17,7 +17,7 @@ scattered pages is one NIXL descriptor per page instead of one per page per regi
 
 from __future__ import annotations
 
-import heapq
+import bisect
 import logging
 
 import torch
@@ -38,36 +38,73 @@ class PageOwnershipError(DisaggError):
 
 
 class PageAllocator:
-    """Hands out page ids in ``[0, num_pages)``. Lowest free ids first, so that a fresh pool gives
-    contiguous runs (fewer NIXL descriptors after merging). A page may be shared (``share``: the
-    prompt pages of n > 1 completions); it is free again once every holder has freed it. Not
-    thread-safe: one owner thread."""
+    """Hands out page ids in ``[0, num_pages)`` as whole free extents when it can, so that a room's
+    pages form few contiguous runs (few NIXL descriptors after merging; no staging needed).
+
+    The free pages are kept as maximal runs (extents). ``allocate(n)`` takes:
+
+    - best fit: the smallest free run that holds ``n`` (lowest address among equals), from its
+      start; a fresh pool therefore hands out ``0..n-1``;
+    - when no run holds ``n``: the largest runs (lowest address among equals) until the rest fits
+      in one run, then the best fit for the rest. That is the fewest runs any choice from the
+      current free pages can have: ``k`` runs hold at most the ``k`` largest runs' pages.
+
+    Pages come back in token order: the chosen runs largest first, each ascending, so that the
+    first pages of a sequence (its prompt, the part a transfer moves) sit in the largest run.
+    Guarantee, per call: no allocation from the same free pages has fewer runs (so never more than
+    lowest-ids-first on the same free pages); across a history the free pages themselves differ,
+    and ``bench``-style churn measures that (fewer runs in practice, not a theorem).
+
+    A page may be shared (``share``: the prompt pages of n > 1 completions); it is free again once
+    every holder has freed it. Deterministic: two pools given the same calls hand out the same ids
+    (the target and draft pools move in lockstep). Not thread-safe: one owner thread.
+
+    Cost: ``allocate`` is O(runs taken × (distinct run lengths + runs of one length)) list moves;
+    distinct lengths are at most sqrt(2 × num_pages) (they sum to at most num_pages).
+    """
 
     def __init__(self, num_pages: int) -> None:
         if num_pages <= 0:
             raise ValueError(f"num_pages is {num_pages}, expected > 0")
         self.num_pages = num_pages
-        self._free_heap = list(range(num_pages))
         self._refs = [0] * num_pages  # holders of each page; 0 = free
+        self._num_free = num_pages
+        self._run_at: dict[int, int] = {}       # free run start -> its length
+        self._run_ending: dict[int, int] = {}   # free run end (exclusive) -> its start
+        self._starts_of: dict[int, list[int]] = {}  # length -> starts of the free runs that long, ascending
+        self._lengths: list[int] = []           # the keys of _starts_of, ascending
+        self._add_run(0, num_pages)
 
     @property
     def num_free(self) -> int:
-        return len(self._free_heap)
+        return self._num_free
 
     def can_allocate(self, num: int) -> bool:
-        return 0 <= num <= len(self._free_heap)
+        return 0 <= num <= self._num_free
 
     def allocate(self, num: int) -> list[int]:
         if num < 0:
             raise ValueError(f"cannot allocate {num} pages")
-        if num > len(self._free_heap):
+        if num > self._num_free:
             raise OverloadedError(
-                f"KV pool has {len(self._free_heap)} free pages of {self.num_pages}, request needs {num}; "
+                f"KV pool has {self._num_free} free pages of {self.num_pages}, request needs {num}; "
                 "retry later or raise --max-total-tokens"
             )
-        pages = [heapq.heappop(self._free_heap) for _ in range(num)]
+        pages: list[int] = []
+        rest = num
+        while rest > 0:
+            i = bisect.bisect_left(self._lengths, rest)
+            length = self._lengths[i] if i < len(self._lengths) else self._lengths[-1]  # best fit, else largest
+            start = self._starts_of[length][0]
+            take = min(rest, length)
+            self._remove_run(start, length)
+            if take < length:
+                self._add_run(start + take, length - take)
+            pages.extend(range(start, start + take))
+            rest -= take
         for page in pages:
             self._refs[page] = 1
+        self._num_free -= num
         return pages
 
     def share(self, pages: list[int]) -> list[int]:
@@ -78,13 +115,58 @@ class PageAllocator:
         return list(pages)
 
     def free(self, pages: list[int]) -> None:
-        """Drop one hold on each of ``pages``; a page nobody holds goes back. Checks every id first,
-        so a bad call changes nothing."""
+        """Drop one hold on each of ``pages``; a page nobody holds goes back (joined with the free
+        runs beside it). Checks every id first, so a bad call changes nothing."""
         self._check(pages)
+        released = []
         for page in pages:
             self._refs[page] -= 1
             if self._refs[page] == 0:
-                heapq.heappush(self._free_heap, page)
+                released.append(page)
+        released.sort()
+        i = 0
+        while i < len(released):  # each ascending stretch of released pages is one run
+            j = i + 1
+            while j < len(released) and released[j] == released[j - 1] + 1:
+                j += 1
+            self._release_run(released[i], j - i)
+            i = j
+        self._num_free += len(released)
+
+    def free_runs(self) -> list[tuple[int, int]]:
+        """The free pages as maximal (start, length) runs, by address."""
+        return sorted(self._run_at.items())
+
+    def _release_run(self, start: int, length: int) -> None:
+        left = self._run_ending.get(start)
+        if left is not None:  # a free run ends where this one starts: join it
+            left_length = self._run_at[left]
+            self._remove_run(left, left_length)
+            start, length = left, length + left_length
+        right_length = self._run_at.get(start + length)
+        if right_length is not None:
+            self._remove_run(start + length, right_length)
+            length += right_length
+        self._add_run(start, length)
+
+    def _add_run(self, start: int, length: int) -> None:
+        self._run_at[start] = length
+        self._run_ending[start + length] = start
+        starts = self._starts_of.get(length)
+        if starts is None:
+            self._starts_of[length] = [start]
+            bisect.insort(self._lengths, length)
+        else:
+            bisect.insort(starts, start)
+
+    def _remove_run(self, start: int, length: int) -> None:
+        del self._run_at[start]
+        del self._run_ending[start + length]
+        starts = self._starts_of[length]
+        del starts[bisect.bisect_left(starts, start)]
+        if not starts:
+            del self._starts_of[length]
+            del self._lengths[bisect.bisect_left(self._lengths, length)]
 
     def _check(self, pages: list[int]) -> None:
         seen: set[int] = set()
@@ -108,7 +190,10 @@ class KvCache:
         device: torch.device | str,
         model_name: str = "target",
         layout: str = "page-major",
+        head_start: int = 0,
+        num_kv_heads: int | None = None,
     ) -> None:
+        """``head_start``/``num_kv_heads``: the KV heads this pool holds (a TP rank's; default all)."""
         if model_name not in MODEL_KINDS:
             raise ValueError(f"model_name is {model_name!r}, expected one of {MODEL_KINDS}")
         if layout not in KV_LAYOUTS:
@@ -122,7 +207,9 @@ class KvCache:
         self.device = torch.device(device)
         self.model_name = model_name
         self.layout = layout
-        num_layers, page_shape = config.num_hidden_layers, (page_size, config.num_key_value_heads, config.head_dim)
+        self.head_start = head_start
+        self.num_kv_heads = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
+        num_layers, page_shape = config.num_hidden_layers, (page_size, self.num_kv_heads, config.head_dim)
         is_page_major = layout == "page-major"
         shape = (num_pages, num_layers, 2) if is_page_major else (num_layers, 2, num_pages)
         # Zeros, not empty: padded attention reads unused rows with zero weight, and 0 * NaN is NaN.
@@ -138,7 +225,7 @@ class KvCache:
     @property
     def page_bytes(self) -> int:
         """Bytes of one page of one (layer, K|V) region."""
-        return self.page_size * self.config.num_key_value_heads * self.config.head_dim * self.buffer.element_size()
+        return self.page_size * self.num_kv_heads * self.config.head_dim * self.buffer.element_size()
 
     @property
     def num_bytes(self) -> int:
@@ -189,8 +276,8 @@ class KvCache:
                         addr=tensor.data_ptr(),
                         item_len=self.page_bytes,
                         num_pages=self.num_pages,
-                        head_start=0,
-                        num_heads=self.config.num_key_value_heads,
+                        head_start=self.head_start,
+                        num_heads=self.num_kv_heads,
                         stride=stride,
                     )
                 )

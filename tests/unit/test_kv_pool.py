@@ -34,8 +34,19 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert self.alloc.num_free == num_free  # a refused request takes nothing
             return
         assert self.alloc.can_allocate(num)
+        runs_before = self.alloc.free_runs()
+        free_before = {p for start, length in runs_before for p in range(start, start + length)}
         pages = self.alloc.allocate(num)
-        assert len(pages) == num and all(0 <= p < self.num_pages for p in pages)
+        assert len(pages) == num and len(set(pages)) == num and set(pages) <= free_before
+        # the fewest runs any choice from these free pages can have: the k largest free runs hold n
+        lengths = sorted((length for _, length in runs_before), reverse=True)
+        fewest = next((k for k in range(len(lengths) + 1) if sum(lengths[:k]) >= num), None)
+        assert _num_runs(pages) == fewest
+        assert _num_runs(pages) <= _num_runs(sorted(free_before)[:num])  # lowest-ids-first, same free pages
+        if any(length >= num for length in lengths):  # it fits in one free run: one run, the best fit
+            assert fewest == min(num, 1)
+            if num:
+                assert min(length for length in lengths if length >= num) == dict(runs_before)[pages[0]]
         self.held.append(pages)
 
     @precondition(lambda self: self.held)
@@ -62,6 +73,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert len(held) == len(set(held))
         if hasattr(self, "alloc"):
             assert self.alloc.num_free + len(held) == self.num_pages
+            # the free runs are exactly the pages nobody holds, as maximal runs
+            free = sorted(set(range(self.num_pages)) - set(held))
+            assert self.alloc.free_runs() == _runs(free)
 
     def teardown(self) -> None:
         if hasattr(self, "alloc"):
@@ -72,6 +86,21 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 TestAllocatorMachine = AllocatorMachine.TestCase
+
+
+def _runs(pages: list[int]) -> list[tuple[int, int]]:
+    """Maximal (start, length) runs of ascending ``pages``."""
+    out: list[tuple[int, int]] = []
+    for p in pages:
+        if out and out[-1][0] + out[-1][1] == p:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((p, 1))
+    return out
+
+
+def _num_runs(pages: list[int]) -> int:
+    return len(_runs(sorted(pages)))
 
 
 @given(st.integers(1, 32), st.lists(st.integers(-5, 40), min_size=1, max_size=5))
@@ -97,11 +126,26 @@ def test_duplicate_in_one_call_raises():
     assert alloc.num_free == 0
 
 
-def test_fresh_pool_hands_out_contiguous_low_pages():
+def test_fresh_pool_hands_out_contiguous_low_pages_then_best_fit():
     alloc = PageAllocator(10)
     assert alloc.allocate(3) == [0, 1, 2]
     alloc.free([1])
-    assert alloc.allocate(2) == [1, 3]
+    assert alloc.allocate(2) == [3, 4]  # one run from [3, 10), not pages 1 and 3
+    assert alloc.allocate(1) == [1]  # the hole that fits exactly
+    alloc.free([0, 2, 3])  # free runs: [0, 1), [2, 4), [5, 10)
+    assert alloc.free_runs() == [(0, 1), (2, 2), (5, 5)]
+    assert alloc.allocate(2) == [2, 3]  # best fit: the 2-run, though [5, 10) is larger
+    assert alloc.allocate(6) == [5, 6, 7, 8, 9, 0]  # none holds 6: the largest run first, then the rest
+
+
+def test_pages_come_back_as_one_run():
+    alloc = PageAllocator(8)
+    a, b, c = alloc.allocate(2), alloc.allocate(3), alloc.allocate(3)
+    alloc.free(a)
+    alloc.free(c)
+    assert alloc.free_runs() == [(0, 2), (5, 3)]
+    alloc.free(list(reversed(b)))  # joins both neighbours
+    assert alloc.free_runs() == [(0, 8)] and alloc.allocate(8) == list(range(8))
 
 
 def _config(layers: int = 3, kv_heads: int = 2, head_dim: int = 8) -> ModelConfig:
