@@ -15,7 +15,7 @@ from common import wire
 from common.aux_record import AuxRecord
 from common.errors import FailCode, PeerUnavailableError, TransferError, UnsafeWriteError
 from common.transport.nixl import NixlEngine
-from prefill_worker.rooms import EarlyTransfer, RoomLimits, RoomTable
+from prefill_worker.rooms import EarlyTransfer, RoomLimits, RoomState, RoomTable
 from tests.unit.control_plane import PAGE_SIZE, Decode, Prefill, run, until
 
 pytestmark = pytest.mark.timeout(60)
@@ -163,6 +163,29 @@ def test_second_cancel_does_not_free_pages_under_a_write():
         assert engine.num_posts == 1  # aborted: no group after the one in flight was posted
         assert prefill.peers.get(decode.decode_id).num_writes == 0
     scenario(body, engine=engine)
+
+
+def test_room_aborted_before_its_write_job_runs_posts_nothing():
+    """The room is aborted after its WRITE job was queued but before it ran (every transfer thread
+    busy with other rooms): the job checks the abort flag before its first post, so nothing lands
+    in the decode's pages and the room fails with the abort's reason."""
+    async def body(prefill, decode):
+        assert (await decode.register()).accepted
+        room = prefill.open_room(45, num_tokens=40)
+        await decode.send(decode.transfer(45, 40, [1, 2, 3]))
+        await until(lambda: room.transfer is not None, what="transfer bound")
+        gate = threading.Event()
+        for _ in range(2):  # both transfer threads busy: the room's job waits in the queue
+            prefill.executor.submit(gate.wait, 20)
+        task = asyncio.get_running_loop().create_task(prefill.writer.send_room(room, time.monotonic() + 10))
+        await until(lambda: room.state is RoomState.WRITING, what="the WRITE job queued")
+        room.abort("decode gave up (test)", FailCode.ABORTED)
+        gate.set()
+        with pytest.raises(TransferError, match="decode gave up"):
+            await task
+        assert all(decode.pool[p].count_nonzero() == 0 for p in (1, 2, 3))  # nothing was written
+        assert prefill.peers.get(decode.decode_id).num_writes == 0 and prefill.aux.num_free == prefill.aux.num_slots
+    scenario(body)
 
 
 class StuckCancelEngine(NixlEngine):
