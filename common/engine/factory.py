@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from common.engine.cuda_graph import StepGraphs
 from common.engine.runner import ModelRunner, ModelSlot
+from common.engine.tp_comm import rank_device
+from common.engine.tp_group import TpGroup, TpSpec
 from common.errors import ConfigError
 from common.model.config import ModelConfig
 from common.model.kv_cache import KvCache, PageAllocator
 from common.model.loader import load_model
+from common.model.tp_layers import TpConfigError, TpShard
 
 
 def build_slot(model_dir: str, *, model_name: str, device: str, dtype: str | None, page_size: int,
@@ -38,10 +41,18 @@ def build_slot(model_dir: str, *, model_name: str, device: str, dtype: str | Non
 def build_runner(target_dir: str, draft_dir: str | None = None, *, device: str = "cpu", dtype: str | None = None,
                  page_size: int = 16, max_total_tokens: int = 65536, spec_k: int = 4,
                  draft_device: str | None = None, kv_layout: str = "page-major", attention_backend: str = "auto",
-                 cuda_graph_max_bs: int = 128, disable_cuda_graph: bool = False) -> ModelRunner:
+                 cuda_graph_max_bs: int = 128, disable_cuda_graph: bool = False, tp_size: int = 1,
+                 tp_timeout_s: float = 120.0, tp_num_threads: int = 0) -> ModelRunner:
     """Target (and draft) with their KV pools, both in ``kv_layout``; ``draft_device`` defaults to
-    ``device``. ``attention_backend`` and the CUDA graph settings apply to both models."""
+    ``device``. ``attention_backend`` and the CUDA graph settings apply to both models. ``tp_size``
+    > 1 shards the target over that many processes (``build_tp_slot``); call ``runner.close()``."""
     num_pages = max_total_tokens // page_size
+    if tp_size > 1:
+        check_tp_options(tp_size, device=device, draft_dir=draft_dir,
+                         cuda_graphs=not disable_cuda_graph and cuda_graph_max_bs > 0)
+        spec = TpSpec(target_dir, tp_size, device, dtype, page_size, num_pages, kv_layout, attention_backend,
+                      tp_timeout_s, tp_num_threads)
+        return ModelRunner(build_tp_slot(spec), None, spec_k=spec_k)
     engine = {"kv_layout": kv_layout, "attention_backend": attention_backend,
               "cuda_graph_max_bs": 0 if disable_cuda_graph else cuda_graph_max_bs}
     target = build_slot(target_dir, model_name="target", device=device, dtype=dtype, page_size=page_size,
@@ -57,3 +68,35 @@ def build_runner(target_dir: str, draft_dir: str | None = None, *, device: str =
         draft = build_slot(draft_dir, model_name="draft", device=draft_device or device, dtype=dtype,
                            page_size=page_size, num_pages=num_pages, **engine)
     return ModelRunner(target, draft, spec_k=spec_k)
+
+
+def check_tp_options(tp_size: int, *, device: str, draft_dir: str | None, cuda_graphs: bool) -> None:
+    """Refuse, naming the option, what a TP > 1 engine does not run yet (issue 15)."""
+    if draft_dir:
+        raise TpConfigError(f"--draft-model is not supported with --tp-size {tp_size} yet: the draft would not be "
+                            "sharded; drop --draft-model or use --tp-size 1")
+    if cuda_graphs and rank_device(device, 0).type == "cuda":
+        raise TpConfigError(f"--tp-size {tp_size} on CUDA runs eagerly (no CUDA graphs yet); pass "
+                            "--disable-cuda-graph or use --tp-size 1")
+
+
+def build_tp_slot(spec: TpSpec) -> ModelSlot:
+    """Rank 0's slot of a TP engine: its shard and KV heads, the workers started and loaded."""
+    shard = TpShard.of(ModelConfig.from_dir(spec.model_dir), spec.tp_size, 0)  # refuse before starting anything
+    group = TpGroup(spec)
+    comm = group.start()
+    try:
+        device = rank_device(spec.device, 0)
+        model = load_model(spec.model_dir, dtype=spec.dtype, device=device, tp_size=spec.tp_size, tp_rank=0)
+        try:
+            model.set_attention_backend(spec.attention_backend)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        model.attach_tp(comm.all_reduce)
+        kv = KvCache(model.config, spec.num_pages, spec.page_size, model.dtype, device, model_name="target",
+                     layout=spec.kv_layout, head_start=shard.kv_heads.start, num_kv_heads=shard.kv_heads.count)
+        group.wait_loaded()
+    except BaseException:
+        group.close()
+        raise
+    return ModelSlot(model, kv, PageAllocator(spec.num_pages), tp=group)

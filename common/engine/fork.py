@@ -99,11 +99,11 @@ def fork(runner: ModelRunner, parent: Sequence, children: list[Sequence]) -> Non
     for child in children:
         own = runner.pages_for(child) - last
         child.pages = runner.target.allocator.share(parent.pages[:last]) + runner.target.allocator.allocate(own)
-        runner.target.kv.copy_page(parent.pages[last], child.pages[last])
+        runner.target.copy_page(parent.pages[last], child.pages[last])
         if runner.draft is not None:
             child.draft_pages = (runner.draft.allocator.share(parent.draft_pages[:last])
                                  + runner.draft.allocator.allocate(own))
-            runner.draft.kv.copy_page(parent.draft_pages[last], child.draft_pages[last])
+            runner.draft.copy_page(parent.draft_pages[last], child.draft_pages[last])
         child.num_cached = child.draft_num_cached = parent.num_prompt_tokens - 1
         if parent.grammar is not None:  # structured output: its own matcher, at the grammar's start
             child.grammar = parent.grammar.fresh()

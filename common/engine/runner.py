@@ -31,19 +31,34 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ModelSlot:
     """A model with its paged KV cache, the allocator of that cache's pages and, on CUDA, the
-    captured decode graphs (``cuda_graph.py``)."""
+    captured decode graphs (``cuda_graph.py``). With tensor parallelism, ``tp`` (rank 0's
+    ``tp_group.TpGroup``) runs every KV-changing step on the other ranks too."""
 
     model: object  # common.model.llama model: forward(chunks, kv, all_logits=False)
     kv: KvCache
     allocator: PageAllocator
     graphs: list[StepGraphs] = field(default_factory=list)  # decode (q = 1), then verify (q = k + 1)
+    tp: object | None = None  # TpGroup: forward(model, kv, chunks, ...), copy_page(src, dst), close()
 
     def forward(self, chunks: list[SeqChunk], *, all_logits: bool = False, feed: TokenFeed | None = None):
+        if self.tp is not None:
+            return self.tp.forward(self.model, self.kv, chunks, all_logits=all_logits, feed=feed)
         for graphs in self.graphs:
             if graphs.can_run(chunks, all_logits):
                 self.model.check(chunks, self.kv)
                 return graphs.run(chunks, feed)
         return self.model.forward(chunks, self.kv, all_logits=all_logits, feed=feed)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Page ``dst`` of every region becomes a copy of page ``src``, on every TP rank."""
+        if self.tp is not None:
+            self.tp.copy_page(src, dst)
+        self.kv.copy_page(src, dst)
+
+    def close(self) -> None:
+        """End the TP workers, if any (no-op at TP 1)."""
+        if self.tp is not None:
+            self.tp.close()
 
 
 @dataclass(eq=False)
@@ -90,6 +105,11 @@ class ModelRunner:
         self.sampler = Sampler()
         # penalties' token counts; the daemons set the tokenizer's EOS ids (what min_tokens masks)
         self.history = TokenHistory(target.model.config.vocab_size, target.kv.device, target.model.config.eos_token_ids)
+
+    def close(self) -> None:
+        """Release what outlives the process's memory: the TP worker processes, if any."""
+        for slot in self.slots:
+            slot.close()
 
     # -- pages ------------------------------------------------------------------------------
     @property

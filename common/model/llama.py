@@ -21,6 +21,7 @@ from common.model.attn_backend import make_backend
 from common.model.config import ModelConfig
 from common.model.kv_cache import KvCache
 from common.model.norm import rms_norm
+from common.model.tp_layers import TensorSlot, TpShard, layer_tensor_map
 
 logger = logging.getLogger(__name__)
 
@@ -46,68 +47,37 @@ class TokenFeed:
         return token_ids.index_copy(0, self.rows, self.values)
 
 
-@dataclass(frozen=True)
-class TensorSlot:
-    """Where a Hugging Face tensor lands: rows [row_start, row_start + num_rows) of ``target``."""
-
-    target: torch.Tensor
-    row_start: int
-    num_rows: int
-
-
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     # Uninitialised: the loader overwrites every element, and an 8B model should not be filled twice.
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device,
+                 shard: TpShard | None = None) -> None:
         super().__init__()
         c = config
         self.layer = layer
         self.config = config
+        self.shard = shard = shard or TpShard.single(config)
+        self.reduce = None  # TP > 1: the all_reduce of the TP group, summing row-parallel outputs
         self.window = c.sliding_windows[layer]
+        q, kv, inter = shard.q_size, shard.kv_size, shard.inter.count  # this rank's part (all at TP 1)
         self.input_norm = _param((c.hidden_size,), dtype, device)
-        self.qkv_weight = _param((c.q_size + 2 * c.kv_size, c.hidden_size), dtype, device)
-        self.qkv_bias = _param((c.q_size + 2 * c.kv_size,), dtype, device) if c.has_qkv_bias else None
-        self.o_weight = _param((c.hidden_size, c.q_size), dtype, device)
+        self.qkv_weight = _param((q + 2 * kv, c.hidden_size), dtype, device)
+        self.qkv_bias = _param((q + 2 * kv,), dtype, device) if c.has_qkv_bias else None
+        self.o_weight = _param((c.hidden_size, q), dtype, device)
         self.o_bias = _param((c.hidden_size,), dtype, device) if c.has_o_bias else None
         self.q_norm = _param((c.head_dim,), dtype, device) if c.has_qk_norm else None
         self.k_norm = _param((c.head_dim,), dtype, device) if c.has_qk_norm else None
         self.post_norm = _param((c.hidden_size,), dtype, device)
-        self.gate_up_weight = _param((2 * c.intermediate_size, c.hidden_size), dtype, device)
-        self.gate_up_bias = _param((2 * c.intermediate_size,), dtype, device) if c.has_mlp_bias else None
-        self.down_weight = _param((c.hidden_size, c.intermediate_size), dtype, device)
+        self.gate_up_weight = _param((2 * inter, c.hidden_size), dtype, device)
+        self.gate_up_bias = _param((2 * inter,), dtype, device) if c.has_mlp_bias else None
+        self.down_weight = _param((c.hidden_size, inter), dtype, device)
         self.down_bias = _param((c.hidden_size,), dtype, device) if c.has_mlp_bias else None
 
     def hf_tensor_map(self) -> dict[str, TensorSlot]:
-        c, p = self.config, f"model.layers.{self.layer}."
-        q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
-        out = {
-            p + "input_layernorm.weight": TensorSlot(self.input_norm, 0, c.hidden_size),
-            p + "self_attn.q_proj.weight": TensorSlot(self.qkv_weight, 0, q),
-            p + "self_attn.k_proj.weight": TensorSlot(self.qkv_weight, q, kv),
-            p + "self_attn.v_proj.weight": TensorSlot(self.qkv_weight, q + kv, kv),
-            p + "self_attn.o_proj.weight": TensorSlot(self.o_weight, 0, c.hidden_size),
-            p + "post_attention_layernorm.weight": TensorSlot(self.post_norm, 0, c.hidden_size),
-            p + "mlp.gate_proj.weight": TensorSlot(self.gate_up_weight, 0, inter),
-            p + "mlp.up_proj.weight": TensorSlot(self.gate_up_weight, inter, inter),
-            p + "mlp.down_proj.weight": TensorSlot(self.down_weight, 0, c.hidden_size),
-        }
-        if self.qkv_bias is not None:
-            out[p + "self_attn.q_proj.bias"] = TensorSlot(self.qkv_bias, 0, q)
-            out[p + "self_attn.k_proj.bias"] = TensorSlot(self.qkv_bias, q, kv)
-            out[p + "self_attn.v_proj.bias"] = TensorSlot(self.qkv_bias, q + kv, kv)
-        if self.o_bias is not None:
-            out[p + "self_attn.o_proj.bias"] = TensorSlot(self.o_bias, 0, c.hidden_size)
-        if self.q_norm is not None:
-            out[p + "self_attn.q_norm.weight"] = TensorSlot(self.q_norm, 0, c.head_dim)
-            out[p + "self_attn.k_norm.weight"] = TensorSlot(self.k_norm, 0, c.head_dim)
-        if self.gate_up_bias is not None:
-            out[p + "mlp.gate_proj.bias"] = TensorSlot(self.gate_up_bias, 0, inter)
-            out[p + "mlp.up_proj.bias"] = TensorSlot(self.gate_up_bias, inter, inter)
-            out[p + "mlp.down_proj.bias"] = TensorSlot(self.down_bias, 0, c.hidden_size)
-        return out
+        return layer_tensor_map(self, self.config, self.shard)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos_sin, kv: KvCache, plan, attn):
         """Residual stream x [T, hidden] and the previous layer's output ``delta`` (None before layer
@@ -116,46 +86,68 @@ class DecoderLayer(nn.Module):
         x, h = attn.add_norm(x, delta, self.input_norm, eps)
         x, h = attn.add_norm(x, self._attention(h, cos_sin, kv, plan, attn), self.post_norm, eps)
         gate_up = attn.linear(h, self.gate_up_weight, self.gate_up_bias)
-        return x, attn.linear(attn.silu_mul(gate_up), self.down_weight, self.down_bias)
+        return x, self._row_parallel(attn.silu_mul(gate_up), self.down_weight, self.down_bias, attn)
+
+    def _row_parallel(self, x: torch.Tensor, weight, bias, attn) -> torch.Tensor:
+        """x @ weight.T + bias; at TP > 1 the ranks' partial sums are added by one all_reduce (the
+        bias by rank 0 only). At TP 1 no collective runs."""
+        if self.reduce is None:
+            return attn.linear(x, weight, bias)
+        return self.reduce(attn.linear(x, weight, bias if self.shard.adds_row_bias else None))
 
     def _attention(self, h: torch.Tensor, cos_sin, kv: KvCache, plan, attn) -> torch.Tensor:
-        c = self.config
+        c, shard = self.config, self.shard
         num_tokens = h.shape[0]
         qkv = attn.linear(h, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(num_tokens, c.num_attention_heads, c.head_dim)  # [T, Hq, D]
-        k = k.view(num_tokens, c.num_key_value_heads, c.head_dim)  # [T, Hkv, D]
-        v = v.view(num_tokens, c.num_key_value_heads, c.head_dim)
+        q, k, v = qkv.split([shard.q_size, shard.kv_size, shard.kv_size], dim=-1)
+        q = q.view(num_tokens, shard.q_heads.count, c.head_dim)  # [T, Hq (this rank's), D]
+        k = k.view(num_tokens, shard.kv_heads.count, c.head_dim)  # [T, Hkv (this rank's), D]
+        v = v.view(num_tokens, shard.kv_heads.count, c.head_dim)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, c.rms_norm_eps)
             k = rms_norm(k, self.k_norm, c.rms_norm_eps)
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]  # [num_pages, page_size, Hkv, D]
         q = attn.rope_store(q, k, v, cos_sin, k_cache, v_cache, plan)  # rotates q and k, stores k and v
         out = attn.attend(q, k, v, k_cache, v_cache, plan, self.window, c.head_dim**-0.5)
-        return attn.linear(out.reshape(num_tokens, c.q_size), self.o_weight, self.o_bias)
+        return self._row_parallel(out.reshape(num_tokens, shard.q_size), self.o_weight, self.o_bias, attn)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder with embedding, layers, final norm and lm_head (tied to the embedding when configured)."""
+    """Decoder with embedding, layers, final norm and lm_head (tied to the embedding when configured).
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    With a ``shard`` of TP > 1 the layers hold this rank's heads and intermediate block
+    (``tp_layers.py``); embedding, norms and lm_head are replicated. ``attach_tp`` gives the layers
+    the TP group's all_reduce. Ranks other than 0 stop after the last layer (``run`` returns None):
+    only rank 0 computes logits and samples."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 shard: TpShard | None = None) -> None:
         super().__init__()
         device = torch.device(device)
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.shard = shard = shard or TpShard.single(config)
         self.embed = _param((config.vocab_size, config.hidden_size), dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device, shard)
+                                    for i in range(config.num_hidden_layers))
         self.norm = _param((config.hidden_size,), dtype, device)
         self.lm_head = self.embed if config.has_tied_embeddings else _param(
             (config.vocab_size, config.hidden_size), dtype, device
         )
         self.inv_freq = rope.inv_frequencies(config).to(device)
-        self.attn = make_backend("auto", device, config.num_key_value_heads)
+        self.attn = make_backend("auto", device, shard.kv_heads.count)
 
     def set_attention_backend(self, name: str) -> None:
         """``auto``, ``torch`` or ``triton`` (CUDA only); see ``attn_backend.py``."""
-        self.attn = make_backend(name, self.device, self.config.num_key_value_heads)
+        self.attn = make_backend(name, self.device, self.shard.kv_heads.count)
+
+    def attach_tp(self, all_reduce) -> None:
+        """Sum row-parallel outputs with ``all_reduce(tensor) -> tensor`` (TP > 1 only)."""
+        if not self.shard.is_sharded:
+            raise ValueError("attach_tp: this model is not sharded (tp_size 1 runs no collective)")
+        for layer in self.layers:
+            layer.reduce = all_reduce
 
     def hf_tensor_map(self) -> dict[str, TensorSlot]:
         """Hugging Face tensor name -> destination. Tied checkpoints carry no ``lm_head.weight``."""
@@ -193,6 +185,8 @@ class LlamaForCausalLM(nn.Module):
         cos_sin = rope.cos_sin(plan.positions, self.inv_freq, self.dtype)
         for layer in self.layers:
             x, delta = layer(x, delta, cos_sin, kv, plan, self.attn)
+        if self.shard.tp_rank > 0:
+            return None  # the KV is written; rank 0 alone computes logits
         x = x + delta
         if not all_logits:
             x = x.index_select(0, plan.last_index)

@@ -11,7 +11,8 @@ from safetensors import safe_open
 
 from common.errors import ModelLoadError
 from common.model.config import ModelConfig
-from common.model.llama import LlamaForCausalLM, TensorSlot
+from common.model.llama import LlamaForCausalLM
+from common.model.tp_layers import TensorSlot, TpShard
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +32,15 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def load_model(
-    model_dir: str | Path, *, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"
+    model_dir: str | Path, *, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu",
+    tp_size: int = 1, tp_rank: int = 0,
 ) -> LlamaForCausalLM:
-    """Read ``config.json`` and the safetensors of ``model_dir``; ``dtype`` None keeps the checkpoint's."""
+    """Read ``config.json`` and the safetensors of ``model_dir``; ``dtype`` None keeps the checkpoint's.
+    With ``tp_size`` > 1 only rank ``tp_rank``'s part of each sharded tensor is kept (``tp_layers.py``)."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     torch_dtype = parse_dtype(dtype if dtype is not None else config.torch_dtype)
-    model = LlamaForCausalLM(config, torch_dtype, device)
+    model = LlamaForCausalLM(config, torch_dtype, device, TpShard.of(config, tp_size, tp_rank))
     slots = model.hf_tensor_map()
     loaded: set[str] = set()
     ignored: list[str] = []
@@ -62,8 +65,9 @@ def load_model(
     if unexpected:
         logger.warning("model=%s ignored %d unknown tensors, first %s", model_dir, len(unexpected), unexpected[0])
     logger.info(
-        "loaded model=%s arch=%s layers=%d dtype=%s device=%s fingerprint=%s",
+        "loaded model=%s arch=%s layers=%d dtype=%s device=%s fingerprint=%s tp_rank=%d tp_size=%d",
         model_dir, config.architecture, config.num_hidden_layers, torch_dtype, device, config.fingerprint,
+        tp_rank, tp_size,
     )
     return model
 
@@ -90,9 +94,9 @@ def _shards(model_dir: Path) -> dict[Path, list[str] | None]:
 
 
 def _copy(tensor: torch.Tensor, slot: TensorSlot, name: str, path: Path) -> None:
-    expected = (slot.num_rows, *slot.target.shape[1:])
+    expected = slot.checkpoint_shape()
     if tuple(tensor.shape) != expected:
         raise ModelLoadError(
             f"{path}: tensor '{name}' has shape {tuple(tensor.shape)}, config.json implies {expected}"
         )
-    slot.target.narrow(0, slot.row_start, slot.num_rows).copy_(tensor)
+    slot.target.narrow(0, slot.row_start, slot.num_rows).copy_(slot.take(tensor))

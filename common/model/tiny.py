@@ -74,6 +74,8 @@ class TinySpec:
 
 presets: dict[str, TinySpec] = {
     "tiny": TinySpec(),
+    # 8 KV heads (no GQA), four layers: tensor parallelism splitting KV heads in blocks at TP 2 and 4
+    "tiny-kv8": TinySpec(num_layers=4, num_heads=8, num_kv_heads=8, head_dim=16),
     "llama-3.1-8b": TinySpec(
         hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
         rope_theta=500000.0, max_position_embeddings=131072, dtype="bfloat16",

@@ -1,0 +1,238 @@
+"""Tensor-parallel engine on CPU (gloo): rank 0 in this process, ranks 1..N-1 as
+``python -m common.engine.tp_worker`` processes. Greedy output at TP 2 and TP 4 equals TP 1 token
+for token (float32; prompts of 1 to 300 tokens, prefill then 16 tokens through the overlapped
+decode path, and n > 1 forks whose copied page must reach every rank), on the embedded tiny
+checkpoint (4 attention heads, 2 KV heads: TP 4 replicates each KV head on two ranks) and on
+``tiny-kv8`` (8 KV heads, split in blocks). Each started group serves every case of its module
+fixture. Also: each rank's weights are slices of the checkpoint that concatenate back to it, the
+refusals name their option, and workers never outlive rank 0, whether it closes, dies, or sees a
+worker die."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.engine.factory import build_runner, check_tp_options
+from common.engine.fork import fork
+from common.engine.sequence import Sequence
+from common.engine.tp_group import TpWorkerError
+from common.engine.tp_step import StepHeader, StepKind, decode_forward, encode_forward
+from common.model.config import ModelConfig
+from common.model.llama import SeqChunk
+from common.model.loader import load_model
+from common.model.sampling import SamplingParams
+from common.model.tiny import make_tiny_model
+from common.model.tp_layers import TpConfigError, TpShard
+from tests.cluster import tiny_model_dirs
+
+pytestmark = pytest.mark.timeout(300)
+
+REPO = Path(__file__).resolve().parents[2]
+PAGE_SIZE = 16
+NUM_STEPS = 16
+PROMPTS = [[7], [(i * 37 + 11) % 500 for i in range(45)], [(i * 13 + 5) % 500 for i in range(300)]]
+
+
+@pytest.fixture(scope="module")
+def kv8_dir(tmp_path_factory) -> str:
+    target, _ = make_tiny_model(tmp_path_factory.mktemp("kv8"), seed=1, preset="tiny-kv8")
+    return str(target)
+
+
+def _dir(name: str, kv8_dir: str) -> str:
+    return tiny_model_dirs()[0] if name == "tiny" else kv8_dir
+
+
+def _runner(model_dir: str, tp_size: int):
+    torch.set_num_threads(1)
+    return build_runner(model_dir, page_size=PAGE_SIZE, max_total_tokens=4096, dtype="float32",
+                        tp_size=tp_size, tp_num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def references(kv8_dir) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
+    """TP 1 outputs of each model: (batch of PROMPTS, forks of the 45-token prompt)."""
+    out = {}
+    for name in ("tiny", "kv8"):
+        runner = _runner(_dir(name, kv8_dir), 1)
+        out[name] = (_generate(runner, PROMPTS), _forked(runner, PROMPTS[1], 3))
+    return out
+
+
+@pytest.fixture(scope="module", params=[("tiny", 2), ("tiny", 4), ("kv8", 2)], ids=lambda p: f"{p[0]}-tp{p[1]}")
+def tp_runner(request, kv8_dir):
+    name, tp_size = request.param
+    runner = _runner(_dir(name, kv8_dir), tp_size)
+    yield name, runner
+    runner.close()
+
+
+def _seqs(prompts: list[list[int]]) -> list[Sequence]:
+    params = SamplingParams(max_new_tokens=NUM_STEPS, temperature=0)
+    return [Sequence(f"r{i}", list(p), params) for i, p in enumerate(prompts)]
+
+
+def _generate(runner, prompts: list[list[int]]) -> list[list[int]]:
+    """One batched prefill, then NUM_STEPS - 1 decode steps, each launched before the previous
+    step's tokens are read (they reach the next forward from the device: ``TokenFeed``)."""
+    seqs = _seqs(prompts)
+    for s in seqs:
+        runner.admit(s)
+    runner.prefill(seqs)
+    prev = None
+    for _ in range(NUM_STEPS - 1):
+        step = runner.launch_decode(seqs, prev)
+        if prev is not None:
+            for s, [(token, _)] in zip(prev.seqs, prev.result()):
+                s.output_ids.append(token)
+        prev = step
+    for s, [(token, _)] in zip(prev.seqs, prev.result()):
+        s.output_ids.append(token)
+    for s in seqs:
+        runner.release(s)
+    return [s.output_ids for s in seqs]
+
+
+def _forked(runner, prompt: list[int], n: int) -> list[list[int]]:
+    """A prefill forked into n completions (the last prompt page copied on every rank), decoded together."""
+    parent, *children = _seqs([prompt] * n)
+    runner.admit(parent)
+    runner.prefill([parent])
+    fork(runner, parent, children)
+    seqs = [parent, *children]
+    for _ in range(NUM_STEPS // 2):
+        for s, pairs in zip(seqs, runner.decode(seqs)):
+            s.output_ids.extend(token for token, _ in pairs)
+    for s in seqs:
+        runner.release(s)
+    return [s.output_ids for s in seqs]
+
+
+def test_greedy_output_equals_tp1(tp_runner, references):
+    name, runner = tp_runner
+    assert _generate(runner, PROMPTS) == references[name][0]
+    assert runner.target.allocator.num_free == runner.target.allocator.num_pages
+
+
+def test_forks_equal_tp1(tp_runner, references):
+    name, runner = tp_runner
+    assert _forked(runner, PROMPTS[1], 3) == references[name][1]
+
+
+def test_each_rank_holds_its_heads(tp_runner):
+    name, runner = tp_runner
+    config, kv, tp_size = runner.target.model.config, runner.target.kv, runner.target.tp.spec.tp_size
+    assert kv.num_kv_heads == max(config.num_key_value_heads // tp_size, 1)
+    assert [r.num_heads for r in kv.regions()] == [kv.num_kv_heads] * 2 * config.num_hidden_layers
+    assert len(runner.target.tp.worker_pids) == tp_size - 1
+
+
+@pytest.mark.parametrize("name,tp_size", [("tiny", 2), ("tiny", 4), ("kv8", 2), ("kv8", 4)])
+def test_rank_shards_concatenate_to_the_checkpoint(name, tp_size, kv8_dir):
+    model_dir = _dir(name, kv8_dir)
+    full = load_model(model_dir, dtype="float32")
+    ranks = [load_model(model_dir, dtype="float32", tp_size=tp_size, tp_rank=r) for r in range(tp_size)]
+    c, whole = full.config, full.layers[1]
+    parts = [m.layers[1] for m in ranks]
+    q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
+    qkv = [p.qkv_weight.split([p.shard.q_size, p.shard.kv_size, p.shard.kv_size]) for p in parts]
+    assert torch.equal(torch.cat([x[0] for x in qkv]), whole.qkv_weight[:q])
+    for p, (_, k, v) in zip(parts, qkv):  # each rank's KV heads, replicated or not
+        rows = slice(p.shard.kv_heads.start * c.head_dim, p.shard.kv_heads.stop * c.head_dim)
+        assert torch.equal(k, whole.qkv_weight[q:q + kv][rows])
+        assert torch.equal(v, whole.qkv_weight[q + kv:][rows])
+    gate_up = [p.gate_up_weight.chunk(2) for p in parts]
+    assert torch.equal(torch.cat([g for g, _ in gate_up]), whole.gate_up_weight[:inter])
+    assert torch.equal(torch.cat([u for _, u in gate_up]), whole.gate_up_weight[inter:])
+    assert torch.equal(torch.cat([p.o_weight for p in parts], dim=1), whole.o_weight)
+    assert torch.equal(torch.cat([p.down_weight for p in parts], dim=1), whole.down_weight)
+    for m in ranks:  # replicated
+        assert torch.equal(m.embed, full.embed) and torch.equal(m.lm_head, full.lm_head)
+        assert torch.equal(m.layers[1].input_norm, whole.input_norm)
+
+
+def test_refusals_name_the_option():
+    target, draft = tiny_model_dirs()
+    with pytest.raises(ValueError, match="--draft-model"):
+        build_runner(target, draft, tp_size=2)
+    with pytest.raises(ValueError, match="--disable-cuda-graph"):
+        check_tp_options(2, device="cuda:0", draft_dir=None, cuda_graphs=True)
+    check_tp_options(2, device="cuda:0", draft_dir=None, cuda_graphs=False)
+    check_tp_options(2, device="cpu", draft_dir=None, cuda_graphs=True)  # CPU captures no graphs anyway
+    config = ModelConfig.from_dir(target)  # 4 attention heads, 2 KV heads
+    with pytest.raises(TpConfigError, match="--tp-size 3"):
+        build_runner(target, tp_size=3)
+    with pytest.raises(TpConfigError, match="--tp-size 8"):
+        TpShard.of(config, 8, 0)  # 4 attention heads cannot split 8 ways
+    assert TpShard.of(config, 4, 3).kv_heads.start == 1  # replicated: ranks 2 and 3 hold head 1
+
+
+def test_step_codec_round_trips():
+    chunks = [SeqChunk([5], 17, [3, 9]), SeqChunk([1, 2, 3], 0, [4]), SeqChunk(list(range(40)), 8, [0, 1, 2, 7])]
+    header, payload = encode_forward(chunks)
+    again = StepHeader.decode(header.encode())
+    assert again == header and again.payload_len == len(payload)
+    assert decode_forward(again, payload) == chunks
+    copy = StepHeader(StepKind.COPY_PAGE, src_page=4, dst_page=11)
+    assert StepHeader.decode(copy.encode()) == copy and copy.payload_len == 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has exited; only its parent's wait is missing
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_gone(pids: list[int], timeout_s: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+_RANK0 = """
+import sys, torch
+from common.engine.factory import build_runner
+runner = build_runner(sys.argv[1], page_size=16, max_total_tokens=1024, tp_size=2, tp_num_threads=1)
+print(" ".join(map(str, runner.target.tp.worker_pids)), flush=True)
+sys.stdin.read()  # until the test kills this process
+"""
+
+
+def test_workers_exit_when_rank0_is_killed():
+    proc = subprocess.Popen([sys.executable, "-c", _RANK0, tiny_model_dirs()[0]], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 1 and _alive(pids[0])
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert _wait_gone(pids) == []
+
+
+def test_a_failed_worker_fails_the_step_then_close_reaps(kv8_dir):
+    runner = _runner(kv8_dir, 2)
+    try:
+        [pid] = runner.target.tp.worker_pids
+        runner.target.tp.copy_page(10**6, 0)  # a page outside the worker's pool: it raises and exits 1
+        seqs = _seqs([PROMPTS[1]])
+        runner.admit(seqs[0])
+        with pytest.raises(TpWorkerError, match=r"rank 1 \(pid \d+\) exited with code 1"):
+            runner.prefill(seqs)  # the worker died before or during this step's collectives
+        with pytest.raises(TpWorkerError, match="rank 1"):  # and every later step says so
+            runner.decode(seqs)
+    finally:
+        runner.close()
+    assert runner.target.tp.state.value == "closed" and _wait_gone([pid]) == []
