@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from common.procs import Proc, http_json
-from tests.cluster import ORDER_EVENTS, Cluster, LogWatch, free_pages, room_event, took_path
+from tests.cluster import ORDER_EVENTS, SLACK_S, Cluster, LogWatch, free_pages, room_event, took_path
 
 KV_WAIT_S = 3.0        # decode: --kv-wait-timeout-s
 # prefill: --transfer-wait-timeout-s. Longer than the decode's wait, so a decode that gives up is
@@ -34,7 +34,6 @@ REGISTER_S = 3.0       # both: --register-timeout-s
 HEARTBEAT_S = 0.5
 HEARTBEAT_MISSES = 3
 QUARANTINE_S = max(2 * XFER_S, 5.0)  # decode holds pages of a room whose WRITE may still land
-SLACK_S = 2.0
 DECODE_DEADLINE_S = KV_WAIT_S
 PREFILL_DEADLINE_S = TRANSFER_WAIT_S + XFER_S
 PAGES_WAIT_S = QUARANTINE_S + KV_WAIT_S + 6.0  # bounded wait for pages to come back

@@ -33,9 +33,7 @@ import pytest
 
 from common.procs import Proc, free_port, http_json
 from common.api.sampling_schema import sglang_params
-from tests.cluster import ROOM_EVENTS, LogWatch, free_pages, post
-
-SLACK_S = 5.0
+from tests.cluster import ROOM_EVENTS, SLACK_S, LogWatch, free_pages, post
 
 
 class NotifySocket:

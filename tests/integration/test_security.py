@@ -28,7 +28,7 @@ from common import wire
 from common.model.sampling import SamplingParams
 from common.procs import Proc, http_json
 from common.transport.zmq import load_keys
-from tests.cluster import REPO, Cluster
+from tests.cluster import REPO, SLACK_S, Cluster
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -37,7 +37,6 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = [5, 17, 99, 260, 311, 42, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
 SAMPLING = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 INTRUDER_REGISTER_TIMEOUT_S = 10.0
-SLACK_S = 2.0  # the one margin over a daemon's deadline that a wall-clock check allows
 
 
 @dataclass
