@@ -24,7 +24,9 @@ class WriteOps:
         """WRITE ``local[local_idx[i]]`` into ``remote[remote_idx[i]]`` and post it.
 
         Blocks: on loopback the copy happens inside this call (the GIL is released). The
-        notification reaches the peer only once ``wait``/``poll`` has seen DONE.
+        notification reaches the peer only once ``wait``/``poll`` has seen DONE. A post that fails
+        is released (cancelled) and ``TransferError`` raised, ``UnsafeWriteError`` when that cancel
+        fails too (part of the WRITE may still land).
         """
         peer = remote.peer
         if local.peer is not None or peer is None:
@@ -45,7 +47,7 @@ class WriteOps:
         with self._lock:
             self._xfers.add(handle)
         try:
-            state = self._agent.transfer(raw)
+            state = self._post_raw(raw)
         except NIXL_ERRORS as exc:
             self._release_quietly(handle)
             raise nixl_error(f"post WRITE of {len(local_idx)} descriptors", peer, exc) from exc
@@ -118,14 +120,17 @@ class WriteOps:
         """NIXL's release (a cancel when the WRITE is in flight); raises what NIXL raises."""
         handle._raw.release()
 
+    def _post_raw(self, raw) -> str:
+        """NIXL's post of a made WRITE; returns its state, raises what NIXL raises."""
+        return self._agent.transfer(raw)
+
     def _release_quietly(self, handle: XferHandle) -> None:
-        """Release on an error path whose own error is the one to report; log a second failure."""
+        """Release on an error path whose own error is the one to report. A cancel that fails is
+        the exception: the WRITE may still land, so ``UnsafeWriteError`` goes up instead."""
         try:
             self.release(handle)
-        except TransferError:
-            logger.exception("nixl release after a failed WRITE failed name=%s peer=%s", self.name,
-                             handle.peer)
-        self._drive_progress()
+        finally:
+            self._drive_progress()
 
     def num_descriptors(self, handle: XferHandle) -> int:
         """Descriptors left after merging, for a DONE handle (needs ``capture_telemetry=True``)."""

@@ -210,6 +210,38 @@ def test_write_that_cannot_be_cancelled_is_unsafe_and_the_decode_is_told():
     scenario(body, engine=StuckCancelEngine("prefill"))
 
 
+class ErrPostStuckCancelEngine(NixlEngine):
+    """The real engine, whose WRITE is posted but reported ERR by the backend, and whose cancel of
+    that WRITE then fails (a wedged backend); releases of other WRITEs work."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.failed: set[int] = set()
+
+    def _post_raw(self, raw):
+        super()._post_raw(raw)
+        self.failed.add(id(raw))
+        return "ERR"
+
+    def _release_raw(self, handle):
+        if id(handle._raw) in self.failed:
+            raise nixl_bindings.nixlBackendError("cancel failed (test)")
+        super()._release_raw(handle)
+
+
+def test_failed_post_that_cannot_be_cancelled_is_unsafe():
+    """A post the backend answers with ERR is cancelled; when that cancel fails too, the room's
+    pages must be quarantined (UnsafeWriteError), not freed as after an ordinary failure."""
+    async def body(prefill, decode):
+        assert (await decode.register()).accepted
+        room = prefill.open_room(53, num_tokens=20)
+        await decode.send(decode.transfer(53, 20, [6, 7]))
+        with pytest.raises(UnsafeWriteError, match="target pages may still be written"):
+            await prefill.writer.send_room(room, time.monotonic() + 5)
+        assert room.is_unsafe and prefill.peers.get(decode.decode_id).num_writes == 0
+    scenario(body, engine=ErrPostStuckCancelEngine("prefill"))
+
+
 # -- failures the decode hears at once (defect 5) -------------------------------------------------------
 def test_room_that_failed_before_its_transfer_is_answered_at_once():
     async def body(prefill, decode):
