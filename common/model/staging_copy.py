@@ -1,0 +1,90 @@
+"""Gather a room's runs into a staging slot and scatter them back out (issue 17): the torch
+reference, and the entry points that pick the Triton kernels (``triton_staging.py``) on CUDA.
+
+The geometry is a ``common.plan.staging.CopyPlan``: the buffer holding the runs (a KV pool's
+``buffer``, any dtype, contiguous) is seen as rows of ``row_nbytes`` bytes of ``elem_nbytes``-wide
+integers, and run i is ``rows_per_run`` consecutive rows from row ``plan.rows[i]``::
+
+    buffer rows  [num_rows, row_elems]        staging rows [num_runs * rows_per_run, row_elems]
+    gather:  staging_rows[j] = buffer_rows[index[j]]      (index = plan.row_index())
+    scatter: buffer_rows[index[j]] = staging_rows[j]
+
+Rows never overlap (the runs of one room are distinct pages), so the scatter has no write conflicts
+and touches nothing outside the runs. Integer rows copy bytes exactly whatever the pool's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from common.plan.staging import CopyPlan
+
+logger = logging.getLogger(__name__)
+
+_INT_OF_NBYTES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def rows_view(t: torch.Tensor, plan: CopyPlan) -> torch.Tensor:
+    """A contiguous tensor's bytes as [whole rows, row_nbytes / elem_nbytes] integers (a view)."""
+    if not t.is_contiguous():
+        raise ValueError(f"staging copies need a contiguous tensor, got strides {t.stride()}")
+    flat = t.reshape(-1).view(torch.uint8)
+    num_rows = flat.numel() // plan.row_nbytes
+    return flat[: num_rows * plan.row_nbytes].view(_INT_OF_NBYTES[plan.elem_nbytes]).view(
+        num_rows, plan.row_nbytes // plan.elem_nbytes)
+
+
+def row_index(plan: CopyPlan, device: torch.device | str) -> torch.Tensor:
+    """int64 [num_runs * rows_per_run] on ``device``: build it once per room, before the copy."""
+    return torch.from_numpy(plan.row_index()).to(device)
+
+
+def _staging_rows(staging: torch.Tensor, plan: CopyPlan) -> torch.Tensor:
+    nbytes = plan.num_runs * plan.run_nbytes
+    flat = staging.reshape(-1).view(torch.uint8)
+    if flat.numel() < nbytes:
+        raise ValueError(f"a staging slot of {flat.numel()} bytes cannot hold {plan.num_runs} runs of {plan.run_nbytes}")
+    return rows_view(flat[:nbytes], plan)
+
+
+def gather_reference(buffer: torch.Tensor, staging: torch.Tensor, plan: CopyPlan, index: torch.Tensor) -> None:
+    """staging[i * run_nbytes: (i + 1) * run_nbytes] = run i of ``buffer`` (torch ``index_select``)."""
+    torch.index_select(rows_view(buffer, plan), 0, index, out=_staging_rows(staging, plan))
+
+
+def scatter_reference(staging: torch.Tensor, buffer: torch.Tensor, plan: CopyPlan, index: torch.Tensor) -> None:
+    """Run i of ``buffer`` = staging[i * run_nbytes: (i + 1) * run_nbytes] (torch ``index_copy_``)."""
+    rows_view(buffer, plan).index_copy_(0, index, _staging_rows(staging, plan))
+
+
+@functools.cache
+def _kernels():
+    """``triton_staging`` on CUDA when Triton imports; None otherwise (the torch reference runs)."""
+    try:
+        from common.model import triton_staging  # import triton only on this path
+    except ImportError as exc:
+        logger.warning("Triton is not importable (%s): staging copies use torch index ops", exc)
+        return None
+    return triton_staging
+
+
+def gather(buffer: torch.Tensor, staging: torch.Tensor, plan: CopyPlan, index: torch.Tensor) -> None:
+    """Gather on the buffer's device: the Triton kernel on CUDA, the torch reference elsewhere."""
+    kernels = _kernels() if buffer.is_cuda else None
+    if kernels is None:
+        gather_reference(buffer, staging, plan, index)
+    else:
+        kernels.gather_rows(rows_view(buffer, plan), _staging_rows(staging, plan), index)
+
+
+def scatter(staging: torch.Tensor, buffer: torch.Tensor, plan: CopyPlan, index: torch.Tensor) -> None:
+    """Scatter on the buffer's device: the Triton kernel on CUDA (``index_copy_`` is 2.8x slower
+    than the gather there), the torch reference elsewhere."""
+    kernels = _kernels() if buffer.is_cuda else None
+    if kernels is None:
+        scatter_reference(staging, buffer, plan, index)
+    else:
+        kernels.scatter_rows(_staging_rows(staging, plan), rows_view(buffer, plan), index)

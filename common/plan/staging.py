@@ -1,0 +1,233 @@
+"""Staging a scattered room (issue 17): which path a room takes, the byte stream its runs make, the
+row view the copy kernels use, and the chunks and steps of a pipelined staged WRITE. Pure: values in,
+values out (no NIXL, device, clock or logging).
+
+A room on the wire is, per prepared group (``DescGroup``), one list of equal-length byte runs per
+fused run pair (``DescGroup.runs``): page p of a run is ``[addr + p * page_stride, + item_len)``, so
+a page-major pool gives one run per page. Direct, NIXL moves each run that stays separate after
+merging as one descriptor (~7.8 µs each on an H200 over ``cuda_ipc``). Staged::
+
+    prefill pages ──gather──> prefill slot ──one WRITE per chunk──> decode slot ──scatter──> decode pages
+
+The *stream* is the room's bytes in one order both sides derive alike: fused run pairs in group
+order, and within each pair its pages in token order (``room_stream``). Byte ``s`` of the stream
+sits at the same place in both slots, so the prefill gathers from its pages and the decode scatters
+into its own with nothing else agreed.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.plan.desc_lists import DescGroup
+
+
+class TransferPath(enum.Enum):
+    DIRECT = "direct"  # one WRITE of the room's runs as they are
+    STAGED = "staged"  # gather, WRITE the slot, scatter
+
+
+def choose_path(num_runs: int, crossover_runs: int) -> TransferPath:
+    """STAGED when the room's WRITE would carry at least ``crossover_runs`` descriptors (after
+    merging); ``crossover_runs <= 0`` turns staging off. The caller still takes DIRECT when no slot
+    is free (``StagingSlots.acquire`` returns None) or the room does not fit (``chunk_plan``)."""
+    if num_runs < 0:
+        raise ValueError(f"num_runs is {num_runs}, expected >= 0")
+    return TransferPath.STAGED if 0 < crossover_runs <= num_runs else TransferPath.DIRECT
+
+
+@dataclass(frozen=True, slots=True)
+class StagingCosts:
+    """What one machine measured at start-up (or a flag states): the cost of one more descriptor in
+    a WRITE, and the time staging adds that the pipeline does not hide (gather + scatter per byte,
+    plus the fixed cost of launching them)."""
+
+    per_descriptor_s: float
+    copy_s_per_byte: float
+    copy_fixed_s: float = 0.0
+
+
+def crossover_runs(costs: StagingCosts, room_nbytes: int) -> int:
+    """The fewest runs at which staging a room of ``room_nbytes`` beats its direct WRITE.
+
+    Direct: ``w + runs * d``; staged: ``w + 1 * d + copy``, with ``w`` the WRITE's own time for the
+    bytes (the same on both paths), ``d`` the per-descriptor cost and ``copy`` the exposed gather and
+    scatter. Staged wins iff ``(runs - 1) * d > copy``: the answer is the least such integer (>= 2).
+    0 (never stage) when a descriptor costs nothing."""
+    if costs.per_descriptor_s <= 0:
+        return 0
+    copy_s = costs.copy_fixed_s + costs.copy_s_per_byte * room_nbytes
+    return math.floor(copy_s / costs.per_descriptor_s) + 2
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSegment:
+    """One fused run pair's part of a room's stream: ``len(prefill_addrs)`` runs of ``run_nbytes``,
+    run i read from ``prefill_addrs[i]`` and written to ``decode_addrs[i]`` (absolute addresses;
+    each side's runs on its own device)."""
+
+    run_nbytes: int
+    prefill_addrs: np.ndarray  # int64 [num_runs]
+    decode_addrs: np.ndarray   # int64 [num_runs]
+    prefill_device: int
+    decode_device: int
+
+    @property
+    def num_runs(self) -> int:
+        return len(self.prefill_addrs)
+
+
+def room_stream(group: DescGroup, prefill_page_ids: Sequence[int], decode_page_ids: Sequence[int]
+                ) -> tuple[StreamSegment, ...]:
+    """The room's runs in stream order (module docstring). Invariant: segment k's runs are exactly
+    the pages ``prefill_page_ids``/``decode_page_ids`` of ``group.runs[k]``, in token order, so the
+    stream holds the bytes a direct WRITE of the room moves (the aux record apart), each once."""
+    if len(prefill_page_ids) != len(decode_page_ids):
+        raise ValueError(f"{len(prefill_page_ids)} prefill pages against {len(decode_page_ids)} decode pages")
+    p_ids, d_ids = np.asarray(prefill_page_ids, dtype=np.int64), np.asarray(decode_page_ids, dtype=np.int64)
+    return tuple(
+        StreamSegment(p.item_len, p.addr + p_ids * p.page_stride, d.addr + d_ids * d.page_stride, p.device, d.device)
+        for p, d in group.runs)
+
+
+_ELEM_NBYTES = (8, 4, 2, 1)  # torch has no 16-byte integer; Triton widens 8-byte loads itself
+
+
+@dataclass(frozen=True, slots=True)
+class CopyPlan:
+    """One side's runs of one segment as rows of the buffer they live in: the copy kernels' view.
+
+    The buffer (``base_addr``) is cut into rows of ``row_nbytes``, the greatest common divisor of
+    the run length and every run's offset, so run i is rows ``rows[i] .. rows[i] + rows_per_run - 1``
+    and its bytes land at ``[i * run_nbytes, + run_nbytes)`` of the staging slot. ``elem_nbytes`` is
+    the widest integer element (8, 4, 2 or 1 bytes) that divides the row and both buffers' addresses:
+    a page-major pool gives rows of whole page blocks and 8-byte elements (which the Triton kernels
+    load two at a time when the addresses allow 16).
+    """
+
+    run_nbytes: int
+    row_nbytes: int
+    elem_nbytes: int
+    rows: np.ndarray  # int64 [num_runs]: each run's first row
+
+    @property
+    def rows_per_run(self) -> int:
+        return self.run_nbytes // self.row_nbytes
+
+    @property
+    def num_runs(self) -> int:
+        return len(self.rows)
+
+    def row_index(self) -> np.ndarray:
+        """int64 [num_runs * rows_per_run]: the buffer row of each staging row, in stream order."""
+        return (self.rows[:, None] + np.arange(self.rows_per_run, dtype=np.int64)[None, :]).ravel()
+
+
+def copy_plan(addrs: np.ndarray, run_nbytes: int, base_addr: int, staging_addr: int, buffer_nbytes: int) -> CopyPlan:
+    """The row view of runs at ``addrs`` (absolute) inside a buffer at ``base_addr`` of
+    ``buffer_nbytes``, copied to or from a slot at ``staging_addr``. Refuses a run outside the buffer.
+    Invariant: ``rows[i] * row_nbytes == addrs[i] - base_addr`` and no run reaches past the buffer."""
+    if run_nbytes <= 0:
+        raise ValueError(f"run_nbytes is {run_nbytes}, expected > 0")
+    offsets = np.asarray(addrs, dtype=np.int64) - base_addr
+    if len(offsets) and (offsets.min() < 0 or offsets.max() + run_nbytes > buffer_nbytes):
+        bad = int(offsets.min() if offsets.min() < 0 else offsets.max())
+        raise ValueError(f"a run at offset {bad} (+{run_nbytes} bytes) is outside the {buffer_nbytes}-byte buffer")
+    row = math.gcd(run_nbytes, int(np.gcd.reduce(offsets))) if len(offsets) else run_nbytes
+    elem = next(e for e in _ELEM_NBYTES if row % e == 0 and base_addr % e == 0 and staging_addr % e == 0)
+    return CopyPlan(run_nbytes, row, elem, offsets // row)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPart:
+    """Runs ``[first_run, first_run + num_runs)`` of segment ``segment``."""
+
+    segment: int
+    first_run: int
+    num_runs: int
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One WRITE of a staged room: whole runs, stream bytes ``[stream_offset, + nbytes)``, gathered
+    into prefill buffer ``buffer`` (of ``num_buffers``, each ``chunk_nbytes``) and written to the
+    decode slot at ``stream_offset`` (the decode's slot holds the whole room: it learns the room
+    has landed from the one notification, after the last chunk)."""
+
+    index: int
+    parts: tuple[ChunkPart, ...]
+    stream_offset: int
+    nbytes: int
+    buffer: int
+
+
+def chunk_plan(run_nbytes: Sequence[int], num_runs: Sequence[int], chunk_nbytes: int, num_buffers: int = 2
+               ) -> tuple[Chunk, ...] | None:
+    """The room's stream (segment k: ``num_runs[k]`` runs of ``run_nbytes[k]``) cut into chunks of at
+    most ``chunk_nbytes``, each of whole runs, filled greedily in stream order; chunk i uses prefill
+    buffer ``i % num_buffers``. None when a run is longer than a chunk (the room goes direct).
+    Invariant: the chunks tile the stream in order, no gap, no overlap, every run in exactly one."""
+    if chunk_nbytes <= 0 or num_buffers <= 0:
+        raise ValueError(f"chunk_nbytes={chunk_nbytes} and num_buffers={num_buffers} must be > 0")
+    if any(n > chunk_nbytes for n, count in zip(run_nbytes, num_runs, strict=True) if count):
+        return None
+    chunks: list[Chunk] = []
+    parts: list[ChunkPart] = []
+    start = fill = 0
+
+    def close() -> None:
+        nonlocal parts, start, fill
+        if parts:
+            chunks.append(Chunk(len(chunks), tuple(parts), start, fill, len(chunks) % num_buffers))
+            start, parts, fill = start + fill, [], 0
+
+    for seg, (nbytes, count) in enumerate(zip(run_nbytes, num_runs)):
+        run = 0
+        while run < count:
+            fit = min(count - run, (chunk_nbytes - fill) // nbytes)
+            if fit == 0:
+                close()
+                continue
+            parts.append(ChunkPart(seg, run, fit))
+            run, fill = run + fit, fill + fit * nbytes
+    close()
+    return tuple(chunks)
+
+
+class StepOp(enum.Enum):
+    GATHER = "gather"  # launch the gather of chunk i into its buffer
+    WRITE = "write"    # post chunk i's WRITE (after its gather has finished: the WRITE reads the buffer)
+    WAIT = "wait"      # poll chunk i's WRITE to DONE (its buffer may be gathered into again)
+    NOTIFY = "notify"  # the aux record and the notification: last, after every chunk's WRITE is DONE
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    op: StepOp
+    chunk: int  # -1 for NOTIFY
+
+
+def pipeline_steps(chunks: Sequence[Chunk], num_buffers: int) -> tuple[Step, ...]:
+    """The prefill's order of work for a staged room: chunk i + 1 is gathered while chunk i is on
+    the wire. Invariants (tested): GATHER i before WRITE i; a buffer is gathered into again only
+    after the WAIT of the chunk that last used it; GATHER i + 1 comes before WAIT i (overlap); every
+    WRITE is waited for; NOTIFY is last, so the decode never hears of a room with a WRITE still
+    landing (NIXL orders nothing across WRITEs)."""
+    steps: list[Step] = []
+    if chunks:
+        steps.append(Step(StepOp.GATHER, 0))
+    for i in range(len(chunks)):
+        steps.append(Step(StepOp.WRITE, i))
+        nxt = i + 1
+        if nxt < len(chunks):
+            if nxt >= num_buffers:
+                steps.append(Step(StepOp.WAIT, nxt - num_buffers))
+            steps.append(Step(StepOp.GATHER, nxt))
+    steps.extend(Step(StepOp.WAIT, i) for i in range(max(0, len(chunks) - num_buffers), len(chunks)))
+    steps.append(Step(StepOp.NOTIFY, -1))
+    return tuple(steps)

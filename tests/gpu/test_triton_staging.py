@@ -1,0 +1,84 @@
+"""The Triton staging kernels (``triton_staging.py``) against the torch reference on random page
+tables: the same bytes in the slot after a gather, the same pool after a scatter (nothing outside
+the runs touched), through ``staging_copy.gather``/``scatter`` as the daemons will call them.
+Runs on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1), small shapes."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from common.model import staging_copy
+from common.model.config import ModelConfig
+from common.model.kv_cache import KV_LAYOUTS, KvCache
+from common.plan.desc_lists import DescGroup
+from common.plan.staging import copy_plan, room_stream
+
+pytestmark = pytest.mark.gpu
+triton_staging = pytest.importorskip("common.model.triton_staging")
+
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+
+
+def _run_both(buffer: torch.Tensor, offsets: np.ndarray, run_nbytes: int) -> None:
+    """Gather with the kernel and the reference; scatter the slot into two copies of another buffer."""
+    nbytes = len(offsets) * run_nbytes
+    slots = [torch.full((nbytes + 64,), 3, dtype=torch.uint8, device=DEVICE) for _ in range(2)]
+    plan = copy_plan(buffer.data_ptr() + offsets, run_nbytes, buffer.data_ptr(), slots[0].data_ptr(),
+                     buffer.numel() * buffer.element_size())
+    index = staging_copy.row_index(plan, DEVICE)
+    triton_staging.gather_rows(staging_copy.rows_view(buffer, plan), staging_copy.rows_view(slots[0][:nbytes], plan),
+                               index)
+    staging_copy.gather_reference(buffer, slots[1], plan, index)
+    assert torch.equal(slots[0], slots[1])  # the same bytes, and the 64 bytes past the room untouched
+    targets = [torch.randint(0, 256, buffer.shape, dtype=torch.uint8, device=DEVICE) if buffer.dtype == torch.uint8
+               else torch.randn(buffer.shape, device=DEVICE).to(buffer.dtype) for _ in range(1)]
+    targets.append(targets[0].clone())
+    triton_staging.scatter_rows(staging_copy.rows_view(slots[0][:nbytes], plan), staging_copy.rows_view(targets[0], plan),
+                                index)
+    staging_copy.scatter_reference(slots[1], targets[1], plan, index)
+    assert torch.equal(targets[0].view(torch.uint8), targets[1].view(torch.uint8))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_page_tables_match_the_reference(seed):
+    """Runs of assorted lengths and alignments over a byte buffer (elements of 1 to 8 bytes)."""
+    rng = np.random.default_rng(seed)
+    unit = int(rng.choice([1, 2, 4, 8]))
+    run_nbytes, stride = unit * int(rng.integers(1, 40)), unit * int(rng.integers(40, 60))
+    num_pages = int(rng.integers(1, 48))
+    buffer = torch.randint(0, 256, (num_pages * stride,), dtype=torch.uint8, device=DEVICE)
+    pages = rng.choice(num_pages, int(rng.integers(1, num_pages + 1)), replace=False)
+    _run_both(buffer, pages.astype(np.int64) * stride + unit * int(rng.integers(0, 3)), run_nbytes)
+
+
+def _config() -> ModelConfig:
+    return ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 64, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16})
+
+
+@pytest.mark.parametrize("layout", KV_LAYOUTS)
+def test_kv_pool_room_matches_the_reference(layout):
+    """A room on random pages of a real pool, each segment of its stream (one per page-major, one per
+    region layer-major), through the dispatching entry points."""
+    kv = KvCache(_config(), 24, 4, torch.bfloat16, DEVICE, layout=layout)
+    kv.buffer.view(torch.uint8).random_(0, 256)
+    group = DescGroup("VRAM", "VRAM", tuple(zip(kv.regions(), kv.regions())))
+    rng = np.random.default_rng(1)
+    ids = rng.choice(24, 9, replace=False).tolist()
+    for seg in room_stream(group, ids, ids):
+        _run_both(kv.buffer, seg.prefill_addrs - kv.buffer.data_ptr(), seg.run_nbytes)
+    if DEVICE == "cuda":  # the entry points pick the kernels on CUDA: a round trip through another pool
+        other = KvCache(_config(), 24, 4, torch.bfloat16, DEVICE, layout=layout)
+        for seg in room_stream(group, ids, ids):
+            slot = torch.empty(seg.num_runs * seg.run_nbytes, dtype=torch.uint8, device=DEVICE)
+            plan = copy_plan(seg.prefill_addrs, seg.run_nbytes, kv.buffer.data_ptr(), slot.data_ptr(), kv.num_bytes)
+            index = staging_copy.row_index(plan, DEVICE)
+            staging_copy.gather(kv.buffer, slot, plan, index)
+            staging_copy.scatter(slot, other.buffer, plan, index)
+        for a, b in zip(kv.tensors(), other.tensors()):
+            assert torch.equal(a[ids], b[ids])
