@@ -37,7 +37,7 @@ from common import wire
 from common.errors import FailCode, ProtocolError
 from common.model.sampling import SamplingParams
 from common.procs import Proc, http_json
-from tests.cluster import REPO, Cluster, free_pages
+from tests.cluster import REPO, Cluster, LogWatch, free_pages, room_event
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -428,25 +428,38 @@ def test_prefill_room_ignores_a_foreign_transfer_and_abort(stack):
     refused, the abort too (only the room's own decode may abort it), so the room goes on waiting
     for its real decode and fails only at its deadline, its pages given back."""
     room = random.getrandbits(63)
+    watch = LogWatch(stack.prefill)
     started = time.monotonic()
     leg = stack.pool.submit(http_json, stack.prefill.url + "/generate", body(room, stack.prefill.bootstrap_port),
                             timeout_s=60)
     stranger = End(stack.dealer.sock.context, stack.prefill.bootstrap_port)  # never registered
     try:
+        room_event(watch, room, "opened_waiting", unless=Running(leg))  # the room is live, with no transfer request
         transfer = [wire.encode(wire.Transfer(room=room, decode_id="nobody", page_ids=[0], aux_slot=0,
                                               num_prompt_tokens=len(PROMPT)))]
-        check_answer("prefill", transfer, exchange(stranger, transfer))
-        abort = [wire.encode(wire.Abort(room=room, reason="fuzz"))]
-        while not leg.done() and time.monotonic() - started < 5:  # the room opens once the leg is parsed
-            answer = exchange(stranger, abort)
-            assert [type(m) for m in answer] == [wire.Error] and "refused" in answer[0].reason, answer
-            time.sleep(0.05)
+        answer = exchange(stranger, transfer)
+        check_answer("prefill", transfer, answer)
+        assert [type(m) for m in answer] == [wire.TransferResult], answer
+        assert answer[0].fail_code is FailCode.NOT_REGISTERED, answer
+        answer = exchange(stranger, [wire.encode(wire.Abort(room=room, reason="fuzz"))])
+        assert [type(m) for m in answer] == [wire.Error] and "refused" in answer[0].reason, answer
+        assert not leg.done()
     finally:
         stranger.sock.close(linger=0)
     status, answer = leg.result()
     assert status == 502 and "no transfer request" in answer["error"]["message"], answer
     assert time.monotonic() - started >= 9  # --transfer-wait-timeout-s 10: the abort did not end it
     assert_still_serving(stack)
+
+
+class Running:
+    """A submitted leg seen as a thread (``LogWatch.wait``'s ``unless``): alive until it is done."""
+
+    def __init__(self, future):
+        self.future = future
+
+    def is_alive(self) -> bool:
+        return not self.future.done()
 
 
 def test_prefill_refuses_a_strangers_transfer_and_register_for_a_live_decode_id(stack):
