@@ -13,9 +13,16 @@ from nixl import _bindings as nixl_bindings
 
 from common import wire
 from common.aux_record import AuxRecord
+from common.config import parse_config
+from common.engine.sequence import Sequence
 from common.errors import FailCode, PeerUnavailableError, TransferError, UnsafeWriteError
+from common.model.sampling import SamplingParams
 from common.transport.nixl import NixlEngine
-from prefill_worker.rooms import EarlyTransfer, RoomLimits, RoomState, RoomTable
+from prefill_worker.config import PrefillConfig
+from prefill_worker.daemon import PrefillDaemon
+from prefill_worker.pipeline import PrefillBackend
+from prefill_worker.rooms import EarlyTransfer, Room, RoomLimits, RoomState, RoomTable
+from tests.cluster import tiny_model_dirs, tiny_runner
 from tests.unit.control_plane import PAGE_SIZE, Decode, Prefill, run, until
 
 pytestmark = pytest.mark.timeout(60)
@@ -240,6 +247,27 @@ def test_failed_post_that_cannot_be_cancelled_is_unsafe():
             await prefill.writer.send_room(room, time.monotonic() + 5)
         assert room.is_unsafe and prefill.peers.get(decode.decode_id).num_writes == 0
     scenario(body, engine=ErrPostStuckCancelEngine("prefill"))
+
+
+def test_unsafe_room_pages_stay_out_of_the_prefill_pool_and_are_counted():
+    """What the prefill's request does with an unsafe room's pages once its WRITE job has returned
+    (``PrefillBackend._close``): they stay allocated for good and are counted; a safe room's go back."""
+    daemon = PrefillDaemon(parse_config(PrefillConfig, ["--model", tiny_model_dirs()[0]], env={}))
+    daemon.runner = tiny_runner(draft=False)
+    daemon.tokenizer, daemon.model_name, daemon.max_context_tokens = None, "tiny", 512
+    backend = PrefillBackend(daemon)
+    free = daemon.runner.target.allocator.num_free
+    for room_id, is_unsafe in ((1, True), (2, False)):
+        seq = Sequence(f"req-{room_id}", list(range(5, 45)), SamplingParams(max_new_tokens=1))
+        daemon.runner.admit(seq, prompt_only=True)
+        room = Room(room=room_id, request_id=seq.request_id, num_prompt_tokens=40, page_ids=list(seq.pages),
+                    deadline=time.monotonic() + 5, is_unsafe=is_unsafe)
+        daemon.rooms.open(room)
+        backend._close(seq, room)
+        assert daemon.rooms.get(room_id) is None
+    assert daemon.runner.target.allocator.num_free == free - 3 == free - daemon.quarantined_pages
+    counter = daemon.metrics.registry.get_sample_value
+    assert counter("kvferry_unsafe_writes_total") == 1 and counter("kvferry_pages_quarantined") == 3
 
 
 # -- failures the decode hears at once (defect 5) -------------------------------------------------------
