@@ -146,13 +146,21 @@ def test_curve_allows_listed_client_and_shuts_out_others(tmp_path):
         server.start()
         good = BootstrapClient("127.0.0.1", server.port, curve_public_key=client_pub, curve_secret_key=client_sec,
                                server_public_key=server_pub, identity=b"good")
+        again = BootstrapClient("127.0.0.1", server.port, curve_public_key=client_pub, curve_secret_key=client_sec,
+                                server_public_key=server_pub, identity=b"good-reconnected")
         bad = BootstrapClient("127.0.0.1", server.port, curve_public_key=intruder_pub,
                               curve_secret_key=intruder_sec, server_public_key=server_pub, identity=b"bad")
         good.start()
+        again.start()
         bad.start()
         try:
             await good.send(Ping(t=2.0), timeout_s=5)
             assert await server.recv(timeout_s=5) == (b"good", Ping(t=2.0))
+            # the owner of a connection is its CURVE client key: a second connection with that key
+            # (a decode that reconnected) has the same owner, so it keeps its decode ids
+            await again.send(Ping(t=4.0), timeout_s=5)
+            assert await server.recv(timeout_s=5) == (b"good-reconnected", Ping(t=4.0))
+            assert server.owner_of(b"good") == server.owner_of(b"good-reconnected") == client_pub
             await server.send(b"good", Pong(t=2.0))
             assert await good.recv(timeout_s=5) == Pong(t=2.0)
             with pytest.raises(PeerUnavailableError):
@@ -160,6 +168,7 @@ def test_curve_allows_listed_client_and_shuts_out_others(tmp_path):
             assert await server.recv(timeout_s=1.0) is None
         finally:
             good.close()
+            again.close()
             bad.close()
             server.close()
     run(main())
