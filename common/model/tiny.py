@@ -14,7 +14,8 @@ template and a generation config. The same seed gives the same bytes.
 
 ``presets`` also holds "llama-3.1-8b": the real 8B shapes (32 layers, 8 KV heads, head_dim 128,
 llama3 RoPE) with random weights, for transfer and throughput work. Its vocabulary stays the tiny
-tokenizer's (512), so its embedding and lm_head are far smaller than the real model's.
+tokenizer's (512), so its embedding and lm_head are far smaller than the real model's. "tiny-kv8"
+has 8 attention and 8 KV heads in four layers, for tensor parallelism that splits the KV heads.
 """
 
 from __future__ import annotations
