@@ -103,6 +103,16 @@ def test_refused_layout_is_told_to_the_prefill_and_remembered():
             await until(lambda: room.is_aborted, what=f"room {room.room} aborted on the prefill")
             with pytest.raises(TransferError, match="decode aborted room .*page_size mismatch"):
                 await prefill.writer.send_room(room, time.monotonic() + 5)
+        # The memory is bounded (REFUSAL_S): once it has run out the link registers afresh, so a
+        # pair fixed meanwhile (here the layout the decode registers now matches) is served.
+        decode.receiver.links[("127.0.0.1", prefill.port)].refused_until = 0.0
+        decode.page_size = PAGE_SIZE
+        room = prefill.open_room(13, num_tokens=20)
+        fetch = asyncio.get_running_loop().create_task(decode.fetch(prefill, 13, 20, [2, 3]))
+        await until(lambda: room.transfer is not None, what="the transfer after the refusal ran out")
+        await prefill.writer.send_room(room, time.monotonic() + 5)
+        assert (await fetch)[0].room == 13 and decode.pool[2].equal(prefill.pool[0])
+        assert prefill.counter("kvferry_registrations_total", result="accepted") == 1
     scenario(body, receiver_kwargs={"page_size": PAGE_SIZE * 2})
 
 
@@ -230,6 +240,17 @@ def test_links_are_bounded_idle_ones_make_room_busy_ones_do_not():
             await second.writer.send_room(room, time.monotonic() + 5)
             await fetch  # the idle link to the first prefill was closed to make room
             assert list(decode.receiver.links) == [("127.0.0.1", second.port)]
+            # the sweep closes a link idle past idle_s (here: any), but not one a room waits on
+            decode.receiver.pool.idle_s = -1.0
+            room = second.open_room(74, num_tokens=20)
+            fetch = asyncio.get_running_loop().create_task(decode.fetch(second, 74, 20, [6, 7]))
+            await until(lambda: 74 in decode.receiver.waiters, what="the room waiting")
+            decode.receiver.sweep()
+            assert list(decode.receiver.links) == [("127.0.0.1", second.port)]
+            await second.writer.send_room(room, time.monotonic() + 5)
+            await fetch
+            decode.receiver.sweep()
+            assert not decode.receiver.links
         finally:
             await second.close()
     scenario(body, receiver_kwargs={"max_links": 1})
