@@ -66,13 +66,15 @@ def new_pool(fill: int) -> torch.Tensor:
 
 
 class Decode:
-    def __init__(self, port: int, name: str = "decode", *, draft: bool = False):
+    def __init__(self, port: int, name: str = "decode", *, draft: bool = False, registered_pages: int = NUM_PAGES):
+        """``registered_pages``: how many of the pool's pages its NIXL agent registers (all, unless
+        a case needs a decode whose register names memory its agent never registered)."""
         self.decode_id = f"{name}-{uuid.uuid4().hex[:8]}"
         self.engine = NixlEngine(name)
         self.pool = new_pool(0)
         self.draft_pool = new_pool(0) if draft else None
         self.aux = AuxSlots(8)
-        self.engine.register_tensor(self.pool)
+        self.engine.register_tensor(self.pool[:registered_pages])
         if draft:
             self.engine.register_tensor(self.draft_pool)
         self.engine.register_tensor(self.aux.buffer)

@@ -297,6 +297,17 @@ def test_register_with_absurd_num_pages_is_refused_before_any_work():
     scenario(body)
 
 
+def test_register_naming_memory_its_agent_never_registered_is_refused_and_its_agent_removed():
+    """Regions within the page bound but past what the decode's NIXL agent registered (here 8 of
+    its 32 pages): the prefill's preparation of the decode's lists fails off the frame loop, the
+    register is refused with NIXL's reason, and the agent it added for that decode is gone."""
+    async def body(prefill, decode):
+        ack = await decode.register()
+        assert not ack.accepted and "memory not registered" in ack.error, ack
+        assert decode.engine.name not in prefill.engine.peers() and prefill.peers.get(decode.decode_id) is None
+    scenario(body, decode_kwargs={"registered_pages": 8})
+
+
 def test_registration_runs_off_the_frame_loop_and_a_timed_out_one_is_cleaned_up():
     async def body(prefill, slow, other):
         gate = threading.Event()
