@@ -3,10 +3,11 @@
 for token (float32; prompts of 1 to 300 tokens, prefill then 16 tokens through the overlapped
 decode path, and n > 1 forks whose copied page must reach every rank), on the embedded tiny
 checkpoint (4 attention heads, 2 KV heads: TP 4 replicates each KV head on two ranks) and on
-``tiny-kv8`` (8 KV heads, split in blocks). Each started group serves every case of its module
-fixture. Also: each rank's weights are slices of the checkpoint that concatenate back to it, the
-refusals name their option, and workers never outlive rank 0, whether it closes, dies, or sees a
-worker die."""
+``tiny-kv8`` (8 KV heads, split in blocks) at TP 2; the groups start together once and serve every
+case. The sharded model alone (ranks as threads, no processes) covers every (model, TP 2 | 4) pair.
+Also: each rank's weights are slices of the checkpoint that concatenate back to it, the refusals
+name their option, the step codec round-trips, and workers never outlive rank 0, whether it
+closes, dies, or sees a worker die."""
 
 from __future__ import annotations
 
@@ -15,16 +16,20 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from common.engine.factory import build_runner, check_tp_options
 from common.engine.fork import fork
 from common.engine.sequence import Sequence
 from common.engine.tp_group import TpWorkerError
-from common.engine.tp_step import StepHeader, StepKind, decode_forward, encode_forward
+from common.engine.tp_step import HEADER_BYTES, StepHeader, StepKind, decode_forward, encode_forward
+from common.errors import ProtocolError
 from common.model.config import ModelConfig
 from common.model.llama import SeqChunk
 from common.model.loader import load_model
@@ -32,6 +37,7 @@ from common.model.sampling import SamplingParams
 from common.model.tiny import make_tiny_model
 from common.model.tp_layers import TpConfigError, TpShard
 from tests.cluster import tiny_model_dirs
+from tests.tp_threads import greedy_in_threads
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -67,12 +73,29 @@ def references(kv8_dir) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
     return out
 
 
-@pytest.fixture(scope="module", params=[("tiny", 2), ("tiny", 4), ("kv8", 2)], ids=lambda p: f"{p[0]}-tp{p[1]}")
-def tp_runner(request, kv8_dir):
-    name, tp_size = request.param
-    runner = _runner(_dir(name, kv8_dir), tp_size)
-    yield name, runner
-    runner.close()
+GROUPS = [("tiny", 2), ("tiny", 4), ("kv8", 2)]  # kv8 at TP 4: test_model_shards_in_threads_equal_tp1
+DOOMED = ("kv8", 2, "doomed")  # a group of its own, which test_a_failed_worker_fails_the_step breaks
+
+
+@pytest.fixture(scope="module")
+def tp_runners(kv8_dir):
+    """Every group this module uses, started at once (most of a start is a worker importing torch)."""
+    keys = [*GROUPS, DOOMED]
+    with ThreadPoolExecutor(len(keys)) as pool:
+        futures = {key: pool.submit(_runner, _dir(key[0], kv8_dir), key[1]) for key in keys}
+    runners = {}
+    try:
+        for key, future in futures.items():
+            runners[key] = future.result()
+        yield runners
+    finally:
+        with ThreadPoolExecutor(len(runners)) as pool:
+            list(pool.map(lambda runner: runner.close(), runners.values()))
+
+
+@pytest.fixture(params=GROUPS, ids=lambda p: f"{p[0]}-tp{p[1]}")
+def tp_runner(request, tp_runners):
+    return request.param[0], tp_runners[request.param]
 
 
 def _seqs(prompts: list[list[int]]) -> list[Sequence]:
@@ -135,6 +158,14 @@ def test_each_rank_holds_its_heads(tp_runner):
     assert len(runner.target.tp.worker_pids) == tp_size - 1
 
 
+@pytest.mark.parametrize("name", ["tiny", "kv8"])
+def test_model_shards_in_threads_equal_tp1(name, kv8_dir):
+    """The sharded model alone, every (model, TP) pair: ranks as threads (tests/tp_threads.py)."""
+    reference = greedy_in_threads(_dir(name, kv8_dir), 1)
+    for tp_size in (2, 4):
+        assert greedy_in_threads(_dir(name, kv8_dir), tp_size) == reference, f"tp_size={tp_size}"
+
+
 @pytest.mark.parametrize("name,tp_size", [("tiny", 2), ("tiny", 4), ("kv8", 2), ("kv8", 4)])
 def test_rank_shards_concatenate_to_the_checkpoint(name, tp_size, kv8_dir):
     model_dir = _dir(name, kv8_dir)
@@ -175,14 +206,28 @@ def test_refusals_name_the_option():
     assert TpShard.of(config, 4, 3).kv_heads.start == 1  # replicated: ranks 2 and 3 hold head 1
 
 
-def test_step_codec_round_trips():
-    chunks = [SeqChunk([5], 17, [3, 9]), SeqChunk([1, 2, 3], 0, [4]), SeqChunk(list(range(40)), 8, [0, 1, 2, 7])]
+_chunks = st.lists(st.builds(SeqChunk, st.lists(st.integers(0, 2**40), min_size=1, max_size=20),
+                             st.integers(0, 10**6), st.lists(st.integers(0, 10**6), max_size=8)), min_size=1, max_size=6)
+
+
+@given(_chunks)
+def test_step_codec_round_trips(chunks):
     header, payload = encode_forward(chunks)
     again = StepHeader.decode(header.encode())
     assert again == header and again.payload_len == len(payload)
     assert decode_forward(again, payload) == chunks
+
+
+def test_step_header_refuses_what_it_does_not_know():
     copy = StepHeader(StepKind.COPY_PAGE, src_page=4, dst_page=11)
     assert StepHeader.decode(copy.encode()) == copy and copy.payload_len == 0
+    with pytest.raises(ProtocolError, match="magic"):
+        StepHeader.decode(b"\0" * HEADER_BYTES)
+    with pytest.raises(ProtocolError, match="kind 9"):
+        StepHeader.decode(copy.encode()[:8] + (9).to_bytes(8, "little") + copy.encode()[16:])
+    header, payload = encode_forward([SeqChunk([1, 2], 0, [0])])
+    with pytest.raises(ProtocolError, match="payload"):
+        decode_forward(header, payload[:-1])
 
 
 def _alive(pid: int) -> bool:
@@ -222,8 +267,8 @@ def test_workers_exit_when_rank0_is_killed():
     assert _wait_gone(pids) == []
 
 
-def test_a_failed_worker_fails_the_step_then_close_reaps(kv8_dir):
-    runner = _runner(kv8_dir, 2)
+def test_a_failed_worker_fails_the_step_then_close_reaps(tp_runners):
+    runner = tp_runners[DOOMED]
     try:
         [pid] = runner.target.tp.worker_pids
         runner.target.tp.copy_page(10**6, 0)  # a page outside the worker's pool: it raises and exits 1
