@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
-#   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|spec|e2e|xfer-threads|all]   (results land in $OUT, default ./gpu-out)
+#   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|staging|spec|e2e|xfer-threads|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh ...). NVLink multicast stays off.
 set -uo pipefail
@@ -32,6 +32,12 @@ if [[ $what == transfer || $what == all ]]; then
   # NIXL's UCX thread pool splits a request of >= 1,024 descriptors over its workers
   timeout 100 python3 bench/transfer.py --device cuda --tokens 16384 --iters 5 --num-threads 4 \
     2>>"$out/transfer.err" | tee -a "$out/transfer.jsonl"
+fi
+if [[ $what == staging || $what == all ]]; then
+  # issue 17: Triton gather/scatter and torch's index ops beside a scattered and a one-descriptor WRITE,
+  # 2 MiB pages (a Llama-3-8B page-major block of 16 tokens); the kernels' tests are in tests/gpu
+  timeout 200 python3 bench/staging.py --device cuda --page-kib 2048 --pages 256,1024 --iters 10 \
+    2>>"$out/staging.err" | tee -a "$out/staging.jsonl"
 fi
 m8b=/tmp/m8b
 if [[ $what == spec || $what == e2e || $what == engine || $what == xfer-threads || $what == all ]] \
