@@ -146,11 +146,14 @@ class TpGroup:
                 time.sleep(_POLL_S)
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Tell every worker to exit, wait for them (``timeout_s``, default the spec's), kill the
-        rest. Safe to call twice."""
+        """Tell every worker to exit, wait for them (``timeout_s``; default the spec's, or
+        ``_EXIT_WAIT_S`` after a failure, when a worker may sit in a collective that will not
+        finish), kill the rest. Safe to call twice."""
         if self.state == GroupState.CLOSED:
             return
-        deadline = time.monotonic() + (self.spec.timeout_s if timeout_s is None else timeout_s)
+        if timeout_s is None:
+            timeout_s = self.spec.timeout_s if self.state == GroupState.READY else _EXIT_WAIT_S
+        deadline = time.monotonic() + timeout_s
         for proc in self._procs:
             self._write(proc, StepHeader(StepKind.CLOSE).encode(), quiet=True)
             with contextlib.suppress(OSError):  # a worker already gone: the wait below reaps it

@@ -89,8 +89,10 @@ def tp_runners(kv8_dir):
             runners[key] = future.result()
         yield runners
     finally:
+        pids = [pid for runner in runners.values() for pid in runner.target.tp.worker_pids]
         with ThreadPoolExecutor(len(runners)) as pool:
             list(pool.map(lambda runner: runner.close(), runners.values()))
+        assert _wait_gone(pids) == [], "close() left TP workers running"
 
 
 @pytest.fixture(params=GROUPS, ids=lambda p: f"{p[0]}-tp{p[1]}")
