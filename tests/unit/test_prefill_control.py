@@ -342,6 +342,18 @@ def test_early_transfers_are_bounded_by_bytes_and_per_peer():
         e.num_bytes for e in table.early.values())
 
 
+def test_ended_rooms_are_remembered_for_the_transfer_wait_window_and_bounded_in_number():
+    table = RoomTable(RoomLimits(max_rooms=8, max_ended=2, ended_s=30.0))
+    for room_id, now in ((1, 0.0), (2, 10.0), (3, 20.0)):
+        table.remember_ended(room_id, f"aborted by decode ({room_id})", FailCode.ABORTED, now=now)
+    assert list(table.ended) == [2, 3]  # the oldest made room
+    table.expire(now=45.0)  # past room 2's window (10 + 30 s), inside room 3's
+    assert list(table.ended) == [3]
+    room = Room(room=3, request_id="req-3", num_prompt_tokens=16, page_ids=[0], deadline=1e9)
+    table.open(room)  # its request came after all: it opens already ended, with the reason
+    assert room.is_aborted and room.error == "aborted by decode (3)" and not table.ended
+
+
 def test_early_cap_answers_the_decode_with_overloaded():
     async def body(prefill, decode):
         assert (await decode.register()).accepted
