@@ -2,7 +2,7 @@
 
 Both take the row views of ``staging_copy.rows_view`` (integers, [rows, row_elems], contiguous)
 and an int64 row index: staging row j is buffer row ``index[j]``. Program (j, b) copies elements
-``[b * BLOCK, + BLOCK)`` of row j. A row length that is a multiple of 16 elements lets Triton
+``[b * block, + block)`` of row j (block: ``BLOCK``, or the row rounded up to a power of 2). A row length that is a multiple of 16 elements lets Triton
 specialise the kernel and issue 16-byte loads and stores. Compared against the torch reference
 on random page tables in ``tests/gpu/test_triton_staging.py``; tuned on the GPU (BLOCK, warps).
 """
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 1024  # elements per program: 8 KiB of int64
+BLOCK = 1024  # elements per program at most: 8 KiB of int64 (shorter rows: the row, rounded up to a power of 2)
 
 
 @triton.jit
@@ -36,8 +36,9 @@ def _scatter_kernel(staging, buffer, index, row_elems, BLOCK: tl.constexpr):
     tl.store(buffer + row * row_elems + cols, x, mask=mask)
 
 
-def _grid(index: torch.Tensor, row_elems: int) -> tuple[int, int]:
-    return (index.numel(), triton.cdiv(row_elems, BLOCK))
+def _launch(kernel, src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor, row_elems: int) -> None:
+    block = min(BLOCK, triton.next_power_of_2(row_elems))
+    kernel[(index.numel(), triton.cdiv(row_elems, block))](src, dst, index, row_elems, BLOCK=block)
 
 
 def _check(buffer_rows: torch.Tensor, staging_rows: torch.Tensor, index: torch.Tensor) -> None:
@@ -53,13 +54,11 @@ def gather_rows(buffer_rows: torch.Tensor, staging_rows: torch.Tensor, index: to
     """staging_rows[j] = buffer_rows[index[j]]; buffer_rows, staging_rows: [*, row_elems]."""
     _check(buffer_rows, staging_rows, index)
     if index.numel():
-        row_elems = buffer_rows.shape[1]
-        _gather_kernel[_grid(index, row_elems)](buffer_rows, staging_rows, index, row_elems, BLOCK=BLOCK)
+        _launch(_gather_kernel, buffer_rows, staging_rows, index, buffer_rows.shape[1])
 
 
 def scatter_rows(staging_rows: torch.Tensor, buffer_rows: torch.Tensor, index: torch.Tensor) -> None:
     """buffer_rows[index[j]] = staging_rows[j]; the rows ``index`` names must be distinct."""
     _check(buffer_rows, staging_rows, index)
     if index.numel():
-        row_elems = buffer_rows.shape[1]
-        _scatter_kernel[_grid(index, row_elems)](staging_rows, buffer_rows, index, row_elems, BLOCK=BLOCK)
+        _launch(_scatter_kernel, staging_rows, buffer_rows, index, buffer_rows.shape[1])

@@ -130,14 +130,20 @@ class CopyPlan:
 
 def copy_plan(addrs: np.ndarray, run_nbytes: int, base_addr: int, staging_addr: int, buffer_nbytes: int) -> CopyPlan:
     """The row view of runs at ``addrs`` (absolute) inside a buffer at ``base_addr`` of
-    ``buffer_nbytes``, copied to or from a slot at ``staging_addr``. Refuses a run outside the buffer.
-    Invariant: ``rows[i] * row_nbytes == addrs[i] - base_addr`` and no run reaches past the buffer."""
+    ``buffer_nbytes``, copied to or from a slot at ``staging_addr``. Refuses a run outside the buffer
+    and runs that overlap (a room's runs are distinct pages; a scatter into overlapping runs races).
+    Invariant: ``rows[i] * row_nbytes == addrs[i] - base_addr``; the runs' rows are distinct and
+    inside the buffer."""
     if run_nbytes <= 0:
         raise ValueError(f"run_nbytes is {run_nbytes}, expected > 0")
     offsets = np.asarray(addrs, dtype=np.int64) - base_addr
     if len(offsets) and (offsets.min() < 0 or offsets.max() + run_nbytes > buffer_nbytes):
         bad = int(offsets.min() if offsets.min() < 0 else offsets.max())
         raise ValueError(f"a run at offset {bad} (+{run_nbytes} bytes) is outside the {buffer_nbytes}-byte buffer")
+    ordered = np.sort(offsets)
+    if len(ordered) > 1 and np.diff(ordered).min() < run_nbytes:  # a scatter into them would race
+        at = int(np.argmin(np.diff(ordered)))
+        raise ValueError(f"runs at offsets {int(ordered[at])} and {int(ordered[at + 1])} overlap ({run_nbytes}-byte runs)")
     row = math.gcd(run_nbytes, int(np.gcd.reduce(offsets))) if len(offsets) else run_nbytes
     elem = next(e for e in _ELEM_NBYTES if row % e == 0 and base_addr % e == 0 and staging_addr % e == 0)
     return CopyPlan(run_nbytes, row, elem, offsets // row)

@@ -55,6 +55,16 @@ def test_random_page_tables_match_the_reference(seed):
     _run_both(buffer, pages.astype(np.int64) * stride + unit * int(rng.integers(0, 3)), run_nbytes)
 
 
+def test_runs_of_several_rows_and_rows_of_one_element():
+    """Offsets finer than the run: each run is several rows (gcd 24 of 48-byte runs); and odd offsets:
+    rows of one byte."""
+    buffer = torch.randint(0, 256, (4096,), dtype=torch.uint8, device=DEVICE)
+    plan = copy_plan(buffer.data_ptr() + np.array([72, 24, 2400, 168]), 48, buffer.data_ptr(), 0, 4096)
+    assert (plan.rows_per_run, plan.elem_nbytes) == (2, 8)
+    _run_both(buffer, np.array([72, 24, 2400, 168]), 48)  # runs 0 and 1 touch, in reverse order
+    _run_both(buffer, np.array([3, 1001, 17]), 7)
+
+
 def _config() -> ModelConfig:
     return ModelConfig.from_dict({
         "architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 64, "intermediate_size": 64,

@@ -42,10 +42,14 @@ def test_crossover_is_where_staging_starts_to_win(d, per_byte, fixed, nbytes, ru
     assert crossover_runs(StagingCosts(0.0, per_byte, fixed), nbytes) == 0  # free descriptors: never stage
 
 
-@given(st.lists(st.integers(0, 1 << 20), max_size=40), st.integers(1, 1 << 12), st.sampled_from([0, 8, 64, 4096]))
+@given(st.lists(st.integers(0, 1 << 20), max_size=40, unique=True), st.integers(1, 1 << 12),
+       st.sampled_from([0, 8, 64, 4096]))
 def test_copy_plan_rows_hold_the_runs(offset_units, run_nbytes, base_addr):
     unit = np.random.default_rng(len(offset_units)).choice([1, 2, 8, 64])
-    offsets = np.asarray(offset_units, dtype=np.int64) * unit
+    ordered = np.sort(np.asarray(offset_units, dtype=np.int64))
+    offsets = ordered + np.arange(len(ordered)) * run_nbytes  # spread out: no two runs overlap
+    offsets = offsets[np.random.default_rng(len(offsets)).permutation(len(offsets))] * unit
+    run_nbytes *= unit
     buffer_nbytes = int(offsets.max()) + run_nbytes if len(offsets) else run_nbytes
     plan = copy_plan(base_addr + offsets, run_nbytes, base_addr, 4096, buffer_nbytes)
     assert run_nbytes % plan.row_nbytes == 0 and plan.row_nbytes % plan.elem_nbytes == 0
@@ -58,6 +62,9 @@ def test_copy_plan_rows_hold_the_runs(offset_units, run_nbytes, base_addr):
     if len(offsets):
         with pytest.raises(ValueError, match="outside the"):
             copy_plan(base_addr + offsets, run_nbytes, base_addr, 4096, buffer_nbytes - 1)
+        overlapping = np.append(offsets, offsets[0] + run_nbytes - 1)
+        with pytest.raises(ValueError, match="overlap"):
+            copy_plan(base_addr + overlapping, run_nbytes, base_addr, 4096, buffer_nbytes + run_nbytes)
 
 
 def _config(layers: int) -> ModelConfig:
