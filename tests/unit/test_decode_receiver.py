@@ -301,13 +301,18 @@ def test_registration_cut_short_by_the_deadline_is_tried_again_next_time():
         gate = threading.Event()
         for _ in range(2):  # the prefill's registration threads are busy: no ack comes in time
             prefill.bootstrap.registrar.executor.submit(gate.wait, 20)
-        prefill.open_room(101, num_tokens=20)
+        first = prefill.open_room(101, num_tokens=20)
         with pytest.raises(PeerUnavailableError, match="did not acknowledge registration within 0.3s"):
             await decode.fetch(prefill, 101, 20, [0, 1], timeout_s=0.3)
         assert decode.released == [101]
-        prefill.open_room(103, num_tokens=20)  # asked again while the first registration is still queued
+        # the prefill's leg of that room ends now, with the decode's reason (not at its transfer wait)
+        await until(lambda: first.is_aborted, what="room 101 aborted on the prefill")
+        assert "did not acknowledge registration" in first.error
+        second = prefill.open_room(103, num_tokens=20)  # asked again while the first registration is still queued
         with pytest.raises(PeerUnavailableError, match="could not register this decode now: .*in progress"):
             await decode.fetch(prefill, 103, 20, [4, 5], timeout_s=3.0)
+        await until(lambda: second.is_aborted, what="room 103 aborted on the prefill")
+        assert "in progress" in second.error
         assert decode.released == [101, 103] and decode.receiver.links[("127.0.0.1", prefill.port)].refusal is None
         gate.set()
         await until(lambda: not prefill.bootstrap.registrar._registering, what="the late registration to end on the prefill")
