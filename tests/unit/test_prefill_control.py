@@ -20,6 +20,7 @@ from common.model.sampling import SamplingParams
 from common.transport.nixl import NixlEngine
 from prefill_worker.config import PrefillConfig
 from prefill_worker.daemon import PrefillDaemon
+from prefill_worker.peers import PeerTable
 from prefill_worker.pipeline import PrefillBackend
 from prefill_worker.rooms import EarlyTransfer, Room, RoomLimits, RoomState, RoomTable
 from tests.cluster import tiny_model_dirs, tiny_runner
@@ -352,6 +353,19 @@ def test_ended_rooms_are_remembered_for_the_transfer_wait_window_and_bounded_in_
     room = Room(room=3, request_id="req-3", num_prompt_tokens=16, page_ids=[0], deadline=1e9)
     table.open(room)  # its request came after all: it opens already ended, with the reason
     assert room.is_aborted and room.error == "aborted by decode (3)" and not table.ended
+
+
+def test_connections_that_sent_a_register_are_remembered_up_to_a_bound():
+    """Such a connection may abort rooms nobody asked for (a refused decode ends its rooms); the
+    table of them keeps the newest ``max_known``."""
+    table = PeerTable(NixlEngine("prefill-known"), max_peers=1, peer_timeout_s=30.0, max_known=2)
+    try:
+        for identity in (b"a", b"b", b"c"):
+            table.note_register(identity)
+        assert list(table.known) == [b"b", b"c"]
+        assert table.may_abort(b"c", b"c", None, None) and not table.may_abort(b"a", b"a", None, None)
+    finally:
+        table.engine.close()
 
 
 def test_early_cap_answers_the_decode_with_overloaded():
