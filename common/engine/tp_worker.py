@@ -48,13 +48,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def read_header(fd: int, poll_s: float = _POLL_S) -> StepHeader | None:
-    """The next header from ``fd``; None at end of file (rank 0 is gone)."""
+def read_header(fd: int, parent_pid: int, poll_s: float = _POLL_S) -> StepHeader | None:
+    """The next header from ``fd``; None at end of file or once this process has another parent
+    than ``parent_pid`` (rank 0 is gone, even if a process it forked still holds the pipe open)."""
     data = b""
     while len(data) < HEADER_BYTES:
         ready, _, _ = select.select([fd], [], [], poll_s)
         if not ready:
-            continue  # rank 0 is idle; its exit shows as end of file
+            if os.getppid() != parent_pid:
+                return None
+            continue  # rank 0 is idle
         more = os.read(fd, HEADER_BYTES - len(data))
         if not more:
             return None
@@ -62,11 +65,11 @@ def read_header(fd: int, poll_s: float = _POLL_S) -> StepHeader | None:
     return StepHeader.decode(data)
 
 
-def serve(fd: int, comm: TpComm, model, kv: KvCache) -> int:
+def serve(fd: int, comm: TpComm, model, kv: KvCache, parent_pid: int) -> int:
     """Run rank 0's steps until CLOSE or end of file; returns the number of steps run."""
     num_steps = 0
     while True:
-        header = read_header(fd)
+        header = read_header(fd, parent_pid)
         if header is None or header.kind == StepKind.CLOSE:
             return num_steps
         if header.kind == StepKind.FORWARD:
@@ -79,6 +82,7 @@ def serve(fd: int, comm: TpComm, model, kv: KvCache) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parent_pid = os.getppid()  # rank 0, which started this process
     args = parse_args(argv)
     log.configure("info")
     if args.num_threads > 0:
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         store.set(f"loaded/{rank}", "1")
         logger.info("TP worker ready tp_rank=%d tp_size=%d device=%s kv_heads=%d..%d", rank, args.tp_size, device,
                     heads.start, heads.stop - 1)
-        num_steps = serve(sys.stdin.fileno(), comm, model, kv)
+        num_steps = serve(sys.stdin.fileno(), comm, model, kv, parent_pid)
     except Exception:
         logger.exception("TP worker failed tp_rank=%d tp_size=%d", rank, args.tp_size)
         # Exit now, not after the interpreter's teardown: the sockets close at once, so rank 0's

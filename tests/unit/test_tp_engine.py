@@ -90,7 +90,7 @@ def tp_runners(kv8_dir):
         yield runners
     finally:
         pids = [pid for runner in runners.values() for pid in runner.target.tp.worker_pids]
-        with ThreadPoolExecutor(len(runners)) as pool:
+        with ThreadPoolExecutor(max(len(runners), 1)) as pool:
             list(pool.map(lambda runner: runner.close(), runners.values()))
         assert _wait_gone(pids) == [], "close() left TP workers running"
 
