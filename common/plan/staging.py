@@ -205,6 +205,43 @@ def chunk_plan(run_nbytes: Sequence[int], num_runs: Sequence[int], chunk_nbytes:
     return tuple(chunks)
 
 
+class DirectReason(enum.Enum):
+    """Why a room went direct: a metrics label and a log field, so that an operator sees what staging
+    would need (a lower crossover, more ``--staging-bytes``, larger slots)."""
+
+    STAGING_OFF = "staging_off"
+    FEW_RUNS = "few_runs"                    # fewer runs than the crossover
+    ROOM_OVER_SLOT = "room_over_slot"        # the room is larger than the decode's slot
+    RUN_OVER_CHUNK = "run_over_chunk"        # one run is larger than the prefill's chunk
+    NO_FREE_SLOT = "no_free_slot"            # every slot busy on one side (the caller's finding)
+
+
+@dataclass(frozen=True, slots=True)
+class RoomPlan:
+    """A room's path; for STAGED, its chunks; for DIRECT, why."""
+
+    path: TransferPath
+    chunks: tuple[Chunk, ...] = ()
+    reason: DirectReason | None = None
+
+
+def plan_room(segments: Sequence[StreamSegment], num_runs: int, crossover_runs: int, chunk_nbytes: int,
+              decode_slot_nbytes: int, num_buffers: int = 2) -> RoomPlan:
+    """The room's path before any slot is taken: ``choose_path`` on its merged run count, then the
+    sizes (the decode's slot holds the whole room; each run fits in a prefill chunk). Invariant:
+    STAGED comes with chunks that tile the room's stream; DIRECT with its reason."""
+    if crossover_runs <= 0:
+        return RoomPlan(TransferPath.DIRECT, reason=DirectReason.STAGING_OFF)
+    if choose_path(num_runs, crossover_runs) is TransferPath.DIRECT:
+        return RoomPlan(TransferPath.DIRECT, reason=DirectReason.FEW_RUNS)
+    if sum(s.num_runs * s.run_nbytes for s in segments) > decode_slot_nbytes:
+        return RoomPlan(TransferPath.DIRECT, reason=DirectReason.ROOM_OVER_SLOT)
+    chunks = chunk_plan([s.run_nbytes for s in segments], [s.num_runs for s in segments], chunk_nbytes, num_buffers)
+    if chunks is None:
+        return RoomPlan(TransferPath.DIRECT, reason=DirectReason.RUN_OVER_CHUNK)
+    return RoomPlan(TransferPath.STAGED, chunks)
+
+
 class StepOp(enum.Enum):
     GATHER = "gather"  # launch the gather of chunk i into its buffer
     WRITE = "write"    # post chunk i's WRITE (after its gather has finished: the WRITE reads the buffer)

@@ -14,8 +14,8 @@ from common.model.config import ModelConfig
 from common.model.kv_cache import KV_LAYOUTS, KvCache
 from common.plan.desc_lists import DescGroup
 from common.plan.staging import (
-    StagingCosts, StepOp, TransferPath, chunk_plan, choose_path, copy_plan, crossover_runs, pipeline_steps,
-    room_stream,
+    DirectReason, StagingCosts, StepOp, StreamSegment, TransferPath, chunk_plan, choose_path, copy_plan,
+    crossover_runs, pipeline_steps, plan_room, room_stream,
 )
 
 
@@ -145,3 +145,16 @@ def test_pipeline_overlaps_and_never_overwrites_a_buffer_in_flight(num_chunks, n
     for step in steps:  # never more WRITEs in flight than buffers
         in_flight += {StepOp.WRITE: 1, StepOp.WAIT: -1}.get(step.op, 0)
         assert 0 <= in_flight <= num_buffers
+
+
+def test_plan_room_says_why_a_room_goes_direct():
+    segs = [StreamSegment(1000, np.arange(8) * 4096, np.arange(8) * 8192, 0, 0),
+            StreamSegment(200, np.arange(8) * 512, np.arange(8) * 512, 0, 0)]  # 9,600 bytes in 16 runs
+    assert plan_room(segs, 16, 0, 4000, 10_000).reason is DirectReason.STAGING_OFF
+    assert plan_room(segs, 15, 16, 4000, 10_000).reason is DirectReason.FEW_RUNS
+    assert plan_room(segs, 16, 16, 4000, 9_599).reason is DirectReason.ROOM_OVER_SLOT
+    assert plan_room(segs, 16, 16, 999, 10_000).reason is DirectReason.RUN_OVER_CHUNK
+    staged = plan_room(segs, 16, 16, 3500, 9_600)
+    assert staged.path is TransferPath.STAGED and staged.reason is None
+    assert [c.nbytes for c in staged.chunks] == [3000, 3000, 3400, 200]  # whole runs; chunk 2 spans both segments
+    assert [c.buffer for c in staged.chunks] == [0, 1, 0, 1]
