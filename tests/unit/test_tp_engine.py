@@ -24,6 +24,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from common.engine.colocated import ColocatedEngine
 from common.engine.factory import build_runner, check_tp_options
 from common.engine.fork import fork
 from common.engine.sequence import Sequence
@@ -33,7 +34,9 @@ from common.errors import ProtocolError
 from common.model.config import ModelConfig
 from common.model.llama import SeqChunk
 from common.model.loader import load_model
+from common.model.grammar import GrammarSpec
 from common.model.sampling import SamplingParams
+from common.model.tokenizer import Tokenizer
 from common.model.tiny import make_tiny_model
 from common.model.tp_layers import TpConfigError, TpShard
 from tests.cluster import tiny_model_dirs
@@ -283,3 +286,26 @@ def test_a_failed_worker_fails_the_step_then_close_reaps(tp_runners):
     finally:
         runner.close()
     assert runner.target.tp.state.value == "closed" and _wait_gone([pid]) == []
+
+
+def test_colocated_engine_features_on_rank0(tp_runners):
+    """Sampling runs on rank 0 alone, so what acts on logits works unchanged at TP 2: a regex
+    grammar, penalties, seeded sampling, top logprobs and prompt logprobs (a prefill pass with
+    every row's logits) give TP 1's tokens, and logprobs within float32 noise."""
+    tokenizer = Tokenizer.from_dir(tiny_model_dirs()[0])
+    params = [SamplingParams(max_new_tokens=10, temperature=0, grammar=GrammarSpec("regex", "(ab|cd)+e", "regex")),
+              SamplingParams(max_new_tokens=10, temperature=0.8, seed=5, repetition_penalty=1.3,
+                             frequency_penalty=0.5),
+              SamplingParams(max_new_tokens=10, temperature=0, logit_bias=((65, 5.0),), min_new_tokens=4)]
+    prompts = ["Once upon a time", "The quick brown fox jumps over", "Hello"]
+    results = []
+    for runner in (_runner(tiny_model_dirs()[0], 1), tp_runners[("tiny", 2)]):
+        engine = ColocatedEngine(runner, tokenizer)
+        results.append(engine.generate(prompts, params, return_logprob=True, top_logprobs_num=3))
+    for tp1, tp2 in zip(*results):
+        assert tp2.output_ids == tp1.output_ids
+        assert tp2.output_logprobs == pytest.approx(tp1.output_logprobs, abs=1e-4)
+        assert tp2.input_logprobs[1:] == pytest.approx(tp1.input_logprobs[1:], abs=1e-4)
+        assert [[t for t, _ in alts] for alts in tp2.output_top_logprobs] == \
+            [[t for t, _ in alts] for alts in tp1.output_top_logprobs]
+    assert results[1][0].text and set(results[1][0].text) <= set("abcde")  # the grammar held
