@@ -50,14 +50,20 @@ def _staging_rows(staging: torch.Tensor, plan: CopyPlan) -> torch.Tensor:
     return rows_view(flat[:nbytes], plan)
 
 
+def _buffer_rows(buffer: torch.Tensor, plan: CopyPlan) -> torch.Tensor:
+    if buffer.data_ptr() != plan.base_addr:
+        raise ValueError(f"the copy plan is for a buffer at {plan.base_addr:#x}, this one starts at {buffer.data_ptr():#x}")
+    return rows_view(buffer, plan)
+
+
 def gather_reference(buffer: torch.Tensor, staging: torch.Tensor, plan: CopyPlan, index: torch.Tensor) -> None:
     """staging[i * run_nbytes: (i + 1) * run_nbytes] = run i of ``buffer`` (torch ``index_select``)."""
-    torch.index_select(rows_view(buffer, plan), 0, index, out=_staging_rows(staging, plan))
+    torch.index_select(_buffer_rows(buffer, plan), 0, index, out=_staging_rows(staging, plan))
 
 
 def scatter_reference(staging: torch.Tensor, buffer: torch.Tensor, plan: CopyPlan, index: torch.Tensor) -> None:
     """Run i of ``buffer`` = staging[i * run_nbytes: (i + 1) * run_nbytes] (torch ``index_copy_``)."""
-    rows_view(buffer, plan).index_copy_(0, index, _staging_rows(staging, plan))
+    _buffer_rows(buffer, plan).index_copy_(0, index, _staging_rows(staging, plan))
 
 
 @functools.cache
@@ -77,7 +83,7 @@ def gather(buffer: torch.Tensor, staging: torch.Tensor, plan: CopyPlan, index: t
     if kernels is None:
         gather_reference(buffer, staging, plan, index)
     else:
-        kernels.gather_rows(rows_view(buffer, plan), _staging_rows(staging, plan), index)
+        kernels.gather_rows(_buffer_rows(buffer, plan), _staging_rows(staging, plan), index)
 
 
 def scatter(staging: torch.Tensor, buffer: torch.Tensor, plan: CopyPlan, index: torch.Tensor) -> None:
@@ -87,4 +93,4 @@ def scatter(staging: torch.Tensor, buffer: torch.Tensor, plan: CopyPlan, index: 
     if kernels is None:
         scatter_reference(staging, buffer, plan, index)
     else:
-        kernels.scatter_rows(_staging_rows(staging, plan), rows_view(buffer, plan), index)
+        kernels.scatter_rows(_staging_rows(staging, plan), _buffer_rows(buffer, plan), index)

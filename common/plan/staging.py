@@ -114,6 +114,7 @@ class CopyPlan:
     row_nbytes: int
     elem_nbytes: int
     rows: np.ndarray  # int64 [num_runs]: each run's first row
+    base_addr: int = 0  # where the buffer starts: the copies check they were given that buffer
 
     @property
     def rows_per_run(self) -> int:
@@ -146,7 +147,7 @@ def copy_plan(addrs: np.ndarray, run_nbytes: int, base_addr: int, staging_addr: 
         raise ValueError(f"runs at offsets {int(ordered[at])} and {int(ordered[at + 1])} overlap ({run_nbytes}-byte runs)")
     row = math.gcd(run_nbytes, int(np.gcd.reduce(offsets))) if len(offsets) else run_nbytes
     elem = next(e for e in _ELEM_NBYTES if row % e == 0 and base_addr % e == 0 and staging_addr % e == 0)
-    return CopyPlan(run_nbytes, row, elem, offsets // row)
+    return CopyPlan(run_nbytes, row, elem, offsets // row, base_addr)
 
 
 @dataclass(frozen=True, slots=True)

@@ -98,5 +98,7 @@ def test_refusals():
     plan = copy_plan(t.data_ptr() + np.array([0, 16]), 16, t.data_ptr(), t.data_ptr(), 64)
     with pytest.raises(ValueError, match="cannot hold 2 runs of 16"):
         staging_copy.gather_reference(t, torch.empty(31, dtype=torch.uint8), plan, staging_copy.row_index(plan, "cpu"))
+    with pytest.raises(ValueError, match="the copy plan is for a buffer at"):
+        staging_copy.scatter_reference(torch.empty(32, dtype=torch.uint8), t[8:], plan, staging_copy.row_index(plan, "cpu"))
     with pytest.raises(ValueError, match="contiguous"):
         staging_copy.rows_view(torch.zeros(8, 8)[:, :4], plan)
