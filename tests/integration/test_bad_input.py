@@ -4,6 +4,7 @@ both daemons keep serving afterwards (correct output, all pages back).
 The prefill runs with the default pool, so its context is the tiny model's
 max_position_embeddings (4096); the decode runs with ``--max-total-tokens 1024``, which caps its
 context at 1024 tokens. Both take bodies of at most ``MAX_REQUEST_BYTES`` (``--max-request-bytes``).
+The decode connects only to the bootstrap hosts of ``KVFERRY_ALLOWED_BOOTSTRAP_HOSTS``.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def pair(tmp_path_factory, tiny_models):
         limit = ["--max-request-bytes", str(MAX_REQUEST_BYTES)]
         prefill = cluster.prefill(extra=["--transfer-wait-timeout-s", "10"] + limit)
         decode = cluster.decode(extra=["--max-total-tokens", "1024"],
-                                env={"KVFERRY_MAX_REQUEST_BYTES": str(MAX_REQUEST_BYTES)})
+                                env={"KVFERRY_MAX_REQUEST_BYTES": str(MAX_REQUEST_BYTES),
+                                     "KVFERRY_ALLOWED_BOOTSTRAP_HOSTS": "localhost, 127.0.0.1"})
         yield Pair(prefill, decode, (free_pages(prefill), free_pages(decode)))
     finally:
         cluster.stop_all()
@@ -186,6 +188,15 @@ def test_missing_or_bad_bootstrap_fields_are_refused(pair, case, path):
     body = {"input_ids": PROMPT} if path == "/generate" else {"prompt": PROMPT}
     for name, proc in pair.procs("both"):
         assert_refused(*http_json(proc.url + path, {**body, **fields}, timeout_s=30), field, f"{name}{path}")
+
+
+def test_bootstrap_host_outside_the_decodes_allow_list_is_refused(pair):
+    """A request naming a bootstrap host the decode is not configured to trust is a 400 naming
+    --allowed-bootstrap-hosts, answered without connecting there; its pages go back (last test)."""
+    for path, body in (("/generate", {"input_ids": PROMPT}), ("/v1/completions", {"prompt": PROMPT})):
+        body = {**body, **pair.boot(), "bootstrap_host": "10.255.255.1"}
+        assert_refused(*http_json(pair.decode.url + path, body, timeout_s=30), "--allowed-bootstrap-hosts",
+                       f"decode{path}")
 
 
 def test_daemons_keep_serving_after_bad_input(pair, colocated):
