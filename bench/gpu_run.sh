@@ -34,10 +34,17 @@ if [[ $what == transfer || $what == all ]]; then
     2>>"$out/transfer.err" | tee -a "$out/transfer.jsonl"
 fi
 if [[ $what == staging || $what == all ]]; then
-  # issue 17: Triton gather/scatter and torch's index ops beside a scattered and a one-descriptor WRITE,
-  # 2 MiB pages (a Llama-3-8B page-major block of 16 tokens); the kernels' tests are in tests/gpu
-  timeout 200 python3 bench/staging.py --device cuda --page-kib 2048 --pages 256,1024 --iters 10 \
-    2>>"$out/staging.err" | tee -a "$out/staging.jsonl"
+  # issue 17: the kernels against the torch reference first; then, in two processes (cuda_ipc), the Triton
+  # gather/scatter (a sweep of their configurations, the fastest kept) and torch's index ops beside a
+  # scattered, a one-descriptor, a staged and a pipelined staged WRITE of 2 MiB pages (a Llama-3-8B
+  # page-major block of 16 tokens); one room size a call, each with its own limit
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_triton_staging.py 2>&1 \
+    | tee "$out/staging-tests.txt" | tail -5
+  sweep=${STAGING_SWEEP:-1024x4x1,4096x8x1,4096x8x4,8192x8x2,8192x16x4,16384x16x1,2048x4x8,4096x4x8}
+  timeout 150 python3 bench/staging.py --device cuda --page-kib 2048 --pages 256 --iters 10 --chunks 8 \
+    --triton-block "$sweep" 2>>"$out/staging.err" | tee -a "$out/staging.jsonl"
+  timeout 190 python3 bench/staging.py --device cuda --page-kib 2048 --pages 1024 --iters 10 --chunks 8 \
+    --triton-block "$sweep" 2>>"$out/staging.err" | tee -a "$out/staging.jsonl"
 fi
 m8b=/tmp/m8b
 if [[ $what == spec || $what == e2e || $what == engine || $what == xfer-threads || $what == all ]] \

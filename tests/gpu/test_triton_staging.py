@@ -23,7 +23,7 @@ triton_staging = pytest.importorskip("common.model.triton_staging")
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 
-def _run_both(buffer: torch.Tensor, offsets: np.ndarray, run_nbytes: int) -> None:
+def _run_both(buffer: torch.Tensor, offsets: np.ndarray, run_nbytes: int, config=None) -> None:
     """Gather with the kernel and the reference; scatter the slot into two copies of another buffer."""
     nbytes = len(offsets) * run_nbytes
     slots = [torch.full((nbytes + 64,), 3, dtype=torch.uint8, device=DEVICE) for _ in range(2)]
@@ -31,14 +31,14 @@ def _run_both(buffer: torch.Tensor, offsets: np.ndarray, run_nbytes: int) -> Non
                      buffer.numel() * buffer.element_size())
     index = staging_copy.row_index(plan, DEVICE)
     triton_staging.gather_rows(staging_copy.rows_view(buffer, plan), staging_copy.rows_view(slots[0][:nbytes], plan),
-                               index)
+                               index, config)
     staging_copy.gather_reference(buffer, slots[1], plan, index)
     assert torch.equal(slots[0], slots[1])  # the same bytes, and the 64 bytes past the room untouched
     targets = [torch.randint(0, 256, buffer.shape, dtype=torch.uint8, device=DEVICE) if buffer.dtype == torch.uint8
                else torch.randn(buffer.shape, device=DEVICE).to(buffer.dtype) for _ in range(1)]
     targets.append(targets[0].clone())
     triton_staging.scatter_rows(staging_copy.rows_view(slots[0][:nbytes], plan), staging_copy.rows_view(targets[0], plan),
-                                index)
+                                index, config)
     plan = copy_plan(targets[1].data_ptr() + offsets, run_nbytes, targets[1].data_ptr(), slots[1].data_ptr(),
                      buffer.numel() * buffer.element_size())  # the same runs, in the other buffer
     staging_copy.scatter_reference(slots[1], targets[1], plan, staging_copy.row_index(plan, DEVICE))
@@ -65,6 +65,24 @@ def test_runs_of_several_rows_and_rows_of_one_element():
     assert (plan.rows_per_run, plan.elem_nbytes) == (2, 8)
     _run_both(buffer, np.array([72, 24, 2400, 168]), 48)  # runs 0 and 1 touch, in reverse order
     _run_both(buffer, np.array([3, 1001, 17]), 7)
+
+
+@pytest.mark.parametrize("config", ["4x1", "4x2x3", "8x4x2", "16x4x1", "4096x8x4"])
+def test_kernel_configs_match_the_reference(config):
+    """Tiles and spans that divide the row (unmasked) and that do not (masked, a last short span):
+    rows of 40 int64 under tiles of 4 to 16 elements, 1 to 3 tiles a program."""
+    kernel = triton_staging.KernelConfig.parse(config)
+    assert str(kernel).startswith(config)
+    buffer = torch.randint(0, 256, (64 * 320,), dtype=torch.uint8, device=DEVICE)
+    offsets = np.random.default_rng(5).choice(64, 23, replace=False).astype(np.int64) * 320
+    _run_both(buffer, offsets, 320, kernel)  # 320-byte runs: one row of 40 int64 each
+    _run_both(buffer, offsets[:5], 64, kernel)  # 8 elements: spans that divide it
+
+
+def test_kernel_config_refusals():
+    for bad in ("4096", "3000x8", "4096x0", "1x2x3x4"):
+        with pytest.raises(ValueError, match="BLOCKxWARPS"):
+            triton_staging.KernelConfig.parse(bad)
 
 
 def _config() -> ModelConfig:
