@@ -23,9 +23,11 @@ import triton.language as tl
 
 @dataclass(frozen=True, slots=True)
 class KernelConfig:
-    block: int = 4096  # elements per tile at most (a shorter row: the row, rounded up to a power of 2)
-    warps: int = 8
-    tiles: int = 4     # tiles per program: a span of block * tiles elements (32 KiB x 4 of int64)
+    # the H200 sweep (bench/RESULTS.md, staging on one H200): for 2 MiB rows every configuration tried
+    # came within 6 % of the best, which this one was at 1,024 pages (one 128 KiB tile of int64 a program)
+    block: int = 16384  # elements per tile at most (a shorter row: the row, rounded up to a power of 2)
+    warps: int = 16
+    tiles: int = 1      # tiles per program: a span of block * tiles elements
 
     @classmethod
     def parse(cls, text: str) -> KernelConfig:
