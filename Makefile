@@ -1,5 +1,6 @@
 # kvferry: two commands to start. `make up` runs the pair behind sglang-router with the tiny
-# embedded model; `make test` runs the whole suite and prints why each skipped test skipped (-rs).
+# embedded model; `make test` runs the whole suite and prints why each skipped test skipped (-rs)
+# and the 20 slowest steps (--durations).
 # Both create .venv on first use.
 PYTHON ?= python3
 VENV   := .venv
@@ -24,7 +25,7 @@ up: $(STAMP)
 	$(VENV)/bin/kvferry up
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -rs $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -rs --durations=20 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/transfer.py

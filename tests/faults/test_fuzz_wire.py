@@ -67,6 +67,12 @@ def values(hint) -> st.SearchStrategy:
         return st.one_of(*(st.none() if a is type(None) else values(a) for a in args))
     if origin is list and args[0] is int:
         return int_lists
+    if origin is list and typing.get_origin(args[0]) is list:
+        # rows of a table (prompt logprobs' top ids and logprobs): short rows, few or many of them.
+        # Long rows repeated thousands of times would be frames of hundreds of MB, which take
+        # minutes to build before the frame cap drops them; a frame near the cap is built elsewhere.
+        row = st.lists(values(typing.get_args(args[0])[0]), max_size=20)
+        return st.lists(row, max_size=6) | st.builds(lambda x, n: [x] * n, row, st.sampled_from([0, 1, 2, 10, 100, 2000]))
     if origin is list:  # up to 4,000 regions: ~600 KB, inside the frame cap
         counts = st.sampled_from([0, 1, 2, 10, 100, 1000, 4000])
         return st.lists(values(args[0]), max_size=6) | st.builds(lambda x, n: [x] * n, values(args[0]), counts)
