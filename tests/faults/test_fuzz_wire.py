@@ -276,6 +276,17 @@ def body(room: int, port: int) -> dict:
             "bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": room}
 
 
+def reply(fake: End, frames: list[bytes]) -> None:
+    """Answer the decode connection that spoke last. After the oversized-frame test's frame, libzmq
+    drops that connection (and the decode replaces its socket), so a message it sent just before may
+    find no one to answer: the decode's own deadlines end that request, and callers assert its status."""
+    try:
+        fake.send(frames)
+    except zmq.ZMQError as exc:
+        if exc.errno != zmq.EHOSTUNREACH:
+            raise
+
+
 def request_via_fake(stack: Stack, room: int, script: Script) -> tuple[int, object, wire.Register | None]:
     fake, register = stack.fake, None
     future = stack.pool.submit(http_json, stack.decode.url + "/generate", body(room, fake.port), timeout_s=120)
@@ -288,20 +299,18 @@ def request_via_fake(stack: Stack, room: int, script: Script) -> tuple[int, obje
             for frames in (*script.on_register, [wire.encode(wire.RegisterAck(
                     prefill_id="fake-prefill", accepted=script.accept, error=None if script.accept else "fake: no",
                     written=[r.key for r in msg.regions], ignored=[], decode_only_spec_dec=False))]):
-                fake.send(frames)
+                reply(fake, frames)
         elif isinstance(msg, wire.Transfer):
             ending = {"fail": wire.TransferResult(room=msg.room, ok=False, error="fake prefill failed the room"),
                       "ok_without_write": wire.TransferResult(room=msg.room, ok=True, error=None),
                       "error_for_room": wire.Error(reason="fake prefill refuses", room=msg.room)}[script.ending]
             for frames in (*script.on_transfer, [wire.encode(ending)]):
-                fake.send(frames)
+                reply(fake, frames)
         elif isinstance(msg, wire.Abort):
-            fake.send([wire.encode(wire.TransferResult(room=msg.room, ok=False, error="aborted"))])
+            reply(fake, [wire.encode(wire.TransferResult(room=msg.room, ok=False, error="aborted"))])
     status, answer = future.result()
-    try:  # confirm the room is over, as a prefill does: the decode releases pages it quarantined
-        fake.send([wire.encode(wire.TransferResult(room=room, ok=False, error="room closed by the fake"))])
-    except zmq.ZMQError:  # the decode dropped this connection (the oversized-frame test)
-        pass
+    # confirm the room is over, as a prefill does: the decode releases pages it quarantined
+    reply(fake, [wire.encode(wire.TransferResult(room=room, ok=False, error="room closed by the fake"))])
     return status, answer, register
 
 
