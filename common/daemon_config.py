@@ -25,7 +25,10 @@ class CommonConfig:
     port: int = flag(30000, help="HTTP port")
     device: str = flag("cpu", help="cpu or cuda:N")
     dtype: str = flag("auto", help="weights and KV dtype; auto = float32 on cpu, bfloat16 on cuda", choices=DTYPES)
-    page_size: int = flag(16, help="tokens per KV page (must equal the peer's)")
+    page_size: int = flag(16, help="tokens per KV page (the peer's may differ: the transfer maps token ranges)")
+    tp_size: int = flag(1, help="tensor-parallel ranks, one process each (cuda:K from --device's index on, or "
+                                "cpu); rank 0 serves HTTP and schedules, every rank owns its KV heads and NIXL "
+                                "agent; the peer's --tp-size may differ")
     max_total_tokens: int = flag(65536, help="KV pool size in tokens (per model)")
     kv_layout: str = flag("page-major", choices=KV_LAYOUTS,
                           help="KV pool layout: page-major keeps one page of every layer in one block (one "
@@ -55,6 +58,7 @@ class CommonConfig:
         require(self.device == "cpu" or self.device.startswith("cuda"), f"--device must be cpu or cuda:N, got {self.device!r}")
         require(self.draft_device is None or self.draft_device == "cpu" or self.draft_device.startswith("cuda"),
                 f"--draft-device must be cpu or cuda:N, got {self.draft_device!r}")
+        require(self.tp_size >= 1, f"--tp-size must be >= 1, got {self.tp_size}")
         require(self.max_running_requests > 0, "--max-running-requests must be positive")
         require(self.cuda_graph_max_bs >= 0, f"--cuda-graph-max-bs must be >= 0, got {self.cuda_graph_max_bs}")
         require(self.max_queued_requests >= 0, "--max-queued-requests must be >= 0")

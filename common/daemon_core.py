@@ -27,6 +27,7 @@ from common.metrics import Metrics
 from common.model.grammar import GrammarCache
 from common.model.tokenizer import Tokenizer
 from common.transport.nixl import NixlEngine
+from common.wire import AuxInfo
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class DaemonCore:
         self.config = config
         self.drain_timeout_s = config.drain_timeout_s
         self.metrics = Metrics(self.role)
-        self.is_serving = False
+        self._is_serving = False
         self.model_executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-model")
         # structured output: grammars compile here, off the event loop and off the model's thread
         self.grammar_executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-grammar")
@@ -58,7 +59,7 @@ class DaemonCore:
             self.model_executor, lambda: build_runner(
                 c.model, c.draft_model, device=c.device, dtype=c.torch_dtype_name, page_size=c.page_size,
                 max_total_tokens=c.max_total_tokens, draft_device=c.draft_device, kv_layout=c.kv_layout,
-                **runner_options))
+                tp_size=c.tp_size, tp_agent_prefix=self.role if c.tp_size > 1 else "", **runner_options))
         self.device: torch.device = self.runner.target.kv.device
         self.tokenizer = Tokenizer.from_dir(c.model)
         self.grammars = GrammarCache(self.tokenizer, self.runner.target.model.config.vocab_size,
@@ -73,12 +74,44 @@ class DaemonCore:
             self.engine.register_tensor(slot.kv.buffer)
         self.engine.register_tensor(self.aux.buffer)
 
+    @property
+    def is_serving(self) -> bool:
+        """Serving, and (with tensor parallelism) every rank alive: a lost rank makes the daemon
+        unhealthy (``/health`` 503) until it is restarted."""
+        tp = getattr(getattr(self, "runner", None), "target", None)
+        group = getattr(tp, "tp", None)
+        return self._is_serving and (group is None or group.is_healthy)
+
+    @is_serving.setter
+    def is_serving(self, value: bool) -> None:
+        self._is_serving = value
+
+    @property
+    def tp_group(self):
+        """Rank 0's ``TpGroup`` with --tp-size > 1, else None."""
+        return self.runner.target.tp
+
     def layout(self) -> KvLayout:
-        """This side's region table (target and draft pools, aux slots) as both sides match it."""
+        """This rank's (rank 0's) region table (target and draft pools, aux slots) as both sides match it."""
         kv = self.runner.target.kv
         regions = tuple(r for slot in self.runner.slots for r in slot.kv.regions())
         return KvLayout(model=self.runner.target.model.config.fingerprint, page_size=kv.page_size,
-                        kv_dtype=kv.kv_dtype, tp_size=1, tp_rank=0, regions=regions, aux=self.aux.info())
+                        kv_dtype=kv.kv_dtype, tp_size=self.config.tp_size, tp_rank=0, regions=regions,
+                        aux=self.aux.info())
+
+    def layouts(self) -> list[KvLayout]:
+        """Every rank's layout, rank 0 first; ranks 1.. hold no aux slots (rank 0 receives the aux
+        record) and their regions come from their agents' hellos."""
+        base = self.layout()
+        out = [base]
+        group = self.tp_group
+        if group is not None:
+            no_aux = AuxInfo(base.aux.mem, base.aux.device, 0, 0, 0)
+            for rank in range(1, group.spec.tp_size):
+                out.append(KvLayout(model=base.model, page_size=base.page_size, kv_dtype=base.kv_dtype,
+                                    tp_size=base.tp_size, tp_rank=rank, regions=group.rank_infos[rank].regions,
+                                    aux=no_aux))
+        return out
 
     @property
     def draft_fingerprint(self) -> str:

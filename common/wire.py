@@ -44,6 +44,9 @@ from common.errors import FailCode, ProtocolError
 #   1 (kvferry 0.4): aux record v2 (common/aux_record.py: the first token's top logprobs), written only
 #                    into a decode's slots that hold it, and TransferResult.prompt_logprobs (default
 #                    None), sent only to such a decode: a 0.3 peer on either side sees 0.3 frames.
+#   1 (kvferry 0.5): tensor parallelism: one register per decode rank (Register.tp_rank; ranks > 0 carry
+#                    no aux slots) and Notification.parts (default 1): a room written by several
+#                    prefill ranks or into several decode ranks completes once every part notified.
 PROTOCOL_VERSION = 1
 
 # A register frame carries two entries per layer per model; 1 MiB holds ~5,000 regions.
@@ -241,6 +244,7 @@ class Notification(Message):
     room: int
     decode_id: str
     ok: bool
+    parts: int = 1  # WRITEs (one notification each) that make up the room: > 1 with tensor parallelism
 
 
 _REGISTRY: dict[str, type[Message]] = {

@@ -46,7 +46,8 @@ class DecodeDaemon(DaemonCore):
                                    metrics=self.metrics, register_timeout_s=c.register_timeout_s,
                                    heartbeat_interval_s=c.heartbeat_interval_s, heartbeat_misses=c.heartbeat_misses,
                                    quarantine_s=max(2 * c.xfer_timeout_s, 5.0), client_keys=self._curve(),
-                                   allowed_hosts=c.bootstrap_hosts, max_links=c.max_prefill_links)
+                                   allowed_hosts=c.bootstrap_hosts, max_links=c.max_prefill_links,
+                                   rank_agents=self.tp_group.agents if self.tp_group is not None else None)
         self.batcher = DecodeBatcher(self.runner, self.model_executor, max_running=c.max_running_requests,
                                      on_finish=self.runner.release, on_step=self._on_step,
                                      overlap=not c.disable_overlap_schedule)
@@ -72,13 +73,22 @@ class DecodeDaemon(DaemonCore):
         await self.stop_core()
         self.close_core()
 
-    def _register_msg(self) -> wire.Register:
-        """This decode's KVArgsRegisterInfo: its region table, as the prefill plans from it."""
-        layout = self.layout()
-        return wire.Register(decode_id=self.decode_id, agent_name=self.engine.name,
-                             agent_metadata=self.engine.metadata(), model=layout.model, page_size=layout.page_size,
-                             kv_dtype=layout.kv_dtype, tp_size=layout.tp_size, tp_rank=layout.tp_rank,
-                             regions=list(layout.regions), aux=layout.aux, draft_model=self.draft_fingerprint)
+    def _register_msg(self) -> list[wire.Register]:
+        """This decode's KVArgsRegisterInfo, one per TP rank (ranks 1.. first, rank 0 last: the
+        prefill plans the whole decode when rank 0's arrives): each rank's agent and region table."""
+        group = self.tp_group
+        msgs = []
+        for layout in self.layouts()[1:] + self.layouts()[:1]:
+            if layout.tp_rank == 0:
+                name, metadata = self.engine.name, self.engine.metadata()
+            else:
+                info = group.rank_infos[layout.tp_rank]
+                name, metadata = info.agent_name, info.metadata
+            msgs.append(wire.Register(decode_id=self.decode_id, agent_name=name, agent_metadata=metadata,
+                                      model=layout.model, page_size=layout.page_size, kv_dtype=layout.kv_dtype,
+                                      tp_size=layout.tp_size, tp_rank=layout.tp_rank, regions=list(layout.regions),
+                                      aux=layout.aux, draft_model=self.draft_fingerprint))
+        return msgs
 
     def _curve(self) -> dict | None:
         c = self.config

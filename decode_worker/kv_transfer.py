@@ -67,6 +67,14 @@ class Waiter:
     future: asyncio.Future
     needs_result: bool = False
     sent_at: float = field(default_factory=time.perf_counter)
+    parts: set[str] = field(default_factory=set)  # "sender@rank" of each notified WRITE (tensor parallelism)
+
+    def notified(self, agent: str, parts: int) -> bool:
+        """Count the notification of one WRITE of the room from ``agent``; True once all ``parts``
+        have landed (one per prefill rank and decode rank pair; 1 without tensor parallelism)."""
+        if parts > 1 and len(self.parts) < parts:
+            self.parts.add(agent)
+        return parts <= 1 or len(self.parts) >= parts
 
 
 class Landed(NamedTuple):
@@ -79,11 +87,12 @@ class Landed(NamedTuple):
 
 
 class KvReceiver:
-    def __init__(self, *, engine: NixlEngine, register_msg: Callable[[], wire.Register], aux: AuxSlots,
+    def __init__(self, *, engine: NixlEngine, register_msg: Callable[[], wire.Register | list[wire.Register]], aux: AuxSlots,
                  metrics: Metrics, register_timeout_s: float, heartbeat_interval_s: float,
                  heartbeat_misses: int, quarantine_s: float, client_keys: dict | None = None,
-                 allowed_hosts: frozenset[str] = frozenset(), max_links: int = 64):
+                 allowed_hosts: frozenset[str] = frozenset(), max_links: int = 64, rank_agents=None):
         self.engine = engine
+        self.rank_agents = rank_agents  # TP: the other ranks' agents, whose notifications count too
         self.register_msg = register_msg
         self.aux = aux
         self.metrics = metrics
@@ -301,7 +310,7 @@ class KvReceiver:
                 logger.warning("notification for unknown or expired room=%d from peer=%s ignored", notif.room, agent)
             self.holds.written(notif.room)  # a quarantined room's WRITE finished: the pages are quiet again
             return
-        if not waiter.future.done() and not waiter.needs_result:
+        if waiter.notified(agent, notif.parts) and not waiter.future.done() and not waiter.needs_result:
             waiter.future.set_result(None)
 
     def _remember(self, room: int) -> None:
@@ -373,7 +382,10 @@ async def poll_notifications(receiver: KvReceiver) -> None:
             with contextlib.suppress(asyncio.TimeoutError):  # the timeout is the periodic drain
                 await asyncio.wait_for(receiver.wake.wait(), 0.05)
         try:
-            for agent, payloads in receiver.engine.get_notifs().items():
+            notifs = receiver.engine.get_notifs()
+            if receiver.rank_agents is not None:
+                notifs.update(receiver.rank_agents.get_notifs())  # keys "sender@tpK": none shared with rank 0's
+            for agent, payloads in notifs.items():
                 pause_s = 1e-4
                 for payload in payloads:
                     receiver.on_notification(agent, payload)

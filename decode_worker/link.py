@@ -29,7 +29,7 @@ class LinkOwner(Protocol):
     """What a link needs from the decode: its register message, heartbeat settings, metrics, and
     where to report frames about rooms and the loss of the prefill."""
 
-    register_msg: Callable[[], wire.Register]
+    register_msg: Callable[[], "wire.Register | list[wire.Register]"]  # a list: one per TP rank, rank 0 last
     heartbeat_interval_s: float
     heartbeat_misses: int
     metrics: Metrics
@@ -103,13 +103,19 @@ class PrefillLink:
                     self._move(LinkState.LOST)
 
     async def _register(self, timeout_s: float) -> wire.RegisterAck:
-        msg = self.receiver.register_msg()
-        self.decode_id = msg.decode_id
-        self._ack_future = asyncio.get_running_loop().create_future()
+        """Send each rank's register in turn and await its ack; rank 0's (last) is the verdict."""
         deadline = time.monotonic() + timeout_s
-        await self.client.send(msg, timeout_s=timeout_s)
+        msgs = self.receiver.register_msg()
+        for msg in [msgs] if isinstance(msgs, wire.Register) else msgs:
+            self.decode_id = msg.decode_id
+            ack = await self._register_one(msg, max(deadline - time.monotonic(), 0.0), timeout_s)
+        return self._accept(ack)
+
+    async def _register_one(self, msg: wire.Register, remaining_s: float, timeout_s: float) -> wire.RegisterAck:
+        self._ack_future = asyncio.get_running_loop().create_future()
+        await self.client.send(msg, timeout_s=remaining_s)
         try:
-            ack = await asyncio.wait_for(self._ack_future, max(deadline - time.monotonic(), 0.0))
+            ack = await asyncio.wait_for(self._ack_future, remaining_s)
         except asyncio.TimeoutError:
             raise PeerUnavailableError(f"prefill {self.address} did not answer register within {timeout_s:.1f}s "
                                        f"(is a prefill listening on that bootstrap port?)") from None
@@ -121,6 +127,9 @@ class PrefillLink:
             self.refusal, self.refused_until = ack.error, time.monotonic() + REFUSAL_S
             raise GeometryMismatchError(f"prefill {self.address} rejected this decode's KV layout: {ack.error}",
                                         code=FailCode.REFUSED)
+        return ack
+
+    def _accept(self, ack: wire.RegisterAck) -> wire.RegisterAck:
         self.ack = ack
         self._move(LinkState.REGISTERED)
         self._last_pong = time.monotonic()

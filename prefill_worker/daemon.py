@@ -24,6 +24,7 @@ from common.transport.zmq import BootstrapServer, load_keys, load_public_keys
 from prefill_worker.bootstrap import Bootstrap
 from prefill_worker.config import PrefillConfig
 from prefill_worker.kv_transfer import KvWriter
+from prefill_worker.tp_transfer import RankTransport
 from prefill_worker.peers import PeerTable
 from prefill_worker.pipeline import PrefillBackend
 from prefill_worker.rooms import RoomLimits, RoomTable
@@ -62,14 +63,16 @@ class PrefillDaemon(DaemonCore):
         self.server.start()
         self.peers = PeerTable(self.engine, max_peers=MAX_DECODES,
                                peer_timeout_s=c.heartbeat_interval_s * c.heartbeat_misses * 2)
+        self.transport = RankTransport(self.engine, self.layouts(), self.tp_group)  # every rank's agent
         self.bootstrap = Bootstrap(server=self.server, engine=self.engine, layout=self.layout(), peers=self.peers,
                                    rooms=self.rooms, metrics=self.metrics, prefill_id=self.prefill_id,
                                    register_timeout_s=c.register_timeout_s,
                                    transfer_wait_timeout_s=c.transfer_wait_timeout_s, on_bound=self._on_bound,
-                                   draft_model=self.draft_fingerprint, probe=self.probe)
+                                   draft_model=self.draft_fingerprint, probe=self.probe, transport=self.transport)
         self.writer = KvWriter(engine=self.engine, peers=self.peers, aux=self.aux, executor=self.xfer_executor,
                                send=self.bootstrap.send, metrics=self.metrics,
-                               transfer_wait_timeout_s=c.transfer_wait_timeout_s, xfer_timeout_s=c.xfer_timeout_s)
+                               transfer_wait_timeout_s=c.transfer_wait_timeout_s, xfer_timeout_s=c.xfer_timeout_s,
+                               transport=self.transport)
         self.scheduler = PrefillScheduler(self.runner, self.model_executor, max_prefill_tokens=c.max_prefill_tokens,
                                           with_draft=self.runner.draft is not None,
                                           chunk_tokens=c.chunked_prefill_size)

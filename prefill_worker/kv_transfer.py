@@ -27,6 +27,7 @@ from common.metrics import Metrics
 from common.transport.nixl import NixlEngine
 from prefill_worker.peers import DecodePeer, ListPair, PeerTable
 from prefill_worker.rooms import Room, RoomState
+from prefill_worker.tp_transfer import RankTransport, TpPeerPlan
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +36,10 @@ Send = Callable[[bytes, wire.Message], Awaitable[None]]
 
 class KvWriter:
     def __init__(self, *, engine: NixlEngine, peers: PeerTable, aux: AuxSlots, executor: Executor, send: Send,
-                 metrics: Metrics, transfer_wait_timeout_s: float, xfer_timeout_s: float):
+                 metrics: Metrics, transfer_wait_timeout_s: float, xfer_timeout_s: float,
+                 transport: RankTransport | None = None):
         self.engine = engine
+        self.transport = transport or RankTransport(engine, [])  # decodes fed per rank (tp_transfer)
         self.peers = peers
         self.aux = aux
         self.executor = executor
@@ -49,7 +52,7 @@ class KvWriter:
         """Build ``room``'s index lists now, off the WRITE's critical path. A request that does not
         fit is left alone here: ``send_room`` checks it again and fails the room with the reason."""
         peer = self.peers.get(room.transfer.decode_id)
-        if peer is None:
+        if peer is None or isinstance(peer.plan, TpPeerPlan):
             return
         try:
             room.xfer, room.xfer_plan = _indices(peer.plan, room), peer.plan
@@ -62,30 +65,38 @@ class KvWriter:
                      "transfer request here" if room.arrived.is_set() else "waiting for the transfer request")
         await self._await_transfer(room, deadline)
         peer = self._peer_of(room)
-        if room.xfer_plan is not peer.plan:  # not built yet, or built for a decode since re-registered
-            room.xfer, room.xfer_plan = _indices(peer.plan, room), peer.plan
+        plan = peer.plan
+        if isinstance(plan, TpPeerPlan):
+            plan.validate(room.transfer, room.num_prompt_tokens)
+        elif room.xfer_plan is not plan:  # not built yet, or built for a decode since re-registered
+            room.xfer, room.xfer_plan = _indices(plan, room), plan
         slot = self.aux.acquire()
         self.peers.acquire(peer)
         try:
             self.aux.write(slot, AuxRecord(room=room.room, first_token_id=room.first_token_id,
                                            first_token_logprob=room.first_token_logprob,
                                            num_prompt_tokens=room.num_prompt_tokens,
-                                           top_logprobs=room.first_token_top).pack(peer.plan.aux_nbytes))
-            room.has_decode_logprobs = decode_reads_v2(peer.plan.aux_nbytes)
-            xfer = room.xfer.with_prefill_aux_slot(peer.plan, slot)
-            notif = wire.encode(wire.Notification(room=room.room, decode_id=peer.decode_id, ok=True))
+                                           top_logprobs=room.first_token_top).pack(plan.aux_nbytes))
+            room.has_decode_logprobs = decode_reads_v2(plan.aux_nbytes)
             room.transition(RoomState.WRITING)
             started = time.perf_counter()
-            job = asyncio.get_running_loop().run_in_executor(self.executor, self._write, list(peer.lists), xfer,
-                                                             notif, room)
+            loop = asyncio.get_running_loop()
+            if isinstance(plan, TpPeerPlan):
+                job = loop.run_in_executor(self.executor, self.transport.write_room, plan, peer.tp_agents, room,
+                                           slot, self.xfer_timeout_s)
+            else:
+                xfer = room.xfer.with_prefill_aux_slot(plan, slot)
+                notif = wire.encode(wire.Notification(room=room.room, decode_id=peer.decode_id, ok=True))
+                job = loop.run_in_executor(self.executor, self._write, list(peer.lists), xfer, notif, room)
             await _settle(job, room)
+            num_bytes = job.result() if isinstance(plan, TpPeerPlan) else xfer.num_bytes
             elapsed = time.perf_counter() - started
         finally:
             # only here, once the job has returned: its lists and the aux slot were in use until then
             self.peers.release(peer)
             self.aux.release(slot)
         room.transition(RoomState.DONE)
-        self.metrics.transfer_bytes.inc(xfer.num_bytes)
+        self.metrics.transfer_bytes.inc(num_bytes)
         self.metrics.transfer_seconds.observe(elapsed)
         # Prompt logprobs go only to a decode that reads them (an older one would refuse the field).
         prompt = room.prompt_logprobs if room.has_decode_logprobs else None

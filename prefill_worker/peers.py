@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -52,6 +53,10 @@ class DecodePeer:
     is_agent_kept: bool = False  # its agent now serves a re-registration of the same process
     owners: set[bytes] = field(default_factory=set)      # every owner that registered this agent
     identities: set[bytes] = field(default_factory=set)  # and their connections (pings keep it alive)
+    # decodes fed per rank (tp_transfer): (prefill rank, decode rank) -> agent name loaded there, and
+    # what unloads them when the peer goes (rank 0's ``agent_name`` is unloaded here, as for any peer)
+    tp_agents: dict = field(default_factory=dict)
+    on_release: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         self.owners.add(self.owner)
@@ -187,6 +192,8 @@ class PeerTable:
                     logger.warning("release of prepared list failed peer=%s: %s", peer.agent_name, exc)
         if peer.is_agent_kept:
             return
+        if peer.on_release is not None:
+            peer.on_release()
         try:
             self.engine.remove_peer(peer.agent_name)
         except DisaggError as exc:

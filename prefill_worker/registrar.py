@@ -24,6 +24,7 @@ from common.metrics import Metrics
 from common.transport.nixl import NixlEngine
 from common.transport.nixl_probe import MetadataProbe
 from prefill_worker.peers import DecodePeer, ListPair, PeerTable
+from prefill_worker.tp_transfer import RankTransport, TpPeerPlan, TpRegistrations, build_peer_plan, needs_feeds
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +34,12 @@ MAX_PENDING_REGISTERS = 8  # registrations whose NIXL work runs at once
 class Registrar:
     def __init__(self, *, engine: NixlEngine, layout: KvLayout, peers: PeerTable, metrics: Metrics, prefill_id: str,
                  register_timeout_s: float, send: Callable[[bytes, wire.Message], Awaitable[None]],
-                 draft_model: str = "", probe: MetadataProbe | None = None):
+                 draft_model: str = "", probe: MetadataProbe | None = None,
+                 transport: RankTransport | None = None):
         self.engine = engine
+        # every prefill rank's agent and table: decodes of another TP or page size are fed through it
+        self.transport = transport or RankTransport(engine, [layout])
+        self.tp_parts = TpRegistrations()
         self.layout = layout
         self.peers = peers
         self.metrics = metrics
@@ -62,6 +67,9 @@ class Registrar:
     async def _register(self, identity: bytes, owner: bytes, msg: wire.Register) -> None:
         """Task: one registration, off the frame loop (other peers' pings are answered meanwhile)."""
         self.peers.note_register(identity)
+        if needs_feeds(self.transport.layouts, msg):
+            await self._register_feeds(identity, owner, msg)
+            return
         try:
             plan, lists = await self._plan_and_lists(owner, msg)
         except DisaggError as exc:
@@ -75,6 +83,9 @@ class Registrar:
                                               f"{type(exc).__name__}: {exc}", FailCode.OTHER)
             return
         self.peers.install(DecodePeer(msg.decode_id, msg.agent_name, identity, owner, plan, lists))
+        await self._accept(identity, msg, plan)
+
+    async def _accept(self, identity: bytes, msg: wire.Register, plan) -> None:
         self.metrics.registrations.labels(result="accepted").inc()
         logger.info("registered decode_id=%s peer=%s: %d regions written, %d ignored, decode_only_spec_dec=%s",
                     msg.decode_id, msg.agent_name, len(plan.written), len(plan.ignored), plan.decode_only_spec_dec)
@@ -111,6 +122,69 @@ class Registrar:
             job.add_done_callback(self._discard)
             self.metrics.timeouts.labels(stage="register").inc()
             raise ProtocolError(f"prefill could not add NIXL agent {msg.agent_name} within "
+                                f"{self.register_timeout_s}s", code=FailCode.TIMEOUT) from None
+
+    async def _register_feeds(self, identity: bytes, owner: bytes, msg: wire.Register) -> None:
+        """A decode served through feeds (``tp_transfer``): rank registers are kept until rank 0's,
+        which is planned against every prefill rank and connected on each."""
+        try:
+            refusal = self.peers.refuse_register(msg.decode_id, msg.agent_name, owner)
+            if refusal is not None:
+                raise ProtocolError(refusal[0], code=refusal[1])
+            if msg.tp_rank > 0:
+                self.tp_parts.add(owner, msg)
+                await self.send(identity, wire.RegisterAck(prefill_id=self.prefill_id, accepted=True, error=None,
+                                                           written=[], ignored=[], decode_only_spec_dec=False))
+                return
+            parts = self.tp_parts.complete(owner, msg)
+            plan = build_peer_plan(self.transport.layouts, parts, f"decode_id={msg.decode_id} agent={msg.agent_name}")
+            self._check_draft(msg, plan)
+            agents = await self._connect_feeds(msg, plan)
+        except DisaggError as exc:
+            await self._reject(identity, msg, str(exc), exc.code)
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # task boundary: log, refuse, keep serving
+            logger.exception("registration of decode_id=%s failed", msg.decode_id)
+            await self._reject(identity, msg, f"prefill {self.prefill_id} failed to register it: "
+                                              f"{type(exc).__name__}: {exc}", FailCode.OTHER)
+            return
+        transport, keep = self.transport, msg.agent_name
+        self.peers.install(DecodePeer(msg.decode_id, msg.agent_name, identity, owner, plan, [], tp_agents=agents,
+                                      on_release=lambda: transport.disconnect(agents, keep=keep, wait=False)))
+        logger.info("decode_id=%s fed by %d WRITEs per room (prefill tp=%d page_size=%d, decode tp=%d "
+                    "page_size=%d)", msg.decode_id, len(plan.tp.feeds), plan.tp.prefill_tp, plan.prefill.page_size,
+                    plan.tp.decode_tp, plan.decode.page_size)
+        await self._accept(identity, msg, plan)
+
+    async def _connect_feeds(self, msg: wire.Register, plan: TpPeerPlan) -> dict[tuple[int, int], str]:
+        old = self.peers.get(msg.decode_id)
+        if old is not None and old.agent_name == msg.agent_name:
+            if old.plan != plan:
+                raise GeometryMismatchError(f"decode_id={msg.decode_id} registered again with another KV layout "
+                                            f"under the same agent; a changed decode restarts under a new id")
+            return old.tp_agents  # the same process again: its agents stay loaded
+        if msg.decode_id in self._registering or len(self._registering) >= MAX_PENDING_REGISTERS:
+            raise ProtocolError(f"prefill is busy with registrations ({len(self._registering)}); retry",
+                                code=FailCode.OVERLOADED)
+
+        def connect() -> dict[tuple[int, int], str]:
+            if self.probe is not None:  # metadata that aborts a NIXL loader must not reach ours
+                for rank, metadata in enumerate(plan.decode_metadata):
+                    self.probe.check(metadata, peer=f"decode_id={msg.decode_id} rank {rank}")
+            return self.transport.connect(plan)
+
+        job = asyncio.get_running_loop().run_in_executor(self.executor, connect)
+        self._registering[msg.decode_id] = job
+        job.add_done_callback(lambda _: self._registering.pop(msg.decode_id, None))
+        try:
+            return await asyncio.wait_for(asyncio.shield(job), self.register_timeout_s)
+        except asyncio.TimeoutError:
+            job.add_done_callback(lambda j: None if j.cancelled() or j.exception() is not None
+                                  else self.transport.disconnect(j.result(), wait=False))
+            self.metrics.timeouts.labels(stage="register").inc()
+            raise ProtocolError(f"prefill could not add the NIXL agents of decode_id={msg.decode_id} within "
                                 f"{self.register_timeout_s}s", code=FailCode.TIMEOUT) from None
 
     def _check_draft(self, msg: wire.Register, plan: TransferPlan) -> None:

@@ -42,39 +42,38 @@ def build_runner(target_dir: str, draft_dir: str | None = None, *, device: str =
                  page_size: int = 16, max_total_tokens: int = 65536, spec_k: int = 4,
                  draft_device: str | None = None, kv_layout: str = "page-major", attention_backend: str = "auto",
                  cuda_graph_max_bs: int = 128, disable_cuda_graph: bool = False, tp_size: int = 1,
-                 tp_timeout_s: float = 120.0, tp_num_threads: int = 0) -> ModelRunner:
+                 tp_timeout_s: float = 120.0, tp_num_threads: int = 0, tp_agent_prefix: str = "") -> ModelRunner:
     """Target (and draft) with their KV pools, both in ``kv_layout``; ``draft_device`` defaults to
     ``device``. ``attention_backend`` and the CUDA graph settings apply to both models. ``tp_size``
-    > 1 shards the target over that many processes (``build_tp_slot``); call ``runner.close()``."""
+    > 1 shards the target over that many processes (``build_tp_slot``); call ``runner.close()``.
+    ``tp_agent_prefix`` (daemons): each other rank registers its KV pool with a NIXL agent of its own."""
     num_pages = max_total_tokens // page_size
-    if tp_size > 1:
-        check_tp_options(tp_size, device=device, draft_dir=draft_dir,
-                         cuda_graphs=not disable_cuda_graph and cuda_graph_max_bs > 0)
-        spec = TpSpec(target_dir, tp_size, device, dtype, page_size, num_pages, kv_layout, attention_backend,
-                      tp_timeout_s, tp_num_threads)
-        return ModelRunner(build_tp_slot(spec), None, spec_k=spec_k)
     engine = {"kv_layout": kv_layout, "attention_backend": attention_backend,
               "cuda_graph_max_bs": 0 if disable_cuda_graph else cuda_graph_max_bs}
-    target = build_slot(target_dir, model_name="target", device=device, dtype=dtype, page_size=page_size,
-                        num_pages=num_pages, verify_tokens=spec_k + 1 if draft_dir else 0, **engine)
+    if tp_size > 1:
+        check_tp_options(tp_size, device=device, cuda_graphs=not disable_cuda_graph and cuda_graph_max_bs > 0)
+        spec = TpSpec(target_dir, tp_size, device, dtype, page_size, num_pages, kv_layout, attention_backend,
+                      tp_timeout_s, tp_num_threads, tp_agent_prefix)
+        target = build_tp_slot(spec)
+    else:
+        target = build_slot(target_dir, model_name="target", device=device, dtype=dtype, page_size=page_size,
+                            num_pages=num_pages, verify_tokens=spec_k + 1 if draft_dir else 0, **engine)
     draft = None
-    if draft_dir:
+    if draft_dir:  # at TP > 1 too: the draft is small and runs unsharded on rank 0, beside its shard
         draft_cfg, target_cfg = ModelConfig.from_dir(draft_dir), target.model.config
         if draft_cfg.vocab_size != target_cfg.vocab_size:
+            target.close()
             raise ConfigError(f"draft model {draft_dir} has vocab_size {draft_cfg.vocab_size}, target has "
                               f"{target_cfg.vocab_size}; speculative decoding needs one vocabulary")
         if (draft_device or device) == "cpu":  # a DRAM draft beside a CUDA target runs the torch path
             engine["attention_backend"] = "auto"
-        draft = build_slot(draft_dir, model_name="draft", device=draft_device or device, dtype=dtype,
-                           page_size=page_size, num_pages=num_pages, **engine)
+        draft = build_slot(draft_dir, model_name="draft", device=draft_device or rank_device(device, 0).__str__(),
+                           dtype=dtype, page_size=page_size, num_pages=num_pages, **engine)
     return ModelRunner(target, draft, spec_k=spec_k)
 
 
-def check_tp_options(tp_size: int, *, device: str, draft_dir: str | None, cuda_graphs: bool) -> None:
-    """Refuse, naming the option, what a TP > 1 engine does not run yet (issue 15)."""
-    if draft_dir:
-        raise TpConfigError(f"--draft-model is not supported with --tp-size {tp_size} yet: the draft would not be "
-                            "sharded; drop --draft-model or use --tp-size 1")
+def check_tp_options(tp_size: int, *, device: str, cuda_graphs: bool) -> None:
+    """Refuse, naming the option, what a TP > 1 engine does not run yet."""
     if cuda_graphs and rank_device(device, 0).type == "cuda":
         raise TpConfigError(f"--tp-size {tp_size} on CUDA runs eagerly (no CUDA graphs yet); pass "
                             "--disable-cuda-graph or use --tp-size 1")

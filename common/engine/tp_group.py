@@ -34,6 +34,7 @@ import torch
 from common.engine.tp_comm import TpComm, open_store, rank_device
 from common.engine.tp_step import StepHeader, StepKind, encode_forward
 from common.errors import DisaggError
+from common.transport.rank_agents import RankAgents, RankInfo
 
 logger = logging.getLogger(__name__)
 
@@ -77,13 +78,16 @@ class TpSpec:
     attention_backend: str = "auto"
     timeout_s: float = 120.0  # start-up, each collective, close
     num_threads: int = 0  # torch threads per worker (0: torch's default)
+    agent_prefix: str = ""  # non-empty: each worker registers its KV pool with a NIXL agent of its own
 
-    def worker_argv(self, rank: int, init_method: str) -> list[str]:
+    def worker_argv(self, rank: int, init_method: str, agent_endpoint: str = "") -> list[str]:
         argv = [sys.executable, "-m", "common.engine.tp_worker", "--rank", str(rank), "--tp-size",
                 str(self.tp_size), "--init-method", init_method, "--model", self.model_dir, "--device", self.device,
                 "--page-size", str(self.page_size), "--num-pages", str(self.num_pages), "--kv-layout",
                 self.kv_layout, "--attention-backend", self.attention_backend, "--timeout-s", str(self.timeout_s),
                 "--num-threads", str(self.num_threads)]
+        if agent_endpoint:
+            argv += ["--agent-endpoint", agent_endpoint, "--agent-prefix", self.agent_prefix]
         return argv + (["--dtype", self.dtype] if self.dtype else [])
 
 
@@ -98,6 +102,8 @@ class TpGroup:
         self._procs: list[subprocess.Popen] = []
         self._store = None
         self._failure: str | None = None
+        self.agents: RankAgents | None = None  # with spec.agent_prefix: the other ranks' NIXL agents
+        self.rank_infos: dict[int, RankInfo] = {}  # rank -> its agent's hello (after wait_loaded)
 
     # -- life cycle -------------------------------------------------------------------------
     def _move(self, new: GroupState) -> None:
@@ -112,9 +118,12 @@ class TpGroup:
         try:
             store = open_store(_STORE_HOST, 0, spec.tp_size, is_master=True, timeout_s=spec.timeout_s)
             init_method = f"tcp://{_STORE_HOST}:{store.port}"
+            if spec.agent_prefix:
+                self.agents = RankAgents(spec.tp_size)
+            endpoint = self.agents.endpoint if self.agents is not None else ""
             for rank in range(1, spec.tp_size):
-                self._procs.append(subprocess.Popen(spec.worker_argv(rank, init_method), stdin=subprocess.PIPE,
-                                                    bufsize=0, env=_worker_env()))
+                self._procs.append(subprocess.Popen(spec.worker_argv(rank, init_method, endpoint),
+                                                    stdin=subprocess.PIPE, bufsize=0, env=_worker_env()))
             self._wait_keys(store, "joined", "join the TP group")
             self.comm = TpComm(store, _STORE_HOST, 0, spec.tp_size, rank_device(spec.device, 0), spec.timeout_s)
             self._store = store
@@ -130,6 +139,9 @@ class TpGroup:
         """Wait until every worker has loaded its shard and allocated its KV pool."""
         try:
             self._wait_keys(self._store, "loaded", "load its model shard")
+            if self.agents is not None:
+                self.rank_infos = self.agents.wait_hello(
+                    self.spec.timeout_s, check=lambda: self._check_workers("start its NIXL agent"))
         except BaseException:
             self.close()
             raise
@@ -167,6 +179,8 @@ class TpGroup:
                 proc.wait(timeout=10)
         if self.comm is not None:
             self.comm.close()
+        if self.agents is not None:
+            self.agents.close()
         self._move(GroupState.CLOSED)
         logger.info("TP group closed tp_size=%d", self.spec.tp_size)
 
@@ -198,6 +212,16 @@ class TpGroup:
         """Have every worker copy page ``src`` to ``dst`` of its pool (rank 0 copies its own)."""
         self._ensure_ready("copy_page")
         self._send(StepHeader(StepKind.COPY_PAGE, src_page=src, dst_page=dst))
+
+    def check_alive(self, doing: str = "a transfer") -> None:
+        """Raise ``TpWorkerError`` when the group failed or a worker has exited (and fail the group)."""
+        if self.state == GroupState.FAILED:
+            raise TpWorkerError(self._failure or "TP group failed")
+        self._check_workers(doing)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.state == GroupState.READY and all(p.poll() is None for p in self._procs)
 
     # -- failures ---------------------------------------------------------------------------
     def _ensure_ready(self, step: str) -> None:
@@ -243,7 +267,10 @@ class TpGroup:
             self._failure = reason
             self._move(GroupState.FAILED)
             logger.error("TP group failed tp_size=%d: %s", self.spec.tp_size, reason)
-        return TpWorkerError(reason if self._failure is None else self._failure)
+        error = TpWorkerError(reason if self._failure is None else self._failure)
+        if self.agents is not None:
+            self.agents.fail_all(error)  # a write waiting on a dead rank's reply ends now
+        return error
 
 
 def _worker_env() -> dict[str, str]:

@@ -25,6 +25,7 @@ from common.engine.tp_comm import TpComm, open_store, parse_init_method, rank_de
 from common.engine.tp_step import HEADER_BYTES, StepHeader, StepKind, decode_forward
 from common.model.kv_cache import KV_LAYOUTS, KvCache
 from common.model.loader import load_model
+from common.transport.rank_agent import RankAgentServer
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--num-threads", type=int, default=0)
+    p.add_argument("--agent-endpoint", default="", help="rank 0's tcp://HOST:PORT for this rank's NIXL agent")
+    p.add_argument("--agent-prefix", default="tp", help="this rank's NIXL agent name prefix")
     return p.parse_args(argv)
 
 
@@ -99,10 +102,16 @@ def main(argv: list[str] | None = None) -> int:
         heads = model.shard.kv_heads
         kv = KvCache(model.config, args.num_pages, args.page_size, model.dtype, device, layout=args.kv_layout,
                      head_start=heads.start, num_kv_heads=heads.count)
+        agent = None
+        if args.agent_endpoint:  # this rank's KV pool, registered with its own NIXL agent
+            agent = RankAgentServer(rank, args.agent_endpoint, args.agent_prefix, kv.buffer)
+            agent.start(kv.regions())
         store.set(f"loaded/{rank}", "1")
         logger.info("TP worker ready tp_rank=%d tp_size=%d device=%s kv_heads=%d..%d", rank, args.tp_size, device,
                     heads.start, heads.stop - 1)
         num_steps = serve(sys.stdin.fileno(), comm, model, kv, parent_pid)
+        if agent is not None:
+            agent.stop()
     except Exception:
         logger.exception("TP worker failed tp_rank=%d tp_size=%d", rank, args.tp_size)
         # Exit now, not after the interpreter's teardown: the sockets close at once, so rank 0's

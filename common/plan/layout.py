@@ -96,7 +96,7 @@ def check_layout(layout: KvLayout, side: str) -> None:
     Invariants: ``page_size > 0``; ``0 <= tp_rank < tp_size``; at least one region; every region has
     a known model/kind/mem, ``item_len > 0``, ``stride`` 0 or ``>= item_len``, ``num_pages > 0`` and
     ends inside 64-bit space; no key appears twice; the aux area holds ``num_slots > 0`` slots of at
-    least one aux record each; no two regions (or a region and the aux area) share a byte on one
+    least one aux record each (or none at all on a tensor-parallel rank > 0: ``has_aux``); no two regions (or a region and the aux area) share a byte on one
     (mem, device). Regions may interleave (page-major pools) when their strides are equal; regions
     with different strides must not even interleave, a conservative rule that no pool layout kvferry
     builds comes near.
@@ -116,9 +116,16 @@ def check_layout(layout: KvLayout, side: str) -> None:
         if r.key in seen:
             raise GeometryMismatchError(f"{side}: region {format_key(r.key)} registered twice")
         seen.add(r.key)
-    _apply_rules(layout.aux, _AUX_RULES, f"{side} aux")
-    _check_end(_Span.of_aux(layout.aux), f"{side} aux", "slots")
+    if has_aux(layout):
+        _apply_rules(layout.aux, _AUX_RULES, f"{side} aux")
+        _check_end(_Span.of_aux(layout.aux), f"{side} aux", "slots")
     _check_disjoint(layout, side)
+
+
+def has_aux(layout: KvLayout) -> bool:
+    """Whether ``layout`` holds aux slots: rank 0 always does; a tensor-parallel rank > 0 may hold
+    none (``num_slots`` 0: rank 0 of its daemon receives the room's aux record)."""
+    return layout.tp_rank == 0 or layout.aux.num_slots != 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +167,8 @@ def _check_end(span: _Span, where: str, unit: str) -> None:
 def _check_disjoint(layout: KvLayout, side: str) -> None:
     # A shared byte would let one tensor's WRITE land in another's pages.
     by_place: dict[tuple[str, int], list[_Span]] = {}
-    for span in [_Span.of_region(r) for r in layout.regions] + [_Span.of_aux(layout.aux)]:
+    aux = [_Span.of_aux(layout.aux)] if has_aux(layout) else []
+    for span in [_Span.of_region(r) for r in layout.regions] + aux:
         by_place.setdefault((span.mem, span.device), []).append(span)
     for (mem, device), spans in by_place.items():
         by_stride: dict[int, list[_Span]] = {}

@@ -166,7 +166,9 @@ def _check_side(layouts: Sequence[KvLayout], side: str) -> int:
     keys = [r.key for r in first.regions]
     for i, layout in enumerate(layouts[1:], 1):
         other = [r.key for r in layout.regions]
-        lacks, extra = [k for k in keys if k not in set(other)], [k for k in other if k not in set(keys)]
+        # a draft model runs unsharded on rank 0 (decode-only speculative decoding): other ranks lack it
+        lacks = [k for k in keys if k not in set(other) and k[0] != "draft"]
+        extra = [k for k in other if k not in set(keys)]
         if lacks or extra:
             raise GeometryMismatchError(
                 f"{side} ranks hold different KV regions: rank {i} lacks [{format_keys(lacks)}] that rank 0 "

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(60)
 class Receiver:
     """A decode's receiving half: engine, pool, aux and ``KvReceiver`` (which polls notifications)."""
 
-    def __init__(self, *, page_size: int = PAGE_SIZE, quarantine_s: float = 5.0, heartbeat_interval_s: float = 0.2,
+    def __init__(self, *, page_size: int = PAGE_SIZE, kv_dtype: str | None = None, quarantine_s: float = 5.0, heartbeat_interval_s: float = 0.2,
                  **receiver_kwargs):
         self.engine = NixlEngine("decode")
         self.pool = new_pool(0)
@@ -36,6 +36,7 @@ class Receiver:
         self.engine.register_tensor(self.aux.buffer)
         self.metrics = Metrics("decode")
         self.page_size = page_size
+        self.kv_dtype = kv_dtype  # None: the pool's
         self.decode_id = f"decode-{id(self):x}"
         self.receiver = KvReceiver(engine=self.engine, register_msg=self._register_msg, aux=self.aux,
                                    metrics=self.metrics, register_timeout_s=2.0,
@@ -47,7 +48,7 @@ class Receiver:
         layout = pool_layout(self.pool, self.aux)
         return wire.Register(decode_id=self.decode_id, agent_name=self.engine.name,
                              agent_metadata=self.engine.metadata(), model=layout.model, page_size=self.page_size,
-                             kv_dtype=layout.kv_dtype, tp_size=1, tp_rank=0, regions=list(layout.regions),
+                             kv_dtype=self.kv_dtype or layout.kv_dtype, tp_size=1, tp_rank=0, regions=list(layout.regions),
                              aux=layout.aux)
 
     def start(self) -> "Receiver":
@@ -95,25 +96,25 @@ def test_refused_layout_is_told_to_the_prefill_and_remembered():
     async def body(prefill, decode):
         rooms = [prefill.open_room(r, num_tokens=20) for r in (11, 12)]
         for r in (11, 12):
-            with pytest.raises(GeometryMismatchError, match="page_size") as info:
+            with pytest.raises(GeometryMismatchError, match="kv_dtype") as info:
                 await decode.fetch(prefill, r, 20, [0, 1])
             assert info.value.code is FailCode.REFUSED and decode.released[-1] == r  # freed at once
         assert prefill.counter("kvferry_registrations_total", result="rejected") == 1  # the second from memory
         for room in rooms:
             await until(lambda: room.is_aborted, what=f"room {room.room} aborted on the prefill")
-            with pytest.raises(TransferError, match="decode aborted room .*page_size mismatch"):
+            with pytest.raises(TransferError, match="decode aborted room .*kv_dtype mismatch"):
                 await prefill.writer.send_room(room, time.monotonic() + 5)
         # The memory is bounded (REFUSAL_S): once it has run out the link registers afresh, so a
         # pair fixed meanwhile (here the layout the decode registers now matches) is served.
         decode.receiver.links[("127.0.0.1", prefill.port)].refused_until = 0.0
-        decode.page_size = PAGE_SIZE
+        decode.kv_dtype = None
         room = prefill.open_room(13, num_tokens=20)
         fetch = asyncio.get_running_loop().create_task(decode.fetch(prefill, 13, 20, [2, 3]))
         await until(lambda: room.transfer is not None, what="the transfer after the refusal ran out")
         await prefill.writer.send_room(room, time.monotonic() + 5)
         assert (await fetch)[0].room == 13 and decode.pool[2].equal(prefill.pool[0])
         assert prefill.counter("kvferry_registrations_total", result="accepted") == 1
-    scenario(body, receiver_kwargs={"page_size": PAGE_SIZE * 2})
+    scenario(body, receiver_kwargs={"kv_dtype": "float16"})
 
 
 def test_client_gone_before_the_transfer_is_told_to_the_prefill():

@@ -195,14 +195,28 @@ def test_rank_shards_concatenate_to_the_checkpoint(name, tp_size, kv8_dir):
         assert torch.equal(m.layers[1].input_norm, whole.input_norm)
 
 
-def test_refusals_name_the_option():
+def test_draft_beside_a_tp_target_decodes_like_tp1(references):
+    """Speculative decoding at TP 2: the draft runs unsharded on rank 0, the target verifies over
+    both ranks; greedy output equals the TP-1 engine without a draft."""
     target, draft = tiny_model_dirs()
-    with pytest.raises(ValueError, match="--draft-model"):
-        build_runner(target, draft, tp_size=2)
+    torch.set_num_threads(1)
+    runner = build_runner(target, draft, page_size=PAGE_SIZE, max_total_tokens=4096, dtype="float32", tp_size=2,
+                          tp_num_threads=1)
+    try:
+        assert runner.draft is not None and runner.draft.tp is None and runner.target.tp is not None
+        engine = ColocatedEngine(runner, Tokenizer.from_dir(target))
+        params = SamplingParams(max_new_tokens=NUM_STEPS, temperature=0, ignore_eos=True)
+        assert [r.output_ids for r in engine.generate(PROMPTS, params)] == references["tiny"][0]
+    finally:
+        runner.close()
+
+
+def test_refusals_name_the_option():
+    target, _ = tiny_model_dirs()
     with pytest.raises(ValueError, match="--disable-cuda-graph"):
-        check_tp_options(2, device="cuda:0", draft_dir=None, cuda_graphs=True)
-    check_tp_options(2, device="cuda:0", draft_dir=None, cuda_graphs=False)
-    check_tp_options(2, device="cpu", draft_dir=None, cuda_graphs=True)  # CPU captures no graphs anyway
+        check_tp_options(2, device="cuda:0", cuda_graphs=True)
+    check_tp_options(2, device="cuda:0", cuda_graphs=False)
+    check_tp_options(2, device="cpu", cuda_graphs=True)  # CPU captures no graphs anyway
     config = ModelConfig.from_dir(target)  # 4 attention heads, 2 KV heads
     with pytest.raises(TpConfigError, match="--tp-size 3"):
         build_runner(target, tp_size=3)

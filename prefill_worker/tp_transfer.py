@@ -1,0 +1,294 @@
+"""The prefill's transfers into a decode whose geometry differs from its own: another TP size on
+either side, or another page size. ``common.plan.tp_feed`` says which prefill rank writes which
+heads of which tokens into which decode rank (a feed); this module runs those feeds.
+
+Registration: a decode at TP B sends B ``register`` messages, ranks 1.. first and rank 0 last.
+``TpRegistrations`` keeps the parts (bounded, per connection owner and decode id) and answers each
+with an ack; rank 0's completes the set, and ``build_peer_plan`` checks the whole decode against
+every prefill rank at once, so a combination that cannot be served is refused at registration,
+naming both sides' values. ``RankTransport.connect`` loads each decode rank's agent into each
+prefill rank that feeds it (rank 0's own engine, the others' through ``RankAgents``).
+
+A room (``RankTransport.write_room``, on the transfer executor): every feed is one WRITE, posted by
+the prefill rank that holds its heads; all carry the same notification with ``parts`` = the number
+of feeds, so the decode completes the room once each has landed. The aux record rides with the
+(0, 0) feed (both ranks 0 hold the aux slots). The other ranks' WRITEs are posted first and run in
+parallel with rank 0's; a failure, an abort or a lost rank stops every WRITE of the room, and the
+job returns only once each has ended (DONE, failed, or cancelled): nothing is freed early. An
+``UnsafeWriteError`` from any rank wins, so the pages on both sides are quarantined.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+
+import numpy as np
+
+from common import wire
+from common.errors import DisaggError, FailCode, GeometryMismatchError, ProtocolError, TransferError, UnsafeWriteError
+from common.plan.layout import KvLayout, check_layout
+from common.plan.tp_feed import TpPlan, build_tp_plan, feed_descs
+from common.transport.nixl import NixlEngine
+
+logger = logging.getLogger(__name__)
+
+MAX_PARTS = 64  # decodes whose rank registers wait for their rank 0's (oldest dropped first)
+_WAIT_S = 0.01  # between checks of the other ranks' WRITEs (abort flag, lost rank)
+
+
+@dataclass(frozen=True)
+class TpPeerPlan:
+    """A decode served through feeds: what ``KvWriter`` and the registrar read of its plan."""
+
+    tp: TpPlan
+    prefill: KvLayout  # prefill rank 0 (its aux slots)
+    decode: KvLayout   # decode rank 0 (its aux slots)
+    decode_agents: tuple[str, ...]  # agent name of each decode rank
+    decode_metadata: tuple[bytes, ...]
+
+    @property
+    def aux_nbytes(self) -> int:
+        return min(self.prefill.aux.item_len, self.decode.aux.item_len)
+
+    @property
+    def written(self):
+        return self.tp.written
+
+    @property
+    def ignored(self):
+        return self.tp.ignored
+
+    @property
+    def decode_only_spec_dec(self) -> bool:
+        return bool(self.tp.ignored)
+
+    def validate(self, transfer: wire.Transfer, prefill_num_prompt_tokens: int) -> None:
+        """The transfer request fits: prompt lengths agree, page count at the decode's page size,
+        the aux slot exists (page ids are checked per feed by ``feed_descs``)."""
+        where = f"room {transfer.room} from decode {transfer.decode_id}"
+        n = transfer.num_prompt_tokens
+        if n != prefill_num_prompt_tokens:
+            raise GeometryMismatchError(
+                f"{where}: num_prompt_tokens mismatch: decode counted {n}, prefill counted "
+                f"{prefill_num_prompt_tokens}; tokenizer mismatch likely: serve the same tokenizer on both sides")
+        if n <= 0:
+            raise GeometryMismatchError(f"{where}: num_prompt_tokens must be > 0, got {n}")
+        expected = math.ceil(n / self.decode.page_size)
+        if len(transfer.page_ids) != expected:
+            raise GeometryMismatchError(f"{where}: {len(transfer.page_ids)} page ids for {n} prompt tokens at "
+                                        f"the decode's page_size {self.decode.page_size}; expected {expected}")
+        if not 0 <= transfer.aux_slot < self.decode.aux.num_slots:
+            raise GeometryMismatchError(f"{where}: aux_slot {transfer.aux_slot} outside [0, "
+                                        f"{self.decode.aux.num_slots})")
+
+
+def needs_feeds(prefill: Sequence[KvLayout], msg: wire.Register) -> bool:
+    """Whether a decode registering ``msg`` is served through feeds (else the TP-1 lists)."""
+    return len(prefill) > 1 or msg.tp_size > 1 or msg.page_size != prefill[0].page_size
+
+
+def build_peer_plan(prefill: Sequence[KvLayout], parts: Sequence[wire.Register], peer: str) -> TpPeerPlan:
+    """Check the decode's ranks (``parts[k]`` is rank k's register) against every prefill rank."""
+    decode = [KvLayout.from_register(m) for m in parts]
+    has_draft = any(r.model == "draft" for r in prefill[0].regions)
+    if has_draft and (len(prefill) > 1 or len(parts) > 1):
+        # a draft runs unsharded on rank 0, so only a TP-1 decode has all of its KV in one place
+        raise GeometryMismatchError(
+            f"this prefill runs a draft model and writes its KV, which needs tp_size 1 on both sides (prefill has "
+            f"{len(prefill)}, decode has {parts[0].tp_size}); drop --draft-model on the prefill (the decode fills "
+            f"its draft's KV itself) (decode peer {peer})", code=FailCode.REFUSED)
+    try:
+        check_layout(decode[0], "decode rank 0")
+        plan = build_tp_plan(prefill, decode)
+    except GeometryMismatchError as exc:
+        raise GeometryMismatchError(f"{exc} (decode peer {peer})") from None
+    return TpPeerPlan(plan, prefill[0], decode[0], tuple(m.agent_name for m in parts),
+                      tuple(m.agent_metadata for m in parts))
+
+
+class TpRegistrations:
+    """The rank registers (tp_rank > 0) of decodes whose rank 0 has not registered yet."""
+
+    def __init__(self, max_parts: int = MAX_PARTS) -> None:
+        self.max_parts = max_parts
+        self._parts: OrderedDict[tuple[bytes, str], dict[int, wire.Register]] = OrderedDict()
+
+    def add(self, owner: bytes, msg: wire.Register) -> None:
+        """Keep rank ``msg.tp_rank``'s register; raises on one that cannot be part of any decode."""
+        if not 0 < msg.tp_rank < msg.tp_size:
+            raise ProtocolError(f"decode_id={msg.decode_id}: tp_rank {msg.tp_rank} outside [1, tp_size="
+                                f"{msg.tp_size})", code=FailCode.REFUSED)
+        check_layout(KvLayout.from_register(msg), f"decode rank {msg.tp_rank}")
+        key = (owner, msg.decode_id)
+        parts = self._parts.pop(key, {})
+        if parts and next(iter(parts.values())).tp_size != msg.tp_size:
+            parts = {}  # the decode restarted with another --tp-size: its older parts are stale
+        parts[msg.tp_rank] = msg
+        self._parts[key] = parts
+        while len(self._parts) > self.max_parts:
+            self._parts.popitem(last=False)
+
+    def complete(self, owner: bytes, msg: wire.Register) -> list[wire.Register]:
+        """Rank 0's register and the parts before it, by rank; raises naming the missing ranks."""
+        parts = self._parts.pop((owner, msg.decode_id), {})
+        missing = [k for k in range(1, msg.tp_size) if k not in parts or parts[k].tp_size != msg.tp_size]
+        if missing:
+            raise GeometryMismatchError(f"decode_id={msg.decode_id} registered rank 0 of tp_size={msg.tp_size} "
+                                        f"before ranks {missing} (each rank registers first, rank 0 last)",
+                                        code=FailCode.REFUSED)
+        return [msg] + [parts[k] for k in range(1, msg.tp_size)]
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+
+class RankTransport:
+    """Each prefill rank's agent as rank 0 reaches it: its own ``engine`` for rank 0, ``group.agents``
+    (``RankAgents``) for the others; ``layouts`` are the prefill ranks' region tables."""
+
+    def __init__(self, engine: NixlEngine, layouts: Sequence[KvLayout], group=None) -> None:
+        self.engine = engine
+        self.layouts = list(layouts)
+        self.group = group  # TpGroup, or None at TP 1
+
+    @property
+    def agents(self):
+        return self.group.agents if self.group is not None else None
+
+    # -- peers (registrar's executor) ------------------------------------------------------------
+    def connect(self, plan: TpPeerPlan) -> dict[tuple[int, int], str]:
+        """Load each decode rank's agent into each prefill rank that feeds it; returns the names."""
+        loaded: dict[tuple[int, int], str] = {}
+        try:
+            for feed in plan.tp.feeds:
+                p, d = feed.prefill_rank, feed.decode_rank
+                metadata = plan.decode_metadata[d]
+                name = (self.engine.add_peer(metadata) if p == 0
+                        else self.agents.call(p, "add_peer", metadata))
+                loaded[(p, d)] = name
+                if name != plan.decode_agents[d]:
+                    raise ProtocolError(f"decode rank {d} registers agent {plan.decode_agents[d]!r} but its NIXL "
+                                        f"metadata is for agent {name!r}")
+        except BaseException:
+            self.disconnect(loaded)
+            raise
+        return loaded
+
+    def disconnect(self, loaded: dict[tuple[int, int], str], keep: str = "", wait: bool = True) -> None:
+        """Remove the agents ``connect`` loaded (rank 0's ``keep``, if named, stays: PeerTable owns it).
+        ``wait`` False (the event loop): the other ranks remove theirs without an answer awaited."""
+        for (p, _), name in loaded.items():
+            try:
+                if p == 0:
+                    if name != keep:
+                        self.engine.remove_peer(name)
+                elif wait:
+                    self.agents.call(p, "remove_peer", name)
+                else:
+                    self.agents.submit(p, "remove_peer", name)
+            except DisaggError as exc:
+                logger.warning("remove of agent %s from prefill rank %d failed: %s", name, p, exc)
+
+    # -- one room (transfer executor) ------------------------------------------------------------
+    def write_room(self, plan: TpPeerPlan, agents: dict[tuple[int, int], str], room, prefill_aux_slot: int,
+                   timeout_s: float) -> int:
+        """Every feed's WRITE of ``room``; returns the bytes moved. Raises the first failure once
+        every WRITE has ended (``UnsafeWriteError`` first)."""
+        transfer = room.transfer
+        notif = wire.encode(wire.Notification(room=room.room, decode_id=transfer.decode_id, ok=True,
+                                              parts=len(plan.tp.feeds)))
+        jobs = [(feed, *self._descs(plan, feed, room, prefill_aux_slot)) for feed in plan.tp.feeds]
+        deadline = time.monotonic() + timeout_s
+        remote: list[tuple[int, int, Future]] = []
+        errors: list[BaseException] = []
+        for feed, src, dst in jobs:
+            if feed.prefill_rank == 0:
+                continue
+            if room.is_aborted:
+                errors.append(room.failure())
+                break
+            op_id, future = self.agents.submit(feed.prefill_rank, "write", agents[(feed.prefill_rank, feed.decode_rank)],
+                                               src.tobytes(), dst.tobytes(), feed.src_mem, feed.dst_mem, notif,
+                                               timeout_s)
+            remote.append((feed.prefill_rank, op_id, future))
+        for feed, src, dst in jobs:
+            if feed.prefill_rank != 0 or errors:
+                continue
+            try:
+                self._write_local(agents[(0, feed.decode_rank)], feed, src, dst, notif, deadline, room)
+            except BaseException as exc:
+                errors.append(exc)
+        errors += self._settle(remote, room, deadline, stop=bool(errors))
+        if errors:
+            unsafe = [e for e in errors if isinstance(e, UnsafeWriteError)]
+            raise (unsafe or errors)[0]
+        return int(sum(src[:, 1].sum() for _, src, _ in jobs))
+
+    def _descs(self, plan: TpPeerPlan, feed, room, prefill_aux_slot: int) -> tuple[np.ndarray, np.ndarray]:
+        transfer = room.transfer
+        src, dst = feed_descs(feed, room.num_prompt_tokens, room.page_ids, transfer.page_ids)
+        if feed.prefill_rank == 0 and feed.decode_rank == 0:  # the aux record, last in the WRITE
+            pa, da, n = plan.prefill.aux, plan.decode.aux, plan.aux_nbytes
+            src = np.vstack([src, [(pa.addr + prefill_aux_slot * pa.item_len, n, pa.device)]]).astype(np.int64)
+            dst = np.vstack([dst, [(da.addr + transfer.aux_slot * da.item_len, n, da.device)]]).astype(np.int64)
+        return src, dst
+
+    def _write_local(self, peer: str, feed, src: np.ndarray, dst: np.ndarray, notif: bytes, deadline: float,
+                     room) -> None:
+        engine = self.engine
+        local = engine.prep_local(src, feed.src_mem)
+        try:
+            remote = engine.prep_remote(peer, dst, feed.dst_mem)
+            try:
+                if room.is_aborted:
+                    raise room.failure()
+                index = np.arange(len(src), dtype=np.int64)
+                handle = engine.post_write(local, index, remote, index, notif)
+                engine.wait(handle, max(deadline - time.monotonic(), 0.0),
+                            stop=lambda: str(room.failure()) if room.is_aborted else None)
+                engine.release(handle)
+            finally:
+                engine.release_prepped(remote)
+        finally:
+            engine.release_prepped(local)
+
+    def _settle(self, remote: list[tuple[int, int, Future]], room, deadline: float, stop: bool) -> list[BaseException]:
+        """Wait for the other ranks' WRITEs to end, aborting them all on the first failure, an abort
+        of the room or a lost rank; returns their errors."""
+        errors: list[BaseException] = []
+        aborted = False
+        grace = deadline + 5.0  # a rank past its own WRITE deadline has cancelled it and answers
+        pending = list(remote)
+        while pending:
+            if (stop or room.is_aborted or errors) and not aborted:
+                reason = str(room.failure()) if room.is_aborted else "another rank's WRITE of the room failed"
+                for rank, op_id, _ in pending:
+                    self.agents.abort(rank, op_id, reason)
+                aborted = True
+            try:
+                if self.group is not None:
+                    self.group.check_alive("a KV transfer")  # a dead rank fails every pending op
+            except DisaggError as exc:
+                errors.append(TransferError(f"room={room.room}: {exc}", code=FailCode.PEER_LOST))
+            still = []
+            for rank, op_id, future in pending:
+                if not future.done():
+                    still.append((rank, op_id, future))
+                elif future.exception() is not None:
+                    errors.append(future.exception())
+            pending = still
+            if pending and time.monotonic() > grace:
+                for rank, _, _ in pending:
+                    errors.append(UnsafeWriteError(f"room={room.room}: prefill rank {rank} did not end its WRITE "
+                                                   f"by its deadline; its pages are kept out of use"))
+                break
+            if pending:
+                wait_futures([f for _, _, f in pending], timeout=_WAIT_S, return_when=FIRST_COMPLETED)
+        return errors
