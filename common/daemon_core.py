@@ -21,6 +21,7 @@ from common.aux import AuxSlots
 from common.daemon_config import CommonConfig
 from common.engine.factory import build_runner
 from common.engine.runner import ModelRunner
+from common.engine.tp_group import TpWorkerError
 from common.plan.layout import KvLayout
 from common.lifecycle import stop_http
 from common.metrics import Metrics
@@ -91,6 +92,14 @@ class DaemonCore:
         """Rank 0's ``TpGroup`` with --tp-size > 1, else None."""
         return self.runner.target.tp
 
+    def raise_if_rank_lost(self) -> None:
+        """Raise ``TpWorkerError`` naming the rank when a TP rank was lost: the daemon cannot serve
+        until it is restarted (a client is told that, not that the daemon is draining)."""
+        group = getattr(getattr(getattr(self, "runner", None), "target", None), "tp", None)
+        reason = group.lost_rank if group is not None else None
+        if reason is not None:
+            raise TpWorkerError(f"{self.role} cannot serve until it is restarted: {reason}")
+
     def layout(self) -> KvLayout:
         """This rank's (rank 0's) region table (target and draft pools, aux slots) as both sides match it."""
         kv = self.runner.target.kv
@@ -98,6 +107,18 @@ class DaemonCore:
         return KvLayout(model=self.runner.target.model.config.fingerprint, page_size=kv.page_size,
                         kv_dtype=kv.kv_dtype, tp_size=self.config.tp_size, tp_rank=0, regions=regions,
                         aux=self.aux.info())
+
+    def tp_info(self) -> dict:
+        """``/server_info`` fields: the TP size and, per rank, its KV heads, NIXL agent and liveness."""
+        group, kv = self.tp_group, self.runner.target.kv
+        ranks = [{"rank": 0, "kv_heads": [kv.head_start, kv.num_kv_heads], "agent": self.engine.name, "alive": True}]
+        if group is not None:
+            alive = group.ranks_alive()
+            for rank, info in sorted(group.rank_infos.items()):
+                r = info.regions[0]
+                ranks.append({"rank": rank, "kv_heads": [r.head_start, r.num_heads], "agent": info.agent_name,
+                              "alive": alive[rank]})
+        return {"tp_size": self.config.tp_size, "tp_ranks": ranks}
 
     def layouts(self) -> list[KvLayout]:
         """Every rank's layout, rank 0 first; ranks 1.. hold no aux slots (rank 0 receives the aux

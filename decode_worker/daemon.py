@@ -112,6 +112,7 @@ class DecodeDaemon(DaemonCore):
 
     def admit_or_raise(self) -> None:
         if not self.is_serving:
+            self.raise_if_rank_lost()
             raise OverloadedError("decode is draining or not started; retry on another decode")
         if self.inflight >= self.config.max_running_requests + self.config.max_queued_requests:
             raise OverloadedError(f"decode has {self.inflight} requests in flight, its limit; retry later")
@@ -123,6 +124,7 @@ class DecodeDaemon(DaemonCore):
                 "draft_model": bool(c.draft_model), "spec_k": self.runner.spec_k,
                 "free_pages": self.free_pages(),
                 "prefills": {f"{h}:{p}": link.state.value for (h, p), link in self.receiver.links.items()},
+                **self.tp_info(),
                 "kv_layout": layout_summary(self.layout(), self.draft_fingerprint),
                 "quarantined_rooms": len(self.receiver.quarantined),
                 "quarantined_pages_forever": self.receiver.holds.num_forever_pages}

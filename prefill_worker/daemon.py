@@ -143,6 +143,7 @@ class PrefillDaemon(DaemonCore):
 
     def admit_or_raise(self) -> None:
         if not self.is_serving:
+            self.raise_if_rank_lost()
             raise OverloadedError("prefill is draining or not started; retry on another prefill")
         if len(self.rooms) >= self.config.max_running_requests + self.config.max_queued_requests:
             raise OverloadedError(f"prefill holds {len(self.rooms)} rooms, its limit; retry later")
@@ -166,5 +167,6 @@ class PrefillDaemon(DaemonCore):
                 "max_total_tokens": c.max_total_tokens, "bootstrap_port": c.bootstrap_port,
                 "disaggregation_mode": "prefill", "draft_model": bool(c.draft_model),
                 "free_pages": self.free_pages(), "quarantined_pages": self.quarantined_pages,
+                **self.tp_info(),
                 "kv_layout": layout_summary(self.bootstrap.layout, self.draft_fingerprint),
                 "rooms": len(self.rooms), "decodes": len(self.peers)}

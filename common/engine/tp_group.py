@@ -219,9 +219,28 @@ class TpGroup:
             raise TpWorkerError(self._failure or "TP group failed")
         self._check_workers(doing)
 
+    def ranks_alive(self) -> dict[int, bool]:
+        """Whether each worker rank's process runs (rank 1 first)."""
+        return {rank: proc.poll() is None for rank, proc in enumerate(self._procs, start=1)}
+
     @property
     def is_healthy(self) -> bool:
         return self.state == GroupState.READY and all(p.poll() is None for p in self._procs)
+
+    @property
+    def lost_rank(self) -> str | None:
+        """Why a group that was formed cannot run another step (its first failure, or a worker that
+        has exited since), or None; reads the state only (``check_alive`` records the failure)."""
+        if self._failure is not None:
+            return self._failure
+        if self.state != GroupState.READY:
+            return None  # starting, or closed on purpose
+        for rank, proc in enumerate(self._procs, start=1):
+            code = proc.poll()
+            if code is not None:
+                return (f"TP worker rank {rank} (pid {proc.pid}) exited with code {code}; its log lines "
+                        f"(tp_rank={rank}) say why")
+        return None
 
     # -- failures ---------------------------------------------------------------------------
     def _ensure_ready(self, step: str) -> None:
