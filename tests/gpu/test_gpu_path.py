@@ -79,3 +79,27 @@ def test_bf16_default_on_cuda(cluster, tiny_models):
     assert ds == 200, da
     assert len(da["output_ids"]) == 8
     assert torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("prefill_page,decode_page", [(16, 64), (64, 16)])
+def test_page_sizes_differ_in_vram(cluster, tiny_models, prefill_page, decode_page):
+    """A decode with another page size than the prefill's: the transfer maps token ranges (one
+    descriptor per head per segment of VRAM pages), greedy output as colocated, pages back."""
+    target, _ = tiny_models
+    prefill = cluster.prefill(extra=CUDA + ["--page-size", str(prefill_page)])
+    decode = cluster.decode(extra=CUDA + ["--page-size", str(decode_page)])
+    before = free_pages(prefill), free_pages(decode)
+    assert _disagg(prefill, decode) == _reference(target, None)
+    assert (free_pages(prefill), free_pages(decode)) == before
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="TP 2 -> TP 2 on CUDA needs 4 GPUs (one per rank)")
+def test_tp2_to_tp2_on_four_gpus(cluster, tiny_models):
+    """Prefill ranks on cuda:0-1, decode ranks on cuda:2-3 (NCCL; eager steps)."""
+    target, _ = tiny_models
+    tp = ["--tp-size", "2", "--disable-cuda-graph", "--dtype", "float32"]
+    prefill = cluster.prefill(extra=tp + ["--device", "cuda:0"])
+    decode = cluster.decode(extra=tp + ["--device", "cuda:2"])
+    before = free_pages(prefill), free_pages(decode)
+    assert _disagg(prefill, decode) == _reference(target, None)
+    assert (free_pages(prefill), free_pages(decode)) == before
