@@ -18,12 +18,12 @@ def _leg(name: str, proc, ids, room, port) -> Pending:
 
 
 def test_geometry_refusal(healthy):
-    """A decode with 32-token pages registers with a 16-token prefill: the prefill refuses and says
+    """A decode with bfloat16 KV registers with a float32 prefill: the prefill refuses and says
     both values; the decode's request fails with that reason, and so does the prefill's leg, at
     once (the decode aborts the room it could not transfer) instead of at its transfer deadline;
     the prefill keeps serving the decode that matches, at the same time."""
     pair = healthy
-    wrong = pair.cluster.decode(extra=DECODE_FLAGS + ["--page-size", "32"], start=False)
+    wrong = pair.cluster.decode(extra=DECODE_FLAGS + ["--dtype", "bfloat16"], start=False)
     pair.start(wrong)
     try:
         wrong_pages = pages(wrong)
@@ -36,13 +36,13 @@ def test_geometry_refusal(healthy):
             d, p = d_leg.result(), p_leg.result()
             meanwhile.result(60)  # the matching decode was served all along
         assert_within(d, DECODE_DEADLINE_S)
-        assert_clear_error(d, "rejected", "page_size", "16", "32")
+        assert_clear_error(d, "rejected", "kv_dtype", "float32", "bfloat16")
         assert d.status == 502, d
-        assert_clear_error(p, "decode aborted", "rejected", "page_size", "16", "32")
+        assert_clear_error(p, "decode aborted", "rejected", "kv_dtype", "float32", "bfloat16")
         assert p.elapsed_s < TRANSFER_WAIT_S, p  # ended by the decode's word, not by the prefill's deadline
         assert counter(metrics(pair.prefill), "kvferry_registrations_total", result="rejected") == \
             counter(before, "kvferry_registrations_total", result="rejected") + 1
-        wait_pages(wrong, wrong_pages, 5, "decode with 32-token pages")
+        wait_pages(wrong, wrong_pages, 5, "decode with bfloat16 KV")
         pair.wait_pages()
         pair.check_serving()
     finally:

@@ -244,7 +244,7 @@ def test_missing_bootstrap_fields_are_400(pd, path, given):
 
 def test_geometry_rejection_names_the_reason_and_prefill_keeps_serving(pd, colocated):
     c, prefill, decode = pd
-    other = c.decode(extra=["--page-size", "32"])
+    other = c.decode(extra=["--dtype", "bfloat16"])
     before = free_pages(prefill)
     body = {"input_ids": list(range(5, 45)), "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
     try:
@@ -259,7 +259,7 @@ def test_geometry_rejection_names_the_reason_and_prefill_keeps_serving(pd, coloc
     assert out["output_ids"] == ref.output_ids
     assert d_status == 502 and d_out["error"]["type"] == "geometry_mismatch_error"
     message = d_out["error"]["message"]
-    assert "page_size" in message and "16" in message and "32" in message
+    assert "kv_dtype" in message and "float32" in message and "bfloat16" in message
     # No decode ever asked for that room: the prefill gives it up after its transfer wait.
     assert p_status == 502 and p_out["error"]["type"] == "transfer_error", p_out
     assert free_pages(prefill) == before
