@@ -35,6 +35,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="a folder with target/ (and draft/), or one checkpoint; default: ./.tiny/seed0 if it "
                         "exists, else ~/.cache/kvferry/tiny (a tiny seeded model is written there on first use)")
     p.add_argument("--no-draft", action="store_true", help="decode without the draft model (no speculative decoding)")
+    p.add_argument("--prefill-tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks of the prefill (its --tp-size; one process per rank on cpu)")
+    p.add_argument("--decode-tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks of the decode (its --tp-size; may differ from --prefill-tp; "
+                        "the draft runs unsharded on rank 0)")
     p.add_argument("--host", default="127.0.0.1", help="bind address of all three (default: loopback only)")
     p.add_argument("--prefill-port", type=int, default=30000)
     p.add_argument("--bootstrap-port", type=int, default=8998, help="the prefill's ZeroMQ bootstrap port")
@@ -42,7 +47,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--router-port", type=int, default=8000)
     p.add_argument("--log-dir", type=Path, default=None, help="default: ~/.cache/kvferry/logs/up-<time>")
     p.add_argument("--timeout-s", type=float, default=300.0, help="deadline for each process to become ready")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("prefill_tp", "decode_tp"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
 
 
 def resolve_model(model_dir: Path | None, use_draft: bool) -> tuple[Path, Path | None]:
@@ -92,8 +101,10 @@ def build_procs(args: argparse.Namespace, target: Path, draft: Path | None, log_
     prefill_url, decode_url = f"{base}:{args.prefill_port}", f"{base}:{args.decode_port}"
     py = sys.executable
     prefill = [py, "-m", "prefill_worker", "--model", str(target), "--host", host, "--port", str(args.prefill_port),
-               "--bootstrap-host", host, "--bootstrap-port", str(args.bootstrap_port)]
-    decode = [py, "-m", "decode_worker", "--model", str(target), "--host", host, "--port", str(args.decode_port)]
+               "--bootstrap-host", host, "--bootstrap-port", str(args.bootstrap_port),
+               "--tp-size", str(args.prefill_tp)]
+    decode = [py, "-m", "decode_worker", "--model", str(target), "--host", host, "--port", str(args.decode_port),
+              "--tp-size", str(args.decode_tp)]
     if draft is not None:
         decode += ["--draft-model", str(draft)]
     # The router's Prometheus listener defaults to 0.0.0.0:29000; keep it on our host and a free port.
@@ -146,8 +157,8 @@ def banner(args: argparse.Namespace, procs: list[Proc], draft: Path | None, log_
     chat = '{"model": "tiny", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}'
     return (f"\nkvferry is up\n"
             f"  router   {router.url}   (sglang-router, PD mode)\n"
-            f"  prefill  {prefill.url}   bootstrap port {args.bootstrap_port}\n"
-            f"  decode   {decode.url}   {spec}\n"
+            f"  prefill  {prefill.url}   TP {args.prefill_tp}, bootstrap port {args.bootstrap_port}\n"
+            f"  decode   {decode.url}   TP {args.decode_tp}, {spec}\n"
             f"  logs     {log_dir}\n\n"
             f"curl -s {router.url}/generate -H 'Content-Type: application/json' \\\n  -d '{gen}'\n\n"
             f"curl -s {router.url}/v1/chat/completions -H 'Content-Type: application/json' \\\n  -d '{chat}'\n\n"
