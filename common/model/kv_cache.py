@@ -2,17 +2,26 @@
 
 One contiguous buffer holds every layer's K and V, in one of two layouts::
 
-    page-major (default): [num_pages, num_layers, 2 (k, v), page_size, num_kv_heads, head_dim]
-        kv.k[layer] = buffer[:, layer, 0]   # [num_pages, page_size, num_kv_heads, head_dim], strided
+    page-major (default): [num_pages, num_layers, 2 (k, v), num_kv_heads, page_size, head_dim]
+        kv.k[layer] = buffer[:, layer, 0].transpose(1, 2)   # [num_pages, page_size, num_kv_heads, head_dim]
         page p of kv.k[layer] = [addr + p * block_bytes, + page_bytes), block_bytes = layers * 2 * page_bytes
-    layer-major:          [num_layers, 2 (k, v), num_pages, page_size, num_kv_heads, head_dim]
-        kv.k[layer] = buffer[layer, 0]      # contiguous
+    layer-major:          [num_layers, 2 (k, v), num_pages, num_kv_heads, page_size, head_dim]
+        kv.k[layer] = buffer[layer, 0].transpose(1, 2)      # [num_pages, page_size, num_kv_heads, head_dim]
         page p of kv.k[layer] = [addr + p * page_bytes, + page_bytes)
 
 Either way each (layer, K|V) tensor is one wire ``Region`` (``item_len`` = one page, ``stride`` =
 bytes between its pages), and token t of a sequence lives in page ``page_ids[t // page_size]`` at
 row ``t % page_size``. Page-major keeps one page of every layer in one block, so a prompt on
 scattered pages is one NIXL descriptor per page instead of one per page per region.
+
+In-page order, heads outermost: one page item is ``[num_kv_heads, page_size, head_dim]``, so the
+bytes of heads ``[h, h + n)`` of a page are one contiguous range from
+``(h - head_start) * page_size * head_dim * elem`` (and so is any token range of one head). That is
+what ``common.plan.tp`` assumes: a prefill and a decode with different TP sizes hold different head
+slices, and each slice of a page moves as one descriptor. ``kv.k[layer]``/``kv.v[layer]`` keep
+the logical ``[num_pages, page_size, Hkv, D]`` shape as strided views (strides ``(page stride,
+head_dim, page_size * head_dim, 1)``); each page of them (``kv.k[layer][p]``) is one contiguous
+page item seen through a transpose, and ``kv.k[layer].transpose(1, 2)`` is the page items as stored.
 """
 
 from __future__ import annotations
@@ -209,13 +218,14 @@ class KvCache:
         self.layout = layout
         self.head_start = head_start
         self.num_kv_heads = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
-        num_layers, page_shape = config.num_hidden_layers, (page_size, self.num_kv_heads, config.head_dim)
+        num_layers, page_shape = config.num_hidden_layers, (self.num_kv_heads, page_size, config.head_dim)
         is_page_major = layout == "page-major"
         shape = (num_pages, num_layers, 2) if is_page_major else (num_layers, 2, num_pages)
         # Zeros, not empty: padded attention reads unused rows with zero weight, and 0 * NaN is NaN.
         self.buffer = torch.zeros(shape + page_shape, dtype=dtype, device=self.device)
-        views = self.buffer.permute(1, 2, 0, 3, 4, 5) if is_page_major else self.buffer  # [L, 2, N, ...]
-        self.k = [views[layer, 0] for layer in range(num_layers)]  # each [num_pages, page_size, Hkv, D]
+        # [L, 2, N, page_size, Hkv, D]: the logical order every consumer indexes, over heads-outer pages
+        views = self.buffer.permute(1, 2, 0, 4, 3, 5) if is_page_major else self.buffer.permute(0, 1, 2, 4, 3, 5)
+        self.k = [views[layer, 0] for layer in range(num_layers)]  # each [num_pages, page_size, Hkv, D], strided
         self.v = [views[layer, 1] for layer in range(num_layers)]
         logger.info(
             "KV cache model=%s layout=%s layers=%d pages=%d page_size=%d bytes=%d device=%s",
@@ -245,8 +255,15 @@ class KvCache:
         page (one block) page-major."""
         return self.k[0].stride(0) * self.buffer.element_size()
 
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one head of one page item: head ``h`` of a page starts ``(h - head_start) *
+        head_bytes`` into it (heads outermost)."""
+        return self.page_size * self.config.head_dim * self.buffer.element_size()
+
     def copy_page(self, src: int, dst: int) -> None:
-        """Page ``dst`` of every region becomes a copy of page ``src`` (copy-on-write of a shared page)."""
+        """Page ``dst`` of every region becomes a copy of page ``src`` (copy-on-write of a shared page);
+        whole page items, whatever their in-page order."""
         if self.layout == "page-major":
             self.buffer[dst].copy_(self.buffer[src])
         else:

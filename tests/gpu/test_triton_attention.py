@@ -32,8 +32,9 @@ class Pool:
                  num_layers: int = 3, seed: int = 0):
         gen = torch.Generator().manual_seed(seed)
         shape = (num_pages, num_layers, 2) if layout == "page-major" else (num_layers, 2, num_pages)
-        buffer = torch.randn(shape + (page_size, num_kv_heads, head_dim), generator=gen).to(dtype).to(DEVICE)
-        views = buffer.permute(1, 2, 0, 3, 4, 5) if layout == "page-major" else buffer
+        # heads-outer page items [Hkv, page_size, D], seen as [page, token, head, D] as KvCache does
+        buffer = torch.randn(shape + (num_kv_heads, page_size, head_dim), generator=gen).to(dtype).to(DEVICE)
+        views = buffer.permute(1, 2, 0, 4, 3, 5) if layout == "page-major" else buffer.permute(0, 1, 2, 4, 3, 5)
         self.k, self.v = views[1, 0], views[1, 1]  # a middle layer: strided in both layouts
         self.page_size, self.num_pages = page_size, num_pages
         self.rng = random.Random(seed)

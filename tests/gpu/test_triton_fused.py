@@ -52,8 +52,8 @@ def test_rope_store(dtype, layout):
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     cos, sin = rope.cos_sin(positions, inv_freq.to(DEVICE), dtype)
     shape = (9, 3, 2) if layout == "page-major" else (3, 2, 9)
-    buffer = torch.zeros(shape + (page_size, num_kv_heads, head_dim), dtype=dtype, device=DEVICE)
-    views = buffer.permute(1, 2, 0, 3, 4, 5) if layout == "page-major" else buffer
+    buffer = torch.zeros(shape + (num_kv_heads, page_size, head_dim), dtype=dtype, device=DEVICE)  # as KvCache
+    views = buffer.permute(1, 2, 0, 4, 3, 5) if layout == "page-major" else buffer.permute(0, 1, 2, 4, 3, 5)
     k_cache, v_cache = views[1, 0], views[1, 1]
     pages = torch.tensor([2, 2, 8, -1, 0], device=DEVICE)
     rows = torch.tensor([0, 3, 1, 2, 3], device=DEVICE)
@@ -65,7 +65,7 @@ def test_rope_store(dtype, layout):
         if pages[t] >= 0:
             _close(k_cache[pages[t], rows[t]], want_k[t])
             assert torch.equal(v_cache[pages[t], rows[t]], v[t])
-    assert int((buffer != 0).any(dim=(-1, -2)).sum()) == 2 * 4  # 4 tokens stored, k and v, nothing else
+    assert int((buffer != 0).any(dim=-1).any(dim=-2).sum()) == 2 * 4  # 4 tokens stored, k and v, nothing else
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

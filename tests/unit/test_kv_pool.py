@@ -10,9 +10,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from common.daemon_config import CommonConfig
 from common.errors import OverloadedError
-from common.model.attention import build_plan, write_kv
+from common.model.attention import _gather_keys, build_plan, write_kv
 from common.model.config import ModelConfig
 from common.model.kv_cache import KV_LAYOUTS, KvCache, PageAllocator, PageOwnershipError
+from common.plan.tp import HeadRange, PageSide
 
 
 class AllocatorMachine(RuleBasedStateMachine):
@@ -170,7 +171,9 @@ def test_regions_match_tensors(dtype, layout):
     assert [r.key for r in regions] == [("draft", layer, kind) for layer in range(3) for kind in ("k", "v")]
     for region, tensor in zip(regions, tensors, strict=True):
         assert tensor.shape == (5, 4, 2, 8) and tensor.dtype == dtype
-        assert tensor.is_contiguous() == (layout == "layer-major") and tensor[0].is_contiguous()
+        # logical [page, token, head, dim] over heads-outer page items: each page is one contiguous item
+        assert tensor.stride() == (kv.page_stride_bytes // dtype.itemsize, 8, 4 * 8, 1)
+        assert tensor[0].transpose(0, 1).is_contiguous()
         assert region.addr == tensor.data_ptr()
         assert region.item_len == page_bytes
         # layer-major keeps stride 0 on the wire: a peer that predates the field reads the same region
@@ -216,8 +219,42 @@ def test_kv_writes_and_page_gathers_work_on_strided_views(layout):
     assert torch.all(kv.k[1][2, 2] == 1) and torch.all(kv.k[1][2, 3] == 2) and torch.all(kv.k[1][0, 0] == 3)
     assert torch.all(kv.k[1][0, 1] == 4) and torch.all(kv.v[1][0, 1] == -4)
     assert kv.k[0].abs().sum() == 0 and kv.k[2].abs().sum() == 0 and kv.k[1].abs().sum() == 10 * 2 * 8
-    gathered = kv.k[1].flatten(1).index_select(0, torch.tensor([2, 0])).view(8, 2, 8)
-    assert gathered[:, 0, 0].tolist() == [0, 0, 1, 2, 3, 4, 0, 0]  # token order follows the page table
+    gathered = _gather_keys(kv.k[1], torch.tensor([2, 0, 1, 0]), 2)  # [2 seqs, 2 heads, 8 tokens, 8]
+    assert gathered.is_contiguous() and gathered.shape == (2, 2, 8, 8)
+    assert gathered[0, :, :, 0].tolist() == [[0, 0, 1, 2, 3, 4, 0, 0]] * 2  # token order follows the page table
+    assert gathered[1, :, :, 0].tolist() == [[0, 0, 0, 0, 3, 4, 0, 0]] * 2
+    slow = _gather_keys(kv.k[1].contiguous(), torch.tensor([2, 0, 1, 0]), 2)  # tokens-outer strides: other path
+    assert torch.equal(slow, gathered)
+
+
+@pytest.mark.parametrize("layout", KV_LAYOUTS)
+@pytest.mark.parametrize("head_start", [0, 2])
+def test_page_items_are_heads_outermost(layout, head_start):
+    """A head of one page of a region is one contiguous byte range ``(h - head_start) * head_bytes``
+    into the page item, and so is a token range of it: what ``common.plan.tp`` assumes, so that a TP
+    rank's head slice moves as one range. Fails with tokens-outer pages ([page_size, Hkv, D])."""
+    page_size, head_dim, dtype = 4, 8, torch.bfloat16
+    kv = KvCache(_config(kv_heads=4), num_pages=3, page_size=page_size, dtype=dtype, device="cpu", layout=layout,
+                 head_start=head_start, num_kv_heads=2)
+    gen = torch.Generator().manual_seed(0)
+    for t in kv.tensors():
+        t.copy_(torch.randn(t.shape, generator=gen))
+    raw, base, elem = kv.buffer.flatten().view(torch.uint8), kv.buffer.data_ptr(), dtype.itemsize
+    assert kv.head_bytes == page_size * head_dim * elem and kv.page_bytes == 2 * kv.head_bytes
+    side = PageSide(page_size, HeadRange(head_start, 2), head_dim * elem)
+    for region, tensor in zip(kv.regions(), kv.tensors(), strict=True):
+        assert region.item_len == side.item_len
+        for page in range(3):
+            item = region.addr + page * region.page_stride - base
+            for h in range(2):
+                head = head_start + h
+                start = item + side.offset(head, 0)
+                assert start == item + h * kv.head_bytes
+                want = tensor[page, :, h, :].contiguous().view(torch.uint8).flatten()
+                assert torch.equal(raw[start: start + kv.head_bytes], want)
+                start = item + side.offset(head, 1)  # tokens 1..2 of this head: one range too
+                assert torch.equal(raw[start: start + 2 * head_dim * elem],
+                                   tensor[page, 1:3, h, :].contiguous().view(torch.uint8).flatten())
 
 
 def test_layout_choices_match_the_daemon_flag():
