@@ -170,3 +170,6 @@ class DaemonCore:
             self.engine.close()
         self.model_executor.shutdown(wait=True)
         self.grammar_executor.shutdown(wait=True, cancel_futures=True)
+        runner = getattr(self, "runner", None)  # None when the model never loaded
+        if runner is not None:
+            runner.close()  # TP worker processes: told to exit and waited for, so none outlives the daemon

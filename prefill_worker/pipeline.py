@@ -24,6 +24,7 @@ from common.api.backend import DaemonBackend, DaemonView, GenerateEvent, Generat
 from common.api.schema import FieldError
 from common.engine.runner import ModelRunner
 from common.engine.sequence import Sequence
+from common.engine.tp_group import TpWorkerError
 from common.errors import DisaggError, FailCode, RequestError, fail_code_of
 from common.model.grammar import GrammarCache
 from common.model.sampling import make_generator
@@ -66,7 +67,12 @@ class PrefillBackend(DaemonBackend):
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateEvent]:
         d = self.daemon
-        d.admit_or_raise()
+        try:
+            d.admit_or_raise()
+        except TpWorkerError as exc:  # a lost rank: the room's decode leg is told why at once too
+            if inp.bootstrap is not None:
+                await self._refuse(inp.bootstrap.room, inp, exc)
+            raise
         hold = inp.bootstrap is None and bool((inp.kv_transfer_params or {}).get("do_remote_decode"))
         if inp.bootstrap is None and not hold:
             raise RequestError("prefill needs bootstrap_host, bootstrap_port and bootstrap_room "
@@ -111,7 +117,7 @@ class PrefillBackend(DaemonBackend):
             self._close(seq, room)
         yield self._event(seq, inp, started, has_decode_logprobs=room.has_decode_logprobs)
 
-    async def _refuse(self, room_id: int, inp: GenerateInput, error: RequestError) -> None:
+    async def _refuse(self, room_id: int, inp: GenerateInput, error: DisaggError) -> None:
         """Refuse a request the decode accepted: its room fails at once with ``error`` (a transfer
         request already held is answered, a later one finds the room ended), so the decode leg ends
         with the reason instead of waiting for the KV; then raise ``error``."""

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from common import wire
-from common.errors import DisaggError, FailCode, GeometryMismatchError, ProtocolError, TransferError, UnsafeWriteError
+from common.errors import (DisaggError, FailCode, GeometryMismatchError, PeerUnavailableError, ProtocolError,
+                           TransferError, UnsafeWriteError)
 from common.plan.layout import KvLayout, check_layout
 from common.plan.tp_feed import TpPlan, build_tp_plan, feed_descs
 from common.transport.nixl import NixlEngine
@@ -164,7 +165,16 @@ class RankTransport:
 
     # -- peers (registrar's executor) ------------------------------------------------------------
     def connect(self, plan: TpPeerPlan) -> dict[tuple[int, int], str]:
-        """Load each decode rank's agent into each prefill rank that feeds it; returns the names."""
+        """Load each decode rank's agent into each prefill rank that feeds it; returns the names.
+        Raises at once when a rank was lost (it would never answer ``add_peer``), coded OVERLOADED: the
+        decode tries again with its next request (a prefill restarted at that address serves it)
+        instead of remembering a refusal of its layout."""
+        if self.group is not None:
+            try:
+                self.group.check_alive("a decode's registration")
+            except DisaggError as exc:
+                raise PeerUnavailableError(f"prefill cannot serve until it is restarted: {exc}",
+                                           code=FailCode.OVERLOADED) from exc
         loaded: dict[tuple[int, int], str] = {}
         try:
             for feed in plan.tp.feeds:

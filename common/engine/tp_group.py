@@ -26,6 +26,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -102,6 +103,7 @@ class TpGroup:
         self._procs: list[subprocess.Popen] = []
         self._store = None
         self._failure: str | None = None
+        self._fail_lock = threading.Lock()
         self.agents: RankAgents | None = None  # with spec.agent_prefix: the other ranks' NIXL agents
         self.rank_infos: dict[int, RankInfo] = {}  # rank -> its agent's hello (after wait_loaded)
 
@@ -281,11 +283,13 @@ class TpGroup:
                           f"{self.spec.timeout_s} s?): {exc}")
 
     def _fail(self, reason: str) -> TpWorkerError:
-        """Record the first failure, mark the group FAILED; returns the error to raise."""
-        if self.state in (GroupState.NEW, GroupState.READY):
-            self._failure = reason
-            self._move(GroupState.FAILED)
-            logger.error("TP group failed tp_size=%d: %s", self.spec.tp_size, reason)
+        """Record the first failure, mark the group FAILED; returns the error to raise. Called from
+        several threads (a step, a room's transfer, a registration)."""
+        with self._fail_lock:
+            if self.state in (GroupState.NEW, GroupState.READY):
+                self._failure = reason
+                self._move(GroupState.FAILED)
+                logger.error("TP group failed tp_size=%d: %s", self.spec.tp_size, reason)
         error = TpWorkerError(reason if self._failure is None else self._failure)
         if self.agents is not None:
             self.agents.fail_all(error)  # a write waiting on a dead rank's reply ends now
