@@ -19,6 +19,9 @@ warm-up whose bytes are checked on the decode; ratio_vs_raw is the median of per
             are: NIXL's own floor for that scatter (ratio_vs_same_descs)
   memcpy    one contiguous torch copy of as many bytes in this process, single-threaded like UCX's
 CUDA: --device cuda, or --prefill-device cuda:0 --decode-device cuda:1.
+Tensor parallelism (CPU): --prefill-tp A --decode-tp B, optionally --prefill-page-size/--decode-page-size:
+A prefill ranks feed B decode ranks, one WRITE per feed as RankTransport posts them, against one
+contiguous WRITE of the same bytes per feed (bench/_tp_transfer.py; one JSON line per room size).
 """
 
 from __future__ import annotations
@@ -278,9 +281,28 @@ def main() -> None:
     ap.add_argument("--kv-layout", choices=KV_LAYOUTS, default="page-major", help="KV pool layout of both sides")
     ap.add_argument("--decode-kv-layout", choices=KV_LAYOUTS, help="the decode's layout (default: --kv-layout)")
     ap.add_argument("--num-threads", type=int, default=0, help="NIXL UCX backend threads")
+    tp = ap.add_argument_group("tensor parallelism (any of these runs bench/_tp_transfer.py: TP feeds, CPU)")
+    tp.add_argument("--prefill-tp", type=int, help="prefill TP ranks (default 1)")
+    tp.add_argument("--decode-tp", type=int, help="decode TP ranks (default 1)")
+    tp.add_argument("--prefill-page-size", type=int, help=f"tokens per prefill page (default {PAGE_SIZE})")
+    tp.add_argument("--decode-page-size", type=int, help=f"tokens per decode page (default {PAGE_SIZE})")
     args = ap.parse_args()
     args.decode_kv_layout = args.decode_kv_layout or args.kv_layout
     token_counts = [int(t) for t in args.tokens.split(",")]
+    tp_flags = ("prefill_tp", "decode_tp", "prefill_page_size", "decode_page_size")
+    if any(getattr(args, name) is not None for name in tp_flags):
+        if args.device != "cpu" or args.prefill_device or args.decode_device:
+            ap.error("--prefill-tp/--decode-tp/--*-page-size run on CPU only")
+        for name, default in zip(tp_flags, (1, 1, PAGE_SIZE, PAGE_SIZE)):
+            setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+            if getattr(args, name) <= 0:
+                ap.error(f"--{name.replace('_', '-')} must be > 0")
+        from bench._tp_transfer import tp_main
+
+        torch.manual_seed(0)
+        torch.set_num_threads(1)
+        tp_main(args, token_counts)
+        return
     prefill_dev = args.prefill_device or ("cpu" if args.device == "cpu" else "cuda:0")
     decode_dev = args.decode_device or prefill_dev
     torch.manual_seed(0)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from common.aux_record import AUX_RECORD_V2_BYTES
+
 pytestmark = pytest.mark.timeout(180)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,3 +78,51 @@ def test_layer_major_descriptors():
     # contiguous: one merged run per region, plus the aux record; raw is one descriptor per region
     assert contiguous["descriptors"] == num_regions + 1 and contiguous["raw_descriptors"] == num_regions
     assert num_regions + 1 < fragmented["descriptors"] <= num_regions * num_pages + 1
+
+
+TP_KEYS = {"bench", "device", "prefill_tp", "decode_tp", "prefill_page_size", "decode_page_size", "tokens", "feeds",
+           "feed_ranks", "bytes", "bytes_per_feed", "descriptors", "descriptors_per_feed", "raw_descriptors",
+           "kvferry_ms", "raw_ms", "same_descs_ms", "descs_ms", "kvferry_gbps", "raw_nixl_gbps", "ratio_vs_raw",
+           "ratio_vs_same_descs", "feeds_in_daemons", "git", "hw"}
+AUX_BYTES = AUX_RECORD_V2_BYTES  # the aux record rides on the (0, 0) feed
+
+
+def tp_line(*flags: str) -> dict:
+    proc = subprocess.run([sys.executable, "bench/transfer.py", "--layers", str(LAYERS), "--tokens", str(TOKENS),
+                           "--iters", "1", *flags], cwd=REPO, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (line,) = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert TP_KEYS <= line.keys(), TP_KEYS - line.keys()
+    assert line["bench"] == "transfer_tp" and line["tokens"] == TOKENS and line["git"] and line["hw"]
+    for key in ("kvferry_ms", "raw_ms", "same_descs_ms", "kvferry_gbps", "raw_nixl_gbps", "ratio_vs_raw",
+                "ratio_vs_same_descs"):
+        assert line[key] > 0, (key, line[key])
+    assert line["descs_ms"] >= 0 and line["raw_descriptors"] == line["feeds"]
+    assert line["bytes"] == sum(line["bytes_per_feed"]) and line["descriptors"] == sum(line["descriptors_per_feed"])
+    return line
+
+
+def test_tp_feeds_equal_page_sizes():
+    """Prefill TP 2 into decode TP 1, 16-token pages: two feeds, each one rank's 4 heads of every page of
+    every region (a page item holds its heads outermost, so 4 heads are one block on both sides; the
+    next region is not, on the decode), the aux record on feed (0, 0). The bench itself fails unless
+    the decode holds the prefill's bytes for every head and token."""
+    line = tp_line("--prefill-tp", "2", "--decode-tp", "1")
+    num_pages, num_regions = TOKENS // 16, 2 * LAYERS
+    assert line["feed_ranks"] == [[0, 0], [1, 0]] and line["feeds_in_daemons"]
+    half = num_regions * num_pages * PAGE_BYTES // 2
+    assert line["bytes_per_feed"] == [half + AUX_BYTES, half]
+    assert line["descriptors_per_feed"] == [num_regions * num_pages + 1, num_regions * num_pages]
+
+
+def test_tp_feeds_different_page_sizes():
+    """Prefill TP 1 (16-token pages) into decode TP 2 (32-token pages): one copy per head per 16-token
+    segment of each region, heads of one prefill page contiguous on the prefill only."""
+    line = tp_line("--prefill-tp", "1", "--decode-tp", "2", "--decode-page-size", "32")
+    num_pages, num_regions = TOKENS // 16, 2 * LAYERS
+    assert (line["prefill_page_size"], line["decode_page_size"]) == (16, 32)
+    assert line["feed_ranks"] == [[0, 0], [0, 1]]
+    half = num_regions * num_pages * PAGE_BYTES // 2
+    assert line["bytes_per_feed"] == [half + AUX_BYTES, half]
+    # 4 heads per decode rank, 4 segments (one per prefill page) per region: heads stay apart on the decode's rows
+    assert line["descriptors_per_feed"] == [num_regions * num_pages * 4 + 1, num_regions * num_pages * 4]
