@@ -49,6 +49,9 @@ class CommonConfig:
     heartbeat_misses: int = flag(3, help="missed pongs after which a peer is declared dead")
     xfer_timeout_s: float = flag(10.0, help="deadline for one NIXL WRITE to complete")
     log_level: str = flag("info", help="log level", choices=LEVELS)
+    staging_bytes: int = flag(-1, help="registered staging buffer for scattered rooms (gathered into one WRITE, "
+                                       "scattered back on the decode): -1 = auto (512 MiB on CUDA, 0 on CPU, "
+                                       "where copies cost more than descriptors); 0 = off, every room direct")
 
     def __post_init__(self) -> None:
         require(self.page_size > 0, f"--page-size must be positive, got {self.page_size}")
@@ -63,6 +66,7 @@ class CommonConfig:
         require(self.cuda_graph_max_bs >= 0, f"--cuda-graph-max-bs must be >= 0, got {self.cuda_graph_max_bs}")
         require(self.max_queued_requests >= 0, "--max-queued-requests must be >= 0")
         require(self.max_request_bytes > 0, f"--max-request-bytes must be positive, got {self.max_request_bytes}")
+        require(self.staging_bytes >= -1, f"--staging-bytes must be >= -1, got {self.staging_bytes}")
         for name in ("request_timeout_s", "drain_timeout_s", "heartbeat_interval_s", "xfer_timeout_s"):
             require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive")
 
@@ -71,6 +75,13 @@ class CommonConfig:
         """The attention and CUDA graph settings, as ``build_runner`` keywords."""
         return {"attention_backend": self.attention_backend, "cuda_graph_max_bs": self.cuda_graph_max_bs,
                 "disable_cuda_graph": self.disable_cuda_graph}
+
+    @property
+    def staging_nbytes(self) -> int:
+        """--staging-bytes with auto resolved."""
+        if self.staging_bytes >= 0:
+            return self.staging_bytes
+        return 0 if self.device == "cpu" else 512 << 20
 
     @property
     def num_pages(self) -> int:

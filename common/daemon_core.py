@@ -120,6 +120,16 @@ class DaemonCore:
                               "alive": alive[rank]})
         return {"tp_size": self.config.tp_size, "tp_ranks": ranks}
 
+    def staging_info(self) -> dict:
+        """``/server_info`` fields of the staging slots (``None``: staging off); also sets their gauge."""
+        staging = getattr(self, "staging", None)
+        if staging is None:
+            return {"staging": None}
+        slots = staging.slots
+        self.metrics.staging_slots_free.set(slots.num_free)
+        return {"staging": {"slots": slots.num_slots, "slots_free": slots.num_free,
+                            "slots_quarantined": slots.num_quarantined, "slot_bytes": slots.slot_nbytes}}
+
     def layouts(self) -> list[KvLayout]:
         """Every rank's layout, rank 0 first; ranks 1.. hold no aux slots (rank 0 receives the aux
         record) and their regions come from their agents' hellos."""

@@ -33,6 +33,10 @@ class Metrics:
         self.rooms_waiting = Gauge("kvferry_rooms_waiting", "rooms waiting for their peer", registry=r)
         self.requests_running = Gauge("kvferry_requests_running", "requests being served", registry=r)
         self.requests_queued = Gauge("kvferry_requests_queued", "requests admitted but waiting", registry=r)
+        self.staging_rooms = Counter("kvferry_staging_rooms", "rooms by transfer path (staged: gathered into one "
+                                     "WRITE per chunk; direct) and, for direct, why not staged", ["path", "reason"],
+                                     registry=r)
+        self.staging_slots_free = Gauge("kvferry_staging_slots_free", "staging slots free on this side", registry=r)
         self.transfer_bytes = Counter("kvferry_transfer_bytes", "KV and aux bytes written", registry=r)
         self.transfer_seconds = Histogram("kvferry_transfer_seconds", "one room's WRITE, post to DONE",
                                           buckets=_LATENCY_BUCKETS, registry=r)

@@ -16,16 +16,13 @@ Layout of one region entry (DESIGN §3)::
 from __future__ import annotations
 
 import dataclasses
-import functools
-import reprlib
-import types
-import typing
 from dataclasses import dataclass
 from typing import ClassVar
 
 import msgpack
 
 from common.errors import FailCode, ProtocolError
+from common.wire_check import _build, _short
 
 # PROTOCOL_VERSION is bumped when a field is removed or renamed, a field's type or meaning changes,
 # a kind is removed, or the aux record layout changes. Adding a kind, or a field with a default,
@@ -47,6 +44,9 @@ from common.errors import FailCode, ProtocolError
 #   1 (kvferry 0.5): tensor parallelism: one register per decode rank (Register.tp_rank; ranks > 0 carry
 #                    no aux slots) and Notification.parts (default 1): a room written by several
 #                    prefill ranks or into several decode ranks completes once every part notified.
+#   1 (kvferry 0.5): staging (all defaults: a peer that predates it takes every room direct):
+#                    Register.staging, RegisterAck.staging_runs, Transfer.staging_slot,
+#                    Notification.staged and TransferResult.staged.
 PROTOCOL_VERSION = 1
 
 # A register frame carries two entries per layer per model; 1 MiB holds ~5,000 regions.
@@ -108,6 +108,19 @@ class AuxInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class StagingInfo:
+    """Where the decode receives staged rooms: ``num_slots`` slots of ``slot_nbytes`` at ``addr``
+    (one registered buffer). A staged room's bytes land in one slot, in stream order, and the decode
+    scatters them into its pages (``common/plan/staging.py``)."""
+
+    mem: str
+    device: int
+    addr: int
+    slot_nbytes: int
+    num_slots: int
+
+
+@dataclass(frozen=True, slots=True)
 class Message:
     """Base of every wire message; ``KIND`` names it on the wire."""
 
@@ -134,6 +147,7 @@ class Register(Message):
     regions: list[Region]
     aux: AuxInfo
     draft_model: str = ""  # the draft's architecture fingerprint, "" without a draft
+    staging: StagingInfo | None = None  # the decode's staging slots; None: it takes every room direct
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +162,9 @@ class RegisterAck(Message):
     ignored: list[RegionKey]  # decode region keys the prefill leaves alone (decode-only draft)
     decode_only_spec_dec: bool
     code: str = ""  # with accepted false: a FailCode value; OVERLOADED and TIMEOUT are worth a retry
+    # with staging: the decode side of each run of a room's stream, in stream order, as (addr, nbytes
+    # per page, page stride, device): page p of run r is [addr + p * stride, + nbytes); None: no staging
+    staging_runs: list[list[int]] | None = None
 
     @property
     def fail_code(self) -> FailCode:
@@ -168,6 +185,7 @@ class Transfer(Message):
     page_ids: list[int]
     aux_slot: int
     num_prompt_tokens: int
+    staging_slot: int = -1  # a decode staging slot held for this room (the prefill may stage into it); -1: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +214,7 @@ class TransferResult(Message):
     error: str | None
     code: str = ""  # a FailCode value on failure: what the decode does next depends on it, not on ``error``
     prompt_logprobs: PromptLogprobs | None = None
+    staged: bool = False  # ok: the room's KV is in the offered staging slot, to scatter into the pages
 
     @property
     def fail_code(self) -> "FailCode":
@@ -245,13 +264,14 @@ class Notification(Message):
     decode_id: str
     ok: bool
     parts: int = 1  # WRITEs (one notification each) that make up the room: > 1 with tensor parallelism
+    staged: bool = False  # the room's KV is in the offered staging slot, to scatter into the pages
 
 
 _REGISTRY: dict[str, type[Message]] = {
     cls.KIND: cls
     for cls in (Register, RegisterAck, Transfer, TransferResult, Abort, Ping, Pong, Error, Notification)
 }
-_NESTED: dict[str, type] = {"regions": Region, "aux": AuxInfo}
+_NESTED: dict[str, type] = {"regions": Region, "aux": AuxInfo, "staging": StagingInfo}
 
 
 def encode(msg: Message) -> bytes:
@@ -297,94 +317,3 @@ def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Message:
     if cls is None:
         raise ProtocolError(f"unknown message kind {_short(kind)}; known: {sorted(_REGISTRY)}")
     return _build(cls, body, kind)
-
-
-# Error texts quote what the peer sent, shortened: the error frame that answers a frame must not
-# be bigger than it (a 250 KB kind string would otherwise come back as a 1 MB error).
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 60
-_REPR.maxlist = _REPR.maxdict = 4
-_REPR.maxlevel = 2
-
-
-def _short(value) -> str:
-    return _REPR.repr(value)
-
-
-@functools.cache
-def _hints(cls: type) -> dict:
-    # get_type_hints re-evaluates every annotation; a register frame builds thousands of regions.
-    return typing.get_type_hints(cls)
-
-
-def _build(cls: type, body: dict, where: str):
-    hints = _hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    envelope = {"v", "kind"} if issubclass(cls, Message) else set()  # nested maps have no envelope
-    unknown = set(body) - known - envelope
-    if unknown:
-        names = sorted(_short(k) for k in unknown)
-        more = f" and {len(names) - 8} more" if len(names) > 8 else ""
-        raise ProtocolError(f"{where}: unknown field(s) {', '.join(names[:8])}{more}")
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in body:
-            if f.default is not dataclasses.MISSING:
-                continue
-            raise ProtocolError(f"{where}: missing field {f.name!r}")
-        kwargs[f.name] = _check(hints[f.name], body[f.name], f"{where}.{f.name}")
-    return cls(**kwargs)
-
-
-def _check(hint, value, where: str):
-    """Return ``value`` converted to ``hint``'s type, or raise ProtocolError naming ``where``."""
-    if hint in _SCALARS:
-        return _check_scalar(hint, value, where)
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _check(inner[0], value, where)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
-        item = args[0] if args else None
-        if item is None:
-            return list(value)
-        if item in _SCALARS:  # page ids: thousands per frame, so the path is built only on error
-            out = [_SCALARS[item](v) for v in value]
-            if None in out:
-                i = out.index(None)
-                _check_scalar(item, value[i], f"{where}[{i}]")
-            return out
-        return [_check(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is tuple:  # fixed-length tuples (region keys) travel as msgpack arrays
-        if not isinstance(value, list) or len(value) != len(args):
-            raise ProtocolError(f"{where}: expected a list of {len(args)} items, got {value!r:.80}")
-        return tuple(_check(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
-    if dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
-        return _build(hint, value, where)
-    raise ProtocolError(f"{where}: unsupported type {hint!r}")  # pragma: no cover (our own table)
-
-
-# Each scalar type's conversion: the value as that type, or None when it has another type. bool is
-# never an int or a number here, although Python says it is one.
-_SCALARS = {
-    bool: lambda v: v if isinstance(v, bool) else None,
-    int: lambda v: v if isinstance(v, int) and not isinstance(v, bool) else None,
-    float: lambda v: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None,
-    str: lambda v: v if isinstance(v, str) else None,
-    bytes: lambda v: bytes(v) if isinstance(v, (bytes, bytearray)) else None,
-}
-_SCALAR_NAMES = {bool: "a bool", int: "an int", float: "a number", str: "a string", bytes: "bytes"}
-
-
-def _check_scalar(hint: type, value, where: str):
-    out = _SCALARS[hint](value)
-    if out is None:
-        raise ProtocolError(f"{where}: expected {_SCALAR_NAMES[hint]}, got {type(value).__name__}")
-    return out

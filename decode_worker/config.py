@@ -23,6 +23,8 @@ class DecodeConfig(CommonConfig):
     curve_server_key: str | None = flag(None, help="the prefills' CURVE public key file (with --curve-secret-key)")
     allowed_bootstrap_hosts: str = flag("", help="comma-separated bootstrap hosts a request may name (as the router "
                                                  "sends them); empty = any. A request naming another gets HTTP 400")
+    staging_slot_bytes: int = flag(0, help="one staging slot (a staged room must fit whole); 0 = half of "
+                                           "--staging-bytes (two rooms at once)")
     max_prefill_links: int = flag(64, help="prefills this decode keeps a control connection to at once; the "
                                            "longest idle one is closed to open another")
 
@@ -33,6 +35,7 @@ class DecodeConfig(CommonConfig):
         require((self.curve_secret_key is None) == (self.curve_server_key is None),
                 "--curve-secret-key and --curve-server-key go together")
         require(self.max_prefill_links > 0, "--max-prefill-links must be positive")
+        require(self.staging_slot_bytes >= 0, f"--staging-slot-bytes must be >= 0, got {self.staging_slot_bytes}")
 
     @property
     def bootstrap_hosts(self) -> frozenset[str]:

@@ -22,6 +22,7 @@ from common.lifecycle import start_http
 from common.transport.zmq import load_keys
 from decode_worker.config import DecodeConfig
 from decode_worker.kv_transfer import KvReceiver
+from decode_worker.staging import StagingReceiver
 from decode_worker.pipeline import DecodeBackend
 
 logger = logging.getLogger(__name__)
@@ -38,16 +39,22 @@ class DecodeDaemon(DaemonCore):
         self.inflight = 0
         self.receiver: KvReceiver | None = None
         self.batcher: DecodeBatcher | None = None
+        self.staging: StagingReceiver | None = None
 
     async def start(self) -> None:
         c = self.config
         await self.load_model(spec_k=c.spec_k, **c.engine_options)
+        # TP > 1 rooms arrive per rank (tp_transfer): staging serves the TP-1 path
+        self.staging = None if c.tp_size > 1 else StagingReceiver.build(
+            self.engine, c.staging_nbytes, c.staging_slot_bytes, self.device, [s.kv.buffer for s in self.runner.slots],
+            self.model_executor)
         self.receiver = KvReceiver(engine=self.engine, register_msg=self._register_msg, aux=self.aux,
                                    metrics=self.metrics, register_timeout_s=c.register_timeout_s,
                                    heartbeat_interval_s=c.heartbeat_interval_s, heartbeat_misses=c.heartbeat_misses,
                                    quarantine_s=max(2 * c.xfer_timeout_s, 5.0), client_keys=self._curve(),
                                    allowed_hosts=c.bootstrap_hosts, max_links=c.max_prefill_links,
-                                   rank_agents=self.tp_group.agents if self.tp_group is not None else None)
+                                   rank_agents=self.tp_group.agents if self.tp_group is not None else None,
+                                   staging=self.staging)
         self.batcher = DecodeBatcher(self.runner, self.model_executor, max_running=c.max_running_requests,
                                      on_finish=self.runner.release, on_step=self._on_step,
                                      overlap=not c.disable_overlap_schedule)
@@ -87,7 +94,8 @@ class DecodeDaemon(DaemonCore):
             msgs.append(wire.Register(decode_id=self.decode_id, agent_name=name, agent_metadata=metadata,
                                       model=layout.model, page_size=layout.page_size, kv_dtype=layout.kv_dtype,
                                       tp_size=layout.tp_size, tp_rank=layout.tp_rank, regions=list(layout.regions),
-                                      aux=layout.aux, draft_model=self.draft_fingerprint))
+                                      aux=layout.aux, draft_model=self.draft_fingerprint,
+                                      staging=self.staging.info() if self.staging and layout.tp_rank == 0 else None))
         return msgs
 
     def _curve(self) -> dict | None:
@@ -106,6 +114,7 @@ class DecodeDaemon(DaemonCore):
         self.metrics.generated_tokens.inc(sum(len(o.token_ids) for o in outputs))
 
     def _update_gauges(self) -> None:
+        self.staging_info()
         self.metrics.observe_pools(self.runner.slots)
         self.metrics.rooms_waiting.set(len(self.receiver.waiters))
         self.metrics.requests_running.set(self.batcher.num_active)
@@ -124,7 +133,7 @@ class DecodeDaemon(DaemonCore):
                 "draft_model": bool(c.draft_model), "spec_k": self.runner.spec_k,
                 "free_pages": self.free_pages(),
                 "prefills": {f"{h}:{p}": link.state.value for (h, p), link in self.receiver.links.items()},
-                **self.tp_info(),
+                **self.tp_info(), **self.staging_info(),
                 "kv_layout": layout_summary(self.layout(), self.draft_fingerprint),
                 "quarantined_rooms": len(self.receiver.quarantined),
                 "quarantined_pages_forever": self.receiver.holds.num_forever_pages}

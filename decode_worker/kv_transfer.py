@@ -23,19 +23,18 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from common import wire
 from common.aux import AuxSlots
-from common.aux_record import AuxRecord
-from common.errors import (DisaggError, FailCode, GeometryMismatchError, PeerUnavailableError, ProtocolError,
+from common.errors import (DisaggError, FailCode, GeometryMismatchError, PeerUnavailableError,
                            TransferError)
 from common.metrics import Metrics
 from common.transport.nixl import NixlEngine
 from decode_worker.holds import AbortSender, Quarantine
 from decode_worker.link import LinkState, PrefillLink
 from decode_worker.links import LinkPool
+from decode_worker.staging import StagingReceiver
+from decode_worker.waiters import FetchError, Landed, Waiter, parse_notification, read_aux
 
 logger = logging.getLogger(__name__)
 
@@ -43,55 +42,14 @@ logger = logging.getLogger(__name__)
 _UNBOUND = (FailCode.NOT_REGISTERED, FailCode.NOT_OWNER, FailCode.OVERLOADED)
 
 
-class FetchError(Exception):
-    """One attempt of ``fetch`` failed with ``error`` (what the client gets). ``pages_safe``: nothing
-    more will be written into the room's pages (they may be freed now); ``code`` says what next."""
-
-    def __init__(self, error: DisaggError, *, pages_safe: bool, code: FailCode | None = None):
-        super().__init__(str(error))
-        self.error = error
-        self.pages_safe = pages_safe
-        self.code = code or error.code
-
-
-@dataclass(eq=False)
-class Waiter:
-    """One room waiting for its KV. ``future`` ends with None (the notification) or the prefill's
-    ``TransferResult``; a room that asked for prompt logprobs (``needs_result``) waits for the latter,
-    which carries them and is sent only once the WRITE is DONE."""
-
-    room: int
-    request_id: str
-    link: PrefillLink
-    aux_slot: int
-    future: asyncio.Future
-    needs_result: bool = False
-    sent_at: float = field(default_factory=time.perf_counter)
-    parts: set[str] = field(default_factory=set)  # "sender@rank" of each notified WRITE (tensor parallelism)
-
-    def notified(self, agent: str, parts: int) -> bool:
-        """Count the notification of one WRITE of the room from ``agent``; True once all ``parts``
-        have landed (one per prefill rank and decode rank pair; 1 without tensor parallelism)."""
-        if parts > 1 and len(self.parts) < parts:
-            self.parts.add(agent)
-        return parts <= 1 or len(self.parts) >= parts
-
-
-class Landed(NamedTuple):
-    """A room whose KV has landed: its aux record, the link it came over and, when the request asked
-    for them and the prefill sent them, the prompt logprobs."""
-
-    record: AuxRecord
-    link: PrefillLink
-    prompt_logprobs: wire.PromptLogprobs | None = None
-
-
 class KvReceiver:
     def __init__(self, *, engine: NixlEngine, register_msg: Callable[[], wire.Register | list[wire.Register]], aux: AuxSlots,
                  metrics: Metrics, register_timeout_s: float, heartbeat_interval_s: float,
                  heartbeat_misses: int, quarantine_s: float, client_keys: dict | None = None,
-                 allowed_hosts: frozenset[str] = frozenset(), max_links: int = 64, rank_agents=None):
+                 allowed_hosts: frozenset[str] = frozenset(), max_links: int = 64, rank_agents=None,
+                 staging: StagingReceiver | None = None):
         self.engine = engine
+        self.staging = staging or StagingReceiver.disabled()  # slots a prefill may WRITE a scattered room into
         self.rank_agents = rank_agents  # TP: the other ranks' agents, whose notifications count too
         self.register_msg = register_msg
         self.aux = aux
@@ -160,6 +118,7 @@ class KvReceiver:
             release()
             raise TransferError(f"request_id={request_id}: bootstrap_room {room} is already in use on this decode; "
                                 f"every request needs its own room", code=FailCode.DUPLICATE)
+        release = self.staging.wrap_release(room, release)  # the room's staging slot goes with its pages
         try:
             link = self.pool.get(host, port, self._is_busy)
         except DisaggError:
@@ -203,6 +162,7 @@ class KvReceiver:
         prefill when its leg could otherwise wait for a transfer request that will never come."""
         was_sent = self.holds.sent.pop(room, None) is not None
         if exc.code is FailCode.UNSAFE:
+            self.staging.quarantine(room, str(exc.error))
             self.holds.hold_forever(room, release, link, num_pages)
         elif not exc.pages_safe:
             self.holds.hold(room, release, self.aborts.send_soon(link, room, str(exc.error)))
@@ -235,6 +195,7 @@ class KvReceiver:
             self.metrics.kv_wait_seconds.observe(time.perf_counter() - waiter.sent_at)
             record = read_aux(self.aux, waiter, num_prompt_tokens)
             result = waiter.future.result()
+            await self.staging.land(room, link.staging_runs, page_ids, waiter.staged)  # scattered before it is ready
             return Landed(record, link, result.prompt_logprobs if isinstance(result, wire.TransferResult) else None)
         except BaseException:
             if room in self.holds.sent:  # the WRITE may still fill the slot: it is held with the pages
@@ -256,7 +217,8 @@ class KvReceiver:
         """Send the transfer request and wait until its outcome is settled (read it with ``read_aux``)."""
         link = waiter.link
         msg = wire.Transfer(room=waiter.room, decode_id=link.decode_id, page_ids=page_ids, aux_slot=waiter.aux_slot,
-                            num_prompt_tokens=num_prompt_tokens)
+                            num_prompt_tokens=num_prompt_tokens,
+                            staging_slot=self.staging.offer(waiter.room, link.staging_runs, len(page_ids)))
         try:
             await link.send(msg, timeout_s=_remaining_s(deadline))
         except DisaggError as exc:  # the request never left this process: nothing will be written
@@ -279,6 +241,7 @@ class KvReceiver:
         if waiter is None or waiter.future.done():
             return
         if msg.ok:
+            waiter.staged = waiter.staged or msg.staged
             waiter.future.set_result(msg)
             return
         code = msg.fail_code
@@ -293,15 +256,8 @@ class KvReceiver:
             waiter.future.set_exception(exc)
 
     def on_notification(self, agent: str, payload: bytes) -> None:
-        try:
-            notif = wire.decode(payload)
-        except ProtocolError as exc:
-            self.metrics.protocol_errors.inc()
-            logger.warning("malformed NIXL notification from peer=%s: %s", agent, exc)
-            return
-        if not isinstance(notif, wire.Notification):
-            self.metrics.protocol_errors.inc()
-            logger.warning("NIXL notification from peer=%s is a %s message, not a notification", agent, notif.KIND)
+        notif = parse_notification(agent, payload, self.metrics)
+        if notif is None:
             return
         waiter = self.waiters.get(notif.room)
         if waiter is None or notif.decode_id != waiter.link.decode_id:
@@ -310,7 +266,7 @@ class KvReceiver:
                 logger.warning("notification for unknown or expired room=%d from peer=%s ignored", notif.room, agent)
             self.holds.written(notif.room)  # a quarantined room's WRITE finished: the pages are quiet again
             return
-        if waiter.notified(agent, notif.parts) and not waiter.future.done() and not waiter.needs_result:
+        if waiter.landed(agent, notif) and not waiter.future.done() and not waiter.needs_result:
             waiter.future.set_result(None)
 
     def _remember(self, room: int) -> None:
@@ -340,28 +296,6 @@ class KvReceiver:
 
 def _remaining_s(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.0)
-
-
-def read_aux(aux: AuxSlots, waiter: Waiter, num_prompt_tokens: int) -> AuxRecord:
-    """The room's aux record once its outcome is settled: the failure, or the record if it is the room's.
-
-    A record that is not the room's is discarded with the KV. Its pages are safe to free only when
-    the outcome is the prefill's ``transfer_result`` (sent once its WRITE is DONE); a bare
-    notification may have come from elsewhere before the real WRITE, so they wait for the prefill."""
-    exc = waiter.future.exception() if waiter.future.done() else None
-    if exc is not None:
-        raise exc
-    confirmed = waiter.future.done() and isinstance(waiter.future.result(), wire.TransferResult)
-    try:
-        record = AuxRecord.unpack(aux.read(waiter.aux_slot))
-    except ProtocolError as err:
-        raise FetchError(TransferError(f"room={waiter.room}: {err}; KV discarded"), pages_safe=confirmed) from None
-    if record.room != waiter.room or record.num_prompt_tokens != num_prompt_tokens:
-        raise FetchError(TransferError(
-            f"room={waiter.room} request_id={waiter.request_id}: aux slot {waiter.aux_slot} holds room "
-            f"{record.room} with {record.num_prompt_tokens} prompt tokens, expected room {waiter.room} with "
-            f"{num_prompt_tokens}; KV discarded"), pages_safe=confirmed)
-    return record
 
 
 async def poll_notifications(receiver: KvReceiver) -> None:

@@ -152,6 +152,11 @@ class PrefillLink:
         return bool(self.ack and self.ack.decode_only_spec_dec)
 
     @property
+    def staging_runs(self) -> list[list[int]] | None:
+        """The prefill's staged-stream runs on this decode (None: that prefill does not stage)."""
+        return self.ack.staging_runs if self.ack is not None else None
+
+    @property
     def writes_draft(self) -> bool:
         return bool(self.ack and any(k[0] == "draft" for k in self.ack.written))
 

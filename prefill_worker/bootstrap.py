@@ -31,7 +31,7 @@ class Bootstrap:
     def __init__(self, *, server: BootstrapServer, engine: NixlEngine, layout: KvLayout, peers: PeerTable,
                  rooms: RoomTable, metrics: Metrics, prefill_id: str, register_timeout_s: float,
                  transfer_wait_timeout_s: float, on_bound, draft_model: str = "",
-                 probe: MetadataProbe | None = None, transport=None):
+                 probe: MetadataProbe | None = None, transport=None, staging: bool = False):
         self.server = server
         self.layout = layout
         self.peers = peers
@@ -42,7 +42,7 @@ class Bootstrap:
         self.on_bound = on_bound  # called with a room once its transfer request is bound
         self.registrar = Registrar(engine=engine, layout=layout, peers=peers, metrics=metrics, prefill_id=prefill_id,
                                    register_timeout_s=register_timeout_s, send=self.send, draft_model=draft_model,
-                                   probe=probe, transport=transport)
+                                   probe=probe, transport=transport, staging=staging)
         self._last_sweep = time.monotonic()
 
     # -- frames ----------------------------------------------------------------------------------------

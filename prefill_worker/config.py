@@ -26,6 +26,11 @@ class PrefillConfig(CommonConfig):
                                                "on a GPU (a thread mostly waits), 2 on CPU (a thread copies)")
     max_prompt_logprob_tokens: int = flag(8192, help="prompt tokens whose logprobs one request may ask for "
                                                      "(return_logprob with logprob_start_len); more get HTTP 400")
+    staging_chunk_bytes: int = flag(32 << 20, help="one WRITE of a staged room; each staged room in flight holds "
+                                                  "two chunks of --staging-bytes (gather one while the other is "
+                                                  "on the wire)")
+    staging_crossover_runs: int = flag(-1, help="stage a room whose WRITE would carry at least this many "
+                                               "descriptors: -1 = from costs measured at start-up (logged), 0 = never")
     curve_secret_key: str | None = flag(None, help="CURVE secret key file (kvferry keygen) to authenticate the bootstrap socket")
     curve_authorized_keys: str | None = flag(None, help="folder of decode public keys allowed to connect (with --curve-secret-key)")
 
@@ -40,6 +45,9 @@ class PrefillConfig(CommonConfig):
         require(self.max_prompt_logprob_tokens >= 0, "--max-prompt-logprob-tokens must be >= 0")
         require(self.xfer_threads is None or 1 <= self.xfer_threads <= 64,
                 f"--xfer-threads must be in 1..64, got {self.xfer_threads}")
+        require(self.staging_chunk_bytes > 0, f"--staging-chunk-bytes must be positive, got {self.staging_chunk_bytes}")
+        require(self.staging_crossover_runs >= -1, f"--staging-crossover-runs must be >= -1, got "
+                                                   f"{self.staging_crossover_runs}")
         require((self.curve_secret_key is None) == (self.curve_authorized_keys is None),
                 "--curve-secret-key and --curve-authorized-keys go together")
 

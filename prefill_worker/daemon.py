@@ -24,6 +24,7 @@ from common.transport.zmq import BootstrapServer, load_keys, load_public_keys
 from prefill_worker.bootstrap import Bootstrap
 from prefill_worker.config import PrefillConfig
 from prefill_worker.kv_transfer import KvWriter
+from prefill_worker.staging import StagingSender
 from prefill_worker.tp_transfer import RankTransport
 from prefill_worker.peers import PeerTable
 from prefill_worker.pipeline import PrefillBackend
@@ -48,6 +49,7 @@ class PrefillDaemon(DaemonCore):
         self.xfer_executor = ThreadPoolExecutor(self.config.num_xfer_threads, thread_name_prefix="prefill-xfer")
         self.server: BootstrapServer | None = None
         self.quarantined_pages = 0
+        self.staging: StagingSender | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -64,15 +66,21 @@ class PrefillDaemon(DaemonCore):
         self.peers = PeerTable(self.engine, max_peers=MAX_DECODES,
                                peer_timeout_s=c.heartbeat_interval_s * c.heartbeat_misses * 2)
         self.transport = RankTransport(self.engine, self.layouts(), self.tp_group)  # every rank's agent
+        # scattered rooms gathered into one WRITE per chunk (TP-1 decodes; TP feeds go direct)
+        self.staging = None if c.tp_size > 1 else await asyncio.get_running_loop().run_in_executor(
+            self.model_executor, lambda: StagingSender.build(
+                self.engine, c.staging_nbytes, c.staging_chunk_bytes, c.staging_crossover_runs,
+                [s.kv.buffer for s in self.runner.slots], self.metrics))
         self.bootstrap = Bootstrap(server=self.server, engine=self.engine, layout=self.layout(), peers=self.peers,
                                    rooms=self.rooms, metrics=self.metrics, prefill_id=self.prefill_id,
                                    register_timeout_s=c.register_timeout_s,
                                    transfer_wait_timeout_s=c.transfer_wait_timeout_s, on_bound=self._on_bound,
-                                   draft_model=self.draft_fingerprint, probe=self.probe, transport=self.transport)
+                                   draft_model=self.draft_fingerprint, probe=self.probe, transport=self.transport,
+                                   staging=self.staging is not None)
         self.writer = KvWriter(engine=self.engine, peers=self.peers, aux=self.aux, executor=self.xfer_executor,
                                send=self.bootstrap.send, metrics=self.metrics,
                                transfer_wait_timeout_s=c.transfer_wait_timeout_s, xfer_timeout_s=c.xfer_timeout_s,
-                               transport=self.transport)
+                               transport=self.transport, staging=self.staging)
         self.scheduler = PrefillScheduler(self.runner, self.model_executor, max_prefill_tokens=c.max_prefill_tokens,
                                           with_draft=self.runner.draft is not None,
                                           chunk_tokens=c.chunked_prefill_size)
@@ -137,6 +145,7 @@ class PrefillDaemon(DaemonCore):
         self._update_gauges()
 
     def _update_gauges(self) -> None:
+        self.staging_info()
         self.metrics.observe_pools(self.runner.slots)
         self.metrics.rooms_waiting.set(len(self.rooms))
         self.metrics.requests_queued.set(self.scheduler.num_waiting)
@@ -167,6 +176,6 @@ class PrefillDaemon(DaemonCore):
                 "max_total_tokens": c.max_total_tokens, "bootstrap_port": c.bootstrap_port,
                 "disaggregation_mode": "prefill", "draft_model": bool(c.draft_model),
                 "free_pages": self.free_pages(), "quarantined_pages": self.quarantined_pages,
-                **self.tp_info(),
+                **self.tp_info(), **self.staging_info(),
                 "kv_layout": layout_summary(self.bootstrap.layout, self.draft_fingerprint),
                 "rooms": len(self.rooms), "decodes": len(self.peers)}

@@ -27,6 +27,7 @@ from common.metrics import Metrics
 from common.transport.nixl import NixlEngine
 from prefill_worker.peers import DecodePeer, ListPair, PeerTable
 from prefill_worker.rooms import Room, RoomState
+from prefill_worker.staging import StagedRoom, StagingSender
 from prefill_worker.tp_transfer import RankTransport, TpPeerPlan
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,9 @@ Send = Callable[[bytes, wire.Message], Awaitable[None]]
 class KvWriter:
     def __init__(self, *, engine: NixlEngine, peers: PeerTable, aux: AuxSlots, executor: Executor, send: Send,
                  metrics: Metrics, transfer_wait_timeout_s: float, xfer_timeout_s: float,
-                 transport: RankTransport | None = None):
+                 transport: RankTransport | None = None, staging: StagingSender | None = None):
         self.engine = engine
+        self.staging = staging  # scattered rooms gathered into one WRITE (None: every room direct)
         self.transport = transport or RankTransport(engine, [])  # decodes fed per rank (tp_transfer)
         self.peers = peers
         self.aux = aux
@@ -72,6 +74,7 @@ class KvWriter:
             room.xfer, room.xfer_plan = _indices(plan, room), plan
         slot = self.aux.acquire()
         self.peers.acquire(peer)
+        staged = None
         try:
             self.aux.write(slot, AuxRecord(room=room.room, first_token_id=room.first_token_id,
                                            first_token_logprob=room.first_token_logprob,
@@ -86,9 +89,17 @@ class KvWriter:
                                            slot, self.xfer_timeout_s)
             else:
                 xfer = room.xfer.with_prefill_aux_slot(plan, slot)
-                notif = wire.encode(wire.Notification(room=room.room, decode_id=peer.decode_id, ok=True))
-                job = loop.run_in_executor(self.executor, self._write, list(peer.lists), xfer, notif, room)
-            await _settle(job, room)
+                if self.staging is not None:
+                    staged = self.staging.choose(plan, peer.staging, room.transfer, room.page_ids)
+                notif = wire.encode(wire.Notification(room=room.room, decode_id=peer.decode_id, ok=True,
+                                                      staged=staged is not None))
+                write = self._write if staged is None else self._write_staged
+                job = loop.run_in_executor(self.executor, write, list(peer.lists), xfer, notif, room, staged)
+            try:
+                await _settle(job, room)
+            finally:
+                if staged is not None:  # the job has returned: nothing of it touches the slot any more
+                    self.staging.finish(staged, job.exception() if not job.cancelled() else None)
             num_bytes = job.result() if isinstance(plan, TpPeerPlan) else xfer.num_bytes
             elapsed = time.perf_counter() - started
         finally:
@@ -100,7 +111,8 @@ class KvWriter:
         self.metrics.transfer_seconds.observe(elapsed)
         # Prompt logprobs go only to a decode that reads them (an older one would refuse the field).
         prompt = room.prompt_logprobs if room.has_decode_logprobs else None
-        await self.send(room.identity, wire.TransferResult(room=room.room, ok=True, error=None, prompt_logprobs=prompt))
+        await self.send(room.identity, wire.TransferResult(room=room.room, ok=True, error=None, prompt_logprobs=prompt,
+                                                           staged=staged is not None))
         return elapsed
 
     async def _await_transfer(self, room: Room, deadline: float) -> None:
@@ -125,7 +137,28 @@ class KvWriter:
                                        code=FailCode.NOT_REGISTERED)
         return peer
 
-    def _write(self, lists: list[ListPair], xfer: geometry.RequestXfer, notif: bytes, room: Room) -> None:
+    def _write_staged(self, lists: list[ListPair], xfer: geometry.RequestXfer, notif: bytes, room: Room,
+                      staged: StagedRoom) -> None:
+        """Executor: the room's pages through the staging slots (``StagingSender.write``), then the aux
+        record alone, carrying the notification."""
+        deadline = time.monotonic() + self.xfer_timeout_s
+        pair, (local_idx, remote_idx) = lists[-1], xfer.per_group[-1]
+
+        def aux_write() -> None:
+            handle = self.engine.post_write(pair.prefill, local_idx[-1:], pair.decode, remote_idx[-1:], notif)
+            self.engine.wait(handle, max(deadline - time.monotonic(), 0.0),
+                             stop=lambda: _abort_reason(room))
+            self.engine.release(handle)
+
+        try:
+            self.staging.write(self.engine, pair.decode.peer, staged, aux_write, room, deadline)
+        except TransferError as exc:
+            if exc.code is FailCode.TIMEOUT:
+                self.metrics.timeouts.labels(stage="xfer").inc()
+            raise type(exc)(f"room={room.room} request_id={room.request_id}: staged WRITE: {exc}", code=exc.code) from exc
+
+    def _write(self, lists: list[ListPair], xfer: geometry.RequestXfer, notif: bytes, room: Room,
+               staged: None = None) -> None:
         """Executor: post each group's WRITE (the aux group, carrying the notification, last).
 
         Checks the room's abort flag before every post: a room aborted meanwhile posts nothing more."""

@@ -56,6 +56,7 @@ class DecodePeer:
     # decodes fed per rank (tp_transfer): (prefill rank, decode rank) -> agent name loaded there, and
     # what unloads them when the peer goes (rank 0's ``agent_name`` is unloaded here, as for any peer)
     tp_agents: dict = field(default_factory=dict)
+    staging: object = None  # the decode's wire.StagingInfo when it stages and this prefill does too
     on_release: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:

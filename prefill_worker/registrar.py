@@ -19,24 +19,28 @@ from common import wire
 from common.plan import geometry
 from common.errors import DisaggError, FailCode, GeometryMismatchError, ProtocolError
 from common.plan.geometry import TransferPlan
-from common.plan.layout import KvLayout
+from common.plan.layout import ADDR_LIMIT, KvLayout
+from common.wire import MEM_KINDS
 from common.metrics import Metrics
 from common.transport.nixl import NixlEngine
 from common.transport.nixl_probe import MetadataProbe
 from prefill_worker.peers import DecodePeer, ListPair, PeerTable
+from prefill_worker.staging import stream_runs
 from prefill_worker.tp_transfer import RankTransport, TpPeerPlan, TpRegistrations, build_peer_plan, needs_feeds
 
 logger = logging.getLogger(__name__)
 
 MAX_PENDING_REGISTERS = 8  # registrations whose NIXL work runs at once
+MAX_STAGING_SLOTS = 4096  # a decode registering more staging slots stages nothing
 
 
 class Registrar:
     def __init__(self, *, engine: NixlEngine, layout: KvLayout, peers: PeerTable, metrics: Metrics, prefill_id: str,
                  register_timeout_s: float, send: Callable[[bytes, wire.Message], Awaitable[None]],
                  draft_model: str = "", probe: MetadataProbe | None = None,
-                 transport: RankTransport | None = None):
+                 transport: RankTransport | None = None, staging: bool = False):
         self.engine = engine
+        self.staging = staging  # this prefill stages scattered rooms: tell a decode that offers slots how
         # every prefill rank's agent and table: decodes of another TP or page size are fed through it
         self.transport = transport or RankTransport(engine, [layout])
         self.tp_parts = TpRegistrations()
@@ -82,17 +86,30 @@ class Registrar:
             await self._reject(identity, msg, f"prefill {self.prefill_id} failed to register it: "
                                               f"{type(exc).__name__}: {exc}", FailCode.OTHER)
             return
-        self.peers.install(DecodePeer(msg.decode_id, msg.agent_name, identity, owner, plan, lists))
-        await self._accept(identity, msg, plan)
+        staging = self._staging_of(msg)
+        self.peers.install(DecodePeer(msg.decode_id, msg.agent_name, identity, owner, plan, lists, staging=staging))
+        await self._accept(identity, msg, plan, stream_runs(plan) if staging is not None else None)
 
-    async def _accept(self, identity: bytes, msg: wire.Register, plan) -> None:
+    def _staging_of(self, msg: wire.Register) -> wire.StagingInfo | None:
+        """The decode's staging slots, when both sides stage and they are sane (else rooms go direct)."""
+        info = msg.staging
+        if not self.staging or info is None:
+            return None
+        if (info.mem not in MEM_KINDS or info.slot_nbytes <= 0 or not 0 < info.num_slots <= MAX_STAGING_SLOTS
+                or info.addr < 0 or info.device < 0 or info.addr + info.num_slots * info.slot_nbytes > ADDR_LIMIT):
+            logger.warning("decode_id=%s registered unusable staging slots (%s): its rooms go direct",
+                           msg.decode_id, info)
+            return None
+        return info
+
+    async def _accept(self, identity: bytes, msg: wire.Register, plan, staging_runs=None) -> None:
         self.metrics.registrations.labels(result="accepted").inc()
         logger.info("registered decode_id=%s peer=%s: %d regions written, %d ignored, decode_only_spec_dec=%s",
                     msg.decode_id, msg.agent_name, len(plan.written), len(plan.ignored), plan.decode_only_spec_dec)
         await self.send(identity, wire.RegisterAck(
             prefill_id=self.prefill_id, accepted=True, error=None,
             written=[list(k) for k in plan.written], ignored=[list(k) for k in plan.ignored],
-            decode_only_spec_dec=plan.decode_only_spec_dec))
+            decode_only_spec_dec=plan.decode_only_spec_dec, staging_runs=staging_runs))
 
     async def _plan_and_lists(self, owner: bytes, msg: wire.Register) -> tuple[TransferPlan, list[ListPair]]:
         refusal = self.peers.refuse_register(msg.decode_id, msg.agent_name, owner)
