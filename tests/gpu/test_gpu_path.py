@@ -103,3 +103,26 @@ def test_tp2_to_tp2_on_four_gpus(cluster, tiny_models):
     before = free_pages(prefill), free_pages(decode)
     assert _disagg(prefill, decode) == _reference(target, None)
     assert (free_pages(prefill), free_pages(decode)) == before
+
+
+def test_staged_rooms_in_vram(cluster, tiny_models):
+    """Every room staged (crossover 1, 1 MiB chunks): the Triton gather on the prefill, one WRITE per
+    chunk over cuda_ipc into the decode's slot, the Triton scatter into the decode's pages; greedy
+    output as colocated, every page and slot back."""
+    from common.procs import http_json
+
+    target, _ = tiny_models
+    prefill = cluster.prefill(extra=CUDA + ["--staging-bytes", str(64 << 20), "--staging-chunk-bytes", str(1 << 20),
+                                            "--staging-crossover-runs", "1"])
+    decode = cluster.decode(extra=CUDA + ["--staging-bytes", str(64 << 20)])
+    before = free_pages(prefill), free_pages(decode)
+    assert _disagg(prefill, decode) == _reference(target, None)
+    assert (free_pages(prefill), free_pages(decode)) == before
+    for proc in (prefill, decode):
+        status, info = http_json(proc.url + "/server_info", timeout_s=10)
+        assert status == 200 and info["staging"]["slots_free"] == info["staging"]["slots"] > 0, info
+    import urllib.request
+
+    with urllib.request.urlopen(prefill.url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert f'kvferry_staging_rooms_total{{path="staged",reason=""}} {float(len(LENGTHS))}' in text, text[-2000:]
