@@ -89,6 +89,34 @@ def wave(pool, servers: list[Proc], prompts, sampling, bootstrap_port: int) -> d
     return out
 
 
+def churn(pool, prefill: Proc, decode: Proc, num_requests: int, seed: int, max_tokens: int) -> dict:
+    """``num_requests`` disaggregated requests of random prompt lengths (16 .. ``max_tokens``) and
+    output lengths (1 .. 64), 16 in flight, each ending on its own: pages are freed out of order, so
+    the decode's pool fragments as a long-running one does. Returns what the prefill counted."""
+    rng = random.Random(seed)
+    bodies = [{"input_ids": [rng.randrange(5, 512) for _ in range(rng.randrange(16, max_tokens))],
+               "sampling_params": {"max_new_tokens": rng.randrange(1, 64), "temperature": 0, "ignore_eos": True},
+               "stream": True, "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port,
+               "bootstrap_room": rng.getrandbits(63)} for _ in range(num_requests)]
+    started = time.perf_counter()
+    for i in range(0, num_requests, 16):
+        legs = [pool.submit(post, s.url, b) for b in bodies[i:i + 16] for s in (prefill, decode)]
+        if any(f.result()[0] != 200 for f in legs):
+            raise SystemExit("a churn request failed")
+    return {"churn_requests": num_requests, "churn_s": round(time.perf_counter() - started, 1)}
+
+
+def staging_counts(url: str) -> dict:
+    """The prefill's rooms by path (staged / direct by reason) so far."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return {f"{m.group(1)}:{m.group(2)}" if m.group(2) else m.group(1): float(m.group(3)) for m in re.finditer(
+        r'^kvferry_staging_rooms_total\{path="(\w+)",reason="(\w*)"\} (\S+)$', text, re.M)}
+
+
 def inprocess_ttft(runner, tokenizer, prompts, params) -> list[float]:
     """Bare prefill forward of a wave, in batches of at most 8,192 tokens as the servers run them
     (each batch's pages freed before the next, so the pool needs one batch only)."""
@@ -167,8 +195,8 @@ def start_servers(a, target: str, draft: str | None, log_dir: Path) -> list[Proc
 
     makers = [lambda: worker_proc("prefill", target, port=free_port(), log_dir=log_dir, bootstrap_port=free_port(),
                                   extra=quiet + a.prefill_args.split(), env=env),
-              lambda: worker_proc("decode", target, port=free_port(), log_dir=log_dir, draft=draft, extra=quiet,
-                                  env=env),
+              lambda: worker_proc("decode", target, port=free_port(), log_dir=log_dir, draft=draft,
+                                  extra=quiet + a.decode_args.split(), env=env),
               lambda: colocated(free_port())]
     servers = []
     try:
@@ -197,6 +225,10 @@ def main() -> None:
     ap.add_argument("--max-total-tokens", type=int, help="KV pool of each server (default: enough for the run)")
     ap.add_argument("--no-inprocess", action="store_true", help="skip the in-process floor (one model copy less)")
     ap.add_argument("--prefill-args", default="", help="more flags for the prefill daemon, e.g. '--xfer-threads 8'")
+    ap.add_argument("--decode-args", default="", help="more flags for the decode daemon, e.g. '--staging-bytes 0'")
+    ap.add_argument("--churn", type=int, default=0, help="requests of random lengths through the pair before the "
+                                                        "measured waves (fragments the decode's pool); each "
+                                                        "(size, concurrency) is measured before and after")
     ap.add_argument("--max-wave-tokens", type=int, help="skip (prompt_tokens, concurrency) pairs whose wave "
                                                          "holds more prompt tokens than this")
     ap.add_argument("--serve-colocated", type=int, metavar="PORT", help=argparse.SUPPRESS)
@@ -223,14 +255,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvferry-e2e-") as logs:
         servers = start_servers(a, target, draft, Path(logs))
         try:
-            with ThreadPoolExecutor(2 * max(levels)) as pool:
-                for num_prompt_tokens in lengths:
-                    for concurrency in levels:
-                        if a.max_wave_tokens and num_prompt_tokens * concurrency > a.max_wave_tokens:
-                            continue
-                        record = measure(a, pool, local, servers, num_prompt_tokens, concurrency)
-                        emit({**record, "prefill_args": a.prefill_args, "device": a.device, "model": Path(target).name, "draft": bool(draft),
-                              "threads": a.threads, "hw": hardware([a.device]), "git": git_hash()})
+            with ThreadPoolExecutor(max(2 * max(levels), 32)) as pool:
+                for phase in (["fresh", "churned"] if a.churn else ["fresh"]):
+                    extra = {}
+                    if phase == "churned":
+                        extra = churn(pool, servers[0], servers[1], a.churn, a.seed + 1, max(lengths) * 2)
+                    for num_prompt_tokens in lengths:
+                        for concurrency in levels:
+                            if a.max_wave_tokens and num_prompt_tokens * concurrency > a.max_wave_tokens:
+                                continue
+                            paths = staging_counts(servers[0].url)
+                            record = measure(a, pool, local, servers, num_prompt_tokens, concurrency)
+                            after = staging_counts(servers[0].url)
+                            rooms = {k: v - paths.get(k, 0.0) for k, v in after.items() if v - paths.get(k, 0.0)}
+                            emit({**record, "pool": phase, **extra, "rooms_by_path": rooms,
+                                  "prefill_args": a.prefill_args, "decode_args": a.decode_args, "device": a.device,
+                                  "model": Path(target).name, "draft": bool(draft), "threads": a.threads,
+                                  "hw": hardware([a.device]), "git": git_hash()})
         finally:
             for proc in reversed(servers):
                 proc.stop(30)

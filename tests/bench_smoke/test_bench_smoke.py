@@ -34,8 +34,15 @@ def test_spec_bench_prints_one_json_line():
 
 def test_e2e_bench_prints_one_json_line_per_configuration():
     records = run_bench("e2e.py", "--prompt-tokens", "20,40", "--concurrency", "2", "--new-tokens", "3",
-                        "--reps", "1")
-    assert [(r["prompt_tokens"], r["concurrency"]) for r in records] == [(20, 2), (40, 2)]
+                        "--reps", "1", "--churn", "8",
+                        "--prefill-args", "--staging-bytes 1048576 --staging-chunk-bytes 131072 "
+                                          "--staging-crossover-runs 1",
+                        "--decode-args", "--staging-bytes 16777216")
+    assert [(r["pool"], r["prompt_tokens"], r["concurrency"]) for r in records] == [
+        ("fresh", 20, 2), ("fresh", 40, 2), ("churned", 20, 2), ("churned", 40, 2)]
+    assert records[-1]["churn_requests"] == 8
+    for r in records:  # every room of the warm-up and the measured wave was staged, and counted
+        assert r["rooms_by_path"] == {"staged": 2 * 2}, r["rooms_by_path"]
     keys = {"ttft_ms_p50_colocated", "ttft_ms_p50_disagg", "ttft_overhead_ms", "kv_transfer_ms_p50",
             "tokens_per_s_colocated", "tokens_per_s_disagg", "overhead_minus_transfer_ms",
             "kv_wait_ms_p50", "prefill_answer_ms_p50", "ttft_ms_p50_inprocess"}
@@ -44,3 +51,4 @@ def test_e2e_bench_prints_one_json_line_per_configuration():
         assert r["ttft_ms_p50_colocated"] > 0 and r["ttft_ms_p50_disagg"] > 0
         assert r["kv_transfer_ms_p50"] > 0  # every wave's WRITE showed up in the prefill's metrics
         assert r["tokens_per_s_colocated"] > 0 and r["tokens_per_s_disagg"] > 0
+
