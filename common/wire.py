@@ -46,13 +46,18 @@ from common.wire_check import _build, _short
 #                    prefill ranks or into several decode ranks completes once every part notified.
 #   1 (kvferry 0.5): staging (all defaults: a peer that predates it takes every room direct):
 #                    Register.staging, RegisterAck.staging_runs, Transfer.staging_slot,
-#                    Notification.staged and TransferResult.staged.
+#                    Notification.staged and TransferResult.staged. Register.page_order (PAGE_ORDER):
+#                    pages became heads-outermost; a prefill refuses a register without it.
 PROTOCOL_VERSION = 1
 
 # A register frame carries two entries per layer per model; 1 MiB holds ~5,000 regions.
 MAX_FRAME_BYTES = 1 << 20
 
 MODEL_KINDS = ("target", "draft")
+# The order of bytes inside one page of a region (``common/model/kv_cache.py``): heads outermost, so
+# a head slice of a page is one range (tensor parallelism with other TP sizes on the two sides).
+# A register without it comes from a kvferry whose pages were tokens-outermost: refused, never mixed.
+PAGE_ORDER = "heads-outer"
 KV_KINDS = ("k", "v")
 MEM_KINDS = ("DRAM", "VRAM")
 U64_MAX = (1 << 64) - 1
@@ -148,6 +153,7 @@ class Register(Message):
     aux: AuxInfo
     draft_model: str = ""  # the draft's architecture fingerprint, "" without a draft
     staging: StagingInfo | None = None  # the decode's staging slots; None: it takes every room direct
+    page_order: str = ""  # PAGE_ORDER; "" from a kvferry before it, whose pages were tokens-outermost
 
 
 @dataclass(frozen=True, slots=True)

@@ -94,7 +94,7 @@ class DecodeDaemon(DaemonCore):
             msgs.append(wire.Register(decode_id=self.decode_id, agent_name=name, agent_metadata=metadata,
                                       model=layout.model, page_size=layout.page_size, kv_dtype=layout.kv_dtype,
                                       tp_size=layout.tp_size, tp_rank=layout.tp_rank, regions=list(layout.regions),
-                                      aux=layout.aux, draft_model=self.draft_fingerprint,
+                                      aux=layout.aux, draft_model=self.draft_fingerprint, page_order=wire.PAGE_ORDER,
                                       staging=self.staging.info() if self.staging and layout.tp_rank == 0 else None))
         return msgs
 

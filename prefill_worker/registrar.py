@@ -71,6 +71,11 @@ class Registrar:
     async def _register(self, identity: bytes, owner: bytes, msg: wire.Register) -> None:
         """Task: one registration, off the frame loop (other peers' pings are answered meanwhile)."""
         self.peers.note_register(identity)
+        if msg.page_order != wire.PAGE_ORDER:  # the bytes inside a page would be read in another order
+            await self._reject(identity, msg, f"page order mismatch: prefill pages are {wire.PAGE_ORDER!r}, decode "
+                                              f"pages are {msg.page_order or 'tokens-outer (a kvferry before 0.5)'!r}; "
+                                              f"run the same kvferry version on both sides", FailCode.GEOMETRY)
+            return
         if needs_feeds(self.transport.layouts, msg):
             await self._register_feeds(identity, owner, msg)
             return

@@ -52,7 +52,7 @@ async def _register_and_transfer(prefill, engine, target, draft, aux, room, prom
             decode_id="test-decode", agent_name=engine.name, agent_metadata=engine.metadata(),
             model=ModelConfig.from_dir(prefill.model_dir).fingerprint, page_size=PAGE_SIZE,
             kv_dtype=target.kv_dtype, tp_size=1, tp_rank=0, regions=draft.regions() + target.regions(),
-            aux=aux.info())
+            aux=aux.info(), page_order=wire.PAGE_ORDER)
         await client.send(register)
         ack = await client.recv(timeout_s=30)
         await client.send(wire.Transfer(room=room, decode_id="test-decode", page_ids=PAGE_IDS, aux_slot=AUX_SLOT,

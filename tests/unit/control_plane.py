@@ -98,7 +98,7 @@ class Decode:
         layout = pool_layout(self.pool, self.aux, self.draft_pool)
         fields = dict(decode_id=self.decode_id, agent_name=self.engine.name, agent_metadata=self.engine.metadata(),
                       model=MODEL, page_size=PAGE_SIZE, kv_dtype="uint8", tp_size=1, tp_rank=0,
-                      regions=list(layout.regions), aux=layout.aux)
+                      regions=list(layout.regions), aux=layout.aux, page_order=wire.PAGE_ORDER)
         return wire.Register(**{**fields, **changes})
 
     def transfer(self, room: int, num_tokens: int, page_ids: list[int], decode_id: str | None = None,

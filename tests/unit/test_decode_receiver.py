@@ -49,7 +49,7 @@ class Receiver:
         return wire.Register(decode_id=self.decode_id, agent_name=self.engine.name,
                              agent_metadata=self.engine.metadata(), model=layout.model, page_size=self.page_size,
                              kv_dtype=self.kv_dtype or layout.kv_dtype, tp_size=1, tp_rank=0, regions=list(layout.regions),
-                             aux=layout.aux)
+                             aux=layout.aux, page_order=wire.PAGE_ORDER)
 
     def start(self) -> "Receiver":
         self.receiver.start()

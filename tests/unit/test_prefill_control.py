@@ -285,6 +285,18 @@ def test_room_that_failed_before_its_transfer_is_answered_at_once():
     scenario(body, prefill_kwargs={"transfer_wait_timeout_s": 30.0})
 
 
+def test_register_from_a_decode_with_tokens_outer_pages_is_refused_naming_both_orders():
+    """A register without page_order comes from a kvferry whose pages were tokens-outermost: the
+    bytes inside a page would be read in another order, so it is refused, never served."""
+    async def body(prefill, decode):
+        ack = await decode.register(page_order="")
+        assert not ack.accepted and ack.fail_code is FailCode.GEOMETRY, ack
+        assert "page order mismatch" in ack.error and "heads-outer" in ack.error and "tokens-outer" in ack.error
+        assert decode.engine.name not in prefill.engine.peers()
+        assert (await decode.register()).accepted  # the same decode with the current order is served
+    scenario(body)
+
+
 # -- bounds (defects 6, 7, 8, 10) -------------------------------------------------------------------------
 def test_register_with_absurd_num_pages_is_refused_before_any_work():
     async def body(prefill, decode):
