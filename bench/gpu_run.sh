@@ -47,9 +47,19 @@ if [[ $what == staging || $what == all ]]; then
     --triton-block "$sweep" 2>>"$out/staging.err" | tee -a "$out/staging.jsonl"
 fi
 m8b=/tmp/m8b
-if [[ $what == spec || $what == e2e || $what == engine || $what == xfer-threads || $what == all ]] \
+if [[ $what == spec || $what == e2e || $what == e2e-churn || $what == engine || $what == xfer-threads || $what == all ]] \
     && [[ ! -f $m8b/draft/config.json ]]; then
   timeout 200 python3 -m common.cli make-tiny-model $m8b --preset llama-3.1-8b 2>&1 | tail -2
+fi
+if [[ $what == e2e-churn ]]; then
+  # issue 17: TTFT overhead of disaggregation at 64 concurrent 1k-token requests on a fresh pool and after
+  # 1,000 requests of churn (random lengths, out-of-order ends), with staging on (the CUDA default) and off
+  for side in ${E2E_SIDES:-on off}; do
+    args=""; [[ $side == off ]] && args="--staging-bytes 0"
+    timeout ${E2E_TIMEOUT:-240} python3 bench/e2e.py --device cuda --model $m8b/target --prompt-tokens 1024 \
+      --concurrency 64 --new-tokens 16 --reps ${E2E_REPS:-3} --churn ${E2E_CHURN:-1000} --no-inprocess \
+      --prefill-args "$args" --decode-args "$args" 2>>"$out/e2e.err" | tee -a "$out/e2e-churn.jsonl"
+  done
 fi
 if [[ $what == engine || $what == all ]]; then
   # decode steps and prefill against the roofline measured in the same run; then the torch path without
