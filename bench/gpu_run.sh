@@ -27,6 +27,7 @@ if [[ $what == transfer-small ]]; then  # the sizes where a ratio is a few tens 
     2>>"$out/transfer.err" | tee -a "$out/transfer.jsonl"
 fi
 if [[ $what == transfer || $what == all ]]; then
+  # every line also carries the room staged as the daemons stage it (staged_ms, ratio_staged_vs_raw, chooser)
   timeout 200 python3 bench/transfer.py --device cuda --tokens 1024,4096,16384 --iters 10 \
     2>>"$out/transfer.err" | tee -a "$out/transfer.jsonl"
   # NIXL's UCX thread pool splits a request of >= 1,024 descriptors over its workers

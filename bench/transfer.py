@@ -17,6 +17,16 @@ warm-up whose bytes are checked on the decode; ratio_vs_raw is the median of per
             the pool) or churned (what the decode's PageAllocator gives after 400 random rooms)
   *_nixl    raw NIXL with exactly the runs kvferry's scattered room merges into, prepared as they
             are: NIXL's own floor for that scatter (ratio_vs_same_descs)
+  staged    the room as the daemons stage it (bench/_staged_transfer.py: StagingSender, StagingReceiver):
+            pipelined gathers into two --staging-chunk-bytes buffers, one WRITE per chunk into the
+            decode's staging slot (as large as the largest room), the aux record with the notification
+            last, then the decode's scatter into its pages, timed in the decode process. staged_ms =
+            the prefill's write (to the aux record's DONE) + that scatter; staged_e2e_ms adds the Pipe
+            round trip that stands in for the notification (no other line waits for one).
+            ratio_staged_vs_raw = raw / staged per iteration (the issue's goal: >= 0.8 on random pages),
+            ratio_staged_vs_direct = kvferry / staged; chooser / chooser_reason: what the prefill
+            daemon would do with the room (plan_room, its crossover from costs measured at start-up
+            as --staging-crossover-runs -1 does, or that flag), staged_beats_direct: what this run saw
   memcpy    one contiguous torch copy of as many bytes in this process, single-threaded like UCX's
 CUDA: --device cuda, or --prefill-device cuda:0 --decode-device cuda:1.
 Tensor parallelism (CPU): --prefill-tp A --decode-tp B, optionally --prefill-page-size/--decode-page-size:
@@ -48,6 +58,7 @@ from common.plan.layout import KvLayout  # noqa: E402
 from common.model.config import ModelConfig  # noqa: E402
 from common.model.kv_cache import KV_LAYOUTS, KvCache, PageAllocator  # noqa: E402
 from common.transport.nixl import NixlEngine  # noqa: E402
+from bench._staged_transfer import DecodeStaging, PrefillStaging  # noqa: E402
 
 PAGE_SIZE = 16
 LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
@@ -74,13 +85,15 @@ def digest(kv: KvCache, page_ids: list[int]) -> str:
 
 
 def decode_main(conn, num_layers: int, num_pages: int, device: str, num_threads: int, layout: str) -> None:
-    """The decode process: register a pool and aux slots, send metadata, poll until told to exit."""
+    """The decode process: register a pool, aux slots and a staging slot as large as the largest room,
+    send metadata, poll until told to exit."""
     torch.set_num_threads(1)
     engine = NixlEngine("bench-decode", num_threads=num_threads)
     pool, aux = kv_pool(num_layers, num_pages, device, layout), AuxSlots(4, device=device)  # aux beside the KV
     engine.register_tensor(pool.buffer)
     engine.register_tensor(aux.buffer)
-    conn.send((engine.metadata(), kv_layout(pool, aux)))
+    staging = DecodeStaging(engine, pool.buffer, pool.buffer.numel() * pool.buffer.element_size() // POOL_FACTOR)
+    conn.send((engine.metadata(), kv_layout(pool, aux), staging.info()))
     while True:
         engine.get_notifs()  # as the decode daemon's poller: this drives the target's UCX progress
         if not conn.poll(0):
@@ -89,6 +102,11 @@ def decode_main(conn, num_layers: int, num_pages: int, device: str, num_threads:
         cmd, page_ids = conn.recv()
         if cmd == "exit":
             break
+        if cmd == "runs":  # the stream's runs, as RegisterAck.staging_runs (page_ids carries them)
+            staging.runs = page_ids
+        if cmd == "scatter":  # a staged room has landed in the slot: scatter it into these pages
+            conn.send(staging.scatter(page_ids))
+            continue
         if cmd == "clear":
             pool.buffer.zero_()
             if pool.buffer.is_cuda:  # the kernel is asynchronous: finish it before the next WRITE lands
@@ -112,9 +130,9 @@ def churned_pages(num_pages: int, n: int, rng: random.Random, steps: int = 400) 
     return alloc.allocate(n)
 
 
-def ratio(raw: list[tuple[float, float]], kvferry: list[tuple[float, float]]) -> float:
-    """Median of per-iteration raw / kvferry times (timed back to back: drift cancels)."""
-    return median([r / k for (_, r), (_, k) in zip(raw, kvferry)])
+def ratio(raw: list[tuple[float, ...]], kvferry: list[tuple[float, ...]]) -> float:
+    """Median of per-iteration raw / kvferry times (element 1 of each; timed back to back: drift cancels)."""
+    return median([r[1] / k[1] for r, k in zip(raw, kvferry)])
 
 
 def write(engine: NixlEngine, local, local_idx, remote, remote_idx, notif: bytes | None, counts: list) -> None:
@@ -141,7 +159,7 @@ class Prefill:
         engine.register_tensor(self.aux.buffer)
         if not conn.poll(120):
             raise TimeoutError("the decode process sent no NIXL metadata within 120 s")
-        metadata, decode_layout = conn.recv()
+        metadata, decode_layout, staging_info = conn.recv()
         self.peer = engine.add_peer(metadata)
         self.plan = geometry.build_plan(kv_layout(self.kv, self.aux), decode_layout, peer=self.peer)
         self.descs = [(g.prefill_descs(), g.decode_descs()) for g in self.plan.groups]
@@ -150,6 +168,7 @@ class Prefill:
         # a WRITE is complete at DONE; the sync only fences the device-to-device memcpy
         is_cuda = self.kv.buffer.is_cuda
         self.sync = (lambda: torch.cuda.synchronize(self.kv.device)) if is_cuda else (lambda: None)
+        self.staging = PrefillStaging(self, args.staging_chunk_bytes, args.staging_crossover_runs, staging_info)
 
     def ask(self, cmd: str, page_ids: list[int] | None = None):
         self.conn.send((cmd, page_ids))
@@ -224,6 +243,9 @@ class Prefill:
         runs = {"raw": raw("raw", "raw"), "memcpy": lambda: self.timed(lambda: dst.copy_(src))}
         runs |= {name: kvferry(name) for name in LAYOUTS}
         runs |= {f"{name}_nixl": raw(name, f"{name}_nixl") for name in LAYOUTS[1:]}
+        for name in LAYOUTS:  # the same rooms through the staging slots
+            ids[f"staged_{name}"] = ids[name]
+            runs[f"staged_{name}"] = (lambda name=name: self.staging.write(tokens, prefill_ids, ids[name], notif))
         expected = digest(self.kv, prefill_ids)
         for name, fn in runs.items():  # warm-up; each WRITE must land exactly where the plan says
             self.ask("clear")
@@ -239,6 +261,27 @@ class Prefill:
             self.engine.release_prepped(local)
             self.engine.release_prepped(remote)
         return ids, times, {name: sum(c[:len(self.plan.groups)]) for name, c in counts.items()}
+
+    def staged_fields(self, tokens: int, ids: dict, times: dict, layout: str) -> dict:
+        """The staged line's figures for one decode page pattern (bench/_staged_transfer.py)."""
+        n = math.ceil(tokens / PAGE_SIZE)
+        t = times[f"staged_{layout}"]
+        ms = {key: round(median([x[i] for x in t]) * 1e3, 3)
+              for i, key in enumerate(("staged_plan_ms", "staged_ms", "staged_write_ms", "staged_scatter_ms",
+                                       "staged_e2e_ms"))}
+        dec = self.staging.decision(list(range(n)), ids[layout])
+        costs = self.staging.costs
+        nbytes = n * sum(p.item_len for g in self.plan.groups for p, _ in g.pairs)
+        kv_ms = median([x for _, x in times[layout]]) * 1e3
+        return ms | {
+            "staged_gbps": round(nbytes / ms["staged_ms"] / 1e6, 3),
+            "ratio_staged_vs_raw": round(ratio(times["raw"], t), 4),
+            "ratio_staged_vs_direct": round(ratio(times[layout], t), 4),
+            "staged_beats_direct": ms["staged_ms"] < kv_ms, "staged_chunks": dec.chunks,
+            "staging_chunk_bytes": self.staging.chunk_nbytes, "runs": dec.runs, "crossover_runs": dec.crossover,
+            "chooser": dec.path, "chooser_reason": dec.reason,
+            "per_desc_us": round(costs.per_descriptor_s * 1e6, 3) if costs else None,
+            "copy_ns_per_byte": round(costs.copy_s_per_byte * 1e9, 4) if costs else None}
 
     def report(self, tokens: int, ids: dict, times: dict, nixl_counts: dict, args) -> None:
         n = math.ceil(tokens / PAGE_SIZE)
@@ -266,6 +309,7 @@ class Prefill:
                 same = times[f"{layout}_nixl"]
                 record |= {"nixl_same_descs_ms": round(median([t for _, t in same]) * 1e3, 3),
                            "ratio_vs_same_descs": round(ratio(same, times[layout]), 4)}
+            record |= self.staged_fields(tokens, ids, times, layout)
             emit(record | {"iters": len(times[layout]), "layers": args.layers, "num_threads": args.num_threads,
                            "git": git_hash(), "hw": hardware(self.devices)})
 
@@ -281,6 +325,11 @@ def main() -> None:
     ap.add_argument("--kv-layout", choices=KV_LAYOUTS, default="page-major", help="KV pool layout of both sides")
     ap.add_argument("--decode-kv-layout", choices=KV_LAYOUTS, help="the decode's layout (default: --kv-layout)")
     ap.add_argument("--num-threads", type=int, default=0, help="NIXL UCX backend threads")
+    ap.add_argument("--staging-chunk-bytes", type=int, default=32 << 20,
+                    help="staged line: one WRITE of a staged room (the prefill daemon's default)")
+    ap.add_argument("--staging-crossover-runs", type=int, default=-1,
+                    help="staged line's chooser: -1 = from costs measured at start-up (the daemon's default), "
+                         "N = stage at N descriptors, 0 = never (every room is staged for the measurement)")
     tp = ap.add_argument_group("tensor parallelism (any of these runs bench/_tp_transfer.py: TP feeds, CPU)")
     tp.add_argument("--prefill-tp", type=int, help="prefill TP ranks (default 1)")
     tp.add_argument("--decode-tp", type=int, help="decode TP ranks (default 1)")

@@ -1,8 +1,10 @@
-"""bench/transfer.py end to end at a tiny size: two real processes, real NIXL, one JSON line per layout.
+"""bench/transfer.py end to end at a tiny size: two real processes, real NIXL, one JSON line per layout,
+each with the staged path's figures beside the direct ones.
 
 No timing thresholds: this machine's figures are noise at this size. What must hold is the output
 contract and the geometry (bytes and merged descriptors follow from the layout alone); the bench
-itself fails if any warm-up WRITE lands anywhere but where the plan says.
+itself fails if any warm-up WRITE lands anywhere but where the plan says, the staged room included
+(gathered, written in chunks, scattered by the decode process: its pages are hashed against the prefill's).
 """
 
 from __future__ import annotations
@@ -24,12 +26,18 @@ KEYS = {"bench", "device", "layout", "kv_layout", "decode_kv_layout", "tokens", 
         "raw_descriptors", "raw_nixl_gbps", "kvferry_gbps", "memcpy_gbps", "ratio_vs_raw", "kvferry_ms", "raw_ms",
         "index_ms", "num_threads", "git", "hw"}
 SCATTERED = {"nixl_same_descs_ms", "ratio_vs_same_descs"}  # the fragmented and churned lines only
+STAGED = {"staged_plan_ms", "staged_ms", "staged_write_ms", "staged_scatter_ms", "staged_e2e_ms", "staged_gbps",
+          "ratio_staged_vs_raw", "ratio_staged_vs_direct", "staged_beats_direct", "staged_chunks",
+          "staging_chunk_bytes", "runs", "crossover_runs", "chooser", "chooser_reason", "per_desc_us",
+          "copy_ns_per_byte"}
+CHUNK = PAGE_BYTES * 2 * LAYERS  # one page-major page (K and V of every layer): the room in 4 chunks, buffers reused
 
 
 @pytest.fixture(scope="module")
 def lines() -> list[dict]:
     proc = subprocess.run([sys.executable, "bench/transfer.py", "--layers", str(LAYERS), "--tokens", str(TOKENS),
-                           "--iters", "2"], cwd=REPO, capture_output=True, text=True, timeout=150)
+                           "--iters", "2", "--staging-chunk-bytes", str(CHUNK)], cwd=REPO, capture_output=True,
+                          text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = [line for line in proc.stdout.splitlines() if line.strip()]
     return [json.loads(line) for line in out]  # any non-JSON line on stdout fails here
@@ -68,6 +76,25 @@ def test_bytes_and_descriptors_follow_the_geometry(lines):
     assert 1 + 1 <= churned["descriptors"] <= num_pages + 1  # the allocator's runs, however they fell
 
 
+def test_staged_line(lines):
+    """Every page pattern is also moved staged (the bench checked the decode's pages after it): the
+    room in chunks of whole pages, the decode's scatter inside staged_ms, the chooser's decision."""
+    num_pages = TOKENS // 16
+    for r in lines:
+        assert STAGED <= r.keys(), STAGED - r.keys()
+        for key in ("staged_ms", "staged_write_ms", "staged_scatter_ms", "staged_e2e_ms", "staged_gbps",
+                    "ratio_staged_vs_raw", "ratio_staged_vs_direct", "per_desc_us", "copy_ns_per_byte"):
+            assert r[key] > 0, (key, r[key])
+        assert r["staged_ms"] == pytest.approx(r["bytes"] / r["staged_gbps"] / 1e6, rel=0.01)
+        assert r["staged_e2e_ms"] >= r["staged_write_ms"] and r["staged_plan_ms"] >= 0
+        assert r["staging_chunk_bytes"] == CHUNK and r["staged_chunks"] == num_pages  # one 2-layer page a chunk
+        assert r["crossover_runs"] >= 2 and r["runs"] == r["descriptors"] - 1  # the aux record apart
+        assert r["chooser"] in ("staged", "direct") and isinstance(r["staged_beats_direct"], bool)
+        assert (r["chooser"] == "direct") == (r["chooser_reason"] != "")
+        if r["chooser"] == "direct":
+            assert r["chooser_reason"] == "few_runs" and r["runs"] < r["crossover_runs"]
+
+
 def test_layer_major_descriptors():
     proc = subprocess.run([sys.executable, "bench/transfer.py", "--layers", str(LAYERS), "--tokens", str(TOKENS),
                            "--iters", "1", "--kv-layout", "layer-major"], cwd=REPO, capture_output=True, text=True,
@@ -78,6 +105,9 @@ def test_layer_major_descriptors():
     # contiguous: one merged run per region, plus the aux record; raw is one descriptor per region
     assert contiguous["descriptors"] == num_regions + 1 and contiguous["raw_descriptors"] == num_regions
     assert num_regions + 1 < fragmented["descriptors"] <= num_regions * num_pages + 1
+    # staged from a layer-major pool: one run per page per region, in one chunk at the default 32 MiB
+    assert fragmented["staged_ms"] > 0 and fragmented["staged_chunks"] == 1
+    assert fragmented["runs"] == fragmented["descriptors"] - 1
 
 
 TP_KEYS = {"bench", "device", "prefill_tp", "decode_tp", "prefill_page_size", "decode_page_size", "tokens", "feeds",
