@@ -17,6 +17,7 @@ measured costs (``plan_room`` with ``crossover_runs``) is reported beside it.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 
@@ -88,8 +89,17 @@ class PrefillStaging:
     def __init__(self, prefill, chunk_nbytes: int, crossover: int, info: wire.StagingInfo) -> None:
         self.prefill, self.info, self.chunk_nbytes = prefill, info, chunk_nbytes
         slot = NUM_BUFFERS * chunk_nbytes  # one room in flight; measure_costs reads 1 MiB of the buffer
-        sender = StagingSender.build(prefill.engine, slot * -(-(1 << 20) // slot), chunk_nbytes, crossover or 1,
-                                     [prefill.kv.buffer], _Metrics())
+        nbytes = slot * -(-(1 << 20) // slot)
+        self.costs_error = ""
+        try:
+            sender = StagingSender.build(prefill.engine, nbytes, chunk_nbytes, crossover or 1, [prefill.kv.buffer],
+                                         _Metrics())
+        except Exception as exc:  # noqa: BLE001 - the staged figures stand without the chooser's costs
+            if crossover >= 0:
+                raise
+            self.costs_error = f"{type(exc).__name__}: {exc}"[:300]
+            print(f"staging costs not measured ({self.costs_error}): chooser not reported", file=sys.stderr)
+            sender = StagingSender.build(prefill.engine, nbytes, chunk_nbytes, 1, [prefill.kv.buffer], _Metrics())
         self.costs: StagingCosts | None = sender.crossover if isinstance(sender.crossover, StagingCosts) else None
         self.fixed_crossover = crossover  # >= 0: the flag's count (0: the daemon would never stage)
         sender.crossover = 1  # the measurement stages every room; the chooser's decision is reported apart
@@ -101,9 +111,11 @@ class PrefillStaging:
         nbytes = sum(s.num_runs * s.run_nbytes for s in segments)
         runs = merged_runs(segments)
         cross = crossover_runs(self.costs, nbytes) if self.costs is not None else self.fixed_crossover
+        chunks = len(plan_room(segments, runs, 1, self.chunk_nbytes, self.info.slot_nbytes, NUM_BUFFERS).chunks)
+        if cross < 0:  # the costs could not be measured (costs_error)
+            return Decision(runs, cross, "unknown", self.costs_error, chunks)
         room = plan_room(segments, runs, cross, self.chunk_nbytes, self.info.slot_nbytes, NUM_BUFFERS)
-        forced = plan_room(segments, runs, 1, self.chunk_nbytes, self.info.slot_nbytes, NUM_BUFFERS)
-        return Decision(runs, cross, room.path.value, room.reason.value if room.reason else "", len(forced.chunks))
+        return Decision(runs, cross, room.path.value, room.reason.value if room.reason else "", chunks)
 
     def write(self, tokens: int, prefill_ids: list[int], decode_ids: list[int], notif: bytes
               ) -> tuple[float, float, float, float, float]:
