@@ -93,6 +93,9 @@ class StagingSender:
         costs: int | StagingCosts = crossover
         if crossover < 0:
             costs = measure_costs(engine, buffer, pools[0])
+            if costs.per_descriptor_s <= 0:
+                logger.warning("staging: the %d-byte staging buffer is too small to measure costs in; staging off "
+                               "(raise --staging-bytes or set --staging-crossover-runs)", slots.buffer_nbytes)
             logger.info("staging costs measured at start-up: %.2f us per descriptor, %.3f ns per byte copied, %.1f us "
                         "per copy; stage a room at or above %d descriptors (1 MiB), %d (64 MiB), %d (1 GiB)",
                         costs.per_descriptor_s * 1e6, costs.copy_s_per_byte * 1e9, costs.copy_fixed_s * 1e6,
@@ -149,16 +152,20 @@ class StagingSender:
         self.slots.start_write(staged.slot)
         chunk_base = self.buffer.data_ptr() + staged.slot.offset
         handles: dict[int, object] = {}
+        gathered: dict[int, torch.cuda.Event] = {}  # CUDA: each chunk's gather, waited for before its WRITE only
         try:
             for step in pipeline_steps(staged.chunks, NUM_BUFFERS):
                 if step.op is StepOp.GATHER:
                     self._gather(staged, staged.chunks[step.chunk])
+                    if self.buffer.is_cuda:
+                        gathered[step.chunk] = torch.cuda.Event()
+                        gathered[step.chunk].record()
                 elif step.op is StepOp.WRITE:
                     if room.is_aborted:
                         raise room.failure()
                     chunk = staged.chunks[step.chunk]
-                    if self.buffer.is_cuda:
-                        torch.cuda.synchronize(self.buffer.device)  # the chunk's gather has finished
+                    if step.chunk in gathered:
+                        gathered.pop(step.chunk).synchronize()  # this chunk's gather has finished (not the next's)
                     src = [(chunk_base + chunk.buffer * self.chunk_nbytes, chunk.nbytes, self._device())]
                     dst = [(staged.decode_addr + chunk.stream_offset, chunk.nbytes, staged.decode_device)]
                     handles[step.chunk] = self._post(engine, peer, src, dst, staged.decode_mem)
@@ -226,9 +233,13 @@ class StagingSender:
 
 def measure_costs(engine: NixlEngine, buffer: torch.Tensor, pool: torch.Tensor, reps: int = 5) -> StagingCosts:
     """Per-descriptor WRITE cost and gather cost on this machine (start-up, a fraction of a second):
-    256 descriptors of 4 KiB against one of 1 MiB into a second agent of this process, and a gather
-    of 1 MiB from the pool in 4 KiB rows against one of 4 KiB."""
-    num, size = 256, 4096
+    up to 256 descriptors of 4 KiB against one of the same bytes into a second agent of this process,
+    and a gather of up to 16 MiB from the pool in 64 KiB rows (a page block's size) against one row.
+    A buffer too small to measure gives costs that never stage (logged by the caller)."""
+    size = 4096
+    num = min(256, buffer.numel() * buffer.element_size() // size)
+    if num < 2:
+        return StagingCosts(per_descriptor_s=0.0, copy_s_per_byte=0.0)
     probe = NixlEngine("staging-probe")
     target = torch.empty(2 * num * size, dtype=torch.uint8, device=buffer.device)
     stop = threading.Event()
@@ -265,9 +276,13 @@ def measure_costs(engine: NixlEngine, buffer: torch.Tensor, pool: torch.Tensor, 
             times[key] = best
         engine.remove_peer(name)
         per_desc = max(times["many"] - times["one"], 0.0) / (num - 1)
-        copy_many = _time_gather(pool, buffer, num, size, reps)
-        copy_one = _time_gather(pool, buffer, 1, size, reps)
-        per_byte = max(copy_many - copy_one, 0.0) / ((num - 1) * size)
+        row = 64 << 10
+        rows = min(256, buffer.numel() * buffer.element_size() // row, pool.numel() * pool.element_size() // (2 * row))
+        if rows < 2:
+            return StagingCosts(per_descriptor_s=0.0, copy_s_per_byte=0.0)
+        copy_many = _time_gather(pool, buffer, rows, row, reps)
+        copy_one = _time_gather(pool, buffer, 1, row, reps)
+        per_byte = max(copy_many - copy_one, 0.0) / ((rows - 1) * row)
         return StagingCosts(per_descriptor_s=per_desc, copy_s_per_byte=2 * per_byte, copy_fixed_s=2 * copy_one)
     finally:
         stop.set()
