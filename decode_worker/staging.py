@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from common.errors import ProtocolError
-from common.model.staging_copy import row_index, scatter
+from common.model.staging_copy import pool_holding, row_index, scatter
 from common.plan.staging import copy_plan
 from common.staging_slots import SlotRole, StagingSlot, StagingSlots
 from common.transport.nixl import NixlEngine
@@ -131,9 +131,8 @@ class StagingReceiver:
             torch.cuda.synchronize(self.buffer.device)  # the pages are whole before the scheduler reads them
 
     def _pool_of(self, addrs: np.ndarray, nbytes: int) -> torch.Tensor:
-        lo, hi = int(addrs.min()), int(addrs.max()) + nbytes
-        for pool in self.pools:
-            start = pool.data_ptr()
-            if start <= lo and hi <= start + pool.numel() * pool.element_size():
-                return pool
-        raise ProtocolError(f"staging runs [{lo:#x}, {hi:#x}) are outside this decode's KV pools")
+        pool = pool_holding(self.pools, addrs, nbytes)
+        if pool is None:
+            raise ProtocolError(f"staging runs [{int(addrs.min()):#x}, {int(addrs.max()) + nbytes:#x}) are outside "
+                                f"this decode's KV pools")
+        return pool

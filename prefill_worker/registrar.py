@@ -81,15 +81,10 @@ class Registrar:
             return
         try:
             plan, lists = await self._plan_and_lists(owner, msg)
-        except DisaggError as exc:
-            await self._reject(identity, msg, str(exc), exc.code)
-            return
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # task boundary: log, refuse, keep serving
-            logger.exception("registration of decode_id=%s failed", msg.decode_id)
-            await self._reject(identity, msg, f"prefill {self.prefill_id} failed to register it: "
-                                              f"{type(exc).__name__}: {exc}", FailCode.OTHER)
+        except Exception as exc:  # task boundary: refuse with the reason, keep serving
+            await self._refuse(identity, msg, exc)
             return
         staging = self._staging_of(msg)
         self.peers.install(DecodePeer(msg.decode_id, msg.agent_name, identity, owner, plan, lists, staging=staging))
@@ -162,15 +157,10 @@ class Registrar:
             plan = build_peer_plan(self.transport.layouts, parts, f"decode_id={msg.decode_id} agent={msg.agent_name}")
             self._check_draft(msg, plan)
             agents = await self._connect_feeds(msg, plan)
-        except DisaggError as exc:
-            await self._reject(identity, msg, str(exc), exc.code)
-            return
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # task boundary: log, refuse, keep serving
-            logger.exception("registration of decode_id=%s failed", msg.decode_id)
-            await self._reject(identity, msg, f"prefill {self.prefill_id} failed to register it: "
-                                              f"{type(exc).__name__}: {exc}", FailCode.OTHER)
+        except Exception as exc:  # task boundary: refuse with the reason, keep serving
+            await self._refuse(identity, msg, exc)
             return
         transport, keep = self.transport, msg.agent_name
         self.peers.install(DecodePeer(msg.decode_id, msg.agent_name, identity, owner, plan, [], tp_agents=agents,
@@ -256,6 +246,16 @@ class Registrar:
                 self.engine.remove_peer(agent)
             except DisaggError as exc:
                 logger.warning("remove of agent failed peer=%s: %s", agent, exc)
+
+    async def _refuse(self, identity: bytes, msg: wire.Register, exc: Exception) -> None:
+        """Refuse a register that failed with ``exc``: ours carry their reason and code; anything
+        else is a defect, logged with its traceback."""
+        if isinstance(exc, DisaggError):
+            await self._reject(identity, msg, str(exc), exc.code)
+            return
+        logger.error("registration of decode_id=%s failed", msg.decode_id, exc_info=exc)
+        await self._reject(identity, msg, f"prefill {self.prefill_id} failed to register it: "
+                                          f"{type(exc).__name__}: {exc}", FailCode.OTHER)
 
     async def _reject(self, identity: bytes, msg: wire.Register, reason: str, code: FailCode) -> None:
         """Refuse a register. ``code`` tells the decode whether to remember the refusal (a layout or

@@ -29,7 +29,7 @@ import torch
 
 from common import wire
 from common.errors import FailCode, TransferError, UnsafeWriteError
-from common.model.staging_copy import gather, row_index
+from common.model.staging_copy import gather, pool_holding, row_index
 from common.plan.staging import (Chunk, DirectReason, StagingCosts, StepOp, StreamSegment, TransferPath, copy_plan,
                                  crossover_runs, pipeline_steps, plan_room, room_stream)
 from common.staging_slots import SlotRole, StagingSlot, StagingSlots
@@ -219,13 +219,11 @@ class StagingSender:
             at += size
 
     def _pool_of(self, addrs: np.ndarray, nbytes: int) -> torch.Tensor:
-        lo, hi = int(addrs.min()), int(addrs.max()) + nbytes
-        for pool in self.pools:
-            start = pool.data_ptr()
-            if start <= lo and hi <= start + pool.numel() * pool.element_size():
-                return pool
-        raise TransferError(f"staging: runs [{lo:#x}, {hi:#x}) lie outside this prefill's KV pools",
-                            code=FailCode.GEOMETRY)
+        pool = pool_holding(self.pools, addrs, nbytes)
+        if pool is None:
+            raise TransferError(f"staging: runs [{int(addrs.min()):#x}, {int(addrs.max()) + nbytes:#x}) lie outside "
+                                f"this prefill's KV pools", code=FailCode.GEOMETRY)
+        return pool
 
     def _device(self) -> int:
         return (self.buffer.device.index or 0) if self.buffer.is_cuda else 0

@@ -21,7 +21,6 @@ job returns only once each has ended (DONE, failed, or cancelled): nothing is fr
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -34,6 +33,7 @@ import numpy as np
 from common import wire
 from common.errors import (DisaggError, FailCode, GeometryMismatchError, PeerUnavailableError, ProtocolError,
                            TransferError, UnsafeWriteError)
+from common.plan.geometry import check_transfer_counts
 from common.plan.layout import KvLayout, check_layout
 from common.plan.tp_feed import TpPlan, build_tp_plan, feed_descs
 from common.transport.nixl import NixlEngine
@@ -73,21 +73,8 @@ class TpPeerPlan:
     def validate(self, transfer: wire.Transfer, prefill_num_prompt_tokens: int) -> None:
         """The transfer request fits: prompt lengths agree, page count at the decode's page size,
         the aux slot exists (page ids are checked per feed by ``feed_descs``)."""
-        where = f"room {transfer.room} from decode {transfer.decode_id}"
-        n = transfer.num_prompt_tokens
-        if n != prefill_num_prompt_tokens:
-            raise GeometryMismatchError(
-                f"{where}: num_prompt_tokens mismatch: decode counted {n}, prefill counted "
-                f"{prefill_num_prompt_tokens}; tokenizer mismatch likely: serve the same tokenizer on both sides")
-        if n <= 0:
-            raise GeometryMismatchError(f"{where}: num_prompt_tokens must be > 0, got {n}")
-        expected = math.ceil(n / self.decode.page_size)
-        if len(transfer.page_ids) != expected:
-            raise GeometryMismatchError(f"{where}: {len(transfer.page_ids)} page ids for {n} prompt tokens at "
-                                        f"the decode's page_size {self.decode.page_size}; expected {expected}")
-        if not 0 <= transfer.aux_slot < self.decode.aux.num_slots:
-            raise GeometryMismatchError(f"{where}: aux_slot {transfer.aux_slot} outside [0, "
-                                        f"{self.decode.aux.num_slots})")
+        check_transfer_counts(transfer, prefill_num_prompt_tokens, page_size=self.decode.page_size,
+                              num_aux_slots=self.decode.aux.num_slots)
 
 
 def needs_feeds(prefill: Sequence[KvLayout], msg: wire.Register) -> bool:

@@ -27,6 +27,16 @@ logger = logging.getLogger(__name__)
 _INT_OF_NBYTES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
+def pool_holding(pools, addrs, nbytes: int) -> torch.Tensor | None:
+    """The tensor of ``pools`` whose bytes hold every run of ``nbytes`` at ``addrs``, or None."""
+    lo, hi = int(addrs.min()), int(addrs.max()) + nbytes
+    for pool in pools:
+        start = pool.data_ptr()
+        if start <= lo and hi <= start + pool.numel() * pool.element_size():
+            return pool
+    return None
+
+
 def rows_view(t: torch.Tensor, plan: CopyPlan) -> torch.Tensor:
     """A contiguous tensor's bytes as [whole rows, row_nbytes / elem_nbytes] integers (a view)."""
     if not t.is_contiguous():

@@ -163,6 +163,16 @@ def validate_transfer(plan: TransferPlan, transfer: Transfer, *, prefill_num_pro
     Checks, in order: the prompt lengths agree; ``len(page_ids) == ceil(n / page_size)``; every id
     lies in ``[0, plan.num_decode_pages)`` and appears once; ``0 <= aux_slot < num_slots``.
     """
+    check_transfer_counts(transfer, prefill_num_prompt_tokens, page_size=plan.page_size,
+                          num_aux_slots=plan.decode.aux.num_slots)
+    _check_page_ids(transfer.page_ids, plan.num_decode_pages, f"room {transfer.room} from decode {transfer.decode_id}: "
+                                                              f"decode")
+
+
+def check_transfer_counts(transfer: Transfer, prefill_num_prompt_tokens: int, *, page_size: int,
+                          num_aux_slots: int) -> None:
+    """The counts of a transfer request, whatever the plan: the prompt lengths agree and are > 0,
+    ``len(page_ids) == ceil(n / page_size)`` at the decode's page size, the aux slot exists."""
     where = f"room {transfer.room} from decode {transfer.decode_id}"
     n = transfer.num_prompt_tokens
     if n != prefill_num_prompt_tokens:
@@ -171,15 +181,13 @@ def validate_transfer(plan: TransferPlan, transfer: Transfer, *, prefill_num_pro
             f"{prefill_num_prompt_tokens}; tokenizer mismatch likely: serve the same tokenizer on both sides")
     if n <= 0:
         raise GeometryMismatchError(f"{where}: num_prompt_tokens must be > 0, got {n}")
-    expected = math.ceil(n / plan.page_size)
+    expected = math.ceil(n / page_size)
     if len(transfer.page_ids) != expected:
         raise GeometryMismatchError(
             f"{where}: {len(transfer.page_ids)} page ids for {n} prompt tokens at page_size "
-            f"{plan.page_size}; expected {expected}")
-    _check_page_ids(transfer.page_ids, plan.num_decode_pages, f"{where}: decode")
-    num_slots = plan.decode.aux.num_slots
-    if not 0 <= transfer.aux_slot < num_slots:
-        raise GeometryMismatchError(f"{where}: aux_slot {transfer.aux_slot} outside [0, {num_slots})")
+            f"{page_size}; expected {expected}")
+    if not 0 <= transfer.aux_slot < num_aux_slots:
+        raise GeometryMismatchError(f"{where}: aux_slot {transfer.aux_slot} outside [0, {num_aux_slots})")
 
 
 def _check_page_ids(page_ids: Sequence[int], num_pages: int, where: str) -> None:
