@@ -36,11 +36,13 @@ def tokenizer():
 
 
 class StepWatch:
-    """Records the steps the runner launches and which of them were read back; ``release`` (the
-    batcher's on_finish) fails a test that frees pages a launched, unread step writes."""
+    """Records the steps the runner launches and which of them were read back (``peak_unread``: the
+    most launched-but-unread steps at once, 2 when steps overlap); ``release`` (the batcher's
+    on_finish) fails a test that frees pages a launched, unread step writes."""
 
     def __init__(self, runner):
         self.runner, self.unread, self.violations, self.num_launches = runner, [], [], 0
+        self.peak_unread = 0
         self._launch = runner.launch_decode
         runner.launch_decode = self.launch
 
@@ -48,6 +50,7 @@ class StepWatch:
         step = self._launch(seqs, prev)
         self.num_launches += 1
         self.unread.append(step)
+        self.peak_unread = max(self.peak_unread, len(self.unread))
         result = step.result
 
         def read():
@@ -88,7 +91,9 @@ async def _drain(job, limit: int = 500) -> list:
 
 
 def _generate(runner, tokenizer, *, overlap: bool, abort_after: dict[str, int] | None = None, params=PARAMS):
-    """Every prompt through one batcher; returns ({request_id: (token ids, logprobs, finish)}, watch)."""
+    """Every prompt through one batcher; returns ({request_id: (token ids, logprobs, finish)}, watch).
+    Overlapped, two steps must have been launched and unread at once (one at a time: never more than
+    one), so every caller fails if the batcher stops overlapping (``_can_overlap`` returning False)."""
     watch = StepWatch(runner)
     free_before = runner.free_pages()
 
@@ -120,6 +125,7 @@ def _generate(runner, tokenizer, *, overlap: bool, abort_after: dict[str, int] |
     finally:
         watch.close()
     assert runner.free_pages() == free_before, "pages were not all returned"
+    assert watch.peak_unread == (2 if overlap else 1), f"launched-but-unread steps at once: {watch.peak_unread}"
     return result, watch
 
 
@@ -134,6 +140,8 @@ def _abort_after(batcher, job, n: int) -> None:
 
 
 def test_overlapped_steps_equal_one_step_at_a_time(runner, tokenizer):
+    """Fails if ``DecodeBatcher._can_overlap`` returns False (no two steps ever launched and unread at
+    once: ``_generate`` checks ``peak_unread``), or if overlapped tokens differ from one step at a time."""
     want, plain = _generate(runner, tokenizer, overlap=False)
     got, overlapped = _generate(runner, tokenizer, overlap=True)
     for rid, (ids, lps, finish) in want.items():
@@ -144,9 +152,12 @@ def test_overlapped_steps_equal_one_step_at_a_time(runner, tokenizer):
         assert len(got[f"r{i}"][0]) == p.max_new_tokens
     assert overlapped.violations == [] and plain.violations == []
     assert overlapped.num_launches > 0 and plain.num_launches > 0
+    assert overlapped.peak_unread == 2 and plain.peak_unread == 1
 
 
 def test_pages_of_finished_and_aborted_requests_wait_for_the_launched_step(runner, tokenizer):
+    """Fails if ``_release`` frees the pages of a job a launched step holds, or if the batcher does not
+    overlap at all (``_can_overlap`` returning False: ``peak_unread`` stays 1)."""
     got, watch = _generate(runner, tokenizer, overlap=True, abort_after={"r4": 3, "r5": 2})
     assert watch.violations == [], f"pages freed under a launched step: {watch.violations}"
     for rid in ("r4", "r5"):
@@ -159,7 +170,8 @@ def test_pages_of_finished_and_aborted_requests_wait_for_the_launched_step(runne
 
 def test_a_stop_token_ends_a_request_already_launched_into_the_next_step(runner, tokenizer):
     """r4 stops on a token it samples mid-run (greedy): overlapped, step N+1 was launched for it
-    before step N's stop was seen; that token is dropped and its pages wait for the step."""
+    before step N's stop was seen; that token is dropped and its pages wait for the step. Fails if
+    ``_can_overlap`` returns False (``_generate`` sees no two unread steps at once)."""
     want, _ = _generate(runner, tokenizer, overlap=False)
     ids = want["r4"][0]
     k = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])

@@ -263,7 +263,9 @@ def _kw(p: SamplingParams) -> dict:
 
 def test_overlapped_decoding_equals_one_step_at_a_time(tokenizer):
     """The history is counted on the device, so a step launched before the previous step's token
-    reached the host sees it (tests/unit/test_batcher.py drives the batcher both ways)."""
+    reached the host sees it (tests/unit/test_batcher.py drives the batcher both ways). Fails if
+    ``DecodeBatcher._can_overlap`` returns False: ``_generate`` asserts two steps were launched and
+    unread at once."""
     from tests.unit.test_batcher import _generate
 
     runner = tiny_runner(draft=False)
