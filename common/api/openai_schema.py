@@ -59,6 +59,7 @@ class OpenAIRequest:
     kv_transfer_params: dict[str, Any] | None
     top_logprobs_num: int = 0  # chat top_logprobs, completions logprobs
     echo: bool = False  # completions: the prompt (and, with logprobs, its logprobs) comes first
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: the usage so far on every chunk
 
 
 def _completion_prompts(ctx: ParseContext, prompt: Any) -> tuple[list[list[int]], bool]:
@@ -137,10 +138,28 @@ def _tool_choice(value: Any) -> Any:
 
 
 class StreamOptions(BaseModel):
+    """Unknown keys are 400s, as at the top level."""
+
     model_config = BODY_CONFIG
 
     include_usage: StrictBool = None
     """Every chunk carries "usage": null, and a last chunk with no choices the totals."""
+    continuous_usage_stats: StrictBool = None
+    """vLLM's: every chunk carries the usage so far (include_usage then defaults to true)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known(cls, body: Any) -> Any:
+        if isinstance(body, Mapping):
+            check_keys(body, cls, {}, {})
+        return body
+
+    @property
+    def usage_modes(self) -> tuple[bool, bool]:
+        """(a last chunk with the totals, the usage so far on every chunk). As vLLM reads them,
+        ``continuous_usage_stats`` counts only while ``include_usage`` is not false."""
+        continuous = self.continuous_usage_stats is True and self.include_usage is not False
+        return self.include_usage is True or continuous, continuous
 
 
 class ChatMessage(BaseModel):
@@ -254,6 +273,7 @@ def parse_openai(ctx: ParseContext, body: Mapping[str, Any], is_chat: bool) -> O
         raise FieldError("top_logprobs", f"top_logprobs={top_num} needs logprobs: true")
     echo = not is_chat and model.echo is True
     options = model.stream_options
+    include_usage, continuous_usage = (False, False) if options is None else options.usage_modes
     rids = _rids(ctx, fields, n, is_batch)
     if is_chat and params.n > 1:
         fields = _first_room(fields, params.n)
@@ -264,7 +284,7 @@ def parse_openai(ctx: ParseContext, body: Mapping[str, Any], is_chat: bool) -> O
                   for i, ids in enumerate(prompts))
     return OpenAIRequest(is_chat=is_chat, model=model.model, items=items,
                          stream=model.stream is True,
-                         include_usage=options is not None and options.include_usage is True,
+                         include_usage=include_usage, continuous_usage=continuous_usage,
                          logprobs=logprobs, kv_transfer_params=kv, top_logprobs_num=top_num, echo=echo)
 
 

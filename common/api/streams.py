@@ -44,7 +44,8 @@ class SGLangStream:
 class OpenAIStream:
     """OpenAI chunk objects: `chat.completion.chunk` (a first chunk carries the role) or
     `text_completion`; with `stream_options.include_usage`, every chunk has `"usage": null` and a
-    last chunk with no choices carries the totals."""
+    last chunk with no choices carries the totals. With `continuous_usage_stats` (vLLM's), every
+    chunk carries the request's usage so far instead of null."""
 
     def __init__(self, req: OpenAIRequest, outs: Sequence[ItemOutput], tokenizer: TokenizerLike,
                  *, model: str, response_id: str, created: int) -> None:
@@ -55,7 +56,9 @@ class OpenAIStream:
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {**self._head, "choices": choices}
-        if self._req.include_usage:
+        if self._req.continuous_usage:
+            chunk["usage"] = usage(self._outs)
+        elif self._req.include_usage:
             chunk["usage"] = None
         return chunk
 

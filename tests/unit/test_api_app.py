@@ -274,6 +274,38 @@ async def test_chat_stream_role_first_then_content_then_usage():
     assert events[-1]["usage"]["completion_tokens"] == 3
 
 
+async def test_chat_stream_continuous_usage_stats_puts_running_usage_on_every_chunk():
+    """vLLM's ``stream_options.continuous_usage_stats`` (guidellm sends it): every chunk carries the
+    usage so far, the role chunk 0 completion tokens; the last chunk still carries the totals.
+    Fails if the option is dropped (chunks then carry "usage": null)."""
+    async with client_for(EchoBackend()) as c:
+        r = await c.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    events = sse_events(r.text)
+    prompt = events[-1]["usage"]["prompt_tokens"]
+    assert events[0]["usage"] == {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
+    running = [e["usage"]["completion_tokens"] for e in events[1:-1]]
+    assert running == [1, 2, 3]
+    assert all(e["usage"]["total_tokens"] == prompt + e["usage"]["completion_tokens"] for e in events)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
+
+
+async def test_completions_stream_continuous_usage_stats_without_include_usage_as_vllm():
+    """vLLM reads a missing ``include_usage`` as true once ``stream_options`` is sent: the running
+    usage and the last totals chunk both come; ``include_usage: false`` turns both off."""
+    async with client_for(EchoBackend()) as c:
+        r = await c.post("/v1/completions", json={
+            "prompt": "abc", "stream": True, "stream_options": {"continuous_usage_stats": True}})
+        off = await c.post("/v1/completions", json={
+            "prompt": "abc", "stream": True,
+            "stream_options": {"include_usage": False, "continuous_usage_stats": True}})
+    events = sse_events(r.text)
+    assert [e["usage"]["completion_tokens"] for e in events[:-1]] == [1, 2, 3]
+    assert events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert all("usage" not in e for e in sse_events(off.text))
+
+
 # --- errors -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path, body, param", [

@@ -302,6 +302,10 @@ def test_vllm_prefill_leg_drops_min_tokens_only_there():
      "tools"),
     (True, {"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "prompt"),
     (False, {"prompt": "a", "stream_options": []}, "stream_options"),
+    # fails if stream_options ignores keys it does not know (the top level refuses them)
+    (False, {"prompt": "a", "stream_options": {"include_usage": True, "usage_every": 2}}, "stream_options"),
+    (True, {"messages": [{"role": "user", "content": "x"}], "stream_options": {"continuous_usage_stats": 1}},
+     "stream_options.continuous_usage_stats"),
     (False, {"prompt": "a", "presence_penalty": -2.5}, "presence_penalty"),
     (True, {"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0}, "repetition_penalty"),
     (False, {"prompt": "a", "logit_bias": {"1": "x"}}, "logit_bias.1"),
