@@ -6,7 +6,9 @@ prompt logprobs in the TransferResult (common/aux_record.py, common/wire.py). Ev
 comes from the decode through a router and is compared with the colocated engine (token ids
 exactly, logprob values within 1e-4) and with the colocated HTTP server given the same request
 (the same answer, values within 1e-4), greedy and seeded, streamed and not; the OpenAI routes
-through the official `openai` SDK.
+through the official `openai` SDK. The prompt tokens' logprobs are also checked against an
+independent reference (transformers' logits of the tiny target, then log_softmax), so the tests
+fail if ``runner._input_logprobs`` drops its normalisation, which the colocated engine shares.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import openai
 import pytest
+import torch
 
 from common.api.sampling_schema import sglang_params
 from tests.cluster import Cluster, assert_pages_return, free_pages, ok, post, send_pair
@@ -62,7 +65,9 @@ def triples(pairs) -> list:
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-def test_generate_top_and_prompt_logprobs_equal_colocated(pd, colocated, tok_ids, sampling, stream):
+def test_generate_top_and_prompt_logprobs_equal_colocated(pd, colocated, tok_ids, hf_prompt_logprobs, sampling,
+                                                          stream):
+    """Fails if the prompt logprobs are not normalised (they are checked against transformers too)."""
     prefill, decode, router, _, server, before = pd
     sp = {"max_new_tokens": 6, "ignore_eos": True, **SAMPLING[sampling]}
     start, k = 2, 4
@@ -77,6 +82,7 @@ def test_generate_top_and_prompt_logprobs_equal_colocated(pd, colocated, tok_ids
     close(meta["output_top_logprobs"], [triples(alts) for alts in ref.output_top_logprobs])
     # once, not twice: sglang-router prepends the prefill's list, which is empty for this decode
     close(meta["input_token_logprobs"], [[lp, t, None] for t, lp in zip(tok_ids[start:], ref.input_logprobs[start:])])
+    close([lp for lp, _, _ in meta["input_token_logprobs"]], hf_prompt_logprobs[start:], "transformers")
     close(meta["input_top_logprobs"], [triples(alts) for alts in ref.input_top_logprobs[start:]])
     same = ok(post(server.url + "/generate", body))
     same = same.events()[-1] if stream else same.json()
@@ -106,6 +112,17 @@ def tok_ids(tiny_models) -> list[int]:
     return Tokenizer.from_dir(tiny_models[0]).encode(PROMPT)
 
 
+@pytest.fixture(scope="module")
+def hf_prompt_logprobs(tiny_models, tok_ids) -> list[float | None]:
+    """Each prompt token's logprob given its prefix from transformers (log_softmax of its logits);
+    None for the first token."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_models[0], dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(torch.tensor([tok_ids])).logits[0].float(), dim=-1)
+    return [None] + [float(logprobs[j - 1, tok_ids[j]]) for j in range(1, len(tok_ids))]
+
+
 # --- OpenAI routes through the official SDK --------------------------------------------------------
 
 def client(proc) -> openai.OpenAI:
@@ -129,7 +146,9 @@ def completion(proc, stream: bool, **kw) -> dict:
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-def test_completions_echo_with_top_logprobs_equals_colocated(pd, colocated, tok_ids, sampling, stream):
+def test_completions_echo_with_top_logprobs_equals_colocated(pd, colocated, tok_ids, hf_prompt_logprobs, sampling,
+                                                             stream):
+    """Fails if the echoed prompt logprobs are not normalised (checked against transformers too)."""
     _, _, router, _, server, _ = pd
     extra = {"temperature": SAMPLING[sampling]["temperature"], "seed": SAMPLING[sampling].get("sampling_seed")}
     got = completion(router, stream, **extra)
@@ -140,6 +159,7 @@ def test_completions_echo_with_top_logprobs_equals_colocated(pd, colocated, tok_
     assert got["text"].startswith(PROMPT) and got["text"].endswith(ref.text)
     assert len(lp["tokens"]) == len(tok_ids) + len(ref.output_ids)
     close(lp["token_logprobs"], [None] + ref.input_logprobs[1:] + ref.output_logprobs)
+    close(lp["token_logprobs"][:len(tok_ids)], hf_prompt_logprobs, "transformers")
     assert lp["top_logprobs"][0] is None and len(lp["top_logprobs"][len(tok_ids)]) <= 4  # 3 and the chosen one
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
 
@@ -189,14 +209,16 @@ def test_a_bad_value_is_a_400_naming_it_through_the_router(pd):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_scoring_a_prompt_with_echo_and_max_tokens_0(pd, colocated, tok_ids, stream):
-    """What evaluation harnesses send to score a text: the prompt's logprobs, nothing generated."""
+def test_scoring_a_prompt_with_echo_and_max_tokens_0(pd, colocated, tok_ids, hf_prompt_logprobs, stream):
+    """What evaluation harnesses send to score a text: the prompt's logprobs, nothing generated, equal
+    to transformers' log_softmax. Fails if ``runner._input_logprobs`` drops its normalisation."""
     _, _, router, _, server, _ = pd
     got = completion(router, stream, max_tokens=0, logprobs=1, temperature=0)
     close(got, completion(server, stream, max_tokens=0, logprobs=1, temperature=0))
     ref = colocated().generate([tok_ids], sglang_params({"max_new_tokens": 0}), return_logprob=True)[0]
     assert got["text"] == PROMPT and len(got["logprobs"]["tokens"]) == len(tok_ids)
     close(got["logprobs"]["token_logprobs"], [None] + ref.input_logprobs[1:])
+    close(got["logprobs"]["token_logprobs"], hf_prompt_logprobs, "transformers")
 
 
 def test_prompt_logprobs_over_the_prefill_limit_end_both_legs_with_the_reason(cluster):
@@ -231,3 +253,23 @@ def test_top_logprobs_with_a_draft_on_the_decode_equal_colocated(cluster, coloca
     close(meta["output_top_logprobs"], [triples(alts) for alts in ref.output_top_logprobs])
     close(meta["input_top_logprobs"], [triples(alts) for alts in ref.input_top_logprobs[1:]])
     assert pa["meta_info"]["input_token_logprobs"] == []  # the decode returns them (sglang-router merges)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_first_token_logprob_equals_its_entry_among_the_alternatives(cluster, tok_ids, sampling):
+    """The first token comes from the prefill (aux record): its logprob and its entry among its own
+    top logprobs are one value, exactly, and both equal the colocated server's (fails if the record
+    carries the alternatives in another precision than the chosen token's logprob)."""
+    prefill, decode, server = cluster.prefill(), cluster.decode(), cluster.colocated_server()
+    sp = {"max_new_tokens": 2, "ignore_eos": True, **SAMPLING[sampling]}
+    body = {"input_ids": tok_ids, "sampling_params": sp, "return_logprob": True, "top_logprobs_num": 20}
+    (ps, pa), (ds, got) = send_pair(prefill, decode, body)
+    assert ps == 200 and ds == 200, (pa, got)
+    want = ok(post(server.url + "/generate", body)).json()
+    lp, token, _ = got["meta_info"]["output_token_logprobs"][0]
+    alts = {t: v for v, t, _ in got["meta_info"]["output_top_logprobs"][0]}
+    assert token in alts, (token, alts)
+    assert alts[token] == lp
+    assert got["output_ids"] == want["output_ids"]
+    assert got["meta_info"]["output_token_logprobs"][0] == want["meta_info"]["output_token_logprobs"][0]
+    assert got["meta_info"]["output_top_logprobs"][0] == want["meta_info"]["output_top_logprobs"][0]

@@ -10,7 +10,7 @@ import torch
 
 from common.engine.sequence import Sequence
 from common.model.sampling import SamplingParams
-from tests.cluster import tiny_runner
+from tests.cluster import tiny_model_dirs, tiny_runner
 
 PROMPT = [(7 * i + 3) % 400 + 5 for i in range(70)]
 
@@ -18,6 +18,17 @@ PROMPT = [(7 * i + 3) % 400 + 5 for i in range(70)]
 @pytest.fixture(scope="module")
 def runner():
     return tiny_runner(draft=True)
+
+
+@pytest.fixture(scope="module")
+def reference_logprobs() -> list[float | None]:
+    """Each prompt token's logprob given its prefix, independently of kvferry: transformers' logits
+    of the tiny target, then log_softmax."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dirs()[0], dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(torch.tensor([PROMPT])).logits[0].float(), dim=-1)
+    return [None] + [float(logprobs[j - 1, PROMPT[j]]) for j in range(1, len(PROMPT))]
 
 
 def _prefill(runner, start: int | None) -> Sequence:
@@ -33,12 +44,15 @@ def _prefill(runner, start: int | None) -> Sequence:
 
 
 @pytest.mark.parametrize("start", [1, 17, 50, 69])
-def test_prompt_logprobs_for_the_asked_range_equal_the_full_ones(runner, start):
+def test_prompt_logprobs_for_the_asked_range_equal_the_full_ones(runner, reference_logprobs, start):
+    """The asked range equals the whole prompt's, and both equal transformers' log_softmax. Fails if
+    ``runner._input_logprobs`` drops its normalisation (``logsumexp`` times 0: raw logits)."""
     full = _prefill(runner, 0)
     part = _prefill(runner, start)
     assert part.input_logprobs[:start] == [None] * start and len(part.input_logprobs) == len(PROMPT)
-    for a, b in zip(part.input_logprobs[start:], full.input_logprobs[start:]):
+    for a, b, ref in zip(part.input_logprobs[start:], full.input_logprobs[start:], reference_logprobs[start:]):
         assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4), (a, b)
+        assert math.isclose(a, ref, rel_tol=1e-4, abs_tol=1e-4), (a, ref)
     assert part.output_ids == full.output_ids  # the first token does not depend on the extra pass
     assert math.isclose(part.output_logprobs[0], full.output_logprobs[0], rel_tol=1e-4, abs_tol=1e-4)
 
