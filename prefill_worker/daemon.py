@@ -65,7 +65,8 @@ class PrefillDaemon(DaemonCore):
         self.server.start()
         self.peers = PeerTable(self.engine, max_peers=MAX_DECODES,
                                peer_timeout_s=c.heartbeat_interval_s * c.heartbeat_misses * 2)
-        self.transport = RankTransport(self.engine, self.layouts(), self.tp_group)  # every rank's agent
+        self.transport = RankTransport(self.engine, self.layouts(), self.tp_group,  # every rank's agent
+                                       max_room_tokens=self.max_context_tokens)
         # scattered rooms gathered into one WRITE per chunk (TP-1 decodes; TP feeds go direct)
         self.staging = None if c.tp_size > 1 else await asyncio.get_running_loop().run_in_executor(
             self.model_executor, lambda: StagingSender.build(
@@ -176,6 +177,6 @@ class PrefillDaemon(DaemonCore):
                 "max_total_tokens": c.max_total_tokens, "bootstrap_port": c.bootstrap_port,
                 "disaggregation_mode": "prefill", "draft_model": bool(c.draft_model),
                 "free_pages": self.free_pages(), "quarantined_pages": self.quarantined_pages,
-                **self.tp_info(), **self.staging_info(),
+                "prefill_chunks": self.scheduler.num_chunks, **self.tp_info(), **self.staging_info(),
                 "kv_layout": layout_summary(self.bootstrap.layout, self.draft_fingerprint),
                 "rooms": len(self.rooms), "decodes": len(self.peers)}

@@ -154,7 +154,8 @@ class Registrar:
                                                            written=[], ignored=[], decode_only_spec_dec=False))
                 return
             parts = self.tp_parts.complete(owner, msg)
-            plan = build_peer_plan(self.transport.layouts, parts, f"decode_id={msg.decode_id} agent={msg.agent_name}")
+            plan = build_peer_plan(self.transport.layouts, parts, f"decode_id={msg.decode_id} agent={msg.agent_name}",
+                                   self.transport.max_room_tokens)
             self._check_draft(msg, plan)
             agents = await self._connect_feeds(msg, plan)
         except asyncio.CancelledError:

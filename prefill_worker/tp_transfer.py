@@ -35,7 +35,7 @@ from common.errors import (DisaggError, FailCode, GeometryMismatchError, PeerUna
                            TransferError, UnsafeWriteError)
 from common.plan.geometry import check_transfer_counts
 from common.plan.layout import KvLayout, check_layout
-from common.plan.tp_feed import TpPlan, build_tp_plan, feed_descs
+from common.plan.tp_feed import TpPlan, build_tp_plan, check_room_descs, feed_descs
 from common.transport.nixl import NixlEngine
 
 logger = logging.getLogger(__name__)
@@ -82,8 +82,11 @@ def needs_feeds(prefill: Sequence[KvLayout], msg: wire.Register) -> bool:
     return len(prefill) > 1 or msg.tp_size > 1 or msg.page_size != prefill[0].page_size
 
 
-def build_peer_plan(prefill: Sequence[KvLayout], parts: Sequence[wire.Register], peer: str) -> TpPeerPlan:
-    """Check the decode's ranks (``parts[k]`` is rank k's register) against every prefill rank."""
+def build_peer_plan(prefill: Sequence[KvLayout], parts: Sequence[wire.Register], peer: str,
+                    max_room_tokens: int | None = None) -> TpPeerPlan:
+    """Check the decode's ranks (``parts[k]`` is rank k's register) against every prefill rank, and
+    that a room of ``max_room_tokens`` (default: the prefill's whole pool) needs a bounded number
+    of descriptors."""
     decode = [KvLayout.from_register(m) for m in parts]
     has_draft = any(r.model == "draft" for r in prefill[0].regions)
     if has_draft and (len(prefill) > 1 or len(parts) > 1):
@@ -95,10 +98,16 @@ def build_peer_plan(prefill: Sequence[KvLayout], parts: Sequence[wire.Register],
     try:
         check_layout(decode[0], "decode rank 0")
         plan = build_tp_plan(prefill, decode)
+        check_room_descs(plan, max_room_tokens or pool_tokens(prefill[0]))
     except GeometryMismatchError as exc:
         raise GeometryMismatchError(f"{exc} (decode peer {peer})") from None
     return TpPeerPlan(plan, prefill[0], decode[0], tuple(m.agent_name for m in parts),
                       tuple(m.agent_metadata for m in parts))
+
+
+def pool_tokens(layout: KvLayout) -> int:
+    """The tokens one side's KV pool holds: no room is longer."""
+    return min(r.num_pages for r in layout.regions) * layout.page_size
 
 
 class TpRegistrations:
@@ -139,12 +148,15 @@ class TpRegistrations:
 
 class RankTransport:
     """Each prefill rank's agent as rank 0 reaches it: its own ``engine`` for rank 0, ``group.agents``
-    (``RankAgents``) for the others; ``layouts`` are the prefill ranks' region tables."""
+    (``RankAgents``) for the others; ``layouts`` are the prefill ranks' region tables;
+    ``max_room_tokens`` the longest room the prefill serves (its context), for the descriptor bound."""
 
-    def __init__(self, engine: NixlEngine, layouts: Sequence[KvLayout], group=None) -> None:
+    def __init__(self, engine: NixlEngine, layouts: Sequence[KvLayout], group=None,
+                 max_room_tokens: int | None = None) -> None:
         self.engine = engine
         self.layouts = list(layouts)
         self.group = group  # TpGroup, or None at TP 1
+        self.max_room_tokens = max_room_tokens
 
     @property
     def agents(self):

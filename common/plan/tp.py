@@ -24,6 +24,7 @@ the one that writes it (``writer_of``). Anything else is refused.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -173,6 +174,20 @@ def copies(num_tokens: int, src: PageSide, src_pages: Sequence[int], dst: PageSi
             out.append(Copy(src_pages[s_page], src.offset(h, s_tok), dst_pages[d_page], dst.offset(h, d_tok),
                             length * src.token_bytes))
     return out
+
+
+def num_copies(num_tokens: int, src_page_size: int, dst_page_size: int, num_heads: int) -> int:
+    """``len(copies(...))`` for ``num_tokens`` tokens of ``num_heads`` heads, without building them:
+    one per page at equal page sizes, else one per head per segment (a cut at every multiple of
+    either page size below ``num_tokens``, counted once where both cut). Never decreases with
+    ``num_tokens``, so the count at the longest room bounds every shorter one."""
+    if num_tokens <= 0:
+        return 0
+    if src_page_size == dst_page_size:
+        return _pages(num_tokens, src_page_size)
+    last = num_tokens - 1
+    cuts = last // src_page_size + last // dst_page_size - last // math.lcm(src_page_size, dst_page_size)
+    return (cuts + 1) * num_heads
 
 
 def _pages(num_tokens: int, page_size: int) -> int:

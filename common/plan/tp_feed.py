@@ -24,10 +24,13 @@ import numpy as np
 
 from common.errors import GeometryMismatchError
 from common.plan.layout import KvLayout, check_layout, format_key, format_keys
-from common.plan.tp import HeadRange, PageSide, check_tp, copies, feeds, rank_heads
+from common.plan.tp import HeadRange, PageSide, check_tp, copies, feeds, num_copies, rank_heads
 from common.wire import Region, RegionKey
 
 INT64_LIMIT = 1 << 63  # descriptors are int64: a region must end below this
+# The most descriptors one room may need over all its feeds (before merging). Each row costs ~1.5-2 us
+# to post and ~200 bytes while built, so 2**20 is ~2 s and ~200 MB per room in flight at worst.
+MAX_ROOM_DESCS = 1 << 20
 _NO_DESCS = np.zeros((0, 3), dtype=np.int64)
 
 
@@ -269,6 +272,28 @@ def _check_written(layouts: Sequence[KvLayout], keys: Sequence[RegionKey], side:
             if end > INT64_LIMIT:
                 raise GeometryMismatchError(f"{side} rank {lay.tp_rank} region {format_key(r.key)} ends at "
                                             f"{end:#x}, past what an int64 descriptor names ({INT64_LIMIT:#x})")
+
+
+def room_descs(plan: TpPlan, num_tokens: int) -> int:
+    """The descriptors one room of ``num_tokens`` tokens needs over every feed of ``plan`` when no two
+    rows merge (pages scattered): the rows ``feed_descs(..., merge=False)`` returns, summed. Grows
+    with ``num_tokens``: the count at the longest room bounds every room."""
+    return sum(num_copies(num_tokens, f.src_page_size, f.dst_page_size, p.heads.count)
+               for f in plan.feeds for p in f.pairs)
+
+
+def check_room_descs(plan: TpPlan, max_room_tokens: int, limit: int = MAX_ROOM_DESCS) -> None:
+    """Refuse ``plan`` when a room of ``max_room_tokens`` tokens could need more than ``limit``
+    descriptors (page sizes, heads and regions multiply), naming the count and the fix."""
+    n = room_descs(plan, max_room_tokens)
+    if n > limit:
+        f = plan.feeds[0]
+        raise GeometryMismatchError(
+            f"a room of {max_room_tokens} tokens would need up to {n} NIXL descriptors over {len(plan.feeds)} "
+            f"TP feeds (prefill page_size {f.src_page_size}, decode page_size {f.dst_page_size}, "
+            f"{plan.num_kv_heads} KV heads, {len(plan.written)} regions), more than the bound of {limit} "
+            f"descriptors per room; serve the decode with the prefill's page size (one descriptor per page "
+            f"and region) or larger pages")
 
 
 def feed_descs(feed: FeedPlan, num_tokens: int, prefill_page_ids: Sequence[int], decode_page_ids: Sequence[int],

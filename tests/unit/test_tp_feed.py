@@ -17,7 +17,7 @@ from common.aux_record import AUX_RECORD_BYTES
 from common.errors import GeometryMismatchError
 from common.plan.layout import KvLayout
 from common.plan.tp import HeadRange, rank_heads
-from common.plan.tp_feed import build_tp_plan, feed_descs
+from common.plan.tp_feed import MAX_ROOM_DESCS, build_tp_plan, check_room_descs, feed_descs, room_descs
 from common.wire import AuxInfo, Region
 
 BASE = 0x1000  # every rank's memory starts here; its device number is its rank
@@ -261,3 +261,51 @@ def test_feed_descs_refuse_short_out_of_range_and_repeated_pages():
     with pytest.raises(GeometryMismatchError, match="prefill page id 1 appears more than once"):
         feed_descs(feed, 40, [0, 1, 1], [0])
     assert feed_descs(feed, 0, [], [])[0].shape == (0, 3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(setup=setups())
+def test_room_descs_is_the_count_of_unmerged_rows_over_every_feed(setup):
+    """The registration bound counts exactly what a room of scattered pages builds (fails if
+    ``room_descs`` under-counts a page-size mix, and so lets a costlier layout in)."""
+    prefill, decode, num_tokens, _, seed = setup
+    rng = np.random.default_rng(seed)
+    plan = build_tp_plan(prefill, decode)
+    p_ids = rng.permutation(prefill[0].regions[0].num_pages)[: -(-num_tokens // prefill[0].page_size)]
+    d_ids = rng.permutation(decode[0].regions[0].num_pages)[: -(-num_tokens // decode[0].page_size)]
+    rows = sum(len(feed_descs(f, num_tokens, p_ids, d_ids, merge=False)[0]) for f in plan.feeds)
+    assert room_descs(plan, num_tokens) == rows
+    assert room_descs(plan, num_tokens) <= room_descs(plan, num_tokens + 1)  # the longest room bounds all
+
+
+def test_a_layout_whose_rooms_need_too_many_descriptors_is_refused_at_registration():
+    """A decode with 1-token pages against 16-token prefill pages, 8 KV heads and 32 layers: an
+    8k-token room is 8192 segments x 8 heads x 64 regions (~4M descriptors), refused naming the count,
+    the bound and the fix; the same model with equal page sizes (one per page and region) is served."""
+    target = {"target": (8, 32, 4)}
+    prefill = side(1, 16, target, num_pages=512)
+    plan = build_tp_plan(prefill, side(2, 1, target, num_pages=8192))
+    with pytest.raises(GeometryMismatchError, match=rf"8192 tokens .* {8192 * 8 * 64} NIXL descriptors .* page_size "
+                                                    rf"16, decode page_size 1.* bound of {MAX_ROOM_DESCS}"):
+        check_room_descs(plan, 8192)
+    check_room_descs(build_tp_plan(prefill, side(2, 16, target, num_pages=512)), 8192)
+    check_room_descs(plan, 8192, limit=8192 * 8 * 64)  # exactly at the bound: served
+
+
+def test_the_prefill_refuses_such_a_decode_when_it_registers():
+    """``build_peer_plan`` (the registrar's check of a decode's ranks) applies the bound at the
+    prefill's longest room, and by default at its whole pool (fails if registration plans such a
+    decode and leaves the cost to each room)."""
+    from common import wire
+    from prefill_worker.tp_transfer import build_peer_plan
+
+    target = {"target": (8, 32, 4)}
+    prefill = side(1, 16, target, num_pages=512)
+    decode = side(2, 1, target, num_pages=8192)
+    parts = [wire.Register(decode_id="d", agent_name=f"d{lay.tp_rank}", agent_metadata=b"", model=lay.model,
+                           page_size=lay.page_size, kv_dtype=lay.kv_dtype, tp_size=lay.tp_size, tp_rank=lay.tp_rank,
+                           regions=list(lay.regions), aux=lay.aux) for lay in decode]
+    for max_room_tokens in (8192, None):
+        with pytest.raises(GeometryMismatchError, match="NIXL descriptors .* bound .*decode peer d"):
+            build_peer_plan(prefill, parts, "d", max_room_tokens)
+    assert build_peer_plan(prefill, parts, "d", 64).tp.decode_tp == 2  # short rooms only: served

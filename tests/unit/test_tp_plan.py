@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from common.errors import GeometryMismatchError
 from common.plan.tp import (
-    HeadRange, PageSide, copies, decode_feeders, feeds, rank_heads, segments, writer_of,
+    HeadRange, PageSide, copies, decode_feeders, feeds, num_copies, rank_heads, segments, writer_of,
 )
 
 TP_CASES = [(h, p, d) for h in (1, 2, 4, 8) for p in (1, 2, 4, 8) for d in (1, 2, 4, 8)
@@ -119,3 +119,15 @@ def test_copies_refuse_heads_a_side_lacks_and_short_page_lists():
         copies(16, src, [0], dst, [0], HeadRange(0, 2))
     with pytest.raises(GeometryMismatchError, match="destination: 1 pages of 16 tokens cannot hold 20 tokens"):
         copies(20, PageSide(16, HeadRange(0, 2), 4), [0, 1], PageSide(16, HeadRange(0, 2), 4), [0], HeadRange(0, 2))
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_tokens=st.integers(0, 300), sizes=st.tuples(st.sampled_from([1, 2, 3, 4, 6, 16, 64]),
+                                                       st.sampled_from([1, 2, 3, 4, 6, 16, 64])),
+       num_heads=st.integers(1, 4))
+def test_num_copies_counts_copies_without_building_them(num_tokens, sizes, num_heads):
+    heads = HeadRange(0, num_heads)
+    src, dst = PageSide(sizes[0], heads, 2), PageSide(sizes[1], heads, 2)
+    pages = list(range(num_tokens + 1))
+    assert num_copies(num_tokens, *sizes, num_heads) == len(copies(num_tokens, src, pages, dst, pages, heads))
+    assert num_copies(num_tokens, *sizes, num_heads) <= num_copies(num_tokens + 1, *sizes, num_heads)
