@@ -177,6 +177,6 @@ class PrefillDaemon(DaemonCore):
                 "max_total_tokens": c.max_total_tokens, "bootstrap_port": c.bootstrap_port,
                 "disaggregation_mode": "prefill", "draft_model": bool(c.draft_model),
                 "free_pages": self.free_pages(), "quarantined_pages": self.quarantined_pages,
-                **self.tp_info(), **self.staging_info(),
+                "prefill_chunks": self.scheduler.num_chunks, **self.tp_info(), **self.staging_info(),
                 "kv_layout": layout_summary(self.bootstrap.layout, self.draft_fingerprint),
                 "rooms": len(self.rooms), "decodes": len(self.peers)}

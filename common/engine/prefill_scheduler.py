@@ -35,6 +35,7 @@ class PrefillScheduler:
         self._task: asyncio.Task | None = None
         self._in_flight: set[asyncio.Future] = set()
         self._dropped: set[asyncio.Future] = set()  # cancelled while one of their chunks ran
+        self.num_chunks = 0  # prompt pieces prefilled (a whole prompt is one), reported in /server_info
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="prefill-scheduler")
@@ -76,6 +77,7 @@ class PrefillScheduler:
                     if not f.done():
                         f.set_exception(exc)
             else:
+                self.num_chunks += len(batch)
                 self._settle(batch)
             finally:
                 self._in_flight, self._dropped = set(), set()

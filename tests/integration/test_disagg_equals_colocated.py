@@ -3,13 +3,14 @@ real ZeroMQ and NIXL over loopback), with the two HTTP legs in every order."""
 
 from __future__ import annotations
 
+import math
 import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from common.model.sampling import SamplingParams
-from tests.cluster import free_pages, send_pair
+from tests.cluster import free_pages, http_json, send_pair
 
 # 32 prompt lengths from 1 to 2,000 tokens; 16, 32, 64, 128, 256, 512, 1024 end exactly on a page.
 LENGTHS = [1, 2, 5, 15, 16, 17, 31, 32, 33, 48, 64, 100, 127, 128, 129, 200,
@@ -59,14 +60,24 @@ def test_decode_only_speculative(cluster, colocated):
     assert got == expected(colocated, draft=True)
 
 
+def prefill_chunks(prefill) -> int:
+    status, info = http_json(prefill.url + "/server_info", timeout_s=10)
+    assert status == 200, info
+    return info["prefill_chunks"]
+
+
 def test_chunked_prefill(cluster, colocated):
     """The prefill splits every prompt longer than 100 tokens into chunks (and runs the draft on
-    the completed prompt): output equals the colocated engine's, and every page comes back."""
+    the completed prompt): output equals the colocated engine's, every page comes back, and the
+    prefill ran ceil(length / 100) chunks per prompt (/server_info ``prefill_chunks``). Fails if the
+    daemon does not hand ``--chunked-prefill-size`` to its scheduler (``chunk_tokens=0 * ...``)."""
     prefill = cluster.prefill(draft=True, extra=["--chunked-prefill-size", "100", "--max-prefill-tokens", "256"])
     decode = cluster.decode(draft=True)
     before = free_pages(prefill), free_pages(decode)
+    chunks_before = prefill_chunks(prefill)
     assert run_all(prefill, decode, "concurrent") == expected(colocated, draft=True)
     assert (free_pages(prefill), free_pages(decode)) == before
+    assert prefill_chunks(prefill) - chunks_before == sum(math.ceil(n / 100) for n in LENGTHS)
 
 
 def test_draft_on_both_sides(cluster, colocated):
