@@ -1,4 +1,4 @@
-"""The ``kvferry`` command: ``prefill``, ``decode``, ``up``, ``make-tiny-model``, ``keygen``.
+"""The ``kvferry`` command: ``prefill``, ``decode``, ``up``, ``convert-gguf``, ``make-tiny-model``, ``keygen``.
 
 The worker subcommands hand over to ``prefill_worker.__main__`` / ``decode_worker.__main__`` by
 module name, so ``common`` never imports a worker package.
@@ -15,8 +15,9 @@ USAGE = """kvferry <command> [options]
 commands:
   prefill           run the prefill daemon            (kvferry prefill --help)
   decode            run the decode daemon             (kvferry decode --help)
-  up                prefill + decode + sglang-router on loopback with the tiny model
-  make-tiny-model   write DIR/target and DIR/draft, small seeded checkpoints
+  up                prefill + decode + sglang-router on loopback (default model: SmolLM2-135M-Instruct)
+  convert-gguf      write a GGUF file as a Hugging Face folder (safetensors, tokenizer.json, chat template)
+  make-tiny-model   write DIR/target and DIR/draft, small seeded checkpoints with random weights
   keygen            write CURVE key pairs for the bootstrap socket
 """
 
@@ -31,6 +32,26 @@ def _make_tiny_model(argv: list[str]) -> int:
 
     paths = make_tiny_model(args.dir, seed=args.seed, preset=args.preset)
     print(f"wrote {paths}")
+    return 0
+
+
+def _convert_gguf(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kvferry convert-gguf", description="Dequantize a GGUF file into a "
+                                     "Hugging Face checkpoint folder that --model DIR loads")
+    parser.add_argument("file", help="the .gguf file (Llama, Mistral, Qwen2, Qwen3; byte-level BPE tokenizer)")
+    parser.add_argument("dir", help="output folder: config.json, model.safetensors, tokenizer.json, "
+                                    "tokenizer_config.json (with the chat template), generation_config.json")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="dtype of the dequantized weights (default float32)")
+    args = parser.parse_args(argv)
+    from common.errors import ModelLoadError
+    from common.model.gguf import convert_gguf
+
+    try:
+        print(f"wrote {convert_gguf(args.file, args.dir, args.dtype)}")
+    except ModelLoadError as exc:
+        print(f"kvferry convert-gguf: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -61,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if command in ("prefill", "decode"):
         module = importlib.import_module(f"{command}_worker.__main__")
         return module.main(rest)
-    handlers = {"make-tiny-model": _make_tiny_model, "keygen": _keygen, "up": _up}
+    handlers = {"make-tiny-model": _make_tiny_model, "convert-gguf": _convert_gguf, "keygen": _keygen, "up": _up}
     if command not in handlers:
         print(f"kvferry: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -1,0 +1,179 @@
+"""GGUF loading (common/model/gguf.py): a GGUF written here from the tiny checkpoint with the gguf
+package's writer (Q/K rows permuted as llama.cpp's converter does) converts back to the same tensors,
+config fingerprint, tokens and chat template; transformers' own GGUF reader agrees on the tensors
+(an independent check of the Q/K unpermute); files kvferry cannot read are refused naming the
+architecture, the quantization type or the tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+gguf = pytest.importorskip("gguf")
+
+from common.errors import ModelLoadError  # noqa: E402
+from common.model.config import ModelConfig  # noqa: E402
+from common.model.gguf import cached_folder, convert_gguf  # noqa: E402
+from common.model.tokenizer import Tokenizer  # noqa: E402
+from tests.cluster import tiny_model_dirs  # noqa: E402
+
+HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+TEXTS = ["The capital of France is", "Hello, world! 12345\n\n  tabs\tand ünïcode", "<|eot_id|> x"]
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(name: str) -> str:
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    if name in fixed:
+        return fixed[name]
+    _, _, layer, rest = name.split(".", 3)
+    part, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{HF_TO_GGUF[part]}.{kind}"
+
+
+def write_tokenizer(w, folder: Path, model: str) -> None:
+    tj = json.loads((folder / "tokenizer.json").read_text())
+    tc = json.loads((folder / "tokenizer_config.json").read_text())
+    vocab = tj["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in tj["added_tokens"] if t["special"]}
+    w.add_tokenizer_model(model)
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    w.add_token_merges([" ".join(m) for m in tj["model"]["merges"]])
+    w.add_bos_token_id(vocab[tc["bos_token"]])
+    w.add_eos_token_id(vocab[tc["eos_token"]])
+    w.add_eot_token_id(vocab["<|end_of_text|>"])
+    w.add_add_bos_token(True)
+    w.add_chat_template(tc["chat_template"])
+
+
+def write_gguf(path: Path, folder: Path, *, arch: str = "llama", tokenizer: str = "gpt2", edit=None) -> Path:
+    """The tiny checkpoint ``folder`` as a GGUF at ``path`` (F32 tensors); ``edit(writer)`` may add more."""
+    c = json.loads((folder / "config.json").read_text())
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_key_length(c["head_dim"])
+    w.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_vocab_size(c["vocab_size"])
+    write_tokenizer(w, folder, tokenizer)
+    heads = {"q_proj": c["num_attention_heads"], "k_proj": c["num_key_value_heads"]}
+    for name, tensor in load_file(str(folder / "model.safetensors")).items():
+        values = tensor.float().numpy()
+        if name.split(".")[-2] in heads:
+            values = permute(values, heads[name.split(".")[-2]])
+        w.add_tensor(gguf_name(name), values)
+    if edit is not None:
+        edit(w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(tiny target folder, its GGUF, the folder converted back)."""
+    target = Path(tiny_model_dirs()[0])
+    tmp = tmp_path_factory.mktemp("gguf")
+    path = write_gguf(tmp / "tiny.gguf", target)
+    return target, path, convert_gguf(path, tmp / "converted")
+
+
+def test_round_trip_gives_the_same_tensors_and_config(tiny_gguf):
+    target, _, converted = tiny_gguf
+    original, back = load_file(str(target / "model.safetensors")), load_file(str(converted / "model.safetensors"))
+    assert sorted(original) == sorted(back)
+    for name, tensor in original.items():
+        assert torch.equal(back[name], tensor.float()), name
+    ours, theirs = ModelConfig.from_dir(converted), ModelConfig.from_dir(target)
+    assert ours.fingerprint == theirs.fingerprint
+    assert (set(ours.eos_token_ids), ours.bos_token_id, ours.has_tied_embeddings) == \
+        (set(theirs.eos_token_ids), theirs.bos_token_id, False)
+
+
+def test_round_trip_gives_the_same_tokens_and_chat_template(tiny_gguf):
+    target, _, converted = tiny_gguf
+    ours, theirs = Tokenizer.from_dir(converted), Tokenizer.from_dir(target)
+    for text in TEXTS:
+        assert ours.encode(text) == theirs.encode(text), text
+        assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text))
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert ours.apply_chat_template(messages) == theirs.apply_chat_template(messages)
+    assert (ours.bos_token_id, set(ours.eos_token_ids)) == (theirs.bos_token_id, set(theirs.eos_token_ids))
+
+
+def test_transformers_gguf_reader_agrees_on_the_tensors(tiny_gguf):
+    """transformers undoes llama.cpp's Q/K permutation with its own code: same tensors as ours."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    _, path, converted = tiny_gguf
+    config = transformers.AutoConfig.for_model(**load_gguf_checkpoint(str(path))["config"])
+    with torch.device("meta"):
+        skeleton = transformers.AutoModelForCausalLM.from_config(config)
+    theirs = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    ours = load_file(str(converted / "model.safetensors"))
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
+                 "model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight"):
+        assert torch.equal(torch.as_tensor(theirs[name]).float(), ours[name]), name
+
+
+def test_cached_folder_converts_once(tiny_gguf, tmp_path):
+    _, path, _ = tiny_gguf
+    first = cached_folder(path, "float32", cache_root=tmp_path)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    again = cached_folder(path, "float32", cache_root=tmp_path)
+    assert again == first and first.name == "tiny" and (again / "model.safetensors").stat().st_mtime_ns == stamp
+    assert cached_folder(path, "bfloat16", cache_root=tmp_path) != first  # one folder per dtype
+
+
+def test_unknown_architecture_is_refused_by_name(tmp_path):
+    target = Path(tiny_model_dirs()[0])
+    path = write_gguf(tmp_path / "m.gguf", target, arch="mamba")
+    with pytest.raises(ModelLoadError, match="architecture 'mamba' is not served; supported GGUF architectures: "
+                                             "llama, qwen2, qwen3"):
+        convert_gguf(path, tmp_path / "out")
+
+
+def test_unreadable_quantization_type_is_refused_by_name(tmp_path):
+    """Q8_1 has no dequantizer in the gguf package: the error names the type and the tensor."""
+    target = Path(tiny_model_dirs()[0])
+    q8_1 = gguf.GGMLQuantizationType.Q8_1
+    raw = np.zeros(4 * 40, dtype=np.uint8)  # 128 values: 4 blocks of 32, 40 bytes each
+
+    def edit(w):
+        w.add_tensor("blk.0.attn_q.bias", raw, raw_shape=raw.shape, raw_dtype=q8_1)
+
+    path = write_gguf(tmp_path / "q.gguf", target, edit=edit)
+    with pytest.raises(ModelLoadError, match="tensor 'blk.0.attn_q.bias' has quantization type Q8_1"):
+        convert_gguf(path, tmp_path / "out")
+
+
+def test_sentencepiece_tokenizer_and_missing_file_are_refused(tmp_path):
+    target = Path(tiny_model_dirs()[0])
+    path = write_gguf(tmp_path / "spm.gguf", target, tokenizer="llama")
+    with pytest.raises(ModelLoadError, match="tokenizer.ggml.model is"):
+        convert_gguf(path, tmp_path / "out")
+    with pytest.raises(ModelLoadError, match="file not found"):
+        cached_folder(tmp_path / "nope.gguf", "float32", cache_root=tmp_path)
