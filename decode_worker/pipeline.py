@@ -22,7 +22,7 @@ from common import wire
 from common.api.backend import DaemonBackend, DaemonView, GenerateEvent, GenerateInput
 from common.engine.batcher import DecodeBatcher
 from common.engine.colocated import decode_seed
-from common.engine.fork import check_group, children_of, fork, outputs
+from common.engine.fork import check_group, children_of, fork_group, outputs
 from common.engine.output import OutputTracker
 from common.engine.runner import ModelRunner
 from common.engine.sequence import Sequence
@@ -144,12 +144,8 @@ class DecodeBackend(DaemonBackend):
         if inp.params.n == 1:
             return [seq]
         children = children_of(seq, inp.params.n, d.device)
-        try:  # a fork of a grammar-bound request gets a fresh matcher of the same grammar
-            await asyncio.get_running_loop().run_in_executor(d.model_executor, fork, d.runner, seq, children)
-        except BaseException:
-            for s in [seq] + children:
-                d.runner.release(s)
-            raise
+        # On failure or cancel, fork_group frees every page of the group once its job has returned.
+        await fork_group(d.runner, d.model_executor, seq, children)
         return [seq] + children
 
 

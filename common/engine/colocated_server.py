@@ -70,7 +70,7 @@ class ColocatedServer:
     async def generate(self, inp):
         from common.api.backend import GenerateEvent
         from common.engine.colocated import decode_seed
-        from common.engine.fork import check_group, children_of, fork, outputs
+        from common.engine.fork import check_group, children_of, fork_group, outputs
         from common.engine.output import OutputTracker
         from common.engine.sequence import Sequence
         from common.model.sampling import make_generator
@@ -87,13 +87,12 @@ class ColocatedServer:
         self.runner.admit(seq)
         children = children_of(seq, inp.params.n, device)
         try:
-            await self.scheduler.prefill(seq)
-            if children:
-                await asyncio.get_running_loop().run_in_executor(self.executor, fork, self.runner, seq, children)
+            await self.scheduler.prefill(seq)  # on a cancel, returns once no chunk of it runs
         except BaseException:
-            for s in [seq] + children:
-                self.runner.release(s)
+            self.runner.release(seq)
             raise
+        if children:  # on failure or cancel, frees the group's pages once its job has returned
+            await fork_group(self.runner, self.executor, seq, children)
         seq.generator = make_generator(decode_seed(inp.params.seed), device)
         jobs = [self.batcher.submit(s, OutputTracker(s, self.tokenizer.decode, self.tokenizer.eos_token_ids),
                                     needs_draft_prefill=False) for s in [seq] + children]

@@ -7,13 +7,18 @@ each completion writes it next); the rest are the child's. The child starts one 
 ``num_cached = prompt_len - 1``: its first decode step recomputes the last prompt token into its
 own page and samples its first token from that step's logits with its own generator. The parent
 keeps the first token the prefill sampled. Speculative decoding needs the parent's draft KV in
-place first (``fork`` fills it when the prefill did not write it); the draft pages fork the same way.
+place first (``fork_kv`` fills it when the prefill did not write it); the draft pages fork the same way.
+
+Threads: the allocators change only on the event loop (``fork_pages``, like ``admit`` and
+``release``); the model executor only fills KV (``fork_kv``). ``fork_group`` runs both and, on a
+cancel or failure, frees the group's pages only once the executor's job has returned.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor
 
 import torch
 
@@ -86,11 +91,46 @@ async def outputs(jobs: list[Job]) -> AsyncIterator[tuple[int, StepOutput]]:
 
 
 def fork(runner: ModelRunner, parent: Sequence, children: list[Sequence]) -> None:
-    """Give each child the parent's prompt KV (see the module doc). Runs on the model executor.
-    Raises OverloadedError, taking nothing, when a pool is short."""
+    """``fork_pages`` then ``fork_kv`` on the calling thread (a caller with no event loop)."""
+    fork_pages(runner, parent, children)
+    fork_kv(runner, parent, children)
+
+
+async def fork_group(runner: ModelRunner, executor: Executor, parent: Sequence, children: list[Sequence]) -> None:
+    """Fork ``parent`` into ``children``: their pages taken here, on the event loop (the one thread
+    that changes the allocators), their KV filled on the model ``executor``. On any failure, a
+    cancel included, the parent's and the children's pages go back, never before the executor's
+    job has returned (it reads and writes them): a cancel raises at once, and the pages follow
+    from the job's done callback, on the loop too."""
+    group = [parent] + children
+    try:
+        fork_pages(runner, parent, children)
+    except BaseException:
+        _release_group(runner, group)
+        raise
+    job = asyncio.get_running_loop().run_in_executor(executor, fork_kv, runner, parent, children)
+    try:
+        await asyncio.shield(job)
+    except BaseException:
+        if job.done():
+            _release_group(runner, group, job)
+        else:
+            job.add_done_callback(lambda done: _release_group(runner, group, done))
+        raise
+
+
+def _release_group(runner: ModelRunner, seqs: list[Sequence], job: asyncio.Future | None = None) -> None:
+    if job is not None and not job.cancelled():
+        job.exception()  # read: a job that failed after its request was cancelled is no "unretrieved" error
+    for seq in seqs:
+        runner.release(seq)
+
+
+def fork_pages(runner: ModelRunner, parent: Sequence, children: list[Sequence]) -> None:
+    """Give each child its pages (see the module doc): the shared ones, its own copy of the last
+    prompt page, the rest, in both pools alike. Raises OverloadedError, taking nothing, when a pool
+    is short. Allocator work: call it on the thread that owns the allocators (the event loop)."""
     last = _last_prompt_page(runner, parent)
-    if runner.draft is not None and parent.draft_num_cached < parent.num_prompt_tokens:
-        runner.prefill_draft([parent])
     needed = sum(runner.pages_for(c) - last for c in children)
     for slot in runner.slots:
         if slot.allocator.num_free < needed:
@@ -99,10 +139,21 @@ def fork(runner: ModelRunner, parent: Sequence, children: list[Sequence]) -> Non
     for child in children:
         own = runner.pages_for(child) - last
         child.pages = runner.target.allocator.share(parent.pages[:last]) + runner.target.allocator.allocate(own)
-        runner.target.copy_page(parent.pages[last], child.pages[last])
         if runner.draft is not None:
             child.draft_pages = (runner.draft.allocator.share(parent.draft_pages[:last])
                                  + runner.draft.allocator.allocate(own))
+
+
+def fork_kv(runner: ModelRunner, parent: Sequence, children: list[Sequence]) -> None:
+    """Fill the children's KV from the parent's (pages from ``fork_pages``): the parent's draft KV
+    first when the prefill did not write it, then each child's copy of the last prompt page. Runs
+    on the model executor; touches no allocator."""
+    last = _last_prompt_page(runner, parent)
+    if runner.draft is not None and parent.draft_num_cached < parent.num_prompt_tokens:
+        runner.prefill_draft([parent])
+    for child in children:
+        runner.target.copy_page(parent.pages[last], child.pages[last])
+        if runner.draft is not None:
             runner.draft.copy_page(parent.draft_pages[last], child.draft_pages[last])
         child.num_cached = child.draft_num_cached = parent.num_prompt_tokens - 1
         if parent.grammar is not None:  # structured output: its own matcher, at the grammar's start
