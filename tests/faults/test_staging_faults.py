@@ -4,7 +4,10 @@ The pair stages every room (crossover 1, chunks of 128 KiB, so a room is several
 freezes while its transfer request waits at the prefill: the prefill's first chunk WRITE into the
 frozen decode hits ``--xfer-timeout-s``, is cancelled, and the prefill fails the room and frees its
 pages and its slot; the thawed decode hears the failure, frees the room's pages and its slot, and
-serves the next room staged. A client that gives up mid-transfer changes nothing of that.
+serves the next room staged. A room aborted mid-transfer (a client that gives up) posts no chunk
+WRITE after the abort: tests/unit/test_staging_paths.py
+::test_a_staged_room_aborted_mid_transfer_posts_no_further_chunk, where the abort can be timed
+between two chunks.
 """
 
 from __future__ import annotations

@@ -183,3 +183,44 @@ def test_merged_runs_counts_what_nixl_merges():
 def test_measured_costs_give_a_crossover_that_grows_with_the_room():
     costs = StagingCosts(per_descriptor_s=5e-6, copy_s_per_byte=2e-9, copy_fixed_s=1e-4)
     assert 2 <= crossover_runs(costs, 1 << 20) < crossover_runs(costs, 64 << 20)
+
+
+def test_a_staged_room_aborted_mid_transfer_posts_no_further_chunk(engine):
+    """The room is aborted while its second chunk is gathered (its first chunk on the wire): the
+    sender checks the abort flag before every chunk's WRITE, so the second chunk never reaches the
+    decode's slot (loopback WRITEs copy inside the post), no notification goes, the write ends with
+    the abort's reason and the slot is free again. Fails if the abort check before each chunk WRITE
+    in ``StagingSender.write`` is disabled (the second chunk lands)."""
+    from common.errors import FailCode, TransferError
+    from prefill_worker.rooms import Room
+
+    pool = torch.arange(64 * PAGE, dtype=torch.int64).to(torch.uint8) | 1  # no zero byte
+    s = _sender(engine, pool, crossover=1, metrics=Metrics("prefill"))
+    decode = NixlEngine("staging-test-decode")
+    slot = torch.zeros(8 * PAGE, dtype=torch.uint8)
+    try:
+        decode.register_tensor(slot)
+        peer = engine.add_peer(decode.metadata())
+        info = wire.StagingInfo(mem="DRAM", device=0, addr=slot.data_ptr(), slot_nbytes=8 * PAGE, num_slots=1)
+        transfer = wire.Transfer(room=1, decode_id="d", page_ids=[1, 5, 9], aux_slot=0, num_prompt_tokens=1,
+                                 staging_slot=0)
+        staged = s.choose(_Plan(pool, 1 << 30), info, transfer, [0, 1, 2])
+        assert staged is not None and len(staged.chunks) == 2
+        room = Room(room=1, request_id="r", num_prompt_tokens=1, page_ids=[0, 1, 2], deadline=0.0)
+        gather, notified = s._gather, []
+
+        def gather_then_abort(st, chunk):  # the abort arrives while chunk 1 is gathered, chunk 0 posted
+            gather(st, chunk)
+            if chunk is st.chunks[1]:
+                room.abort("client gave up (test)", FailCode.ABORTED)
+        s._gather = gather_then_abort
+        with pytest.raises(TransferError, match="client gave up"):
+            s.write(engine, peer, staged, lambda: notified.append(True), room, deadline=1e12)
+        s.finish(staged, TransferError("client gave up (test)"))
+        first = staged.chunks[0].nbytes
+        assert torch.equal(slot[:first], pool[:first])  # chunk 0 landed (pages 0, 1 of the prefill)
+        assert slot[first:].count_nonzero() == 0, "a chunk was written after the room was aborted"
+        assert notified == [] and s.slots.num_free == s.slots.num_slots
+        engine.remove_peer(peer)
+    finally:
+        decode.close()
