@@ -3,10 +3,12 @@ tell the prefill to stop.
 
 A room's pages become unsafe the moment its transfer request leaves (``sent``). If the room then
 fails without the prefill's word that nothing more will be written, its pages (and aux slot) are
-held here until the prefill confirms (its ``transfer_result``, or the WRITE's own notification),
-or the hold time has passed and the prefill can no longer start that WRITE. A room whose WRITE the
-prefill could not cancel (``FailCode.UNSAFE``) is held for good: only the WRITE's notification
-frees it.
+held here until the prefill confirms over the room's own link (its ``transfer_result``), or the
+room's WRITEs have all reported done (every part the notifications name, each heard from an agent
+of that link, under the decode id the room was asked with), or the hold time has passed and the
+prefill can no longer start that WRITE. A room whose WRITE the prefill could not cancel
+(``FailCode.UNSAFE``, which wins over every other code) is held for good: only a restart of this
+decode (``release_all``) frees it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common import wire
 from common.aux import AuxSlots
@@ -37,14 +39,29 @@ class AbortNote:
 
 
 @dataclass(eq=False)
+class Sent:
+    """A room whose transfer request has left over ``link``: from now on its prefill may WRITE into
+    the pages. ``heard``: agents whose notification of one part of the room came (the waiter's set);
+    ``is_unsafe``: that prefill said it could not cancel the room's WRITE."""
+
+    link: PrefillLink
+    heard: set[str] = field(default_factory=set)
+    is_unsafe: bool = False
+
+
+@dataclass(eq=False)
 class Hold:
-    """Quarantined pages of one room: ``release`` frees them; not before ``until``."""
+    """Quarantined pages of one room: ``release`` frees them; not before ``until``. ``heard``: the
+    agents of ``link`` whose part of the room has reported done; ``decode_id``: the one it was asked
+    with."""
 
     release: Callable[[], None]
     until: float
     abort: AbortNote | None
     link: PrefillLink
     num_pages: int = 0  # counted in the quarantine gauge while held for good
+    decode_id: str = ""
+    heard: set[str] = field(default_factory=set)
 
     @property
     def is_forever(self) -> bool:
@@ -104,7 +121,7 @@ class Quarantine:
         self.metrics = metrics
         self.hold_s = hold_s
         self.holds: dict[int, Hold] = {}
-        self.sent: dict[int, None] = {}  # rooms whose transfer request has left: the prefill may WRITE
+        self.sent: dict[int, Sent] = {}  # rooms whose transfer request has left: the prefill may WRITE
         self._slots: dict[int, int] = {}  # room -> aux slot the WRITE may fill, held with the pages
         self.num_forever_pages = 0
 
@@ -122,15 +139,36 @@ class Quarantine:
         if slot is not None:
             self.aux.release(slot)
 
-    def hold(self, room: int, release: Callable[[], None], abort: AbortNote) -> None:
-        self.holds[room] = Hold(self._with_slot(room, release), time.monotonic() + self.hold_s, abort, abort.link)
+    def mark_sent(self, room: int, link: PrefillLink, heard: set[str]) -> None:
+        """``room``'s transfer request has left over ``link``; ``heard`` fills as its parts notify."""
+        self.sent[room] = Sent(link, heard)
+
+    def mark_unsafe(self, room: int, link: PrefillLink) -> None:
+        """``link``'s prefill could not cancel ``room``'s WRITE: however the room ends, UNSAFE wins."""
+        sent = self.sent.get(room)
+        if sent is not None and sent.link is link:
+            sent.is_unsafe = True
+
+    def hold(self, room: int, release: Callable[[], None], abort: AbortNote, *, num_pages: int = 0,
+             heard: set[str] = frozenset()) -> None:
+        """Hold ``room``'s pages until its prefill confirms, its parts all report done (``written``)
+        or the hold time has passed with the prefill past the ``abort`` (``sweep``)."""
+        link = abort.link
+        self.holds[room] = Hold(self._with_slot(room, release), time.monotonic() + self.hold_s, abort, link,
+                                num_pages, link.decode_id, {a for a in heard if a in link.agents})
 
     def hold_forever(self, room: int, release: Callable[[], None], link: PrefillLink, num_pages: int) -> None:
-        logger.error("room=%d peer=%s: the prefill could not cancel its WRITE; %d pages held until that WRITE "
-                     "reports done", room, link.address, num_pages)
+        """Hold ``room``'s pages until this decode restarts: a WRITE that could not be cancelled may land."""
+        self.holds[room] = Hold(self._with_slot(room, release), time.monotonic(), None, link, num_pages,
+                                link.decode_id)
+        self._make_forever(room, self.holds[room])
+
+    def _make_forever(self, room: int, hold: Hold) -> None:
+        logger.error("room=%d peer=%s: the prefill could not cancel its WRITE; %d pages held until this decode "
+                     "restarts", room, hold.link.address, hold.num_pages)
         self.metrics.unsafe_writes.inc()
-        self.holds[room] = Hold(self._with_slot(room, release), math.inf, None, link, num_pages)
-        self._count(num_pages)
+        hold.until = math.inf
+        self._count(hold.num_pages)
 
     def _with_slot(self, room: int, release: Callable[[], None]) -> Callable[[], None]:
         slot = self._slots.pop(room, None)
@@ -142,28 +180,37 @@ class Quarantine:
 
         return release_all
 
-    def confirm(self, room: int, *, unsafe: bool) -> bool:
-        """The prefill's transfer_result for ``room``: True when it was quarantined here."""
+    def confirm(self, room: int, link: PrefillLink, *, unsafe: bool) -> bool:
+        """A ``transfer_result`` for ``room`` from ``link``'s prefill: True when the room is held here
+        (the result is then used up). Only the room's own link ends its hold, and never a hold for
+        good; ``unsafe`` makes a hold one for good."""
         hold = self.holds.get(room)
         if hold is None:
             return False
-        if unsafe:
-            if not hold.is_forever:
-                hold.until = math.inf
-                self.metrics.unsafe_writes.inc()
-            return True
-        if not hold.is_forever:
+        if hold.link is not link:
+            logger.warning("room=%d: transfer_result from prefill peer=%s ignored: the room was asked of peer=%s",
+                           room, link.address, hold.link.address)
+        elif unsafe and not hold.is_forever:
+            self._make_forever(room, hold)
+        elif not hold.is_forever:
             del self.holds[room]
             hold.release()  # nothing more will be written into those pages
         return True
 
-    def written(self, room: int) -> None:
-        """The WRITE of a quarantined room reported done: its pages are quiet again."""
-        hold = self.holds.pop(room, None)
-        if hold is not None:
-            if hold.is_forever:
-                self._count(-hold.num_pages)
+    def written(self, room: int, agent: str, notif: wire.Notification) -> bool:
+        """One WRITE of a held ``room`` reported done (``notif``, from ``agent``). The pages go back
+        once every part the room has (``notif.parts``) was heard, each from an agent of the room's
+        link (``PrefillLink.agents``: the ones seen delivering its rooms) under the decode id it was
+        asked with. A hold for good ends only at restart. True when the notification counted."""
+        hold = self.holds.get(room)
+        if (hold is None or hold.is_forever or notif.decode_id != hold.decode_id
+                or agent not in hold.link.agents):
+            return False
+        hold.heard.add(agent)
+        if len(hold.heard) >= max(notif.parts, 1):
+            del self.holds[room]
             hold.release()
+        return True
 
     def sweep(self) -> None:
         now = time.monotonic()

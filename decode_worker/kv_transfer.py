@@ -62,7 +62,8 @@ class KvReceiver:
                              allowed_hosts=allowed_hosts, max_links=max_links)
         self.holds = Quarantine(aux, metrics, quarantine_s)
         self.waiters: dict[int, Waiter] = {}
-        self._recent: OrderedDict[int, None] = OrderedDict()  # rooms completed lately (late notifs are not stale)
+        # rooms completed lately (late notifs are not stale), with the link and the agents that notified
+        self._recent: OrderedDict[int, tuple[PrefillLink, set[str]]] = OrderedDict()
         self.aborts = AbortSender(metrics, timeout_s=heartbeat_interval_s * heartbeat_misses)
         # Set when a room starts waiting: on loopback a WRITE completes only while this side makes
         # UCX progress (get_notifs), so the poller must not sleep through a short prefill.
@@ -89,14 +90,14 @@ class KvReceiver:
     def on_link_message(self, link: PrefillLink, msg: wire.Message) -> None:
         """Called by a link's reader for transfer_result and error frames."""
         if isinstance(msg, wire.TransferResult):
-            self._on_result(msg)
+            self._on_result(link, msg)
         elif isinstance(msg, wire.Error):
             self.metrics.protocol_errors.inc()
             logger.warning("prefill peer=%s reported an error%s: %s", link.address,
                            "" if msg.room is None else f" for room={msg.room}", msg.reason)
             if msg.room is not None:
                 self._fail(msg.room, FetchError(TransferError(f"prefill {link.address} refused room {msg.room}: "
-                                                              f"{msg.reason}"), pages_safe=False))
+                                                              f"{msg.reason}"), pages_safe=False), link)
 
     def on_link_lost(self, link: PrefillLink, reason: str) -> None:
         """Heartbeats stopped: every room waiting on that prefill fails now."""
@@ -160,16 +161,17 @@ class KvReceiver:
                 num_pages: int) -> None:
         """The pages of a failed room: free now, or hold them until the prefill confirms; and tell the
         prefill when its leg could otherwise wait for a transfer request that will never come."""
-        was_sent = self.holds.sent.pop(room, None) is not None
-        if exc.code is FailCode.UNSAFE:
+        sent = self.holds.sent.pop(room, None)
+        if exc.code is FailCode.UNSAFE or (sent is not None and sent.is_unsafe):  # UNSAFE wins over any code
             self.staging.quarantine(room, str(exc.error))
             self.holds.hold_forever(room, release, link, num_pages)
         elif not exc.pages_safe:
-            self.holds.hold(room, release, self.aborts.send_soon(link, room, str(exc.error)))
+            self.holds.hold(room, release, self.aborts.send_soon(link, room, str(exc.error)), num_pages=num_pages,
+                            heard=sent.heard if sent is not None else frozenset())
         else:
             self.holds.drop_slot(room)
             release()
-            if not was_sent or exc.code in _UNBOUND:
+            if sent is None or exc.code in _UNBOUND:  # the prefill's leg may still wait for this room
                 self.aborts.send_soon(link, room, str(exc.error))
 
     async def _fetch_once(self, request_id: str, link: PrefillLink, room: int, page_ids: list[int],
@@ -210,7 +212,7 @@ class KvReceiver:
                 waiter.future.exception()  # a failure that lost the race with the deadline is not "unretrieved"
             if slot is not None:
                 self.aux.release(slot)
-            self._remember(room)
+            self._remember(room, link, waiter.parts)
 
     async def _ask(self, waiter: Waiter, page_ids: list[int], num_prompt_tokens: int, deadline: float,
                    timeout_s: float) -> None:
@@ -223,7 +225,7 @@ class KvReceiver:
             await link.send(msg, timeout_s=_remaining_s(deadline))
         except DisaggError as exc:  # the request never left this process: nothing will be written
             raise FetchError(exc, pages_safe=True) from None
-        self.holds.sent[waiter.room] = None  # from here on the prefill may WRITE into the pages
+        self.holds.mark_sent(waiter.room, link, waiter.parts)  # from here on the prefill may WRITE into the pages
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), _remaining_s(deadline))
         except asyncio.TimeoutError:
@@ -234,11 +236,24 @@ class KvReceiver:
                                            f"{link.address} did not arrive within {timeout_s:.1f}s",
                                            code=FailCode.TIMEOUT), pages_safe=False) from None
 
-    def _on_result(self, msg: wire.TransferResult) -> None:
-        if self.holds.confirm(msg.room, unsafe=msg.fail_code is FailCode.UNSAFE):
+    def _on_result(self, link: PrefillLink, msg: wire.TransferResult) -> None:
+        """``link``'s prefill ended ``msg.room``: only the room's own link settles its hold or waiter."""
+        unsafe = msg.fail_code is FailCode.UNSAFE
+        if self.holds.confirm(msg.room, link, unsafe=unsafe):
             return  # a quarantined room: the prefill confirmed (or its pages stay held for good)
         waiter = self.waiters.get(msg.room)
-        if waiter is None or waiter.future.done():
+        if waiter is None:
+            self._learn_agents(link, msg)
+            return
+        if waiter.link is not link:
+            logger.warning("room=%d: transfer_result from prefill peer=%s ignored: the room was asked of peer=%s",
+                           msg.room, link.address, waiter.link.address)
+            return
+        if unsafe:
+            self.holds.mark_unsafe(msg.room, link)  # even when the room already failed otherwise
+        elif msg.ok:
+            link.agents.update(waiter.parts)  # what notified so far is this prefill's
+        if waiter.future.done():
             return
         if msg.ok:
             waiter.staged = waiter.staged or msg.staged
@@ -250,10 +265,20 @@ class KvReceiver:
                     f"transfer: {msg.error}", code=code)
         self._fail(msg.room, FetchError(error, pages_safe=code is not FailCode.UNSAFE))
 
-    def _fail(self, room: int, exc: FetchError) -> None:
+    def _fail(self, room: int, exc: FetchError, link: PrefillLink | None = None) -> None:
+        """Fail ``room``'s waiter with ``exc``; when ``link`` names who says so, only the room's own link."""
         waiter = self.waiters.get(room)
-        if waiter is not None and not waiter.future.done():
+        if waiter is None or (link is not None and waiter.link is not link):
+            return
+        if not waiter.future.done():
             waiter.future.set_exception(exc)
+
+    def _learn_agents(self, link: PrefillLink, msg: wire.TransferResult) -> None:
+        """A room that landed lately, confirmed by its own link: the agents that notified it are that
+        prefill's (so their notifications may end its rooms' holds)."""
+        recent = self._recent.get(msg.room)
+        if msg.ok and recent is not None and recent[0] is link:
+            link.agents.update(recent[1])
 
     def on_notification(self, agent: str, payload: bytes) -> None:
         notif = parse_notification(agent, payload, self.metrics)
@@ -264,13 +289,13 @@ class KvReceiver:
             if notif.room not in self._recent and notif.room not in self.holds:
                 self.metrics.stale_notifications.inc()
                 logger.warning("notification for unknown or expired room=%d from peer=%s ignored", notif.room, agent)
-            self.holds.written(notif.room)  # a quarantined room's WRITE finished: the pages are quiet again
+            self.holds.written(notif.room, agent, notif)  # one part of a held room's WRITE ended
             return
         if waiter.landed(agent, notif) and not waiter.future.done() and not waiter.needs_result:
             waiter.future.set_result(None)
 
-    def _remember(self, room: int) -> None:
-        self._recent[room] = None
+    def _remember(self, room: int, link: PrefillLink, agents: set[str]) -> None:
+        self._recent[room] = (link, agents)
         while len(self._recent) > 4096:
             self._recent.popitem(last=False)
 

@@ -77,6 +77,9 @@ class PrefillLink:
         self.last_used = time.monotonic()
         self.refusal: str | None = None  # the prefill's reason, while ``refused_until`` has not passed
         self.refused_until = 0.0
+        # NIXL agents ("sender" or "sender@tpK") seen delivering this prefill's rooms, each confirmed
+        # by its transfer_result: only their notifications end a hold (``Quarantine.written``)
+        self.agents: set[str] = set()
 
     def start(self) -> None:
         self.client.start()
@@ -130,6 +133,8 @@ class PrefillLink:
         return ack
 
     def _accept(self, ack: wire.RegisterAck) -> wire.RegisterAck:
+        if self.ack is not None and ack.prefill_id != self.ack.prefill_id:
+            self.agents.clear()  # another prefill process: its agents are new
         self.ack = ack
         self._move(LinkState.REGISTERED)
         self._last_pong = time.monotonic()

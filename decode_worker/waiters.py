@@ -43,7 +43,7 @@ class Waiter:
     needs_result: bool = False
     sent_at: float = field(default_factory=time.perf_counter)
     staged: bool = False  # the prefill staged the room: scatter its slot before the room is ready
-    parts: set[str] = field(default_factory=set)  # "sender@rank" of each notified WRITE (tensor parallelism)
+    parts: set[str] = field(default_factory=set)  # agent ("sender", "sender@tpK") of each notified WRITE
 
     def landed(self, agent: str, notif: wire.Notification) -> bool:
         """Count ``notif`` (one WRITE of the room, from ``agent``); True once the whole room has landed."""
@@ -53,9 +53,10 @@ class Waiter:
     def notified(self, agent: str, parts: int) -> bool:
         """Count the notification of one WRITE of the room from ``agent``; True once all ``parts``
         have landed (one per prefill rank and decode rank pair; 1 without tensor parallelism)."""
-        if parts > 1 and len(self.parts) < parts:
+        parts = max(parts, 1)
+        if len(self.parts) < parts:
             self.parts.add(agent)
-        return parts <= 1 or len(self.parts) >= parts
+        return len(self.parts) >= parts
 
 
 class Landed(NamedTuple):

@@ -163,15 +163,18 @@ class Bootstrap:
             self.rooms.remember_ended(msg.room, reason, FailCode.ABORTED)
         else:
             room.abort(reason, FailCode.ABORTED)  # a waiting room fails now; a WRITE in flight is cancelled
-        if room is None or bound is None or room.is_finished:
-            await self._result(identity, msg.room, f"aborted by decode: {msg.reason}", FailCode.ABORTED)
+        if room is None or bound is None or room.is_finished:  # an unsafe room's WRITE may still land: say so
+            code = FailCode.ABORTED if room is None else room.end_code(FailCode.ABORTED)
+            await self._result(identity, msg.room, f"aborted by decode: {msg.reason}", code)
 
     async def fail_room(self, room: Room, reason: str, code: FailCode) -> None:
         """The room failed here: tell its decode now, or remember it for the decode that asks later."""
         if not room.is_finished:
             room.transition(RoomState.FAILED)
-        room.error = room.error or reason
-        code = room.code if room.is_aborted else code
+        final = room.end_code(code)
+        if final is FailCode.UNSAFE and room.is_aborted:  # aborted first, then its cancel failed: UNSAFE wins
+            room.error = f"{room.error}; its WRITE could not be cancelled, target pages may still be written ({reason})"
+        room.error, code = room.error or reason, final
         self.metrics.failed_transfers.labels(reason=code.value).inc()
         if room.identity is not None:
             await self._result(room.identity, room.room, room.error, code)

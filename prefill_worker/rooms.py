@@ -87,6 +87,14 @@ class Room:
             self.is_aborted, self.error, self.code = True, self.error or reason, code
         self.arrived.set()
 
+    def end_code(self, code: FailCode) -> FailCode:
+        """The code the room ends with when it fails with ``code``: UNSAFE over every other (a WRITE
+        that could not be cancelled may still land, so neither side may reuse the pages), then the
+        first abort's code (the decode's own reason, when it gave up), then ``code``."""
+        if self.is_unsafe or code is FailCode.UNSAFE:
+            return FailCode.UNSAFE
+        return self.code if self.is_aborted else code
+
     def failure(self) -> TransferError:
         """The error an aborted room ends its HTTP request and its WRITE job with."""
         return TransferError(self.error or f"room={self.room}: aborted", code=self.code)

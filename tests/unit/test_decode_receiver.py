@@ -257,9 +257,10 @@ def test_links_are_bounded_idle_ones_make_room_busy_ones_do_not():
     scenario(body, receiver_kwargs={"max_links": 1})
 
 
-def test_unsafe_room_is_held_until_its_write_reports_done():
+def test_unsafe_room_is_held_until_restart():
     """The prefill could not cancel the room's WRITE: the pages stay out of the pool however long,
-    until the WRITE's own notification says it is over."""
+    whatever notification comes (one that says a WRITE is over is no word about the one that could
+    not be cancelled), until this decode restarts (``release_all``, what ``close`` does)."""
     async def body(prefill, decode):
         room = prefill.open_room(81, num_tokens=20)
         task = asyncio.get_running_loop().create_task(decode.fetch(prefill, 81, 20, [0, 1]))
@@ -272,7 +273,12 @@ def test_unsafe_room_is_held_until_its_write_reports_done():
         decode.receiver.sweep()
         assert decode.released == [] and 81 in decode.receiver.quarantined
         assert decode.counter("kvferry_unsafe_writes_total") == 1 and decode.counter("kvferry_pages_quarantined") == 2
-        decode.receiver.on_notification("prefill", wire.encode(wire.Notification(room=81, decode_id="x", ok=True)))
+        link = decode.receiver.links[("127.0.0.1", prefill.port)]
+        link.agents.add(prefill.engine.name)  # as if learned from an earlier room of that prefill
+        decode.receiver.on_notification(prefill.engine.name, wire.encode(wire.Notification(
+            room=81, decode_id=decode.decode_id, ok=True)))
+        assert decode.released == [] and decode.counter("kvferry_pages_quarantined") == 2
+        decode.receiver.holds.release_all()
         assert decode.released == [81] and decode.counter("kvferry_pages_quarantined") == 0
     scenario(body, receiver_kwargs={"quarantine_s": 0.2})
 
