@@ -9,9 +9,10 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from common.engine.batcher import DecodeBatcher
-from common.engine.fork import fork, pages_for_group
+from common.engine.fork import fork, fork_kv, fork_pages, pages_for_group
 from common.engine.output import OutputTracker
 from common.engine.sequence import Sequence
 from common.errors import OverloadedError
@@ -34,6 +35,36 @@ def tokenizer():
     return Tokenizer.from_dir(tiny_model_dirs()[0])
 
 
+POISON = 7.0  # what a child's own copy of the last prompt page holds before the fork fills it
+
+
+def page_items(kv, page: int) -> list:
+    """Page ``page`` of every (layer, K|V) region of one pool."""
+    return [t[page] for t in kv.tensors()]
+
+
+def fork_checked(runner, parent: Sequence, children: list[Sequence]) -> None:
+    """``fork`` (fork_pages, fork_kv), with each child's own last prompt page poisoned in between,
+    then the KV checked: in the target's pool and the draft's, each child shares the parent's full
+    prompt pages and holds a copy of its last one. Fails if either pool's ``copy_page`` in
+    ``fork_kv`` is skipped (the draft's: output cannot show it, the target verifies every token)."""
+    fork_pages(runner, parent, children)
+    last = (parent.num_prompt_tokens - 1) // runner.page_size
+    pools = [(runner.target.kv, "pages")] + ([(runner.draft.kv, "draft_pages")] if runner.draft is not None else [])
+    for kv, attr in pools:
+        for child in children:
+            for item in page_items(kv, getattr(child, attr)[last]):
+                item.fill_(POISON)
+    fork_kv(runner, parent, children)
+    for kv, attr in pools:
+        mine = getattr(parent, attr)
+        for child in children:
+            theirs = getattr(child, attr)
+            assert theirs[:last] == mine[:last] and theirs[last] != mine[last], (kv.model_name, theirs, mine)
+            for a, b in zip(page_items(kv, theirs[last]), page_items(kv, mine[last])):
+                assert torch.equal(a, b), f"{kv.model_name}: {child.request_id}'s copy of the last prompt page"
+
+
 def _complete(runner, tokenizer, prompt: list[int], params: SamplingParams, n: int, seeds=None) -> list[list[int]]:
     """One prefill, n completions through the batcher; the token ids of each."""
     device = runner.target.kv.device
@@ -42,7 +73,7 @@ def _complete(runner, tokenizer, prompt: list[int], params: SamplingParams, n: i
     runner.admit(parent)
     runner.prefill([parent])
     children = [Sequence(f"c{i}", list(prompt), params) for i in range(1, n)]
-    fork(runner, parent, children)
+    fork_checked(runner, parent, children)
     for i, seq in enumerate([parent] + children):
         seq.generator = make_generator(None if seeds is None else seeds[i], device)
 

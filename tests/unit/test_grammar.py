@@ -252,11 +252,11 @@ def test_forked_completions_each_follow_the_grammar(engines, tokenizer):
     from concurrent.futures import ThreadPoolExecutor
 
     from common.engine.batcher import DecodeBatcher
-    from common.engine.fork import fork
     from common.engine.output import OutputTracker
     from common.engine.sequence import Sequence
     from common.model.sampling import make_generator
     from tests.unit.control_plane import run
+    from tests.unit.test_fork import fork_checked
 
     engine = engines[True]
     runner = engine.runner
@@ -266,7 +266,7 @@ def test_forked_completions_each_follow_the_grammar(engines, tokenizer):
     runner.admit(parent)
     runner.prefill([parent])
     children = [Sequence(f"c{i}", list(prompt), params, generator=make_generator(i, "cpu")) for i in range(3)]
-    fork(runner, parent, children)
+    fork_checked(runner, parent, children)  # fails if the draft's KV is not forked (output cannot show it)
     assert all(c.grammar is not None and c.grammar is not parent.grammar for c in children)
 
     async def main():
