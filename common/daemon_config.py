@@ -17,8 +17,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")  # as common/model/attn_backend
 class CommonConfig:
     """Shared settings."""
 
-    model: str = flag(help="checkpoint folder (config.json, safetensors, tokenizer.json)")
-    draft_model: str | None = flag(None, help="draft checkpoint folder for speculative decoding")
+    model: str = flag(help="checkpoint folder (config.json, safetensors, tokenizer.json) or FILE.gguf (converted "
+                           "once into ~/.cache/kvferry/gguf)")
+    draft_model: str | None = flag(None, help="draft checkpoint folder or FILE.gguf for speculative decoding")
     draft_device: str | None = flag(None, help="device of the draft model and its KV (default: --device); "
                                                "cpu with a cuda target keeps the draft KV in DRAM")
     host: str = flag("127.0.0.1", help="HTTP bind address (explicit; 0.0.0.0 to listen on all)")
@@ -29,7 +30,13 @@ class CommonConfig:
     tp_size: int = flag(1, help="tensor-parallel ranks, one process each (cuda:K from --device's index on, or "
                                 "cpu); rank 0 serves HTTP and schedules, every rank owns its KV heads and NIXL "
                                 "agent; the peer's --tp-size may differ")
-    max_total_tokens: int = flag(65536, help="KV pool size in tokens (per model)")
+    served_model_name: str | None = flag(None, help="the model's name in /v1/models and in requests' 'model' field "
+                                                    "(default: the folder's name, or the GGUF file's stem)")
+    max_total_tokens: int = flag(0, help="KV pool size in tokens (per model); 0 = auto: --kv-mem-fraction of the "
+                                         "memory free at start-up (common/daemon_start.py)")
+    kv_mem_fraction: float = flag(-1.0, help="with --max-total-tokens 0, the share of free memory the KV pools take: "
+                                             "-1 = auto (0.85 of the GPU's free memory after the weights on CUDA; "
+                                             "0.1 of MemAvailable on CPU, at most 1 GiB and 65536 tokens)")
     kv_layout: str = flag("page-major", choices=KV_LAYOUTS,
                           help="KV pool layout: page-major keeps one page of every layer in one block (one "
                                "NIXL descriptor per page), layer-major one block per layer; the peer may differ")
@@ -55,8 +62,11 @@ class CommonConfig:
 
     def __post_init__(self) -> None:
         require(self.page_size > 0, f"--page-size must be positive, got {self.page_size}")
-        require(self.max_total_tokens >= self.page_size,
-                f"--max-total-tokens ({self.max_total_tokens}) must hold at least one page ({self.page_size})")
+        require(self.max_total_tokens == 0 or self.max_total_tokens >= self.page_size,
+                f"--max-total-tokens ({self.max_total_tokens}) must be 0 (auto) or hold at least one page "
+                f"({self.page_size})")
+        require(self.kv_mem_fraction == -1.0 or 0 < self.kv_mem_fraction < 1,
+                f"--kv-mem-fraction must be -1 (auto) or in (0, 1), got {self.kv_mem_fraction}")
         require(0 < self.port < 65536, f"--port must be in 1..65535, got {self.port}")
         require(self.device == "cpu" or self.device.startswith("cuda"), f"--device must be cpu or cuda:N, got {self.device!r}")
         require(self.draft_device is None or self.draft_device == "cpu" or self.draft_device.startswith("cuda"),

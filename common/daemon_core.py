@@ -66,7 +66,7 @@ class DaemonCore:
         self.grammars = GrammarCache(self.tokenizer, self.runner.target.model.config.vocab_size,
                                      executor=self.grammar_executor, observe=self.metrics.observe_grammar)
         self.runner.history.eos_token_ids = tuple(self.tokenizer.eos_token_ids)  # min_tokens masks them
-        self.model_name = Path(c.model).name
+        self.model_name = c.served_model_name or Path(c.model).name
         self.max_context_tokens = min(self.runner.target.model.config.max_position_embeddings, c.max_total_tokens)
         # Aux slots live beside the target KV so that KV and aux travel in one WRITE (one list per side).
         self.aux = AuxSlots(c.max_running_requests + c.max_queued_requests, device=str(self.device))

@@ -1,8 +1,9 @@
 """Daemon lifecycle: one uvloop loop, visible start/stop, signals that only set events.
 
-``run(daemon)`` is what each ``__main__`` calls. ``daemon.start()`` loads the model, allocates and
-registers KV memory, binds sockets and HTTP; only then is READY=1 sent to systemd and /health
-turns green. The first SIGTERM/SIGINT starts a drain (``daemon.stop(drain_timeout_s)``: stop
+``daemon_main`` is what each ``__main__`` calls: the config (``common/daemon_start.settle`` resolves
+the model and the pool size; a refusal is one line, exit 2), logging, then ``run(daemon)``.
+``daemon.start()`` loads the model, allocates and registers KV memory, binds sockets and HTTP; only
+then is READY=1 sent to systemd and /health turns green (a failure is one log line, exit 1). The first SIGTERM/SIGINT starts a drain (``daemon.stop(drain_timeout_s)``: stop
 admitting, finish or fail in-flight rooms, tell peers, deregister, close); a second one exits at
 once with status 1.
 """
@@ -86,8 +87,12 @@ async def _main(daemon: Daemon) -> int:
         loop.add_signal_handler(sig, on_signal, sig)
     try:
         await daemon.start()
-    except Exception:
-        logger.exception("%s failed to start", daemon.name)
+    except Exception as exc:
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.exception("%s failed to start", daemon.name)
+        else:  # one line; the traceback only at --log-level debug
+            logger.error("%s failed to start: %s: %s (--log-level debug shows the traceback)", daemon.name,
+                         type(exc).__name__, exc)
         await daemon.stop(0.0)
         return 1
     sdnotify.ready()
@@ -118,13 +123,15 @@ def run(daemon: Daemon) -> int:
 def daemon_main(argv: list[str] | None, config_cls: type, prog: str, make_daemon) -> int:
     """The whole ``__main__`` of a daemon: config from flags and env, logging, then ``run``."""
     from common.config import parse_config
+    from common.daemon_start import settle
     from common.errors import ConfigError
     from common.log import configure
 
     try:
         config = parse_config(config_cls, argv, prog=prog)
+        configure(config.log_level)
+        config = settle(config)  # model folders (GGUF converted), TP size, pool size: one line when refused
     except ConfigError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
-    configure(config.log_level)
     return run(make_daemon(config))

@@ -27,6 +27,23 @@ from common.model.config import ModelConfig
 from common.plan.tp import HeadRange, rank_heads
 
 
+def valid_tp_sizes(c: ModelConfig) -> list[int]:
+    """The TP sizes a model can be sharded over: they divide the attention heads and the intermediate
+    size, and divide or are divided by the KV heads (``common.plan.tp.check_tp``)."""
+    return [t for t in range(1, c.num_attention_heads + 1)
+            if not c.num_attention_heads % t and not c.intermediate_size % t
+            and not (c.num_key_value_heads % t and t % c.num_key_value_heads)]
+
+
+def tp_refusal(c: ModelConfig, tp_size: int) -> str:
+    """Why ``tp_size`` does not fit: the first rule it breaks, with the model's numbers."""
+    if c.num_attention_heads % tp_size:
+        return f"{c.num_attention_heads} attention heads do not divide by {tp_size}"
+    if c.intermediate_size % tp_size:
+        return f"intermediate size {c.intermediate_size} does not divide by {tp_size}"
+    return f"{c.num_key_value_heads} KV heads and {tp_size} ranks: neither divides the other"
+
+
 class TpConfigError(ConfigError, ValueError):
     """A tensor-parallel setting this model or engine cannot run (names the option and the fix)."""
 
@@ -52,10 +69,9 @@ class TpShard:
         c = config
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise TpConfigError(f"--tp-size {tp_size} with rank {tp_rank}: need tp_size >= 1 and 0 <= rank < tp_size")
-        if c.num_attention_heads % tp_size or c.intermediate_size % tp_size:
-            raise TpConfigError(
-                f"--tp-size {tp_size}: {c.source} has {c.num_attention_heads} attention heads and intermediate size "
-                f"{c.intermediate_size}; both must divide by the TP size (use a TP size that divides them)")
+        if tp_size not in valid_tp_sizes(c):
+            raise TpConfigError(f"--tp-size {tp_size}: {tp_refusal(c, tp_size)}; valid sizes for {c.source}: "
+                                f"{', '.join(map(str, valid_tp_sizes(c)))}")
         try:
             kv_heads = rank_heads(c.num_key_value_heads, tp_size, tp_rank, side=f"--tp-size {tp_size}")
         except GeometryMismatchError as exc:
