@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 
 from common.errors import OverloadedError
-from common.aux_record import AUX_RECORD_V2_BYTES
+from common.aux_record import AUX_RECORD_V3_BYTES
 from common.wire import AuxInfo
 
 
 class AuxSlots:
-    def __init__(self, num_slots: int, *, item_len: int = AUX_RECORD_V2_BYTES, device: str = "cpu"):
+    def __init__(self, num_slots: int, *, item_len: int = AUX_RECORD_V3_BYTES, device: str = "cpu"):
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
         # buffer: [num_slots, item_len] bytes; one contiguous block so one NIXL registration covers it

@@ -48,6 +48,8 @@ from common.wire_check import _build, _short
 #                    Register.staging, RegisterAck.staging_runs, Transfer.staging_slot,
 #                    Notification.staged and TransferResult.staged. Register.page_order (PAGE_ORDER):
 #                    pages became heads-outermost; a prefill refuses a register without it.
+#   1 (kvferry 0.6): aux record v3 (280 bytes: the first token's top logprobs in f64, like its own
+#                    logprob), written only into slots that hold it; a 0.5 decode's slots get v2.
 PROTOCOL_VERSION = 1
 
 # A register frame carries two entries per layer per model; 1 MiB holds ~5,000 regions.

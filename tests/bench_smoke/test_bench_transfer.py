@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from common.aux_record import AUX_RECORD_V2_BYTES
+from common.aux_record import AUX_RECORD_V3_BYTES
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -114,7 +114,7 @@ TP_KEYS = {"bench", "device", "prefill_tp", "decode_tp", "prefill_page_size", "d
            "feed_ranks", "bytes", "bytes_per_feed", "descriptors", "descriptors_per_feed", "raw_descriptors",
            "kvferry_ms", "raw_ms", "same_descs_ms", "descs_ms", "kvferry_gbps", "raw_nixl_gbps", "ratio_vs_raw",
            "ratio_vs_same_descs", "feeds_in_daemons", "git", "hw"}
-AUX_BYTES = AUX_RECORD_V2_BYTES  # the aux record rides on the (0, 0) feed
+AUX_BYTES = AUX_RECORD_V3_BYTES  # the aux record (AuxSlots default slot) rides on the (0, 0) feed
 
 
 def tp_line(*flags: str) -> dict:

@@ -2,8 +2,9 @@
 
 A kvferry 0.3 decode registers 32-byte aux slots: the prefill writes it a version 1 record and sends
 no prompt logprobs (a field it would refuse). A decode with version 2 slots gets the first token's
-top logprobs in the record and the prompt logprobs in the TransferResult. A prefill with 32-byte
-slots (0.3) writes version 1 records into a new decode's larger slots, which the decode reads."""
+top logprobs in the record and the prompt logprobs in the TransferResult; a current decode (version 3
+slots) gets them in f64, a 0.5 decode (version 2 slots) in f32. A prefill with 32-byte slots (0.3)
+writes version 1 records into a new decode's larger slots, which the decode reads."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 
 from common import wire
 from common.aux import AuxSlots
-from common.aux_record import AUX_MAGIC, AUX_MAGIC_V2, AUX_RECORD_BYTES, AuxRecord
+from common.aux_record import AUX_MAGIC, AUX_MAGIC_V2, AUX_MAGIC_V3, AUX_RECORD_BYTES, AUX_RECORD_V2_BYTES, AuxRecord
 from tests.unit.control_plane import Decode, Prefill, run
 
 pytestmark = pytest.mark.timeout(60)
@@ -66,10 +67,11 @@ def send_one(*, decode_aux: int | None = None, prefill_aux: int | None = None, t
     return out["slot"], out["result"], out["room"]
 
 
-def test_a_current_pair_carries_top_and_prompt_logprobs():
-    slot, result, room = send_one()
+@pytest.mark.parametrize("decode_aux, magic", [(None, AUX_MAGIC_V3), (AUX_RECORD_V2_BYTES, AUX_MAGIC_V2)])
+def test_a_current_pair_carries_top_and_prompt_logprobs(decode_aux, magic):
+    slot, result, room = send_one(decode_aux=decode_aux)
     record = AuxRecord.unpack(slot)
-    assert struct.unpack_from("<I", slot)[0] == AUX_MAGIC_V2 and record.top_logprobs == TOPS
+    assert struct.unpack_from("<I", slot)[0] == magic and record.top_logprobs == TOPS
     assert result.ok and room.has_decode_logprobs
     got = result.prompt_logprobs
     assert math.isnan(got.logprobs[0]) and got.logprobs[1:] == [-2.5, -0.75] and got.top_ids == PROMPT.top_ids
