@@ -19,14 +19,15 @@ from common import wire
 from common.plan import geometry
 from common.errors import DisaggError, FailCode, GeometryMismatchError, ProtocolError
 from common.plan.geometry import TransferPlan
-from common.plan.layout import ADDR_LIMIT, KvLayout
+from common.plan.layout import ADDR_LIMIT, KvLayout, check_tp_rank
 from common.wire import MEM_KINDS
 from common.metrics import Metrics
 from common.transport.nixl import NixlEngine
 from common.transport.nixl_probe import MetadataProbe
 from prefill_worker.peers import DecodePeer, ListPair, PeerTable
 from prefill_worker.staging import stream_runs
-from prefill_worker.tp_transfer import RankTransport, TpPeerPlan, TpRegistrations, build_peer_plan, needs_feeds
+from prefill_worker.tp_parts import TpRegistrations
+from prefill_worker.tp_transfer import RankTransport, TpPeerPlan, build_peer_plan, needs_feeds
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,11 @@ class Registrar:
     async def _register(self, identity: bytes, owner: bytes, msg: wire.Register) -> None:
         """Task: one registration, off the frame loop (other peers' pings are answered meanwhile)."""
         self.peers.note_register(identity)
+        try:  # before anything counts over the decode's ranks
+            check_tp_rank(msg.tp_size, msg.tp_rank, f"decode_id={msg.decode_id} register")
+        except DisaggError as exc:
+            await self._refuse(identity, msg, exc)
+            return
         if msg.page_order != wire.PAGE_ORDER:  # the bytes inside a page would be read in another order
             await self._reject(identity, msg, f"page order mismatch: prefill pages are {wire.PAGE_ORDER!r}, decode "
                                               f"pages are {msg.page_order or 'tokens-outer (a kvferry before 0.5)'!r}; "

@@ -3,8 +3,8 @@ either side, or another page size. ``common.plan.tp_feed`` says which prefill ra
 heads of which tokens into which decode rank (a feed); this module runs those feeds.
 
 Registration: a decode at TP B sends B ``register`` messages, ranks 1.. first and rank 0 last.
-``TpRegistrations`` keeps the parts (bounded, per connection owner and decode id) and answers each
-with an ack; rank 0's completes the set, and ``build_peer_plan`` checks the whole decode against
+``tp_parts.TpRegistrations`` keeps the parts (bounded, per connection owner and decode id) and answers
+each with an ack; rank 0's completes the set, and ``build_peer_plan`` checks the whole decode against
 every prefill rank at once, so a combination that cannot be served is refused at registration,
 naming both sides' values. ``RankTransport.connect`` loads each decode rank's agent into each
 prefill rank that feeds it (rank 0's own engine, the others' through ``RankAgents``).
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
@@ -40,7 +39,6 @@ from common.transport.nixl import NixlEngine
 
 logger = logging.getLogger(__name__)
 
-MAX_PARTS = 64  # decodes whose rank registers wait for their rank 0's (oldest dropped first)
 _WAIT_S = 0.01  # between checks of the other ranks' WRITEs (abort flag, lost rank)
 
 
@@ -108,42 +106,6 @@ def build_peer_plan(prefill: Sequence[KvLayout], parts: Sequence[wire.Register],
 def pool_tokens(layout: KvLayout) -> int:
     """The tokens one side's KV pool holds: no room is longer."""
     return min(r.num_pages for r in layout.regions) * layout.page_size
-
-
-class TpRegistrations:
-    """The rank registers (tp_rank > 0) of decodes whose rank 0 has not registered yet."""
-
-    def __init__(self, max_parts: int = MAX_PARTS) -> None:
-        self.max_parts = max_parts
-        self._parts: OrderedDict[tuple[bytes, str], dict[int, wire.Register]] = OrderedDict()
-
-    def add(self, owner: bytes, msg: wire.Register) -> None:
-        """Keep rank ``msg.tp_rank``'s register; raises on one that cannot be part of any decode."""
-        if not 0 < msg.tp_rank < msg.tp_size:
-            raise ProtocolError(f"decode_id={msg.decode_id}: tp_rank {msg.tp_rank} outside [1, tp_size="
-                                f"{msg.tp_size})", code=FailCode.REFUSED)
-        check_layout(KvLayout.from_register(msg), f"decode rank {msg.tp_rank}")
-        key = (owner, msg.decode_id)
-        parts = self._parts.pop(key, {})
-        if parts and next(iter(parts.values())).tp_size != msg.tp_size:
-            parts = {}  # the decode restarted with another --tp-size: its older parts are stale
-        parts[msg.tp_rank] = msg
-        self._parts[key] = parts
-        while len(self._parts) > self.max_parts:
-            self._parts.popitem(last=False)
-
-    def complete(self, owner: bytes, msg: wire.Register) -> list[wire.Register]:
-        """Rank 0's register and the parts before it, by rank; raises naming the missing ranks."""
-        parts = self._parts.pop((owner, msg.decode_id), {})
-        missing = [k for k in range(1, msg.tp_size) if k not in parts or parts[k].tp_size != msg.tp_size]
-        if missing:
-            raise GeometryMismatchError(f"decode_id={msg.decode_id} registered rank 0 of tp_size={msg.tp_size} "
-                                        f"before ranks {missing} (each rank registers first, rank 0 last)",
-                                        code=FailCode.REFUSED)
-        return [msg] + [parts[k] for k in range(1, msg.tp_size)]
-
-    def __len__(self) -> int:
-        return len(self._parts)
 
 
 class RankTransport:

@@ -60,6 +60,19 @@ class KvLayout:
 # them is refused at once instead of having the prefill build lists of that length.
 MAX_PAGES = 1 << 22
 MAX_AUX_SLOTS = 1 << 20
+# Ranks of one TP group: 1024 GPUs is more than any NVLink domain (72 on an NVL72 rack) holds, and
+# keeps every loop over a peer's ranks (its parts, the missing ones named in a refusal) short.
+MAX_TP_SIZE = 1024
+
+
+def check_tp_rank(tp_size: int, tp_rank: int, side: str) -> None:
+    """Raise unless ``1 <= tp_size <= MAX_TP_SIZE`` and ``0 <= tp_rank < tp_size``: checked before
+    anything counts over a peer's ranks."""
+    if not 1 <= tp_size <= MAX_TP_SIZE:
+        raise GeometryMismatchError(f"{side}: tp_size must be in [1, {MAX_TP_SIZE}] (the most ranks one TP group "
+                                    f"may have), got {tp_size}")
+    if not 0 <= tp_rank < tp_size:
+        raise GeometryMismatchError(f"{side}: tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
 
 _Rule = tuple[str, Callable[[Any], bool], str]  # (field, predicate, what the field must be)
 _REGION_RULES: tuple[_Rule, ...] = (
@@ -93,8 +106,8 @@ def _apply_rules(obj: object, rules: tuple[_Rule, ...], where: str) -> None:
 def check_layout(layout: KvLayout, side: str) -> None:
     """Raise unless ``layout`` is sane on its own; ``side`` ("prefill"/"decode") names it in messages.
 
-    Invariants: ``page_size > 0``; ``0 <= tp_rank < tp_size``; at least one region; every region has
-    a known model/kind/mem, ``item_len > 0``, ``stride`` 0 or ``>= item_len``, ``num_pages > 0`` and
+    Invariants: ``page_size > 0``; ``0 <= tp_rank < tp_size <= MAX_TP_SIZE``; at least one region;
+    every region has a known model/kind/mem, ``item_len > 0``, ``stride`` 0 or ``>= item_len``, ``num_pages > 0`` and
     ends inside 64-bit space; no key appears twice; the aux area holds ``num_slots > 0`` slots of at
     least one aux record each (or none at all on a tensor-parallel rank > 0: ``has_aux``); no two regions (or a region and the aux area) share a byte on one
     (mem, device). Regions may interleave (page-major pools) when their strides are equal; regions
@@ -103,9 +116,7 @@ def check_layout(layout: KvLayout, side: str) -> None:
     """
     if layout.page_size <= 0:
         raise GeometryMismatchError(f"{side}: page_size must be > 0, got {layout.page_size}")
-    if not 0 <= layout.tp_rank < layout.tp_size:
-        raise GeometryMismatchError(
-            f"{side}: tp_rank must be in [0, tp_size={layout.tp_size}), got {layout.tp_rank}")
+    check_tp_rank(layout.tp_size, layout.tp_rank, side)
     if not layout.regions:
         raise GeometryMismatchError(f"{side}: registered no KV regions")
     seen: set[RegionKey] = set()

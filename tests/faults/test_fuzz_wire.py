@@ -517,6 +517,21 @@ def test_oversized_frame_to_prefill_is_dropped_and_it_keeps_serving(stack):
     assert_still_serving(stack)
 
 
+def test_register_with_a_tp_size_no_machine_has_is_refused_at_once(stack):
+    """A 300-byte register claiming tp_size 2**62, as rank 0 and as rank 1: each is refused with a
+    reason naming the bound, and the prefill keeps serving (fails if the prefill counts over the
+    claimed ranks on its event loop: it then answers nothing more, the ping here included)."""
+    for tp_rank in (0, 1):
+        msg = dataclasses.replace(stack.register, decode_id=f"huge-tp-{tp_rank}", agent_name=f"huge-tp-{tp_rank}",
+                                  tp_size=2**62, tp_rank=tp_rank)
+        answer = exchange(stack.dealer, [wire.encode(msg)], timeout_s=30, proc=stack.prefill)
+        acks = [m for m in answer if isinstance(m, wire.RegisterAck)]
+        assert len(acks) == 1 and not acks[0].accepted, answer
+        assert f"tp_size must be in [1, 1024] (the most ranks one TP group may have), got {2**62}" in acks[0].error
+        assert acks[0].code == FailCode.GEOMETRY.value  # remembered by the decode: it can never be served
+    assert_still_serving(stack)
+
+
 # -- decode side ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cls", KINDS, ids=lambda c: c.KIND)
 def test_decode_answers_fuzzed_messages_of_each_kind(stack, cls):
