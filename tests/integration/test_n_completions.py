@@ -124,13 +124,23 @@ def test_n_out_of_range_is_a_400_naming_it(pd):
 
 def test_forks_with_a_draft_on_the_decode(pd):
     """Speculative decoding on the decode: the draft's prompt KV is filled once and forked too;
-    greedy forks equal the colocated server's (which runs no draft)."""
+    greedy forks equal the colocated server's (which runs no draft), and each fork's draft accepts
+    as many tokens as the unforked request's (they generate the same tokens from the same draft
+    KV). Fails if the fork skips the draft's copy of the last prompt page (``copy_page`` in
+    ``fork_kv``): the target still verifies every token, but that fork's draft proposes from
+    another page and accepts fewer."""
     c, prefill, _, _, _, colocated, _ = pd
     decode = c.decode(draft=True)
     router = c.router([prefill], [decode])
     want = generate(colocated.url, GREEDY, False)
     for stream in (False, True):
         assert generate(router.url, GREEDY, stream) == want
+    long = {**GREEDY, "max_new_tokens": 24, "ignore_eos": True}
+    accepted = []
+    for n in (1, 3):
+        objs = ok(post(router.url + "/generate", {"text": PROMPT, "sampling_params": {**long, "n": n}})).json()
+        accepted.append([o["meta_info"]["spec_num_accepted"] for o in (objs if n > 1 else [objs])])
+    assert accepted[1] == accepted[0] * 3, accepted
     chat = {"model": "tiny", "messages": MESSAGES, "max_tokens": 6, "temperature": 0, "n": 2}
     got = ok(post(router.url + "/v1/chat/completions", chat)).json()["choices"]
     ref = ok(post(colocated.url + "/v1/chat/completions", chat)).json()["choices"]
