@@ -21,20 +21,19 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
 from common import wire
 from common.aux import AuxSlots
-from common.errors import (DisaggError, FailCode, GeometryMismatchError, PeerUnavailableError,
-                           TransferError)
+from common.errors import DisaggError, FailCode, PeerUnavailableError, TransferError
 from common.metrics import Metrics
 from common.transport.nixl import NixlEngine
 from decode_worker.holds import AbortSender, Quarantine
 from decode_worker.link import LinkState, PrefillLink
 from decode_worker.links import LinkPool
+from decode_worker.outcomes import RoomOutcomes
 from decode_worker.staging import StagingReceiver
-from decode_worker.waiters import FetchError, Landed, Waiter, parse_notification, read_aux
+from decode_worker.waiters import FetchError, Landed, Waiter, read_aux
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +61,7 @@ class KvReceiver:
                              allowed_hosts=allowed_hosts, max_links=max_links)
         self.holds = Quarantine(aux, metrics, quarantine_s)
         self.waiters: dict[int, Waiter] = {}
-        # rooms completed lately (late notifs are not stale), with the link and the agents that notified
-        self._recent: OrderedDict[int, tuple[PrefillLink, set[str]]] = OrderedDict()
+        self.outcomes = RoomOutcomes(self.waiters, self.holds, metrics)  # what the prefills say of the rooms
         self.aborts = AbortSender(metrics, timeout_s=heartbeat_interval_s * heartbeat_misses)
         # Set when a room starts waiting: on loopback a WRITE completes only while this side makes
         # UCX progress (get_notifs), so the poller must not sleep through a short prefill.
@@ -86,25 +84,17 @@ class KvReceiver:
         return (link.state is LinkState.REGISTERING or any(w.link is link for w in self.waiters.values())
                 or self.holds.uses(link))
 
-    # -- link events -----------------------------------------------------------------------------------
+    # -- link events and notifications: RoomOutcomes (outcomes.py) ---------------------------------------
     def on_link_message(self, link: PrefillLink, msg: wire.Message) -> None:
         """Called by a link's reader for transfer_result and error frames."""
-        if isinstance(msg, wire.TransferResult):
-            self._on_result(link, msg)
-        elif isinstance(msg, wire.Error):
-            self.metrics.protocol_errors.inc()
-            logger.warning("prefill peer=%s reported an error%s: %s", link.address,
-                           "" if msg.room is None else f" for room={msg.room}", msg.reason)
-            if msg.room is not None:
-                self._fail(msg.room, FetchError(TransferError(f"prefill {link.address} refused room {msg.room}: "
-                                                              f"{msg.reason}"), pages_safe=False), link)
+        self.outcomes.on_link_message(link, msg)
 
     def on_link_lost(self, link: PrefillLink, reason: str) -> None:
         """Heartbeats stopped: every room waiting on that prefill fails now."""
-        for waiter in [w for w in self.waiters.values() if w.link is link]:
-            self._fail(waiter.room, FetchError(PeerUnavailableError(
-                f"room={waiter.room} request_id={waiter.request_id}: prefill {link.address} {reason}"),
-                pages_safe=False))
+        self.outcomes.on_link_lost(link, reason)
+
+    def on_notification(self, agent: str, payload: bytes) -> None:
+        self.outcomes.on_notification(agent, payload)
 
     # -- rooms -----------------------------------------------------------------------------------------
     async def fetch(self, *, request_id: str, host: str, port: int, room: int, page_ids: list[int],
@@ -212,7 +202,7 @@ class KvReceiver:
                 waiter.future.exception()  # a failure that lost the race with the deadline is not "unretrieved"
             if slot is not None:
                 self.aux.release(slot)
-            self._remember(room, link, waiter.parts)
+            self.outcomes.remember(room, link, waiter.parts)
 
     async def _ask(self, waiter: Waiter, page_ids: list[int], num_prompt_tokens: int, deadline: float,
                    timeout_s: float) -> None:
@@ -236,69 +226,6 @@ class KvReceiver:
                                            f"{link.address} did not arrive within {timeout_s:.1f}s",
                                            code=FailCode.TIMEOUT), pages_safe=False) from None
 
-    def _on_result(self, link: PrefillLink, msg: wire.TransferResult) -> None:
-        """``link``'s prefill ended ``msg.room``: only the room's own link settles its hold or waiter."""
-        unsafe = msg.fail_code is FailCode.UNSAFE
-        if self.holds.confirm(msg.room, link, unsafe=unsafe):
-            return  # a quarantined room: the prefill confirmed (or its pages stay held for good)
-        waiter = self.waiters.get(msg.room)
-        if waiter is None:
-            self._learn_agents(link, msg)
-            return
-        if waiter.link is not link:
-            logger.warning("room=%d: transfer_result from prefill peer=%s ignored: the room was asked of peer=%s",
-                           msg.room, link.address, waiter.link.address)
-            return
-        if unsafe:
-            self.holds.mark_unsafe(msg.room, link)  # even when the room already failed otherwise
-        elif msg.ok:
-            link.agents.update(waiter.parts)  # what notified so far is this prefill's
-        if waiter.future.done():
-            return
-        if msg.ok:
-            waiter.staged = waiter.staged or msg.staged
-            waiter.future.set_result(msg)
-            return
-        code = msg.fail_code
-        err = GeometryMismatchError if code is FailCode.GEOMETRY else TransferError
-        error = err(f"room={msg.room} request_id={waiter.request_id}: prefill {waiter.link.address} failed the "
-                    f"transfer: {msg.error}", code=code)
-        self._fail(msg.room, FetchError(error, pages_safe=code is not FailCode.UNSAFE))
-
-    def _fail(self, room: int, exc: FetchError, link: PrefillLink | None = None) -> None:
-        """Fail ``room``'s waiter with ``exc``; when ``link`` names who says so, only the room's own link."""
-        waiter = self.waiters.get(room)
-        if waiter is None or (link is not None and waiter.link is not link):
-            return
-        if not waiter.future.done():
-            waiter.future.set_exception(exc)
-
-    def _learn_agents(self, link: PrefillLink, msg: wire.TransferResult) -> None:
-        """A room that landed lately, confirmed by its own link: the agents that notified it are that
-        prefill's (so their notifications may end its rooms' holds)."""
-        recent = self._recent.get(msg.room)
-        if msg.ok and recent is not None and recent[0] is link:
-            link.agents.update(recent[1])
-
-    def on_notification(self, agent: str, payload: bytes) -> None:
-        notif = parse_notification(agent, payload, self.metrics)
-        if notif is None:
-            return
-        waiter = self.waiters.get(notif.room)
-        if waiter is None or notif.decode_id != waiter.link.decode_id:
-            if notif.room not in self._recent and notif.room not in self.holds:
-                self.metrics.stale_notifications.inc()
-                logger.warning("notification for unknown or expired room=%d from peer=%s ignored", notif.room, agent)
-            self.holds.written(notif.room, agent, notif)  # one part of a held room's WRITE ended
-            return
-        if waiter.landed(agent, notif) and not waiter.future.done() and not waiter.needs_result:
-            waiter.future.set_result(None)
-
-    def _remember(self, room: int, link: PrefillLink, agents: set[str]) -> None:
-        self._recent[room] = (link, agents)
-        while len(self._recent) > 4096:
-            self._recent.popitem(last=False)
-
     @property
     def is_waiting(self) -> bool:
         return bool(self.waiters)
@@ -313,7 +240,7 @@ class KvReceiver:
             await asyncio.gather(self._poller, return_exceptions=True)
         await self.aborts.close()
         for room in list(self.waiters):
-            self._fail(room, FetchError(PeerUnavailableError(f"room={room}: decode shutting down",
+            self.outcomes.fail(room, FetchError(PeerUnavailableError(f"room={room}: decode shutting down",
                                                              code=FailCode.SHUTTING_DOWN), pages_safe=False))
         await self.pool.close()
         self.holds.release_all()
