@@ -25,7 +25,7 @@ import torch
 
 from common import wire
 from common.plan import geometry
-from common.plan.staging import StagingCosts, crossover_runs, plan_room, room_stream
+from common.plan.staging import StagingCosts, crossover_runs, direct_s, plan_room, room_stream, staged_s
 from common.staging_slots import StagingSlot
 from decode_worker.staging import StagingReceiver
 from prefill_worker.staging import NUM_BUFFERS, StagingSender, merged_runs, stream_runs
@@ -81,6 +81,8 @@ class Decision:
     path: str            # what the prefill daemon would do with this room: staged or direct
     reason: str          # why direct ("" when staged)
     chunks: int
+    model_direct_ms: float | None = None  # the chooser's model of each path (measured costs; common/plan/staging.py)
+    model_staged_ms: float | None = None
 
 
 class PrefillStaging:
@@ -110,12 +112,14 @@ class PrefillStaging:
         segments = tuple(s for g in self.prefill.plan.groups for s in room_stream(g, prefill_ids, decode_ids))
         nbytes = sum(s.num_runs * s.run_nbytes for s in segments)
         runs = merged_runs(segments)
-        cross = crossover_runs(self.costs, nbytes) if self.costs is not None else self.fixed_crossover
+        cross = crossover_runs(self.costs, nbytes, self.chunk_nbytes) if self.costs is not None else self.fixed_crossover
         chunks = len(plan_room(segments, runs, 1, self.chunk_nbytes, self.info.slot_nbytes, NUM_BUFFERS).chunks)
         if cross < 0:  # the costs could not be measured (costs_error)
             return Decision(runs, cross, "unknown", self.costs_error, chunks)
         room = plan_room(segments, runs, cross, self.chunk_nbytes, self.info.slot_nbytes, NUM_BUFFERS)
-        return Decision(runs, cross, room.path.value, room.reason.value if room.reason else "", chunks)
+        model = ((round(direct_s(self.costs, runs, nbytes) * 1e3, 4), round(staged_s(self.costs, nbytes, self.chunk_nbytes)
+                  * 1e3, 4)) if self.costs is not None else (None, None))
+        return Decision(runs, cross, room.path.value, room.reason.value if room.reason else "", chunks, *model)
 
     def write(self, tokens: int, prefill_ids: list[int], decode_ids: list[int], notif: bytes
               ) -> tuple[float, float, float, float, float]:

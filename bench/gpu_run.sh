@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
-#   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|staging|spec|e2e|xfer-threads|all]   (results land in $OUT, default ./gpu-out)
+#   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|chooser|staging|spec|e2e|xfer-threads|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh ...). NVLink multicast stays off.
 set -uo pipefail
@@ -25,6 +25,17 @@ fi
 if [[ $what == transfer-small ]]; then  # the sizes where a ratio is a few tens of µs: more iterations
   timeout 150 python3 bench/transfer.py --device cuda --tokens 1024,4096 --iters 30 \
     2>>"$out/transfer.err" | tee -a "$out/transfer.jsonl"
+fi
+if [[ $what == chooser ]]; then  # issue 24 item 10: the staging chooser against both paths' measured times (~2 min)
+  timeout 150 python3 bench/transfer.py --device cuda --tokens 4096,16384 --iters 5 \
+    2>>"$out/chooser.err" | tee -a "$out/chooser.jsonl"
+  python3 -c 'import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    ok = (r["chooser"] == "staged") == r["staged_beats_direct"]
+    print(r["tokens"], r["layout"], "runs", r["runs"], "direct_ms", r["kvferry_ms"], "staged_ms", r["staged_ms"],
+          "chooser", r["chooser"], "model", r["model_direct_ms"], r["model_staged_ms"], "per_write_us",
+          r["per_write_us"], "AGREES" if ok else "DISAGREES")' "$out/chooser.jsonl" | tee "$out/chooser.txt"
 fi
 if [[ $what == transfer || $what == all ]]; then
   # every line also carries the room staged as the daemons stage it (staged_ms, ratio_staged_vs_raw, chooser)

@@ -27,6 +27,8 @@ warm-up whose bytes are checked on the decode; ratio_vs_raw is the median of per
             ratio_staged_vs_direct = kvferry / staged; chooser / chooser_reason: what the prefill
             daemon would do with the room (plan_room, its crossover from costs measured at start-up
             as --staging-crossover-runs -1 does, or that flag), staged_beats_direct: what this run saw
+            (staged_ms against kvferry_ms, the direct WRITE), model_direct_ms / model_staged_ms: the
+            chooser's model of both paths from those costs (per_desc_us, per_write_us, copy_ns_per_byte)
   memcpy    one contiguous torch copy of as many bytes in this process, single-threaded like UCX's
 CUDA: --device cuda, or --prefill-device cuda:0 --decode-device cuda:1.
 Tensor parallelism (CPU): --prefill-tp A --decode-tp B, optionally --prefill-page-size/--decode-page-size:
@@ -280,6 +282,8 @@ class Prefill:
             "staged_beats_direct": ms["staged_ms"] < kv_ms, "staged_chunks": dec.chunks,
             "staging_chunk_bytes": self.staging.chunk_nbytes, "runs": dec.runs, "crossover_runs": dec.crossover,
             "chooser": dec.path, "chooser_reason": dec.reason,
+            "model_direct_ms": dec.model_direct_ms, "model_staged_ms": dec.model_staged_ms,
+            "per_write_us": round(costs.per_write_s * 1e6, 2) if costs else None,
             "per_desc_us": round(costs.per_descriptor_s * 1e6, 3) if costs else None,
             "copy_ns_per_byte": round(costs.copy_s_per_byte * 1e9, 4) if costs else None}
 

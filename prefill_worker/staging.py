@@ -13,13 +13,17 @@ DONE. It checks the room's abort flag before every post, like a direct WRITE; ``
 side's slot after a DONE or a known cancel, and quarantines it when a WRITE could not be cancelled.
 
 The crossover comes from ``--staging-crossover-runs``, or from costs measured at start-up
-(``measure_costs``: a WRITE of many small descriptors against one of the same bytes, between two
-agents of this process, and a gather of the pool's pages), logged with the crossover they give.
+(``measure_costs``: a WRITE of many small descriptors against one of the same bytes, a tiny WRITE's
+whole cycle, between two agents of this process, and a gather of the pool's pages), logged with the
+crossover they give. The model (``common/plan/staging.py``: ``direct_s``, ``staged_s``) counts each
+chunk's WRITE and both copies, so a room is staged only where that is faster than direct. The costs
+hold for decodes whose staging slots sit in this buffer's kind of memory; rooms to others go direct.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -93,21 +97,17 @@ class StagingSender:
         costs: int | StagingCosts = crossover
         if crossover < 0:
             costs = measure_costs(engine, buffer, pools[0])
-            if costs.per_descriptor_s <= 0:
-                logger.warning("staging: the %d-byte staging buffer is too small to measure costs in; staging off "
-                               "(raise --staging-bytes or set --staging-crossover-runs)", slots.buffer_nbytes)
-            logger.info("staging costs measured at start-up: %.2f us per descriptor, %.3f ns per byte copied, %.1f us "
-                        "per copy; stage a room at or above %d descriptors (1 MiB), %d (64 MiB), %d (1 GiB)",
-                        costs.per_descriptor_s * 1e6, costs.copy_s_per_byte * 1e9, costs.copy_fixed_s * 1e6,
-                        crossover_runs(costs, 1 << 20), crossover_runs(costs, 64 << 20), crossover_runs(costs, 1 << 30))
+            _log_costs(costs, chunk_nbytes, slots.buffer_nbytes)
         else:
             logger.info("staging: stage a room at or above %d descriptors (--staging-crossover-runs)", crossover)
         logger.info("staging slots role=prefill slots=%d chunk_bytes=%d device=%s", slots.num_slots, chunk_nbytes, device)
         return cls(buffer, slots, chunk_nbytes, pools, costs, metrics)
 
     def crossover_for(self, room_nbytes: int) -> int:
+        """The fewest merged runs at which a room of ``room_nbytes`` is staged: from the measured
+        costs (chunks of ``chunk_nbytes``: ``common/plan/staging.py``), or the flag's count."""
         if isinstance(self.crossover, StagingCosts):
-            return crossover_runs(self.crossover, room_nbytes)
+            return crossover_runs(self.crossover, room_nbytes, self.chunk_nbytes)
         return self.crossover
 
     # -- per room (event loop) ---------------------------------------------------------------------
@@ -118,6 +118,8 @@ class StagingSender:
             return self._direct(DirectReason.STAGING_OFF)
         if transfer.staging_slot >= staging.num_slots:
             return self._direct(DirectReason.STAGING_OFF)  # not a slot the decode registered: ignore the offer
+        if isinstance(self.crossover, StagingCosts) and staging.mem != ("VRAM" if self.buffer.is_cuda else "DRAM"):
+            return self._direct(DirectReason.UNMEASURED_TRANSPORT)  # the costs were measured into the buffer's memory
         segments = tuple(seg for g in plan.groups for seg in room_stream(g, prefill_page_ids, transfer.page_ids))
         nbytes = sum(s.num_runs * s.run_nbytes for s in segments)
         room_plan = plan_room(segments, merged_runs(segments), self.crossover_for(nbytes), self.chunk_nbytes,
@@ -230,10 +232,13 @@ class StagingSender:
 
 
 def measure_costs(engine: NixlEngine, buffer: torch.Tensor, pool: torch.Tensor, reps: int = 5) -> StagingCosts:
-    """Per-descriptor WRITE cost and gather cost on this machine (start-up, a fraction of a second):
-    up to 256 descriptors of 4 KiB against one of the same bytes into a second agent of this process,
-    and a gather of up to 16 MiB from the pool in 64 KiB rows (a page block's size) against one row.
-    A buffer too small to measure gives costs that never stage (logged by the caller)."""
+    """This machine's costs for the chooser (start-up, a fraction of a second), over the transport a
+    decode on this host whose staging slots sit in the buffer's kind of memory uses: WRITEs into a
+    second agent of this process. Up to 256 descriptors of 4 KiB against one of the same bytes (per
+    descriptor, and per byte on the wire), a 64-byte WRITE prepared, posted, polled to DONE and
+    released ``4 * reps`` times (per WRITE: what each staged chunk pays), and a gather of up to
+    16 MiB from the pool in 64 KiB rows (a page block's size) against one row. A buffer too small
+    to measure gives costs that never stage (logged by the caller)."""
     size = 4096
     num = min(256, buffer.numel() * buffer.element_size() // size)
     if num < 2:
@@ -245,6 +250,7 @@ def measure_costs(engine: NixlEngine, buffer: torch.Tensor, pool: torch.Tensor, 
     try:
         probe.register_tensor(target)
         name = engine.add_peer(probe.metadata())
+
         def progress() -> None:  # the target's progress: a loopback WRITE completes while it polls
             while not stop.is_set():
                 probe.get_notifs()
@@ -252,28 +258,8 @@ def measure_costs(engine: NixlEngine, buffer: torch.Tensor, pool: torch.Tensor, 
 
         poller = threading.Thread(target=progress, name="staging-probe", daemon=True)
         poller.start()
-        mem = "VRAM" if buffer.is_cuda else "DRAM"
-        dev = (buffer.device.index or 0) if buffer.is_cuda else 0
-        src_base, dst_base = buffer.data_ptr(), target.data_ptr()
-        many = ([(src_base + i * size, size, dev) for i in range(num)],
-                [(dst_base + 2 * i * size, size, dev) for i in range(num)])  # every other block: nothing merges
-        one = ([(src_base, num * size, dev)], [(dst_base, num * size, dev)])
-        times = {}
-        for key, (src, dst) in (("many", many), ("one", one)):
-            local, remote = engine.prep_local(src, mem), engine.prep_remote(name, dst, mem)
-            index = list(range(len(src)))
-            best = float("inf")
-            for _ in range(reps):
-                start = time.perf_counter()
-                handle = engine.post_write(local, index, remote, index, None)
-                engine.wait(handle, 10.0)
-                engine.release(handle)
-                best = min(best, time.perf_counter() - start)
-            engine.release_prepped(local)
-            engine.release_prepped(remote)
-            times[key] = best
+        writes = _time_writes(engine, name, buffer, target, num, size, reps)
         engine.remove_peer(name)
-        per_desc = max(times["many"] - times["one"], 0.0) / (num - 1)
         row = 64 << 10
         rows = min(256, buffer.numel() * buffer.element_size() // row, pool.numel() * pool.element_size() // (2 * row))
         if rows < 2:
@@ -281,12 +267,75 @@ def measure_costs(engine: NixlEngine, buffer: torch.Tensor, pool: torch.Tensor, 
         copy_many = _time_gather(pool, buffer, rows, row, reps)
         copy_one = _time_gather(pool, buffer, 1, row, reps)
         per_byte = max(copy_many - copy_one, 0.0) / ((rows - 1) * row)
-        return StagingCosts(per_descriptor_s=per_desc, copy_s_per_byte=2 * per_byte, copy_fixed_s=2 * copy_one)
+        # gather + scatter: two passes over the bytes, both on the memory the WRITE uses
+        return StagingCosts(per_descriptor_s=writes.per_descriptor_s, copy_s_per_byte=2 * per_byte,
+                            copy_fixed_s=2 * copy_one, per_write_s=writes.per_write_s,
+                            wire_s_per_byte=writes.wire_s_per_byte, copies_share_wire=True)
     finally:
         stop.set()
         if poller is not None:
             poller.join(timeout=5)
         probe.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _WriteCosts:
+    per_descriptor_s: float
+    per_write_s: float
+    wire_s_per_byte: float
+
+
+def _time_writes(engine: NixlEngine, peer: str, buffer: torch.Tensor, target: torch.Tensor, num: int, size: int,
+                 reps: int) -> _WriteCosts:
+    """WRITE costs from ``buffer`` into ``target`` (registered by agent ``peer``): ``num`` blocks of
+    ``size`` (every other block of the target: nothing merges) against one descriptor of the same
+    bytes and against 64 bytes, prepared lists; then a 64-byte WRITE's whole cycle."""
+    mem = "VRAM" if buffer.is_cuda else "DRAM"
+    dev = (buffer.device.index or 0) if buffer.is_cuda else 0
+    src_base, dst_base = buffer.data_ptr(), target.data_ptr()
+    shapes = {"many": ([(src_base + i * size, size, dev) for i in range(num)],
+                       [(dst_base + 2 * i * size, size, dev) for i in range(num)]),
+              "one": ([(src_base, num * size, dev)], [(dst_base, num * size, dev)]),
+              "tiny": ([(src_base, 64, dev)], [(dst_base, 64, dev)])}
+    times = {}
+    for key, (src, dst) in shapes.items():
+        local, remote = engine.prep_local(src, mem), engine.prep_remote(peer, dst, mem)
+        index = list(range(len(src)))
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            handle = engine.post_write(local, index, remote, index, None)
+            engine.wait(handle, 10.0)
+            engine.release(handle)
+            best = min(best, time.perf_counter() - start)
+        engine.release_prepped(local)
+        engine.release_prepped(remote)
+        times[key] = best
+    cycles = []
+    for _ in range(4 * reps):  # what StagingSender._post and the WAIT step do per chunk
+        start = time.perf_counter()
+        local, remote = engine.prep_local(shapes["tiny"][0], mem), engine.prep_remote(peer, shapes["tiny"][1], mem)
+        handle = engine.post_write(local, [0], remote, [0], None)
+        engine.wait(handle, 10.0)
+        engine.release(handle)
+        engine.release_prepped(local)
+        engine.release_prepped(remote)
+        cycles.append(time.perf_counter() - start)
+    return _WriteCosts(per_descriptor_s=max(times["many"] - times["one"], 0.0) / (num - 1),
+                       per_write_s=statistics.median(cycles),
+                       wire_s_per_byte=max(times["one"] - times["tiny"], 0.0) / (num * size))
+
+
+def _log_costs(costs: StagingCosts, chunk_nbytes: int, buffer_nbytes: int) -> None:
+    if costs.per_descriptor_s <= 0:
+        logger.warning("staging: the %d-byte staging buffer is too small to measure costs in; staging off "
+                       "(raise --staging-bytes or set --staging-crossover-runs)", buffer_nbytes)
+    logger.info("staging costs measured at start-up: %.2f us per descriptor, %.1f us per WRITE, %.4f ns per byte on "
+                "the wire, %.4f ns per byte gathered + scattered, %.1f us per copy; with %d-byte chunks stage a room "
+                "at or above %d descriptors (1 MiB), %d (64 MiB), %d (1 GiB)",
+                costs.per_descriptor_s * 1e6, costs.per_write_s * 1e6, costs.wire_s_per_byte * 1e9,
+                costs.copy_s_per_byte * 1e9, costs.copy_fixed_s * 1e6, chunk_nbytes,
+                *(crossover_runs(costs, n, chunk_nbytes) for n in (1 << 20, 64 << 20, 1 << 30)))
 
 
 def _time_gather(pool: torch.Tensor, buffer: torch.Tensor, num: int, size: int, reps: int) -> float:

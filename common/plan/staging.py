@@ -43,26 +43,78 @@ def choose_path(num_runs: int, crossover_runs: int) -> TransferPath:
 
 @dataclass(frozen=True, slots=True)
 class StagingCosts:
-    """What one machine measured at start-up (or a flag states): the cost of one more descriptor in
-    a WRITE, and the time staging adds that the pipeline does not hide (gather + scatter per byte,
-    plus the fixed cost of launching them)."""
+    """What one machine measured at start-up, for one peer transport (``measure_costs``), or what a
+    test states. Units: seconds, and seconds per byte.
+
+    ``per_descriptor_s``: one more descriptor in a WRITE. ``copy_s_per_byte``, ``copy_fixed_s``: the
+    gather and the scatter together (two passes, each reading and writing every byte once), per
+    byte and their launches. ``per_write_s``: one WRITE's fixed cost however small (its descriptor
+    lists prepared, posted, polled to DONE, released: what each staged chunk pays). ``wire_s_per_byte``:
+    the WRITE's own time per byte. ``copies_share_wire``: the copies use the memory the WRITE reads
+    and writes (one device, or host memory on both sides), so none of them hides under a WRITE."""
 
     per_descriptor_s: float
     copy_s_per_byte: float
     copy_fixed_s: float = 0.0
+    per_write_s: float = 0.0
+    wire_s_per_byte: float = 0.0
+    copies_share_wire: bool = True
 
 
-def crossover_runs(costs: StagingCosts, room_nbytes: int) -> int:
-    """The fewest runs at which staging a room of ``room_nbytes`` beats its direct WRITE.
+def num_chunks(nbytes: int, chunk_nbytes: int | None) -> int:
+    """Chunks (one WRITE each) of a staged room of ``nbytes``: ``ceil(nbytes / chunk_nbytes)``, at
+    least 1; 1 without a chunk size (the whole room in one WRITE). ``chunk_plan`` may cut more
+    where whole runs do not fill a chunk: this is the model's estimate."""
+    if chunk_nbytes is None:
+        return 1
+    if chunk_nbytes <= 0:
+        raise ValueError(f"chunk_nbytes is {chunk_nbytes}, expected > 0")
+    return max(1, -(-nbytes // chunk_nbytes))
 
-    Direct: ``w + runs * d``; staged: ``w + 1 * d + copy``, with ``w`` the WRITE's own time for the
-    bytes (the same on both paths), ``d`` the per-descriptor cost and ``copy`` the exposed gather and
-    scatter. Staged wins iff ``(runs - 1) * d > copy``: the answer is the least such integer (>= 2).
-    0 (never stage) when a descriptor costs nothing."""
+
+def direct_s(costs: StagingCosts, num_runs: int, nbytes: int) -> float:
+    """The model's direct WRITE of a room: one WRITE of its ``num_runs`` merged runs and the aux
+    record's descriptor, its bytes on the wire once."""
+    return costs.per_write_s + (num_runs + 1) * costs.per_descriptor_s + nbytes * costs.wire_s_per_byte
+
+
+def _staged_parts(costs: StagingCosts, nbytes: int, chunk_nbytes: int | None) -> tuple[int, float]:
+    """(chunks, staged time less the per-descriptor costs of its WRITEs' descriptors)."""
+    n = num_chunks(nbytes, chunk_nbytes)
+    wire = nbytes * costs.wire_s_per_byte
+    copy = costs.copy_fixed_s + nbytes * costs.copy_s_per_byte
+    # apart from the WRITE's memory, the gather of chunk i + 1 runs under chunk i's WRITE
+    hidden = 0.0 if costs.copies_share_wire else min(copy / 2, wire) * (n - 1) / n
+    return n, (n + 1) * costs.per_write_s + wire + copy - hidden
+
+
+def staged_s(costs: StagingCosts, nbytes: int, chunk_nbytes: int | None) -> float:
+    """The model's staged room: one WRITE of one descriptor per chunk plus one for the aux record
+    (and the notification), the bytes once on the wire, the gather and the scatter."""
+    n, rest = _staged_parts(costs, nbytes, chunk_nbytes)
+    return rest + (n + 1) * costs.per_descriptor_s
+
+
+def faster_path(costs: StagingCosts, num_runs: int, nbytes: int, chunk_nbytes: int | None) -> TransferPath:
+    """STAGED iff the model's staged time is below its direct time (never with free descriptors)."""
+    if costs.per_descriptor_s <= 0:
+        return TransferPath.DIRECT
+    staged = staged_s(costs, nbytes, chunk_nbytes)
+    return TransferPath.STAGED if staged < direct_s(costs, num_runs, nbytes) else TransferPath.DIRECT
+
+
+def crossover_runs(costs: StagingCosts, room_nbytes: int, chunk_nbytes: int | None = None) -> int:
+    """The fewest runs at which staging a room of ``room_nbytes`` in chunks of ``chunk_nbytes``
+    beats its direct WRITE (``faster_path``; one run of slack where floats round).
+
+    Direct minus staged is ``(runs - n) * d - (n * w + copy - hidden)`` for ``n`` chunks, ``d`` per
+    descriptor and ``w`` per WRITE (the wire time is the same on both paths): staged wins iff
+    ``runs > n + (n * w + copy - hidden) / d``. 0 (never stage) when a descriptor costs nothing."""
     if costs.per_descriptor_s <= 0:
         return 0
-    copy_s = costs.copy_fixed_s + costs.copy_s_per_byte * room_nbytes
-    return math.floor(copy_s / costs.per_descriptor_s) + 2
+    n, rest = _staged_parts(costs, room_nbytes, chunk_nbytes)
+    extra = rest - costs.per_write_s - room_nbytes * costs.wire_s_per_byte  # n * w + copy - hidden
+    return math.floor(n + extra / costs.per_descriptor_s) + 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +267,7 @@ class DirectReason(enum.Enum):
     ROOM_OVER_SLOT = "room_over_slot"        # the room is larger than the decode's slot
     RUN_OVER_CHUNK = "run_over_chunk"        # one run is larger than the prefill's chunk
     NO_FREE_SLOT = "no_free_slot"            # every slot busy on one side (the caller's finding)
+    UNMEASURED_TRANSPORT = "unmeasured_transport"  # the decode's slots sit in memory the costs were not measured for
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ SCATTERED = {"nixl_same_descs_ms", "ratio_vs_same_descs"}  # the fragmented and 
 STAGED = {"staged_plan_ms", "staged_ms", "staged_write_ms", "staged_scatter_ms", "staged_e2e_ms", "staged_gbps",
           "ratio_staged_vs_raw", "ratio_staged_vs_direct", "staged_beats_direct", "staged_chunks",
           "staging_chunk_bytes", "runs", "crossover_runs", "chooser", "chooser_reason", "per_desc_us",
-          "copy_ns_per_byte"}
+          "copy_ns_per_byte", "per_write_us", "model_direct_ms", "model_staged_ms"}
 CHUNK = PAGE_BYTES * 2 * LAYERS  # one page-major page (K and V of every layer): the room in 4 chunks, buffers reused
 
 
@@ -83,7 +83,8 @@ def test_staged_line(lines):
     for r in lines:
         assert STAGED <= r.keys(), STAGED - r.keys()
         for key in ("staged_ms", "staged_write_ms", "staged_scatter_ms", "staged_e2e_ms", "staged_gbps",
-                    "ratio_staged_vs_raw", "ratio_staged_vs_direct", "per_desc_us", "copy_ns_per_byte"):
+                    "ratio_staged_vs_raw", "ratio_staged_vs_direct", "per_desc_us", "copy_ns_per_byte",
+                    "per_write_us", "model_direct_ms", "model_staged_ms"):
             assert r[key] > 0, (key, r[key])
         assert r["staged_ms"] == pytest.approx(r["bytes"] / r["staged_gbps"] / 1e6, rel=0.01)
         assert r["staged_e2e_ms"] >= r["staged_write_ms"] and r["staged_plan_ms"] >= 0
@@ -93,6 +94,8 @@ def test_staged_line(lines):
         assert (r["chooser"] == "direct") == (r["chooser_reason"] != "")
         if r["chooser"] == "direct":
             assert r["chooser_reason"] == "few_runs" and r["runs"] < r["crossover_runs"]
+        # the chooser stages exactly where its model of the two paths says staged is faster
+        assert (r["chooser"] == "staged") == (r["model_staged_ms"] < r["model_direct_ms"]), r
 
 
 def test_layer_major_descriptors():

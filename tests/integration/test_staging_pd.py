@@ -80,6 +80,7 @@ def test_crossover_measured_at_start_up_is_logged(cluster, colocated):
     _run(prefill, decode, colocated)
     log = prefill.log_path.read_text()
     assert "staging costs measured at start-up" in log and "stage a room at or above" in log
+    assert "us per WRITE" in log  # the per-WRITE cost each chunk pays is measured too
     staged = _metric(prefill, "kvferry_staging_rooms_total", path="staged", reason="")
     few = _metric(prefill, "kvferry_staging_rooms_total", path="direct", reason="few_runs")
     assert staged + few == len(LENGTHS)  # small rooms of contiguous pages: direct, as the costs say

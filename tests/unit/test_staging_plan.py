@@ -15,7 +15,7 @@ from common.model.kv_cache import KV_LAYOUTS, KvCache
 from common.plan.desc_lists import DescGroup
 from common.plan.staging import (
     DirectReason, StagingCosts, StepOp, StreamSegment, TransferPath, chunk_plan, choose_path, copy_plan,
-    crossover_runs, pipeline_steps, plan_room, room_stream,
+    crossover_runs, direct_s, faster_path, num_chunks, pipeline_steps, plan_room, room_stream, staged_s,
 )
 
 
@@ -158,3 +158,67 @@ def test_plan_room_says_why_a_room_goes_direct():
     assert staged.path is TransferPath.STAGED and staged.reason is None
     assert [c.nbytes for c in staged.chunks] == [3000, 3000, 3400, 200]  # whole runs; chunk 2 spans both segments
     assert [c.buffer for c in staged.chunks] == [0, 1, 0, 1]
+
+
+# What one H200 measured at 7a24740 (issue 24 item 10): 7.8 us per descriptor, ~0.23 ms per WRITE
+# (a 32 MiB chunk's prepare, post, poll and release), the decode's scatter of a 512 MiB room in
+# ~0.85 ms (so gather + scatter ~3.3 ps per byte), a one-descriptor WRITE of it in ~0.57 ms.
+H200 = StagingCosts(per_descriptor_s=7.8e-6, copy_s_per_byte=3.3e-12, copy_fixed_s=2e-5, per_write_s=2.3e-4,
+                    wire_s_per_byte=1.05e-12)
+CHUNK = 32 << 20
+
+
+def test_the_h200_4k_room_of_256_runs_goes_direct():
+    """A 4k-token Llama-3-8B room (512 MiB) in 256 runs, 32 MiB chunks: staged took 5.3 ms against
+    direct 1.7 ms on the H200, and the chooser staged it (crossover 228). Fails if the chooser leaves
+    out the per-WRITE cost of the 16 chunks (the crossover then comes out ~220)."""
+    nbytes = 512 << 20
+    assert faster_path(H200, 256, nbytes, CHUNK) is TransferPath.DIRECT
+    assert staged_s(H200, nbytes, CHUNK) > direct_s(H200, 256, nbytes)
+    assert crossover_runs(H200, nbytes, CHUNK) > 256
+    assert crossover_runs(H200, 16 * nbytes, CHUNK) > 1024  # the 16k room of 1,024 runs: direct too (16.7 ms vs 6.3)
+    # what staging is for: a room of many more runs than chunks still stages
+    assert faster_path(H200, 4096, nbytes, CHUNK) is TransferPath.STAGED
+
+
+COSTS = st.builds(StagingCosts, per_descriptor_s=st.floats(1e-7, 1e-4), copy_s_per_byte=st.floats(0, 1e-9),
+                  copy_fixed_s=st.floats(0, 1e-4), per_write_s=st.floats(0, 1e-3), wire_s_per_byte=st.floats(0, 1e-9),
+                  copies_share_wire=st.booleans())
+
+
+@given(COSTS, st.integers(0, 10**5), st.integers(1, 1 << 32), st.integers(1, 1 << 30))
+def test_the_chooser_picks_the_faster_path_and_the_crossover_agrees(costs, runs, nbytes, chunk):
+    """``faster_path`` stages exactly when the model's staged time is below its direct time, and the
+    crossover is the least run count at which it does (one run of slack for float rounding)."""
+    direct, staged = direct_s(costs, runs, nbytes), staged_s(costs, nbytes, chunk)
+    path = faster_path(costs, runs, nbytes, chunk)
+    assert path is (TransferPath.STAGED if staged < direct else TransferPath.DIRECT)
+    crossover = crossover_runs(costs, nbytes, chunk)
+    assert crossover >= 2
+    if path is TransferPath.STAGED:
+        assert runs >= crossover - 1
+    if runs >= crossover + 1:
+        assert path is TransferPath.STAGED
+    # more runs never make direct faster; a larger per-WRITE cost never makes staging more likely
+    assert staged_s(costs, nbytes, chunk) >= direct_s(costs, 0, nbytes) - costs.per_write_s
+    dearer = StagingCosts(costs.per_descriptor_s, costs.copy_s_per_byte, costs.copy_fixed_s, 2 * costs.per_write_s + 1e-6,
+                          costs.wire_s_per_byte, costs.copies_share_wire)
+    assert crossover_runs(dearer, nbytes, chunk) >= crossover
+
+
+@given(COSTS, st.integers(1, 1 << 32), st.integers(1, 1 << 30))
+def test_staged_time_counts_each_chunk_write_and_both_copies(costs, nbytes, chunk):
+    """Staged: one WRITE (one descriptor) per chunk and one for the aux record, the bytes once on the
+    wire, and the gather and the scatter; only where the copies do not share the WRITE's memory does
+    the gather of chunk i + 1 hide under chunk i's WRITE."""
+    n = num_chunks(nbytes, chunk)
+    assert n == -(-nbytes // chunk)
+    copy = costs.copy_fixed_s + nbytes * costs.copy_s_per_byte
+    wire = nbytes * costs.wire_s_per_byte
+    full = (n + 1) * (costs.per_write_s + costs.per_descriptor_s) + wire + copy
+    got = staged_s(costs, nbytes, chunk)
+    if costs.copies_share_wire:
+        assert got == pytest.approx(full, rel=1e-9)
+    else:
+        assert full - copy / 2 - 1e-12 <= got <= full + 1e-12
+    assert direct_s(costs, 7, nbytes) == pytest.approx(costs.per_write_s + 8 * costs.per_descriptor_s + wire, rel=1e-9)
