@@ -30,7 +30,7 @@ class CommonConfig:
     tp_size: int = flag(1, help="tensor-parallel ranks, one process each (cuda:K from --device's index on, or "
                                 "cpu); rank 0 serves HTTP and schedules, every rank owns its KV heads and NIXL "
                                 "agent; the peer's --tp-size may differ")
-    served_model_name: str | None = flag(None, help="the model's name in /v1/models and in requests' 'model' field "
+    served_model_name: str | None = flag(None, help="the model's name in /v1/models and /server_info "
                                                     "(default: the folder's name, or the GGUF file's stem)")
     max_total_tokens: int = flag(0, help="KV pool size in tokens (per model); 0 = auto: --kv-mem-fraction of the "
                                          "memory free at start-up (common/daemon_start.py)")
