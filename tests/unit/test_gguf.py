@@ -61,7 +61,8 @@ def write_tokenizer(w, folder: Path, model: str) -> None:
     w.add_chat_template(tc["chat_template"])
 
 
-def write_gguf(path: Path, folder: Path, *, arch: str = "llama", tokenizer: str = "gpt2", edit=None) -> Path:
+def write_gguf(path: Path, folder: Path, *, arch: str = "llama", tokenizer: str = "gpt2", edit=None,
+               permuted: bool = True) -> Path:
     """The tiny checkpoint ``folder`` as a GGUF at ``path`` (F32 tensors); ``edit(writer)`` may add more."""
     c = json.loads((folder / "config.json").read_text())
     w = gguf.GGUFWriter(str(path), arch)
@@ -79,7 +80,7 @@ def write_gguf(path: Path, folder: Path, *, arch: str = "llama", tokenizer: str 
     heads = {"q_proj": c["num_attention_heads"], "k_proj": c["num_key_value_heads"]}
     for name, tensor in load_file(str(folder / "model.safetensors")).items():
         values = tensor.float().numpy()
-        if name.split(".")[-2] in heads:
+        if permuted and name.split(".")[-2] in heads:
             values = permute(values, heads[name.split(".")[-2]])
         w.add_tensor(gguf_name(name), values)
     if edit is not None:
@@ -177,3 +178,25 @@ def test_sentencepiece_tokenizer_and_missing_file_are_refused(tmp_path):
         convert_gguf(path, tmp_path / "out")
     with pytest.raises(ModelLoadError, match="file not found"):
         cached_folder(tmp_path / "nope.gguf", "float32", cache_root=tmp_path)
+
+
+def test_qwen3_gguf_keeps_q_and_k_rows_in_order(tmp_path):
+    """llama.cpp permutes Q/K only for llama: a qwen3 file's rows are read as they are, its q/k norms
+    land in q_norm/k_norm, and the folder loads as Qwen3."""
+    from common.model.loader import load_model
+
+    target = Path(tiny_model_dirs()[0])
+    layers, head_dim = json.loads((target / "config.json").read_text())["num_hidden_layers"], 32
+
+    def norms(w):
+        for i in range(layers):
+            for part in ("attn_q_norm", "attn_k_norm"):
+                w.add_tensor(f"blk.{i}.{part}.weight", np.full(head_dim, 1.5, dtype=np.float32))
+
+    path = write_gguf(tmp_path / "q3.gguf", target, arch="qwen3", edit=norms, permuted=False)
+    back = load_file(str(convert_gguf(path, tmp_path / "out") / "model.safetensors"))
+    original = load_file(str(target / "model.safetensors"))
+    assert torch.equal(back["model.layers.1.self_attn.q_proj.weight"], original["model.layers.1.self_attn.q_proj.weight"])
+    assert torch.equal(back["model.layers.0.self_attn.k_norm.weight"], torch.full((head_dim,), 1.5))
+    model = load_model(tmp_path / "out")
+    assert model.config.architecture == "Qwen3ForCausalLM" and model.config.has_qk_norm
