@@ -10,8 +10,10 @@ daemons back afterwards.
 Models: the embedded tiny checkpoint as ``make up`` uses it (4 attention heads, 2 KV heads: TP 4
 replicates each KV head on two ranks, and the lowest rank holding a head writes it) and
 ``tiny-kv8`` (8 KV heads, split in blocks). The cases cover every (prefill TP, decode TP) pair of
-(1,1), (1,2), (2,1), (2,4), (4,2), (1,4), every page-size pair of (16,16), (16,64), (64,16), and a
-decode-only draft (the draft runs unsharded on decode rank 0) on half of them.
+(1,1), (1,2), (2,1), (2,2), (2,4), (4,2), (1,4), every page-size pair of (16,16), (16,64), (64,16),
+and a decode-only draft (the draft runs unsharded on decode rank 0) on three of them. (2,2) is the
+one case of equal TP sizes above 1 (tests/faults/test_tp_faults.py's 2 -> 2 pair compares with its
+own output before the fault, not with TP 1).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ CASES = [
     ("tiny", 1, 1, 16, 64, False),
     ("tiny", 1, 2, 16, 16, True),
     ("tiny", 2, 1, 64, 16, False),
+    ("tiny", 2, 2, 16, 16, False),
     ("tiny", 2, 4, 16, 64, True),
     ("kv8", 4, 2, 64, 16, False),
     ("kv8", 1, 4, 16, 16, True),
