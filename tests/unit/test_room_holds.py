@@ -221,3 +221,24 @@ def test_safe_failure_reported_by_the_prefill_sends_no_abort():
         assert decode.counter("kvferry_aborts_total", side="decode") == 0
         assert not decode.receiver.quarantined and decode.aux.num_free == decode.aux.num_slots
     scenario(body)
+
+
+def test_unsafe_result_after_the_room_already_failed_still_holds_it_for_good():
+    """The prefill's error for a room and then its UNSAFE transfer_result are both read before the
+    room's fetch resumes (the link reader hands them over back to back): the pages are held for
+    good, not until the next confirmation. Fails if an UNSAFE word that finds the waiter already
+    failed is dropped."""
+    async def body(prefill, decode):
+        room = prefill.open_room(71, num_tokens=20)
+        fetch = asyncio.get_running_loop().create_task(decode.fetch(prefill, 71, 20, [0, 1], timeout_s=10))
+        await until(lambda: room.transfer is not None, what="the transfer bound")
+        link = decode.receiver.links[("127.0.0.1", prefill.port)]
+        decode.receiver.on_link_message(link, wire.Error(reason="refused (test)", room=71))
+        decode.receiver.on_link_message(link, wire.TransferResult(room=71, ok=False, error="cancel failed (test)",
+                                                                  code="unsafe"))
+        with pytest.raises(TransferError, match="refused"):
+            await fetch
+        assert decode.receiver.quarantined[71].is_forever and decode.counter("kvferry_pages_quarantined") == 2
+        decode.receiver.on_link_message(link, wire.TransferResult(room=71, ok=False, error="closed", code="aborted"))
+        assert 71 in decode.receiver.quarantined and decode.released == []
+    scenario(body)
