@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -19,7 +18,6 @@ from typing import Protocol
 
 import torch
 
-from common import wire
 from common.api.backend import DaemonBackend, DaemonView, GenerateEvent, GenerateInput
 from common.api.schema import FieldError
 from common.engine.runner import ModelRunner
@@ -31,6 +29,7 @@ from common.model.sampling import make_generator
 from prefill_worker.bootstrap import Bootstrap
 from prefill_worker.config import PrefillConfig
 from prefill_worker.kv_transfer import KvWriter
+from prefill_worker.prompt_logprobs import max_prompt_logprob_tokens, prompt_logprobs_of
 from prefill_worker.rooms import Room, RoomTable
 from common.engine.prefill_scheduler import PrefillScheduler
 
@@ -147,7 +146,11 @@ class PrefillBackend(DaemonBackend):
         room.first_token_id = seq.output_ids[0]
         room.first_token_logprob = seq.output_logprobs[0]
         room.first_token_top = tuple(seq.output_top_logprobs[0]) if seq.output_top_logprobs else ()
-        room.prompt_logprobs = _prompt_logprobs(seq)
+        try:
+            room.prompt_logprobs = prompt_logprobs_of(seq, room.room)
+        except FieldError as exc:  # its TransferResult would not fit one frame: refused like an over-limit ask
+            await self.daemon.bootstrap.fail_room(room, f"prefill refused the request: {exc}", FailCode.PREFILL_FAILED)
+            raise
         # The transfer wait counts from here: a long prompt on a busy prefill must not use it up.
         room.deadline = time.monotonic() + self.daemon.config.transfer_wait_timeout_s
 
@@ -188,21 +191,4 @@ class PrefillBackend(DaemonBackend):
         return GenerateEvent(token_ids=seq.output_ids[:1], logprobs=seq.output_logprobs[:1], text=text,
                              finished=True, finish_reason={"type": "length", "length": 1}, meta=meta,
                              top_logprobs=seq.output_top_logprobs[:1])
-
-
-def max_prompt_logprob_tokens(top_logprobs_num: int) -> int:
-    """Prompt positions whose logprobs (and ``top_logprobs_num`` alternatives each) fit one
-    TransferResult frame: msgpack spends at most 9 bytes on a float and 5 on a token id."""
-    return (wire.MAX_FRAME_BYTES - 4096) // (9 + 14 * top_logprobs_num)
-
-
-def _prompt_logprobs(seq: Sequence) -> wire.PromptLogprobs | None:
-    """The prompt logprobs ``seq`` asked for, as the TransferResult carries them to the decode."""
-    if not seq.input_logprobs:
-        return None
-    start = seq.logprob_start_len
-    tops = (seq.input_top_logprobs or [])[start:]
-    return wire.PromptLogprobs(start=start, logprobs=[math.nan if lp is None else lp for lp in seq.input_logprobs[start:]],
-                               top_ids=[[t for t, _ in alts] for alts in tops],
-                               top_logprobs=[[lp for _, lp in alts] for alts in tops])
 

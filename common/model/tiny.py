@@ -16,6 +16,10 @@ template and a generation config. The same seed gives the same bytes.
 llama3 RoPE) with random weights, for transfer and throughput work. Its vocabulary stays the tiny
 tokenizer's (512), so its embedding and lm_head are far smaller than the real model's. "tiny-kv8"
 has 8 attention and 8 KV heads in four layers, for tensor parallelism that splits the KV heads.
+"tiny-vocab-66k" pads the vocabulary past 65,536 (as Llama-3's and Qwen's are) in a 16-wide, two-layer
+model: its last 512 lm_head rows dominate the logits, so every position's most likely tokens have
+ids that msgpack spends 5 bytes on (the size of a frame that carries them); the tokenizer stays the
+tiny one's, and those ids decode to nothing.
 """
 
 from __future__ import annotations
@@ -71,12 +75,19 @@ class TinySpec:
     max_position_embeddings: int = 4096
     dtype: str = "float32"
     max_shard_bytes: int = 2 << 30
+    vocab_size: int = VOCAB_SIZE  # above the tokenizer's: padding rows (zero in lm_head), then top_rows
+    top_rows: int = 0  # the last rows of a padded vocabulary: lm_head rows scaled by top_rows_scale
+    top_rows_scale: float = 3.0
 
 
 presets: dict[str, TinySpec] = {
     "tiny": TinySpec(),
     # 8 KV heads (no GQA), four layers: tensor parallelism splitting KV heads in blocks at TP 2 and 4
     "tiny-kv8": TinySpec(num_layers=4, num_heads=8, num_kv_heads=8, head_dim=16),
+    # token ids past 65,535 at the top of every position's logits (prompt logprobs frames at their size)
+    "tiny-vocab-66k": TinySpec(hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
+                               intermediate_size=32, draft_layers=1, max_position_embeddings=8192,
+                               vocab_size=(1 << 16) + 512, top_rows=512),
     "llama-3.1-8b": TinySpec(
         hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
         rope_theta=500000.0, max_position_embeddings=131072, dtype="bfloat16",
@@ -115,6 +126,9 @@ def make_tiny_model(out_dir: str | Path, seed: int = 0, preset: str | TinySpec =
     spec = presets[preset] if isinstance(preset, str) else preset
     if not 0 < spec.draft_layers <= spec.num_layers:
         raise ValueError(f"draft_layers is {spec.draft_layers}, expected 1..num_layers={spec.num_layers}")
+    if spec.vocab_size < VOCAB_SIZE + spec.top_rows:
+        raise ValueError(f"vocab_size is {spec.vocab_size}, expected >= the tokenizer's {VOCAB_SIZE} + top_rows "
+                         f"{spec.top_rows}")
     tokenizer = train_tokenizer()
     if tokenizer.get_vocab_size() != VOCAB_SIZE:  # the corpus is fixed, so this is a code bug
         raise RuntimeError(f"tokenizer training gave {tokenizer.get_vocab_size()} tokens, expected {VOCAB_SIZE}")
@@ -127,7 +141,7 @@ def make_tiny_model(out_dir: str | Path, seed: int = 0, preset: str | TinySpec =
     draft_specs = _tensor_specs(spec, spec.draft_layers)
     # The draft's tensors are the target's (same names): keep them while the target streams out.
     kept: dict[str, torch.Tensor] = dict.fromkeys(name for name, _ in draft_specs)
-    tensors = _generate(spec, target_specs, seed, _lm_head_row_scale(tokenizer))
+    tensors = _generate(spec, target_specs, seed, _padded(_lm_head_row_scale(tokenizer), spec))
     _write_shards(target_dir, target_specs, tensors, spec.max_shard_bytes, element_bytes, kept)
     draft_tensors = iter([kept[name] for name, _ in draft_specs])
     _write_shards(draft_dir, draft_specs, draft_tensors, spec.max_shard_bytes, element_bytes)
@@ -156,7 +170,7 @@ def train_tokenizer() -> Tokenizer:
 
 def _write_side_files(folder: Path, spec: TinySpec, num_layers: int, tokenizer: Tokenizer) -> None:
     ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
-    vocab_size = tokenizer.get_vocab_size()
+    vocab_size = max(tokenizer.get_vocab_size(), spec.vocab_size)
     _write_json(folder / "config.json", _config_json(spec, num_layers, vocab_size, ids[BOS], [ids[EOS], ids[EOT]]))
     _write_json(folder / "generation_config.json", {"bos_token_id": ids[BOS], "eos_token_id": [ids[EOS], ids[EOT]]})
     _write_json(folder / "tokenizer_config.json", {
@@ -208,7 +222,7 @@ def _tensor_specs(spec: TinySpec, num_layers: int) -> list[tuple[str, tuple[int,
     """(Hugging Face name, shape) of every tensor, in the order they are generated and written."""
     h, inter = spec.hidden_size, spec.intermediate_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    out = [("model.embed_tokens.weight", (VOCAB_SIZE, h))]
+    out = [("model.embed_tokens.weight", (spec.vocab_size, h))]
     for i in range(num_layers):
         p = f"model.layers.{i}."
         out += [
@@ -222,7 +236,7 @@ def _tensor_specs(spec: TinySpec, num_layers: int) -> list[tuple[str, tuple[int,
             (p + "mlp.up_proj.weight", (inter, h)),
             (p + "mlp.down_proj.weight", (h, inter)),
         ]
-    return out + [("model.norm.weight", (h,)), ("lm_head.weight", (VOCAB_SIZE, h))]
+    return out + [("model.norm.weight", (h,)), ("lm_head.weight", (spec.vocab_size, h))]
 
 
 def _init_std(spec: TinySpec, name: str, shape: tuple[int, ...]) -> float | None:
@@ -252,6 +266,15 @@ def _lm_head_row_scale(tokenizer: Tokenizer) -> torch.Tensor:
         if (text.isascii() and text.isprintable() and text) or text in (EOS, EOT):
             scale[token_id] = 1.0
     return scale
+
+
+def _padded(scale: torch.Tensor, spec: TinySpec) -> torch.Tensor:
+    """[spec.vocab_size] ``scale`` (the tokenizer's rows), then zeros, then ``top_rows`` of ``top_rows_scale``."""
+    out = torch.zeros(spec.vocab_size)
+    out[:len(scale)] = scale
+    if spec.top_rows:
+        out[-spec.top_rows:] = spec.top_rows_scale
+    return out
 
 
 def _generate(
