@@ -116,6 +116,10 @@ def prefill_is_past(note: AbortNote | None) -> bool:
 
 
 class Quarantine:
+    """The decode's held rooms (``holds``), the rooms whose transfer request has left (``sent``) and
+    the aux slots held with them. Runs on the event loop; every release happens once, by one of
+    ``confirm``, ``written``, ``sweep`` or ``release_all``."""
+
     def __init__(self, aux: AuxSlots, metrics: Metrics, hold_s: float):
         self.aux = aux
         self.metrics = metrics
@@ -129,12 +133,15 @@ class Quarantine:
         return room in self.holds
 
     def uses(self, link: PrefillLink) -> bool:
+        """Whether a room asked over ``link`` is held (the link must stay open to hear its prefill)."""
         return any(h.link is link for h in self.holds.values())
 
     def keep_slot(self, room: int, slot: int) -> None:
+        """``room``'s aux ``slot`` may still be written: it goes with the room's hold."""
         self._slots[room] = slot
 
     def drop_slot(self, room: int) -> None:
+        """Nothing will write ``room``'s kept aux slot: it goes back now."""
         slot = self._slots.pop(room, None)
         if slot is not None:
             self.aux.release(slot)
@@ -213,6 +220,7 @@ class Quarantine:
         return True
 
     def sweep(self) -> None:
+        """End the holds past their hold time whose prefill can no longer start the WRITE."""
         now = time.monotonic()
         for room, hold in list(self.holds.items()):
             if now >= hold.until and prefill_is_past(hold.abort):
@@ -221,6 +229,7 @@ class Quarantine:
                 hold.release()
 
     def release_all(self) -> None:
+        """This decode stops (a restart): every hold ends, those for good too."""
         for hold in self.holds.values():
             hold.release()
         self.holds.clear()
