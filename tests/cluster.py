@@ -173,9 +173,10 @@ ROOM_EVENTS = {
     "prefilled_waiting": r"room={room} request_id=\S+ prefilled: waiting for the transfer request",
     "prefilled_with_transfer": r"room={room} request_id=\S+ prefilled: transfer request here",
 }
-# Which event each leg order must produce at the prefill, and the one that lets the second leg go.
-ORDER_EVENTS = {"prefill_first": ("opened_waiting", "opened_waiting"),
-                "decode_first": ("held", "opened_with_transfer")}
+# Per leg order: the prefill event that lets the second leg go, the event that must follow it (None:
+# nothing more is logged), and the other order's event, which must never appear for that room.
+ORDER_EVENTS = {"prefill_first": ("opened_waiting", None, "held"),
+                "decode_first": ("held", "opened_with_transfer", "opened_waiting")}
 
 
 class LogWatch:
@@ -218,6 +219,14 @@ def took_path(watch: LogWatch, room: int, event: str) -> bool:
     return watch.has(ROOM_EVENTS[event].format(room=room))
 
 
+def assert_order_path(watch: LogWatch, room: int, order: str) -> None:
+    """The room took the path of ``order`` (an ORDER_EVENTS key) and not the other order's: a
+    prefill_first room's transfer request was never held early, a decode_first room opened with it."""
+    _, then, never = ORDER_EVENTS[order]
+    assert then is None or took_path(watch, room, then), f"room {room} ({order}): no {then} event"
+    assert not took_path(watch, room, never), f"room {room} ({order}) took the other order's path: {never}"
+
+
 def send_pair(prefill: Proc, decode: Proc, body: dict, *, order: str = "concurrent", room: int | None = None,
               path: str = "/generate", timeout_s: float = 120.0):
     """Send one request to both legs the way a router does; returns (prefill answer, decode answer).
@@ -249,7 +258,7 @@ def send_pair(prefill: Proc, decode: Proc, body: dict, *, order: str = "concurre
     t1.join(timeout_s + 5)
     t2.join(timeout_s + 5)
     if order != "concurrent":
-        assert took_path(watch, room, ORDER_EVENTS[order][1]), f"room {room} ({order}) did not take that path"
+        assert_order_path(watch, room, order)
     return results["prefill"], results["decode"]
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from common.procs import Proc, http_json
-from tests.cluster import ORDER_EVENTS, SLACK_S, Cluster, LogWatch, free_pages, room_event, took_path
+from tests.cluster import ORDER_EVENTS, SLACK_S, Cluster, LogWatch, assert_order_path, free_pages, room_event
 
 KV_WAIT_S = 3.0        # decode: --kv-wait-timeout-s
 # prefill: --transfer-wait-timeout-s. Longer than the decode's wait, so a decode that gives up is
@@ -280,7 +280,7 @@ class Pair:
         b = leg(second)
         got = {first: a.result(timeout_s + 30), second: b.result(timeout_s + 30)}
         if order != "concurrent":
-            assert took_path(watch, room, ORDER_EVENTS[order][1]), f"room {room} ({order}) did not take that path"
+            assert_order_path(watch, room, order)
         return got["prefill"], got["decode"]
 
     def reference(self, ids: list[int], max_new_tokens: int = 4, bootstrap_port: int | None = None) -> list[int]:
