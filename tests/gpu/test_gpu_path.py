@@ -13,6 +13,7 @@ from common.engine.colocated import ColocatedEngine
 from common.engine.factory import build_runner
 from common.model.sampling import SamplingParams
 from common.model.tokenizer import Tokenizer
+from common.procs import http_json
 from tests.cluster import free_pages, send_pair
 
 pytestmark = pytest.mark.gpu
@@ -70,7 +71,8 @@ def test_draft_on_both_sides_vram(cluster, tiny_models):
 
 
 def test_bf16_default_on_cuda(cluster, tiny_models):
-    """--dtype auto means bf16 on CUDA; the pair serves and answers with the expected lengths."""
+    """--dtype auto means bf16 on CUDA: both daemons report bf16 KV in VRAM (/server_info), and the
+    pair serves. Fails if ``auto`` resolves to float32 on CUDA (the answer's length alone did not)."""
     prefill = cluster.prefill(extra=["--device", "cuda:0"])
     decode = cluster.decode(extra=["--device", "cuda:0"])
     body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 8, "temperature": 0,
@@ -79,6 +81,11 @@ def test_bf16_default_on_cuda(cluster, tiny_models):
     assert ds == 200, da
     assert len(da["output_ids"]) == 8
     assert torch.cuda.is_available()
+    for proc in (prefill, decode):
+        status, info = http_json(proc.url + "/server_info", timeout_s=10)
+        assert status == 200, info
+        layout = info["kv_layout"]
+        assert (layout["kv_dtype"], layout["target"]["mem"]) == ("bfloat16", ["VRAM"]), (proc.name, layout)
 
 
 @pytest.mark.parametrize("prefill_page,decode_page", [(16, 64), (64, 16)])
