@@ -14,8 +14,11 @@ the prefill rank that holds its heads; all carry the same notification with ``pa
 of feeds, so the decode completes the room once each has landed. The aux record rides with the
 (0, 0) feed (both ranks 0 hold the aux slots). The other ranks' WRITEs are posted first and run in
 parallel with rank 0's; a failure, an abort or a lost rank stops every WRITE of the room, and the
-job returns only once each has ended (DONE, failed, or cancelled): nothing is freed early. An
-``UnsafeWriteError`` from any rank wins, so the pages on both sides are quarantined.
+job returns only once each has ended (DONE, failed, or cancelled, as its rank answers; or its rank's
+process exited): nothing is freed early, and a failed TP group alone ends no WRITE. Each deadline
+counts from when its WRITE is posted. A rank that has not answered by then (and ``GRACE_S``) cannot
+be asked: like an ``UnsafeWriteError`` from any rank, which wins over every other error, the room is
+UNSAFE and the pages on both sides are quarantined.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from common.transport.nixl import NixlEngine
 logger = logging.getLogger(__name__)
 
 _WAIT_S = 0.01  # between checks of the other ranks' WRITEs (abort flag, lost rank)
+GRACE_S = 5.0  # past a rank's own WRITE deadline: its cancel and its answer are still on the way
 
 
 @dataclass(frozen=True)
@@ -176,7 +180,6 @@ class RankTransport:
         notif = wire.encode(wire.Notification(room=room.room, decode_id=transfer.decode_id, ok=True,
                                               parts=len(plan.tp.feeds)))
         jobs = [(feed, *self._descs(plan, feed, room, prefill_aux_slot)) for feed in plan.tp.feeds]
-        deadline = time.monotonic() + timeout_s
         remote: list[tuple[int, int, Future]] = []
         errors: list[BaseException] = []
         for feed, src, dst in jobs:
@@ -193,10 +196,10 @@ class RankTransport:
             if feed.prefill_rank != 0 or errors:
                 continue
             try:
-                self._write_local(agents[(0, feed.decode_rank)], feed, src, dst, notif, deadline, room)
+                self._write_local(agents[(0, feed.decode_rank)], feed, src, dst, notif, timeout_s, room)
             except BaseException as exc:
                 errors.append(exc)
-        errors += self._settle(remote, room, deadline, stop=bool(errors))
+        errors += self._settle(remote, room, stop=bool(errors))
         if errors:
             unsafe = [e for e in errors if isinstance(e, UnsafeWriteError)]
             raise (unsafe or errors)[0]
@@ -211,7 +214,7 @@ class RankTransport:
             dst = np.vstack([dst, [(da.addr + transfer.aux_slot * da.item_len, n, da.device)]]).astype(np.int64)
         return src, dst
 
-    def _write_local(self, peer: str, feed, src: np.ndarray, dst: np.ndarray, notif: bytes, deadline: float,
+    def _write_local(self, peer: str, feed, src: np.ndarray, dst: np.ndarray, notif: bytes, timeout_s: float,
                      room) -> None:
         engine = self.engine
         local = engine.prep_local(src, feed.src_mem)
@@ -222,44 +225,47 @@ class RankTransport:
                     raise room.failure()
                 index = np.arange(len(src), dtype=np.int64)
                 handle = engine.post_write(local, index, remote, index, notif)
-                engine.wait(handle, max(deadline - time.monotonic(), 0.0),
-                            stop=lambda: str(room.failure()) if room.is_aborted else None)
+                engine.wait(handle, timeout_s, stop=lambda: str(room.failure()) if room.is_aborted else None)
                 engine.release(handle)
             finally:
                 engine.release_prepped(remote)
         finally:
             engine.release_prepped(local)
 
-    def _settle(self, remote: list[tuple[int, int, Future]], room, deadline: float, stop: bool) -> list[BaseException]:
+    def _settle(self, remote: list[tuple[int, int, Future]], room, stop: bool) -> list[BaseException]:
         """Wait for the other ranks' WRITEs to end, aborting them all on the first failure, an abort
-        of the room or a lost rank; returns their errors."""
+        of the room or a lost rank; returns their errors. A WRITE has ended only when its rank says
+        so, or with its rank's process (``TpGroup`` ends an exited rank's ops): a failed group alone
+        ends none. A rank that has not answered by its WRITE's own deadline (counted from when it
+        posted it) and ``GRACE_S`` cannot be asked: the room is UNSAFE."""
         errors: list[BaseException] = []
-        aborted = False
-        grace = deadline + 5.0  # a rank past its own WRITE deadline has cancelled it and answers
+        is_lost = is_aborted = False
         pending = list(remote)
         while pending:
-            if (stop or room.is_aborted or errors) and not aborted:
+            if self.group is not None:
+                try:
+                    self.group.check_alive("a KV transfer")  # fails the ops of an exited rank
+                except DisaggError as exc:
+                    if not is_lost:
+                        errors.append(TransferError(f"room={room.room}: {exc}", code=FailCode.PEER_LOST))
+                    is_lost = True
+            errors += [f.exception() for _, _, f in pending if f.done() and f.exception() is not None]
+            pending = [op for op in pending if not op[2].done()]
+            late = [op for op in pending if self._is_late(op[1])]
+            if pending and (stop or room.is_aborted or errors or late) and not is_aborted:
                 reason = str(room.failure()) if room.is_aborted else "another rank's WRITE of the room failed"
                 for rank, op_id, _ in pending:
                     self.agents.abort(rank, op_id, reason)
-                aborted = True
-            try:
-                if self.group is not None:
-                    self.group.check_alive("a KV transfer")  # a dead rank fails every pending op
-            except DisaggError as exc:
-                errors.append(TransferError(f"room={room.room}: {exc}", code=FailCode.PEER_LOST))
-            still = []
-            for rank, op_id, future in pending:
-                if not future.done():
-                    still.append((rank, op_id, future))
-                elif future.exception() is not None:
-                    errors.append(future.exception())
-            pending = still
-            if pending and time.monotonic() > grace:
-                for rank, _, _ in pending:
-                    errors.append(UnsafeWriteError(f"room={room.room}: prefill rank {rank} did not end its WRITE "
-                                                   f"by its deadline; its pages are kept out of use"))
+                is_aborted = True
+            if late:
+                errors += [UnsafeWriteError(f"room={room.room}: prefill rank {rank} did not answer for its WRITE "
+                                            f"by its deadline; the room's pages are kept out of use")
+                           for rank, _, _ in late]
                 break
             if pending:
                 wait_futures([f for _, _, f in pending], timeout=_WAIT_S, return_when=FIRST_COMPLETED)
         return errors
+
+    def _is_late(self, op_id: int) -> bool:
+        due = self.agents.write_deadline(op_id)
+        return due is not None and time.monotonic() > due + GRACE_S

@@ -218,7 +218,7 @@ class TpGroup:
     def check_alive(self, doing: str = "a transfer") -> None:
         """Raise ``TpWorkerError`` when the group failed or a worker has exited (and fail the group)."""
         if self.state == GroupState.FAILED:
-            raise TpWorkerError(self._failure or "TP group failed")
+            raise self._fail(self._failure or "TP group failed")  # ends the ops of ranks exited since
         self._check_workers(doing)
 
     def ranks_alive(self) -> dict[int, bool]:
@@ -292,7 +292,10 @@ class TpGroup:
                 logger.error("TP group failed tp_size=%d: %s", self.spec.tp_size, reason)
         error = TpWorkerError(reason if self._failure is None else self._failure)
         if self.agents is not None:
-            self.agents.fail_all(error)  # a write waiting on a dead rank's reply ends now
+            # a write waiting on an exited rank's reply ends now (its WRITE ended with its process); a
+            # live rank's write is still answered by that rank, however the group failed
+            exited = [rank for rank, proc in enumerate(self._procs, start=1) if proc.poll() is not None]
+            self.agents.fail(error, exited)
         return error
 
 

@@ -3,10 +3,13 @@
 Rank K owns its KV pool and registers it with its own agent; rank 0 (``rank_agents.RankAgents``)
 sends it peers to load and WRITEs to post, and receives the notifications its agent gets, over the
 messages of ``rank_wire``. One thread (``serve``) owns the ZeroMQ socket and the agent's progress: it
-answers ``add_peer``/``remove_peer`` at once, hands each ``write`` to a one-thread executor (which
-posts, polls to DONE with the op's deadline and an abort check, then releases), and forwards
-notifications as they come. Replies from the executor go back through a queue the loop drains, so
-the socket is used by one thread only.
+answers ``add_peer``/``remove_peer`` at once, hands each ``write`` to an executor of
+``num_write_threads`` (as many WRITEs in flight as rank 0 may have: a WRITE into a frozen decode
+holds one thread until its deadline, never another decode's WRITE), which says ``posted`` as it
+posts (rank 0 counts the WRITE's deadline from then), polls to DONE with the op's deadline (also
+counted from the post) and an abort check, then releases; and it forwards notifications as they
+come. Replies from the executor go back through a queue the loop drains, so the socket is used by
+one thread only.
 
 The thread ends when rank 0 says nothing for ``idle_s`` after its socket is gone, or on ``stop()``;
 the process's forward loop (``tp_worker.serve``) is independent of it.
@@ -29,12 +32,16 @@ from common.transport.nixl import NixlEngine
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 1  # between notification reads: a WRITE into this rank completes only while it polls
+# WRITEs one rank runs at once: --xfer-threads' upper bound (rooms rank 0 writes at once). Threads
+# start only as WRITEs need them.
+MAX_WRITES_IN_FLIGHT = 64
 
 
 class RankAgentServer:
     """Rank ``rank``'s agent and the thread that serves rank 0; ``start`` registers ``buffer``."""
 
-    def __init__(self, rank: int, endpoint: str, name_prefix: str, buffer: torch.Tensor) -> None:
+    def __init__(self, rank: int, endpoint: str, name_prefix: str, buffer: torch.Tensor,
+                 num_write_threads: int = MAX_WRITES_IN_FLIGHT) -> None:
         self.rank = rank
         self.endpoint = endpoint
         self.engine = NixlEngine(f"{name_prefix}-tp{rank}")
@@ -46,7 +53,7 @@ class RankAgentServer:
         self._aborts: dict[int, str] = {}  # write op -> why rank 0 stopped it
         self._active: set[int] = set()  # write ops not answered yet
         self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"tp{rank}-write")
+        self._executor = ThreadPoolExecutor(num_write_threads, thread_name_prefix=f"tp{rank}-write")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -140,6 +147,7 @@ class RankAgentServer:
             remote = self.engine.prep_remote(peer, dst_descs, dst_mem)
             try:
                 index = list(range(len(src_descs)))
+                self._replies.put(["posted", op_id])  # before the post: rank 0's clock never starts late
                 handle = self.engine.post_write(local, index, remote, index, notif)
                 self.engine.wait(handle, timeout_s, stop=lambda: self._abort_reason(op_id))
                 self.engine.release(handle)

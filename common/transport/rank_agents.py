@@ -7,12 +7,17 @@ ROUTER socket on 127.0.0.1, passes its endpoint to the ranks it starts, and then
   decode, its source addresses on a prefill);
 - ``call``/``submit`` run ``add_peer``, ``remove_peer`` and ``write`` on a rank (``rank_wire``), each
   answered by a reply that resolves a ``Future``; ``abort`` stops a write in flight;
+  ``write_deadline`` is when a write has ended on its rank by the rank's own deadline: its timeout
+  counted from when the rank posted it (one still waiting for a thread there: from when every
+  write sent to that rank before it is due, at the latest);
 - ``get_notifs`` returns what the ranks' agents received since the last call, by
   ``"{sender}@tp{rank}"`` (one notification per WRITE, and a room's WRITEs into different ranks
   come from the same sender).
 
-One thread owns the socket: callers queue frames and wake it through a pipe. ``fail_all`` ends every
-pending op with the given error (a rank died: nothing more will answer); ``close`` does too.
+One thread owns the socket: callers queue frames and wake it through a pipe. ``fail`` refuses every
+later op and ends the pending ops of the ranks named (those that exited: nothing more will answer,
+and their WRITEs ended with their process); a live rank's ops are answered by that rank, so a
+WRITE still running there is never reported ended. ``close`` ends every pending op.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ class RankAgents:
         self._out: queue.SimpleQueue[tuple[bytes, bytes]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[int, Future]] = {}  # op id -> (rank, its future)
+        self._writes: dict[int, tuple[int, float, float]] = {}  # write op id -> (rank, submitted at, timeout_s)
+        self._posted: dict[int, float] = {}  # write op id -> when its rank said it posts it
         self._ids = itertools.count(1)
         self._hellos: dict[int, RankInfo] = {}
         self._hello_event = threading.Event()
@@ -98,6 +105,8 @@ class RankAgents:
             if self._failure is not None:
                 future.set_exception(self._failure)
                 return op_id, future
+            if op == "write":  # its last argument is its timeout
+                self._writes[op_id] = (rank, time.monotonic(), float(args[-1]))
             self._pending[op_id] = (rank, future)
         self._send(rank, [op, op_id, *args])
         return op_id, future
@@ -114,23 +123,44 @@ class RankAgents:
     def abort(self, rank: int, op_id: int, reason: str) -> None:
         self._send(rank, ["abort", op_id, reason])
 
+    def write_deadline(self, op_id: int) -> float | None:
+        """When write ``op_id`` has ended on its rank by the rank's own deadline (``time.monotonic()``);
+        None once it was answered. Its timeout counts from its post; before the post, from when every
+        write sent to its rank before it is due (the rank's threads take writes in order, so by then
+        one is free for it)."""
+        with self._lock:
+            if op_id not in self._writes:
+                return None
+            rank = self._writes[op_id][0]
+            due = 0.0  # the latest deadline of the rank's writes sent before this one
+            for other, (r, submitted, timeout_s) in self._writes.items():  # in the order sent
+                if r != rank:
+                    continue
+                posted = self._posted.get(other)
+                mine = posted + timeout_s if posted is not None else max(submitted, due) + timeout_s
+                if other == op_id:
+                    return mine
+                due = max(due, mine)
+        return None  # pragma: no cover (op_id is among the writes)
+
     def get_notifs(self) -> dict[str, list[bytes]]:
         with self._lock:
             out, self._notifs = self._notifs, {}
         return out
 
-    def fail_all(self, error: DisaggError) -> None:
-        """End every pending op with ``error``, and every later one at once."""
+    def fail(self, error: DisaggError, ranks) -> None:
+        """Refuse every later op with ``error``; end the pending ops of ``ranks`` (exited) with it."""
+        ranks = set(ranks)
         with self._lock:
             if self._failure is None:
                 self._failure = error
-            pending, self._pending = self._pending, {}
-        for _, future in pending.values():
-            if not future.done():
-                future.set_exception(error)
+            ended = [op_id for op_id, (rank, _) in self._pending.items() if rank in ranks]
+        for op_id in ended:
+            self._resolve(op_id, error=error)
 
     def close(self) -> None:
-        self.fail_all(PeerUnavailableError("TP rank agents closed"))
+        """Stop serving; every pending op ends (the group has ended its ranks first)."""
+        self.fail(PeerUnavailableError("TP rank agents closed"), range(1, self.tp_size))
         self._stop.set()
         os.write(self._wake_w, b"x")
         self._thread.join(timeout=10)
@@ -191,6 +221,10 @@ class RankAgents:
                 self._resolve(op_id, value=value)
             else:
                 self._resolve(op_id, error=rank_wire.error_in(err_kind, err_code, err_text, rank))
+        elif kind == "posted":
+            with self._lock:
+                if msg[1] in self._writes:
+                    self._posted[msg[1]] = time.monotonic()
         elif kind == "notifs":  # keyed "sender@receiver": one WRITE's notification per (sender, rank)
             receiver = identity.replace("rank-", "tp")
             with self._lock:
@@ -210,8 +244,10 @@ class RankAgents:
     def _resolve(self, op_id: int, *, value=None, error: BaseException | None = None) -> None:
         with self._lock:
             entry = self._pending.pop(op_id, None)
+            self._writes.pop(op_id, None)
+            self._posted.pop(op_id, None)
         if entry is None or entry[1].done():
-            return  # answered late after a timeout or fail_all: nobody waits for it
+            return  # answered late after a timeout or a lost rank: nobody waits for it
         if error is not None:
             entry[1].set_exception(error)
         else:

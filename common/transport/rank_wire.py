@@ -6,6 +6,7 @@ rank K -> rank 0::
 
     ["hello", rank, agent_name, agent_metadata, [region fields...]]   once, when its agent is ready
     ["reply", op_id, ok, value, error_kind, error_code, error_text]   the end of one op
+    ["posted", op_id]                                                  write ``op_id`` is being posted now
     ["notifs", {sender: [payload, ...]}]                               what its agent received
 
 rank 0 -> rank K::
