@@ -315,11 +315,13 @@ def _time_writes(engine: NixlEngine, peer: str, buffer: torch.Tensor, target: to
     for _ in range(4 * reps):  # what StagingSender._post and the WAIT step do per chunk
         start = time.perf_counter()
         local, remote = engine.prep_local(shapes["tiny"][0], mem), engine.prep_remote(peer, shapes["tiny"][1], mem)
-        handle = engine.post_write(local, [0], remote, [0], None)
-        engine.wait(handle, 10.0)
-        engine.release(handle)
-        engine.release_prepped(local)
-        engine.release_prepped(remote)
+        try:
+            handle = engine.post_write(local, [0], remote, [0], None)
+            engine.wait(handle, 10.0)
+            engine.release(handle)
+        finally:
+            engine.release_prepped(local)
+            engine.release_prepped(remote)
         cycles.append(time.perf_counter() - start)
     return _WriteCosts(per_descriptor_s=max(times["many"] - times["one"], 0.0) / (num - 1),
                        per_write_s=statistics.median(cycles),

@@ -167,6 +167,28 @@ def test_the_prefill_chooses_the_path_and_counts_why(engine):
     assert s.slots.num_free == 1
 
 
+def test_measured_costs_stage_only_where_the_model_says_staged_is_faster_and_for_the_memory_measured(engine):
+    """With measured costs, the crossover counts the room's chunks (a WRITE each) and the copies; a
+    decode whose slots sit in memory the costs were not measured for gets its rooms direct."""
+    metrics = Metrics("prefill")
+    pool = torch.zeros(64 * PAGE, dtype=torch.uint8)
+    s = _sender(engine, pool, crossover=3, metrics=metrics)
+    plan = _Plan(pool, 1 << 30)
+    transfer = wire.Transfer(room=1, decode_id="d", page_ids=[1, 5, 9], aux_slot=0, num_prompt_tokens=1,
+                             staging_slot=0)
+    s.crossover = StagingCosts(per_descriptor_s=1e-5, copy_s_per_byte=0.0, per_write_s=1e-5)  # 2 chunks: 3 WRITEs
+    assert s.crossover_for(3 * PAGE) == crossover_runs(s.crossover, 3 * PAGE, 2 * PAGE) == 5
+    info = wire.StagingInfo(mem="DRAM", device=0, addr=1 << 40, slot_nbytes=8 * PAGE, num_slots=2)
+    assert s.choose(plan, info, transfer, [0, 1, 2]) is None and _count(metrics, "direct", "few_runs") == 1
+    s.crossover = StagingCosts(per_descriptor_s=1e-5, copy_s_per_byte=0.0)
+    staged = s.choose(plan, info, transfer, [0, 1, 2])  # 3 runs against 2 chunks of free WRITEs: staged
+    assert staged is not None
+    s.finish(staged, None)
+    vram = wire.StagingInfo(mem="VRAM", device=0, addr=1 << 40, slot_nbytes=8 * PAGE, num_slots=2)
+    assert s.choose(plan, vram, transfer, [0, 1, 2]) is None
+    assert _count(metrics, "direct", "unmeasured_transport") == 1
+
+
 def test_crossover_off_or_too_small_a_buffer_means_no_staging(engine):
     pool = torch.zeros(64 * PAGE, dtype=torch.uint8)
     assert _sender(engine, pool, crossover=0, metrics=Metrics("prefill")) is None
