@@ -7,7 +7,8 @@ converts once into ``~/.cache/kvferry/gguf/<key>/<stem>/`` (keyed by the file's 
 and the dtype); that is how the daemons and ``kvferry up`` serve ``--model FILE.gguf``.
 
 llama.cpp's converter permutes the Q and K rows of ``llama`` models (its rotary pairs adjacent
-dimensions, Hugging Face's the two halves of a head): ``_unpermute`` undoes it. Architectures other
+dimensions, Hugging Face's the two halves of a head): ``_unpermute`` undoes it. Llama 3.1 rope
+scaling travels as a ``rope_freqs`` tensor of factors: ``llama3_scaling`` reads it back. Architectures other
 than those of ``ARCHITECTURES``, tensors this model has no place for and quantization types the
 ``gguf`` package cannot dequantize are refused with a ``ModelLoadError`` naming them.
 """
@@ -43,6 +44,7 @@ LAYER_TENSORS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_lay
                  "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
                  "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                  "ffn_down": "mlp.down_proj"}
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1 rope scaling, as llama.cpp stores it
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -139,10 +141,35 @@ def hf_name(gguf_name: str, path: Path) -> str:
         return GLOBAL_TENSORS[gguf_name]
     match = _LAYER_NAME.match(gguf_name)
     if match is None or match.group(2) not in LAYER_TENSORS:
-        hint = " (Llama 3.1 rope scaling, not read from GGUF yet: use the HF folder)" if "rope_freqs" in gguf_name else ""
-        raise ModelLoadError(f"{path}: tensor '{gguf_name}' has no place in a Llama-family model{hint}")
+        raise ModelLoadError(f"{path}: tensor '{gguf_name}' has no place in a Llama-family model")
     layer, part, kind = match.groups()
     return f"model.layers.{layer}.{LAYER_TENSORS[part]}.{kind}"
+
+
+def llama3_factors(config: dict, factor: float, low: float = 1.0, high: float = 4.0, old_len: int = 8192) -> np.ndarray:
+    """The ``rope_freqs`` llama.cpp's converter writes for Llama 3.1 rope scaling (per rotary pair)."""
+    dim, base = config["head_dim"], config["rope_theta"]
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    wavelen = 2 * np.pi / freqs
+    smooth = (old_len / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old_len / high, 1.0, np.where(wavelen > old_len / low, factor, mid)).astype(np.float32)
+
+
+def llama3_scaling(reader, meta: Metadata, config: dict) -> dict | None:
+    """Llama 3.1 rope scaling recovered from a ``rope_freqs`` tensor: llama.cpp stores only the factors,
+    from the Llama 3 defaults (low 1, high 4, original context 8192) and the factor; other factors
+    are refused."""
+    tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if tensor is None:
+        return None
+    factors = _dequantize(tensor, meta.path).reshape(-1)
+    expected = llama3_factors(config, float(factors.max()))
+    if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-5, atol=1e-6):
+        raise ModelLoadError(f"{meta.path}: tensor '{ROPE_FREQS}' is not Llama 3.1 rope scaling with low_freq_factor 1, "
+                             "high_freq_factor 4 and original context 8192; convert from the Hugging Face folder")
+    return {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
 
 
 def _unpermute(rows: np.ndarray, n_head: int) -> np.ndarray:
@@ -169,9 +196,10 @@ def read_tensors(reader, meta: Metadata, config: dict, dtype: torch.dtype) -> di
     """Every tensor under its Hugging Face name, dequantized to ``dtype``, Q/K rows unpermuted."""
     permuted = meta.get("general.architecture") in PERMUTED_QK
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    names = [hf_name(t.name, meta.path) for t in reader.tensors]  # refuse before dequantizing anything
+    tensors = [t for t in reader.tensors if t.name != ROPE_FREQS]  # read into config.json
+    names = [hf_name(t.name, meta.path) for t in tensors]  # refuse before dequantizing anything
     out: dict[str, torch.Tensor] = {}
-    for tensor, name in zip(reader.tensors, names):
+    for tensor, name in zip(tensors, names):
         values = _dequantize(tensor, meta.path)
         proj = name.split(".")[-2]
         if permuted and proj in heads:
@@ -190,6 +218,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float
     reader = _reader(path)
     meta = Metadata(reader, path)
     config = config_json(meta, {t.name for t in reader.tensors}, dtype)
+    config["rope_scaling"] = llama3_scaling(reader, meta, config) or config["rope_scaling"]
     tokenizer_json, side_files = tokenizer_files(meta, int(config["max_position_embeddings"]))
     tensors = read_tensors(reader, meta, config, DTYPES[dtype])
     out.mkdir(parents=True, exist_ok=True)

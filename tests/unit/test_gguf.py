@@ -200,3 +200,26 @@ def test_qwen3_gguf_keeps_q_and_k_rows_in_order(tmp_path):
     assert torch.equal(back["model.layers.0.self_attn.k_norm.weight"], torch.full((head_dim,), 1.5))
     model = load_model(tmp_path / "out")
     assert model.config.architecture == "Qwen3ForCausalLM" and model.config.has_qk_norm
+
+
+def test_llama31_rope_freqs_become_llama3_rope_scaling(tmp_path):
+    """llama.cpp stores Llama 3.1 rope scaling as per-pair factors (rope_freqs): computed here from
+    transformers' formula (common/model/rope.py), they read back as rope_type llama3, factor 32."""
+    from common.model.rope import inv_frequencies
+
+    target = Path(tiny_model_dirs()[0])
+    raw = json.loads((target / "config.json").read_text())
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    scaled = ModelConfig.from_dict({**raw, "rope_parameters": {**raw["rope_parameters"], **scaling}})
+    plain = ModelConfig.from_dir(target)
+    factors = (inv_frequencies(plain) / inv_frequencies(scaled)).numpy().astype(np.float32)
+    assert factors.min() == 1.0 and factors.max() == pytest.approx(32.0)  # both ends and a band between
+    path = write_gguf(tmp_path / "l31.gguf", target, edit=lambda w: w.add_tensor("rope_freqs.weight", factors))
+    back = ModelConfig.from_dir(convert_gguf(path, tmp_path / "out"))
+    assert back.rope_scaling == scaled.rope_scaling and back.fingerprint == scaled.fingerprint
+    assert torch.allclose(inv_frequencies(back), inv_frequencies(scaled), rtol=1e-6)
+    bogus = write_gguf(tmp_path / "bad.gguf", target,
+                       edit=lambda w: w.add_tensor("rope_freqs.weight", np.linspace(1, 8, 16, dtype=np.float32)))
+    with pytest.raises(ModelLoadError, match="'rope_freqs.weight' is not Llama 3.1 rope scaling"):
+        convert_gguf(bogus, tmp_path / "out2")
