@@ -50,6 +50,8 @@ from common.wire_check import _build, _short
 #                    pages became heads-outermost; a prefill refuses a register without it.
 #   1 (kvferry 0.6): aux record v3 (280 bytes: the first token's top logprobs in f64, like its own
 #                    logprob), written only into slots that hold it; a 0.5 decode's slots get v2.
+#   1 (kvferry 0.6): Abort.code (default "": ABORTED), "cancelled" when the decode's client went away,
+#                    so that the prefill counts a cancel, not a failed transfer; sent only for a cancel.
 PROTOCOL_VERSION = 1
 
 # A register frame carries two entries per layer per model; 1 MiB holds ~5,000 regions.
@@ -231,11 +233,18 @@ class TransferResult(Message):
 
 @dataclass(frozen=True, slots=True)
 class Abort(Message):
-    """Either way: give up ``room`` (client gone, deadline passed, shutdown). The peer frees it."""
+    """Either way: give up ``room`` (client gone, deadline passed, shutdown). The peer frees it.
+    ``code`` "cancelled": the request's client went away (not a failure: both sides count it as a
+    cancel); "" (the default, and a peer that predates it): any other reason, read as ABORTED."""
 
     KIND: ClassVar[str] = "abort"
     room: int
     reason: str
+    code: str = ""
+
+    @property
+    def fail_code(self) -> "FailCode":
+        return FailCode.CANCELLED if self.code == FailCode.CANCELLED.value else FailCode.ABORTED
 
 
 @dataclass(frozen=True, slots=True)

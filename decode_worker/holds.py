@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from common import wire
 from common.aux import AuxSlots
+from common.errors import FailCode
 from common.metrics import Metrics
 from decode_worker.link import PrefillLink
 
@@ -76,18 +77,20 @@ class AbortSender:
         self.timeout_s = timeout_s
         self._tasks: set[asyncio.Task] = set()
 
-    def send_soon(self, link: PrefillLink, room: int, reason: str) -> AbortNote:
+    def send_soon(self, link: PrefillLink, room: int, reason: str, code: FailCode | None = None) -> AbortNote:
+        """``code`` CANCELLED (the client went away) is named in the abort; any other is not."""
         self.metrics.aborts.labels(side="decode").inc()
         note = AbortNote(link)
-        task = asyncio.get_running_loop().create_task(self._send(note, room, reason))
+        msg = wire.Abort(room=room, reason=reason, code="cancelled" if code is FailCode.CANCELLED else "")
+        task = asyncio.get_running_loop().create_task(self._send(note, msg))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return note
 
-    async def _send(self, note: AbortNote, room: int, reason: str) -> None:
-        link = note.link
+    async def _send(self, note: AbortNote, msg: wire.Abort) -> None:
+        link, room = note.link, msg.room
         try:
-            await link.send(wire.Abort(room=room, reason=reason), timeout_s=self.timeout_s)
+            await link.send(msg, timeout_s=self.timeout_s)
         except Exception as exc:  # task boundary; includes a socket replaced mid-send (_rebuild_socket)
             note.is_lost = True
             self.metrics.aborts.labels(side="decode_unsent").inc()

@@ -156,13 +156,13 @@ class KvReceiver:
             self.staging.quarantine(room, str(exc.error))
             self.holds.hold_forever(room, release, link, num_pages)
         elif not exc.pages_safe:
-            self.holds.hold(room, release, self.aborts.send_soon(link, room, str(exc.error)), num_pages=num_pages,
-                            heard=sent.heard if sent is not None else frozenset())
+            self.holds.hold(room, release, self.aborts.send_soon(link, room, str(exc.error), exc.code),
+                            num_pages=num_pages, heard=sent.heard if sent is not None else frozenset())
         else:
             self.holds.drop_slot(room)
             release()
             if sent is None or exc.code in _UNBOUND:  # the prefill's leg may still wait for this room
-                self.aborts.send_soon(link, room, str(exc.error))
+                self.aborts.send_soon(link, room, str(exc.error), exc.code)
 
     async def _fetch_once(self, request_id: str, link: PrefillLink, room: int, page_ids: list[int],
                           num_prompt_tokens: int, deadline: float, timeout_s: float,

@@ -8,7 +8,6 @@ or, when a failed room's WRITE may still land, once the prefill confirms (or a h
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -20,6 +19,7 @@ import torch
 
 from common import wire
 from common.api.backend import DaemonBackend, DaemonView, GenerateEvent, GenerateInput
+from common.api.outcome import Outcome
 from common.engine.batcher import DecodeBatcher
 from common.engine.colocated import decode_seed
 from common.engine.fork import check_group, children_of, fork_group, outputs
@@ -56,7 +56,7 @@ class DecodeBackend(DaemonBackend):
     role = "decode"
     daemon: DecodeParts
 
-    async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateEvent]:
+    async def run(self, inp: GenerateInput, outcome: Outcome) -> AsyncIterator[GenerateEvent]:
         d = self.daemon
         if inp.bootstrap is None:
             raise RequestError("decode needs bootstrap_host, bootstrap_port and bootstrap_room "
@@ -73,15 +73,17 @@ class DecodeBackend(DaemonBackend):
         d.runner.admit(seq)
         d.inflight += 1
         try:
-            async for event in self._run(seq, inp, started):
+            async for event in self._run(seq, inp, started, outcome):
                 yield event
         finally:
             d.inflight -= 1
 
-    async def _run(self, seq: Sequence, inp: GenerateInput, started: float) -> AsyncIterator[GenerateEvent]:
+    async def _run(self, seq: Sequence, inp: GenerateInput, started: float,
+                   outcome: Outcome) -> AsyncIterator[GenerateEvent]:
         d = self.daemon
         b = inp.bootstrap
         num_pages = -(-seq.num_prompt_tokens // d.runner.page_size)
+        outcome.phase = "kv_wait"
         try:
             record, link, prompt = await d.receiver.fetch(
                 request_id=seq.request_id, host=b.host, port=b.port, room=b.room, page_ids=seq.pages[:num_pages],
@@ -89,8 +91,9 @@ class DecodeBackend(DaemonBackend):
                 release=lambda: d.runner.release(seq),
                 wants_prompt_logprobs=inp.return_logprob and inp.logprob_start_len < seq.num_prompt_tokens)
         except BaseException as exc:  # the receiver freed or quarantined the pages
-            d.metrics.requests.labels(outcome="kv_failed").inc()
-            d.metrics.failed_transfers.labels(reason=fail_code_of(exc).value).inc()
+            if not outcome.is_cancel(exc):  # a client gone (here or at the prefill) is no failed transfer
+                outcome.set("kv_failed", str(exc))
+                d.metrics.failed_transfers.labels(reason=fail_code_of(exc).value).inc()
             raise
         seq.num_cached = seq.num_prompt_tokens
         seq.output_ids.append(record.first_token_id)
@@ -102,6 +105,7 @@ class DecodeBackend(DaemonBackend):
         d.metrics.ttft_seconds.observe(time.monotonic() - started)
         # the draft's prompt KV: written by the prefill, filled by the batcher, or (n > 1) by the fork
         needs_draft = d.runner.draft is not None and not link.writes_draft and inp.params.n == 1
+        outcome.phase = "decode"
         seqs = await self._fork(seq, inp)
         jobs = [d.batcher.submit(s, OutputTracker(s, self.tokenizer.decode, self.tokenizer.eos_token_ids),
                                  needs_draft_prefill=needs_draft) for s in seqs]
@@ -124,16 +128,18 @@ class DecodeBackend(DaemonBackend):
                     meta["spec_num_proposed"] = s.num_proposed
                     meta["spec_num_accepted"] = s.num_accepted
                 if finished and out.finish_reason.type == "abort":
-                    d.metrics.requests.labels(outcome="failed").inc()
+                    outcome.set("failed", out.finish_reason.message or "request aborted")
                     raise DisaggError(out.finish_reason.message or "request aborted")
                 num_left -= finished
                 if not num_left:
                     # Counted before the last yield: the HTTP layer closes the stream once it has it.
-                    d.metrics.requests.labels(outcome="ok").inc()
+                    outcome.set("ok")
                 yield GenerateEvent(token_ids=out.token_ids, logprobs=out.logprobs, text=out.text, finished=finished,
                                     finish_reason=out.finish_reason.to_sglang() if finished else None, meta=meta,
                                     top_logprobs=out.top_logprobs, index=index)
         finally:
+            if any(job in d.batcher.incoming for job in jobs):
+                outcome.phase = "queued"  # waiting for a place in the running batch
             for job in jobs:
                 if not job.seq.is_done:
                     d.batcher.abort(job, "client disconnected")

@@ -159,12 +159,13 @@ class Bootstrap:
         self.rooms.pop_early(msg.room)
         reason = f"decode aborted room {msg.room}: {msg.reason}"
         logger.info("room=%d aborted by decode peer=%s: %s", msg.room, identity.hex(), msg.reason)
+        given = msg.fail_code  # CANCELLED: its client went away, counted as a cancel here too
         if room is None:
-            self.rooms.remember_ended(msg.room, reason, FailCode.ABORTED)
+            self.rooms.remember_ended(msg.room, reason, given)
         else:
-            room.abort(reason, FailCode.ABORTED)  # a waiting room fails now; a WRITE in flight is cancelled
+            room.abort(reason, given)  # a waiting room fails now; a WRITE in flight is cancelled
         if room is None or bound is None or room.is_finished:  # an unsafe room's WRITE may still land: say so
-            code = FailCode.ABORTED if room is None else room.end_code(FailCode.ABORTED)
+            code = given if room is None else room.end_code(given)
             await self._result(identity, msg.room, f"aborted by decode: {msg.reason}", code)
 
     async def fail_room(self, room: Room, reason: str, code: FailCode) -> None:
@@ -175,7 +176,8 @@ class Bootstrap:
         if final is FailCode.UNSAFE and room.is_aborted:  # aborted first, then its cancel failed: UNSAFE wins
             room.error = f"{room.error}; its WRITE could not be cancelled, target pages may still be written ({reason})"
         room.error, code = room.error or reason, final
-        self.metrics.failed_transfers.labels(reason=code.value).inc()
+        if code is not FailCode.CANCELLED:  # a client gone, on either side, is no failed transfer
+            self.metrics.failed_transfers.labels(reason=code.value).inc()
         if room.identity is not None:
             await self._result(room.identity, room.room, room.error, code)
         else:

@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from common.api.backend import DaemonBackend, DaemonView, GenerateEvent, GenerateInput
+from common.api.outcome import Outcome
 from common.api.schema import FieldError
 from common.engine.runner import ModelRunner
 from common.engine.sequence import Sequence
@@ -64,7 +65,7 @@ class PrefillBackend(DaemonBackend):
         super().__init__(daemon)
         self._background: set[asyncio.Task] = set()
 
-    async def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateEvent]:
+    async def run(self, inp: GenerateInput, outcome: Outcome) -> AsyncIterator[GenerateEvent]:
         d = self.daemon
         try:
             d.admit_or_raise()
@@ -99,8 +100,9 @@ class PrefillBackend(DaemonBackend):
         except DisaggError:
             d.runner.release(seq)
             raise
+        outcome.phase = "prefill"
         try:
-            await self._prefill_or_fail(seq, room)
+            await self._prefill_or_fail(seq, room, outcome)
         except BaseException:
             self._close(seq, room)
             raise
@@ -108,12 +110,17 @@ class PrefillBackend(DaemonBackend):
             task = asyncio.create_task(self._finish_room(seq, room, started))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+            outcome.set("ok")  # this request's answer; the room's own fate is logged by _finish_room
             yield self._event(seq, inp, started, kv_transfer_params=d.kv_transfer_params(room_id))
             return
+        outcome.phase = "kv_wait"  # for the decode's transfer request, then "transfer" for the WRITE
         try:
             await self._send_or_fail(room, started)
         finally:
+            if room.transfer is not None:
+                outcome.phase = "transfer"
             self._close(seq, room)
+        outcome.set("ok")  # before the one event: the HTTP layer closes the generator once it has it
         yield self._event(seq, inp, started, has_decode_logprobs=room.has_decode_logprobs)
 
     async def _refuse(self, room_id: int, inp: GenerateInput, error: DisaggError) -> None:
@@ -133,13 +140,15 @@ class PrefillBackend(DaemonBackend):
             d.rooms.close(room)
         raise error
 
-    async def _prefill_or_fail(self, seq: Sequence, room: Room) -> None:
+    async def _prefill_or_fail(self, seq: Sequence, room: Room, outcome: Outcome) -> None:
         if room.is_aborted:  # its decode gave it up before this request came: no forward for nothing
             await self.daemon.bootstrap.fail_room(room, room.error or "aborted", room.code)
             raise room.failure()
         try:
             await self.daemon.scheduler.prefill(seq)
         except BaseException as exc:
+            if seq.num_cached == 0:
+                outcome.phase = "queued"  # no chunk of it ran: it was waiting for a prefill batch
             await self.daemon.bootstrap.fail_room(room, f"prefill failed: {exc}" if str(exc) else "prefill cancelled",
                                                   fail_code_of(exc, FailCode.PREFILL_FAILED))
             raise

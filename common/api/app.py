@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
 from common.api.auth import ApiKeyMiddleware
@@ -36,7 +37,7 @@ from common.api.sse import (
     until_disconnect,
 )
 from common.api.streams import OpenAIStream, SGLangStream
-from common.errors import ConfigError, DisaggError
+from common.errors import ConfigError, DisaggError, FailCode, OverloadedError
 
 logger = logging.getLogger(__name__)
 
@@ -97,11 +98,12 @@ class _Api:
         return ctx, await loop.run_in_executor(None, parse, ctx, body, *args)
 
     def inputs(self, items: Sequence[PromptItem], stream: bool, return_logprob: bool,
-               kv: dict[str, Any] | None, top_logprobs_num: int = 0) -> list[GenerateInput]:
+               kv: dict[str, Any] | None, top_logprobs_num: int, deadline: float) -> list[GenerateInput]:
         return [GenerateInput(request_id=it.request_id, prompt_ids=it.prompt_ids,
                               params=it.params, stream=stream, return_logprob=return_logprob,
                               logprob_start_len=it.logprob_start_len, bootstrap=it.bootstrap,
-                              kv_transfer_params=kv, top_logprobs_num=top_logprobs_num) for it in items]
+                              kv_transfer_params=kv, top_logprobs_num=top_logprobs_num,
+                              deadline=deadline) for it in items]
 
     def streams(self, is_stream: bool) -> bool:
         """Whether to answer with SSE. A prefill answers one JSON object even to `stream: true`:
@@ -136,6 +138,7 @@ class _Api:
 
     async def collect(self, request: Request, inputs: Sequence[GenerateInput],
                       outs: Sequence[ItemOutput], deadline: float) -> None:
+        request.state.is_opened = True  # from here each generator counts its own outcome
         gens = await self.open(inputs)
         events = self.events(gens, outs, deadline)
 
@@ -151,6 +154,7 @@ class _Api:
 
     async def stream(self, request: Request, inputs: Sequence[GenerateInput], outs: Sequence[ItemOutput],
                      fmt: StreamFormatter, deadline: float) -> Response:
+        request.state.is_opened = True  # from here each generator counts its own outcome
         gens = await self.open(inputs)
         events = self.events(gens, outs, deadline)
         try:
@@ -167,15 +171,15 @@ class _Api:
     async def generate(self, request: Request) -> Response:
         started = asyncio.get_running_loop().time()
         ctx, req = await self.parse(request, parse_generate)
+        deadline = started + self.timeout_s
         inputs = self.inputs(req.items, req.stream, req.return_logprob, req.kv_transfer_params,
-                             req.top_logprobs_num)
+                             req.top_logprobs_num, deadline)
         outs = self.outputs(req.items)
         tokenizer = self.backend.tokenizer
 
         def elapsed() -> float:
             return asyncio.get_running_loop().time() - started
 
-        deadline = started + self.timeout_s
         if self.streams(req.stream):
             return await self.stream(request, inputs, outs, SGLangStream(req, outs, tokenizer, elapsed),
                                      deadline)
@@ -187,12 +191,13 @@ class _Api:
         started = asyncio.get_running_loop().time()
         ctx, req = await self.parse(request, parse_openai, is_chat)
         req: OpenAIRequest
-        inputs = self.inputs(req.items, req.stream, req.logprobs, req.kv_transfer_params, req.top_logprobs_num)
+        deadline = started + self.timeout_s
+        inputs = self.inputs(req.items, req.stream, req.logprobs, req.kv_transfer_params, req.top_logprobs_num,
+                             deadline)
         outs = self.outputs(req.items)
         base_id = req.items[0].request_id if len(req.items) == 1 else ctx.request_id
         naming = {"model": req.model or self.backend.model_name, "created": int(time.time()),
                   "response_id": ("chatcmpl-" if is_chat else "cmpl-") + base_id}
-        deadline = started + self.timeout_s
         if self.streams(req.stream):
             fmt = OpenAIStream(req, outs, self.backend.tokenizer, **naming)
             return await self.stream(request, inputs, outs, fmt, deadline)
@@ -230,33 +235,52 @@ def json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def guarded(timeout_s: float) -> Callable[[Callable[[Request], Awaitable[Response]]],
-                                          Callable[[Request], Awaitable[Response]]]:
-    """Turn every way a request can fail into an error answer: the route's task boundary."""
+def guarded(timeout_s: float, count: Callable[[str], None] | None = None
+            ) -> Callable[[Callable[[Request], Awaitable[Response]]], Callable[[Request], Awaitable[Response]]]:
+    """Turn every way a request can fail into an error answer: the route's task boundary. With
+    ``count`` (a generation route), a request that ends before its generators were opened is
+    counted here (``Backend.count_outcome``): each opened generator counts its own."""
     def wrap(route: Callable[[Request], Awaitable[Response]]
              ) -> Callable[[Request], Awaitable[Response]]:
         @functools.wraps(route)
         async def run(request: Request) -> Response:
             try:
                 return await route(request)
-            except ClientGone:
-                logger.info("client disconnected request_id=%s peer=%s",
-                            getattr(request.state, "request_id", None), _peer(request))
-                return Response(status_code=CLIENT_GONE_STATUS)
-            except (DisaggError, TimeoutError) as exc:
-                status, body, headers = error_info(exc, timeout_s)
-                level = logging.INFO if status < 500 else logging.WARNING
-                logger.log(level, "request failed request_id=%s peer=%s status=%d: %s",
-                           getattr(request.state, "request_id", None), _peer(request), status,
-                           body["error"]["message"])
-                return error_response(request, body, status, headers)
-            except Exception as exc:
-                logger.exception("request crashed request_id=%s peer=%s",
-                                 getattr(request.state, "request_id", None), _peer(request))
-                status, body, headers = error_info(exc)
-                return error_response(request, body, status, headers)
+            except BaseException as exc:
+                if count is not None and not getattr(request.state, "is_opened", False):
+                    count(unserved_outcome(exc))
+                return _answer_failure(request, exc, timeout_s)
         return run
     return wrap
+
+
+def unserved_outcome(exc: BaseException) -> str:
+    """The outcome of a request that failed before any backend generator was opened."""
+    if isinstance(exc, (ClientGone, ClientDisconnect, asyncio.CancelledError)):
+        return "cancelled"
+    if isinstance(exc, DisaggError) and exc.http_status < 500 or isinstance(exc, OverloadedError):
+        return "refused"
+    return "failed"
+
+
+def _answer_failure(request: Request, exc: BaseException, timeout_s: float) -> Response:
+    """The answer to a route that raised ``exc`` (a cancellation of the route itself is raised again)."""
+    request_id = getattr(request.state, "request_id", None)
+    if isinstance(exc, (ClientGone, ClientDisconnect)):
+        logger.info("client disconnected request_id=%s peer=%s", request_id, _peer(request))
+        return Response(status_code=CLIENT_GONE_STATUS)
+    if isinstance(exc, (DisaggError, TimeoutError)):
+        status, body, headers = error_info(exc, timeout_s)
+        cancelled = isinstance(exc, DisaggError) and exc.code is FailCode.CANCELLED  # the peer's client left
+        level = logging.INFO if status < 500 or cancelled else logging.WARNING
+        logger.log(level, "request failed request_id=%s peer=%s status=%d: %s", request_id, _peer(request),
+                   status, body["error"]["message"])
+        return error_response(request, body, status, headers)
+    if not isinstance(exc, Exception):
+        raise exc
+    logger.exception("request crashed request_id=%s peer=%s", request_id, _peer(request), exc_info=exc)
+    status, body, headers = error_info(exc)
+    return error_response(request, body, status, headers)
 
 
 def document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
@@ -301,19 +325,20 @@ def create_app(backend: Backend, *, api_key: str | None, request_timeout_s: floa
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     api = _Api(backend, request_timeout_s, default_bootstrap_port, max_request_bytes)
     guard = guarded(request_timeout_s)
+    generation = guarded(request_timeout_s, getattr(backend, "count_outcome", None))
 
     @app.post("/generate")
-    @guard
+    @generation
     async def generate(request: Request) -> Response:
         return await api.generate(request)
 
     @app.post("/v1/completions")
-    @guard
+    @generation
     async def completions(request: Request) -> Response:
         return await api.openai(request, is_chat=False)
 
     @app.post("/v1/chat/completions")
-    @guard
+    @generation
     async def chat_completions(request: Request) -> Response:
         return await api.openai(request, is_chat=True)
 

@@ -40,7 +40,8 @@ class GenerateInput:
     `meta["kv_transfer_params"]`, which the router copies into the decode request.
     `kv_transfer_params` is the request's object as received (vllm-router's path), else None.
     `top_logprobs_num` (0 to 20): alternatives per output token (and per input token in the
-    logprob range), in `GenerateEvent.top_logprobs` and `meta["input_top_logprobs"]`."""
+    logprob range), in `GenerateEvent.top_logprobs` and `meta["input_top_logprobs"]`. A
+    cancellation at or past `deadline` is the request deadline, not a client gone."""
 
     request_id: str
     prompt_ids: list[int]
@@ -51,6 +52,7 @@ class GenerateInput:
     bootstrap: BootstrapInfo | None
     kv_transfer_params: dict[str, Any] | None
     top_logprobs_num: int = 0
+    deadline: float | None = None  # the request's deadline, in event loop time (None: none known)
 
 
 @dataclass(slots=True)
@@ -124,6 +126,10 @@ class Backend(Protocol):
 
     async def health_generate(self) -> None: ...
 
+    # Optional: ``count_outcome(outcome)``, called by the HTTP layer for a generation request that
+    # ended before any generator was opened (a bad body: "refused"; the client gone while its body
+    # was read: "cancelled"), so that every request has one outcome (common/api/outcome.py).
+
 
 class DaemonView(Protocol):
     """What ``DaemonBackend`` reads of the daemon that owns it: identity, health, metrics."""
@@ -144,7 +150,9 @@ class DaemonView(Protocol):
 
 class DaemonBackend:
     """What the prefill and decode backends share: they read their identity and health from the
-    daemon that owns them. Subclasses set ``role`` and implement ``generate``."""
+    daemon that owns them, and count every request's outcome in its metrics. Subclasses set
+    ``role`` and implement ``run``, the generator behind ``generate``, which moves the request's
+    ``Outcome`` phase and names ``ok`` before its last event (common/api/outcome.py)."""
 
     role = ""
 
@@ -157,6 +165,18 @@ class DaemonBackend:
 
     def is_ready(self) -> bool:
         return self.daemon.is_serving
+
+    def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateEvent]:
+        from common.api.outcome import Outcome, counted
+
+        outcome = Outcome(self.count_outcome, self.role, inp.request_id, inp.deadline)
+        return counted(self.run(inp, outcome), outcome)
+
+    def run(self, inp: GenerateInput, outcome: Any) -> AsyncIterator[GenerateEvent]:
+        raise NotImplementedError
+
+    def count_outcome(self, outcome: str) -> None:
+        self.daemon.metrics.requests.labels(outcome=outcome).inc()
 
     def server_info(self) -> dict:
         return self.daemon.server_info()

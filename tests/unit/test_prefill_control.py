@@ -476,7 +476,28 @@ def test_every_failure_code_is_the_metric_label_and_reaches_the_decode(code):
         await prefill.bootstrap.fail_room(room, f"failed as {code.value} (test)", code)
         result = await result_for(decode, 97)
         assert result.fail_code is code and result.error == f"failed as {code.value} (test)"
-        assert prefill.counter("kvferry_failed_transfers_total", reason=code.value) == 1
+        # a cancel (a client gone) reaches the decode named as such, and is no failed transfer
+        expected = 0 if code is FailCode.CANCELLED else 1
+        assert prefill.counter("kvferry_failed_transfers_total", reason=code.value) == expected
+    scenario(body)
+
+
+def test_an_abort_for_a_client_gone_is_a_cancel_on_the_prefill_too():
+    """The decode names a cancel in its abort (``Abort.code``): the prefill's room ends CANCELLED,
+    its HTTP leg fails with that code (counted as a cancel, not a failure), the answer says
+    cancelled, and no failed transfer is counted. Fails if the abort's code is dropped (ABORTED)."""
+    async def body(prefill, decode):
+        assert (await decode.register()).accepted
+        await decode.send(wire.Abort(room=41, reason="client disconnected", code="cancelled"))
+        assert (await result_for(decode, 41)).fail_code is FailCode.CANCELLED
+        room = prefill.open_room(41, num_tokens=20)
+        assert room.is_aborted and room.code is FailCode.CANCELLED
+        with pytest.raises(TransferError) as info:
+            await prefill.writer.send_room(room, time.monotonic() + 5)
+        assert info.value.code is FailCode.CANCELLED
+        await prefill.bootstrap.fail_room(room, "cancelled", info.value.code)
+        failed = [prefill.counter("kvferry_failed_transfers_total", reason=c.value) for c in FailCode]
+        assert failed == [0] * len(FailCode)
     scenario(body)
 
 
