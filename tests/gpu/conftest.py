@@ -1,4 +1,6 @@
-"""GPU tests run on the device machine; without CUDA every test here is skipped, saying why."""
+"""GPU tests run on the device machine; without CUDA every test here is skipped, saying why, except
+the Triton kernel tests, which run under Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1 where there is no CUDA; TRITON_INTERPRET=0 in the environment skips them too)."""
 
 import os
 

@@ -1,7 +1,8 @@
 """The Triton staging kernels (``triton_staging.py``) against the torch reference on random page
 tables: the same bytes in the slot after a gather, the same pool after a scatter (nothing outside
 the runs touched), through ``staging_copy.gather``/``scatter`` as the daemons will call them.
-Runs on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1), small shapes."""
+Runs on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, which tests/conftest.py sets
+without CUDA, so in `make test` too), small shapes. Fails if ``scatter_rows`` is a no-op (12 cases)."""
 
 from __future__ import annotations
 
