@@ -38,7 +38,7 @@ def _make_tiny_model(argv: list[str]) -> int:
 def _convert_gguf(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kvferry convert-gguf", description="Dequantize a GGUF file into a "
                                      "Hugging Face checkpoint folder that --model DIR loads")
-    parser.add_argument("file", help="the .gguf file (Llama, Mistral, Qwen2, Qwen3; byte-level BPE tokenizer)")
+    parser.add_argument("file", help="the .gguf file (Llama, Mistral, Qwen2, Qwen3; byte-level or SentencePiece BPE)")
     parser.add_argument("dir", help="output folder: config.json, model.safetensors, tokenizer.json, "
                                     "tokenizer_config.json (with the chat template), generation_config.json")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),

@@ -1,8 +1,9 @@
 """GGUF loading (common/model/gguf.py): a GGUF written here from the tiny checkpoint with the gguf
 package's writer (Q/K rows permuted as llama.cpp's converter does) converts back to the same tensors,
 config fingerprint, tokens and chat template; transformers' own GGUF reader agrees on the tensors
-(an independent check of the Q/K unpermute); files kvferry cannot read are refused naming the
-architecture, the quantization type or the tokenizer."""
+(an independent check of the Q/K unpermute); a SentencePiece vocabulary tokenizes as transformers'
+GGUF tokenizer does; Llama 3.1's rope_freqs read back as llama3 rope scaling; files kvferry cannot
+read are refused naming the architecture, the quantization type or the tokenizer."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def write_tokenizer(w, folder: Path, model: str) -> None:
 
 
 def write_gguf(path: Path, folder: Path, *, arch: str = "llama", tokenizer: str = "gpt2", edit=None,
-               permuted: bool = True) -> Path:
+               permuted: bool = True, write_tokens=None) -> Path:
     """The tiny checkpoint ``folder`` as a GGUF at ``path`` (F32 tensors); ``edit(writer)`` may add more."""
     c = json.loads((folder / "config.json").read_text())
     w = gguf.GGUFWriter(str(path), arch)
@@ -76,7 +77,11 @@ def write_gguf(path: Path, folder: Path, *, arch: str = "llama", tokenizer: str 
     w.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     w.add_vocab_size(c["vocab_size"])
-    write_tokenizer(w, folder, tokenizer)
+    if write_tokens is None:
+        write_tokenizer(w, folder, tokenizer)
+    else:
+        w.add_tokenizer_model(tokenizer)
+        write_tokens(w)
     heads = {"q_proj": c["num_attention_heads"], "k_proj": c["num_key_value_heads"]}
     for name, tensor in load_file(str(folder / "model.safetensors")).items():
         values = tensor.float().numpy()
@@ -171,9 +176,9 @@ def test_unreadable_quantization_type_is_refused_by_name(tmp_path):
         convert_gguf(path, tmp_path / "out")
 
 
-def test_sentencepiece_tokenizer_and_missing_file_are_refused(tmp_path):
+def test_unknown_tokenizer_and_missing_file_are_refused(tmp_path):
     target = Path(tiny_model_dirs()[0])
-    path = write_gguf(tmp_path / "spm.gguf", target, tokenizer="llama")
+    path = write_gguf(tmp_path / "t5.gguf", target, tokenizer="t5")
     with pytest.raises(ModelLoadError, match="tokenizer.ggml.model is"):
         convert_gguf(path, tmp_path / "out")
     with pytest.raises(ModelLoadError, match="file not found"):
@@ -223,3 +228,50 @@ def test_llama31_rope_freqs_become_llama3_rope_scaling(tmp_path):
                        edit=lambda w: w.add_tensor("rope_freqs.weight", np.linspace(1, 8, 16, dtype=np.float32)))
     with pytest.raises(ModelLoadError, match="'rope_freqs.weight' is not Llama 3.1 rope scaling"):
         convert_gguf(bogus, tmp_path / "out2")
+
+
+def spm_gguf(path: Path, target: Path) -> Path:
+    """The tiny model with a SentencePiece-style BPE vocabulary (Llama 2's shape: <unk> <s> </s>, the
+    256 byte-fallback tokens, then merged pieces with "▁" for spaces; scores rank the merges; no
+    merges in the file), trained here on the tiny corpus."""
+    from tokenizers import Tokenizer as HfTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+
+    from common.model.tiny_corpus import CORPUS
+
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    spm = HfTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    spm.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    spm.train_from_iterator([CORPUS], trainers.BpeTrainer(vocab_size=512, special_tokens=specials, show_progress=False))
+    vocab = spm.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    types = [2 if t == "<unk>" else 3 if t in ("<s>", "</s>") else 6 if t.startswith("<0x") else 1 for t in tokens]
+
+    def tokenizer(w):
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_scores([-float(i) for i in range(len(tokens))])
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+        w.add_add_bos_token(True)
+
+    folder = path.parent / "spm-src"
+    folder.mkdir(exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        (folder / name).write_bytes((target / name).read_bytes())
+    return write_gguf(path, folder, tokenizer="llama", write_tokens=tokenizer)
+
+
+def test_sentencepiece_gguf_tokenizes_as_transformers_reads_it(tmp_path):
+    """A `llama` (SentencePiece) GGUF tokenizer: ids, byte fallback and decoding as transformers'
+    own GGUF tokenizer gives them."""
+    transformers = pytest.importorskip("transformers")
+    path = spm_gguf(tmp_path / "spm.gguf", Path(tiny_model_dirs()[0]))
+    ours = Tokenizer.from_dir(convert_gguf(path, tmp_path / "out"))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in TEXTS + ["  two leading spaces", "emoji \U0001f600 and \u00e9\u00e8", "line\nbreak"]:
+        assert ours.encode(text) == theirs(text).input_ids, text
+        ids = ours.encode(text)
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+    assert ours.encode("x")[0] == 1 and ours.bos_token_id == 1 and ours.eos_token_ids == (2,)
