@@ -143,6 +143,9 @@ class DecodeBackend(DaemonBackend):
             for job in jobs:
                 if not job.seq.is_done:
                     d.batcher.abort(job, "client disconnected")
+            for s in seqs:  # every request's draft proposals so far, however it ended
+                d.metrics.spec_proposed.inc(s.num_proposed)
+                d.metrics.spec_accepted.inc(s.num_accepted)
 
     async def _fork(self, seq: Sequence, inp: GenerateInput) -> list[Sequence]:
         """``seq`` and, for ``n > 1``, its forks over the received prompt KV (common/engine/fork.py)."""

@@ -58,6 +58,11 @@ def test_decode_only_speculative(cluster, colocated):
     got = run_all(prefill, decode, "concurrent")
     assert got == expected(colocated, draft=False)
     assert got == expected(colocated, draft=True)
+    # /metrics counts the draft's proposals and acceptances (fails if they are never counted)
+    _, text = http_json(decode.url + "/metrics")
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("kvferry_spec")}
+    proposed, accepted = values["kvferry_spec_proposed_tokens_total"], values["kvferry_spec_accepted_tokens_total"]
+    assert 0 < accepted <= proposed, values
 
 
 def prefill_chunks(prefill) -> int:
