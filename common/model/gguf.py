@@ -35,7 +35,7 @@ ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCaus
                  "qwen3": ("Qwen3ForCausalLM", "qwen3")}
 PERMUTED_QK = ("llama",)  # llama.cpp permutes Q/K rows only for these
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CONVERTER_VERSION = 1  # part of the cache key: bump when the folder written for a file changes
+CONVERTER_VERSION = 2  # part of the cache key: bump when the folder written for a file changes
 
 GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                   "output.weight": "lm_head.weight"}
