@@ -104,6 +104,8 @@ def _complete(runner, tokenizer, prompt: list[int], params: SamplingParams, n: i
 
 @pytest.mark.parametrize("prompt_len", [1, 15, 16, 17, 40])
 def test_greedy_forks_repeat_the_parent(runner, tokenizer, prompt_len):
+    """Fails if ``fork_kv`` skips either pool's ``copy_page`` of the last prompt page (the draft's
+    too, which the output cannot show: ``fork_checked`` compares the pages)."""
     prompt = [(13 * i + 5) % 400 + 5 for i in range(prompt_len)]
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     outs = _complete(runner, tokenizer, prompt, params, n=3)

@@ -281,7 +281,8 @@ def test_overlapped_decoding_equals_one_step_at_a_time(tokenizer):
 def test_forked_completions_repeat_the_parent_under_penalties(tokenizer, draft):
     """n > 1 (common/engine/fork.py): a fork samples its own first token at its first decode step,
     with no output yet (its history starts from the prompt alone, min_tokens counts from 0), so
-    greedy forks repeat the parent's tokens."""
+    greedy forks repeat the parent's tokens. Fails, with a draft, if the fork skips the draft's
+    ``copy_page`` (``_complete`` forks through test_fork.fork_checked, which checks the KV)."""
     from tests.unit.test_fork import _complete
 
     runner = tiny_runner(draft=draft, max_total_tokens=2048)
