@@ -35,8 +35,8 @@ class CommonConfig:
     max_total_tokens: int = flag(0, help="KV pool size in tokens (per model); 0 = auto: --kv-mem-fraction of the "
                                          "memory free at start-up (common/daemon_start.py)")
     kv_mem_fraction: float = flag(-1.0, help="with --max-total-tokens 0, the share of free memory the KV pools take: "
-                                             "-1 = auto (0.85 of the GPU's free memory after the weights on CUDA; "
-                                             "0.1 of MemAvailable on CPU, at most 512 MiB and 65536 tokens)")
+                                             "-1 = auto (0.4 of the GPU's free memory after the weights on CUDA, "
+                                             "0.1 of MemAvailable on CPU, at most 512 MiB); at most 65536 tokens")
     kv_layout: str = flag("page-major", choices=KV_LAYOUTS,
                           help="KV pool layout: page-major keeps one page of every layer in one block (one "
                                "NIXL descriptor per page), layer-major one block per layer; the peer may differ")

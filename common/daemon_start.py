@@ -8,9 +8,11 @@
   stem (a folder's name otherwise, ``DaemonCore``).
 - ``--tp-size`` is checked against the model, naming the sizes that fit.
 - ``--max-total-tokens 0`` (auto) becomes a count: ``--kv-mem-fraction`` of the memory free now
-  (on CUDA: the device's free memory less the weights; on CPU: ``MemAvailable``, at most
-  ``CPU_KV_BYTES_CAP`` and ``CPU_TOKENS_CAP`` tokens, since the host is shared with everything
-  else), divided by the KV bytes of one token of the target and the draft.
+  (on CUDA: 0.4 of the device's free memory less the weights, so that a prefill and a decode
+  starting together on one GPU both fit; on CPU: 0.1 of ``MemAvailable``, at most
+  ``CPU_KV_BYTES_CAP``, since the host is shared with everything else), divided by the KV bytes of
+  one token of the target and the draft, and at most ``AUTO_TOKENS_CAP`` tokens (the fixed default
+  this replaced: the fraction lowers it where memory is short, never raises it past that).
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from common.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-CUDA_KV_FRACTION = 0.85
+CUDA_KV_FRACTION = 0.4
 CPU_KV_FRACTION = 0.1
 CPU_KV_BYTES_CAP = 512 << 20
-CPU_TOKENS_CAP = 65536
+AUTO_TOKENS_CAP = 65536
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -100,9 +102,7 @@ def _mem_available() -> int:
 def auto_tokens(config: CommonConfig, target: Path, configs: list[ModelConfig]) -> int:
     per_token = kv_bytes_per_token(configs, config.tp_size, config.torch_dtype_name)
     budget = free_kv_bytes(config, target, configs[0].torch_dtype)
-    tokens = budget // per_token // config.page_size * config.page_size
-    if config.device == "cpu":
-        tokens = min(tokens, CPU_TOKENS_CAP)
+    tokens = min(budget // per_token, AUTO_TOKENS_CAP) // config.page_size * config.page_size
     if tokens < config.page_size:
         raise ConfigError(f"--max-total-tokens auto: {budget} bytes free for KV hold no page of {config.page_size} "
                           f"tokens at {per_token} bytes per token; pass --max-total-tokens N")

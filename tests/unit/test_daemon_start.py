@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from common.config import parse_config
-from common.daemon_start import CPU_KV_BYTES_CAP, CPU_TOKENS_CAP, kv_bytes_per_token, settle
+from common.daemon_start import AUTO_TOKENS_CAP, CPU_KV_BYTES_CAP, kv_bytes_per_token, settle
 from common.errors import ConfigError
 from common.model.config import ModelConfig
 from prefill_worker.config import PrefillConfig
@@ -48,7 +48,7 @@ def test_auto_pool_size_stays_within_the_cpu_caps():
     target, draft = tiny_model_dirs()
     settled = settle(config("--model", target, "--draft-model", draft))
     per_token = kv_bytes_per_token([ModelConfig.from_dir(target), ModelConfig.from_dir(draft)], 1, "float32")
-    assert 16 <= settled.max_total_tokens <= CPU_TOKENS_CAP and settled.max_total_tokens % 16 == 0
+    assert 16 <= settled.max_total_tokens <= AUTO_TOKENS_CAP and settled.max_total_tokens % 16 == 0
     assert settled.max_total_tokens * per_token <= CPU_KV_BYTES_CAP
     assert settle(config("--model", target, "--max-total-tokens", "1024")).max_total_tokens == 1024
 
