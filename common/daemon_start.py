@@ -50,8 +50,10 @@ def checkpoint_folder(value: str, flag: str, dtype: str) -> Path:
         hub = " (hub names do not load: download the folder first)" if value.count("/") == 1 and not path.is_absolute() else ""
         raise ConfigError(f"{flag} {value}: no such folder or .gguf file{hub}")
     if not (path / "config.json").is_file():
+        inner = next((f"; pass {value.rstrip('/')}/{d}" for d in ("target", "draft")
+                      if (path / d / "config.json").is_file()), "")
         raise ConfigError(f"{flag} {value}: not a checkpoint folder (no config.json); it needs config.json, "
-                          "model.safetensors (or an index of shards) and tokenizer.json")
+                          f"model.safetensors (or an index of shards) and tokenizer.json{inner}")
     return path
 
 
