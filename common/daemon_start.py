@@ -47,7 +47,8 @@ def checkpoint_folder(value: str, flag: str, dtype: str) -> Path:
         except ModelLoadError as exc:
             raise ConfigError(f"{flag} {value}: {exc}") from exc
     if not path.exists():
-        hub = " (hub names do not load: download the folder first)" if value.count("/") == 1 and not path.is_absolute() else ""
+        is_hub_name = value.count("/") == 1 and not path.is_absolute()
+        hub = " (hub names do not load: download the folder first)" if is_hub_name else ""
         raise ConfigError(f"{flag} {value}: no such folder or .gguf file{hub}")
     if not (path / "config.json").is_file():
         inner = next((f"; pass {value.rstrip('/')}/{d}" for d in ("target", "draft")

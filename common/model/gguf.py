@@ -166,8 +166,9 @@ def llama3_scaling(reader, meta: Metadata, config: dict) -> dict | None:
     factors = _dequantize(tensor, meta.path).reshape(-1)
     expected = llama3_factors(config, float(factors.max()))
     if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-5, atol=1e-6):
-        raise ModelLoadError(f"{meta.path}: tensor '{ROPE_FREQS}' is not Llama 3.1 rope scaling with low_freq_factor 1, "
-                             "high_freq_factor 4 and original context 8192; convert from the Hugging Face folder")
+        raise ModelLoadError(f"{meta.path}: tensor '{ROPE_FREQS}' is not Llama 3.1 rope scaling with "
+                             "low_freq_factor 1, high_freq_factor 4 and original context 8192; convert from the "
+                             "Hugging Face folder")
     return {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192}
 

