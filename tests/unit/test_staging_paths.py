@@ -246,3 +246,26 @@ def test_a_staged_room_aborted_mid_transfer_posts_no_further_chunk(engine):
         engine.remove_peer(peer)
     finally:
         decode.close()
+
+
+def test_a_staged_room_whose_write_could_not_be_cancelled_quarantines_the_prefill_slot(engine):
+    """The prefill's slot is read by the WRITE: after an ``UnsafeWriteError`` it is never handed
+    out again, after any other failure it is free. Fails if ``StagingSender.finish`` treats an
+    UnsafeWriteError like a cancelled WRITE (the slot freed under a WRITE that may still read it)."""
+    from common.errors import TransferError, UnsafeWriteError
+
+    pool = torch.zeros(64 * PAGE, dtype=torch.uint8)
+    s = _sender(engine, pool, crossover=1, metrics=Metrics("prefill"))
+    info = wire.StagingInfo(mem="DRAM", device=0, addr=1 << 40, slot_nbytes=8 * PAGE, num_slots=2)
+    rooms = []
+    for room in (1, 2):
+        transfer = wire.Transfer(room=room, decode_id="d", page_ids=[1, 5, 9], aux_slot=0, num_prompt_tokens=1,
+                                 staging_slot=0)
+        rooms.append(s.choose(_Plan(pool, 1 << 30), info, transfer, [0, 1, 2]))
+    assert None not in rooms and s.slots.num_free == 0
+    for staged in rooms:
+        s.slots.start_write(staged.slot)
+    s.finish(rooms[0], UnsafeWriteError("cancel failed (test)"))
+    s.finish(rooms[1], TransferError("peer lost (test)"))
+    assert rooms[0].slot.state is SlotState.QUARANTINED and s.slots.num_quarantined == 1
+    assert s.slots.num_free == 1 and rooms[1].slot.state is SlotState.FREE
