@@ -115,6 +115,19 @@ def wait_for(what: str, check, *procs) -> None:
         time.sleep(0.2)
 
 
+def unread_connections(port: int) -> int:
+    """Connections to local ``port`` holding bytes its (held still) process has not read: the
+    router's requests, sent. From /proc/net/tcp: local address, state 01 (established), rx queue."""
+    count = 0
+    with open("/proc/net/tcp") as table:
+        for line in list(table)[1:]:
+            fields = line.split()
+            local, state, queues = fields[1], fields[3], fields[4]
+            if int(local.split(":")[1], 16) == port and state == "01" and int(queues.split(":")[1], 16) > 0:
+                count += 1
+    return count
+
+
 def gauge(proc, name: str) -> float:
     return counter(metrics(proc), name)
 
@@ -183,3 +196,38 @@ def test_every_request_ends_in_one_outcome_and_cancels_are_no_failures(pd):
     phases = [line.split("phase=")[1].split(":")[0].split()[0] for line in _cancel_lines(decode, log_at["decode"])]
     assert sorted(phases) == ["decode"] * 4 + ["kv_wait"] * 4 + ["queued"], phases
     assert all(" INFO " in line for line in _cancel_lines(decode, log_at["decode"]))
+
+
+def test_through_vllm_router_cancels_are_counted_on_the_daemons_that_saw_them(pd):
+    """vllm-router calls the prefill first and the decode after its answer: a client that leaves
+    during the prefill (held still) is a cancel on the prefill only, one that leaves during decode
+    a cancel on the decode, whose prefill leg had ended ok. No failed transfer either side."""
+    c, prefill, decode, _, free_before = pd
+    router = c.vllm_router([prefill], [decode])
+    procs = {"prefill": prefill, "decode": decode}
+    start = {n: outcomes(p) for n, p in procs.items()}
+    failed_before = {n: counter(metrics(p), "kvferry_failed_transfers_total") for n, p in procs.items()}
+    ok(post(router.url + "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}))
+    decoding = [Stream(router.url) for _ in range(2)]
+    for s in decoding:
+        s.read_events(3)
+    for s in decoding:
+        s.leave()
+    wait_for("two cancels on the decode", lambda: outcomes(decode)["cancelled"] - start["decode"]["cancelled"] >= 2,
+             prefill, decode)
+    prefill.signal(signal.SIGSTOP)
+    try:
+        prefilling = [Stream(router.url) for _ in range(2)]
+        port = int(prefill.url.rsplit(":", 1)[1])
+        wait_for("the router's two prefill legs sent", lambda: unread_connections(port) >= 2)
+        for s in prefilling:
+            s.leave()
+    finally:
+        prefill.signal(signal.SIGCONT)
+    wait_for("five outcomes on the prefill",
+             lambda: sum(outcomes(prefill).values()) - sum(start["prefill"].values()) >= 5, prefill, decode)
+    assert_pages_return([prefill, decode], free_before, timeout_s=WAIT_S)
+    moved = {n: delta(outcomes(p), start[n]) for n, p in procs.items()}
+    assert moved == {"decode": {"ok": 1, "cancelled": 2}, "prefill": {"ok": 3, "cancelled": 2}}, moved
+    for n, p in procs.items():
+        assert counter(metrics(p), "kvferry_failed_transfers_total") == failed_before[n], n
