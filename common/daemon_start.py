@@ -55,6 +55,12 @@ def checkpoint_folder(value: str, flag: str, dtype: str) -> Path:
                       if (path / d / "config.json").is_file()), "")
         raise ConfigError(f"{flag} {value}: not a checkpoint folder (no config.json); it needs config.json, "
                           f"model.safetensors (or an index of shards) and tokenizer.json{inner}")
+    if not any((path / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+        raise ConfigError(f"{flag} {value}: no model.safetensors nor model.safetensors.index.json (only safetensors "
+                          "weights load; .bin and .pt do not)")
+    if not (path / "tokenizer.json").is_file():
+        raise ConfigError(f"{flag} {value}: no tokenizer.json (only fast tokenizers load: AutoTokenizer."
+                          "from_pretrained(DIR).save_pretrained(DIR) writes one)")
     return path
 
 

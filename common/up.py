@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from common.errors import ConfigError
+from common.errors import ConfigError, ModelLoadError
 from common.procs import Proc, free_port
 from common.up_model import SMOLLM2_NAME, Served, resolve
 
@@ -83,7 +83,10 @@ def check_tp_sizes(args: argparse.Namespace, target: Path) -> None:
     from common.model.config import ModelConfig
     from common.model.tp_layers import TpShard
 
-    config = ModelConfig.from_dir(target)
+    try:
+        config = ModelConfig.from_dir(target)
+    except ModelLoadError as exc:
+        raise ConfigError(f"--model: {exc}") from None
     for flag, size in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
         try:
             TpShard.of(config, size, 0)

@@ -32,8 +32,15 @@ def test_mistyped_model_path_is_refused_and_never_created(tmp_path):
         settle(config("--model", "HuggingFaceTB/SmolLM2-135M-Instruct"))
 
 
-def test_folder_without_config_json_is_refused_in_one_line(tmp_path):
+def test_folder_without_config_json_weights_or_tokenizer_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"not a checkpoint folder \(no config.json\)"):
+        settle(config("--model", str(tmp_path)))
+    target = Path(tiny_model_dirs()[0])
+    (tmp_path / "config.json").write_bytes((target / "config.json").read_bytes())
+    with pytest.raises(ConfigError, match="no model.safetensors nor model.safetensors.index.json"):
+        settle(config("--model", str(tmp_path)))
+    (tmp_path / "model.safetensors").symlink_to(target / "model.safetensors")
+    with pytest.raises(ConfigError, match="no tokenizer.json"):
         settle(config("--model", str(tmp_path)))
 
 
