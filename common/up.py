@@ -1,8 +1,9 @@
 """``kvferry up``: a prefill daemon, a decode daemon and sglang-router in PD mode on one machine.
 
-It starts the three as child processes, waits for each to be ready under a deadline, prints the
-router URL and ready-to-paste requests, then supervises: Ctrl-C or SIGTERM stops all three (exit 0);
-a child that dies stops the others (exit 1, with that child's log tail).
+Which model they serve is ``common/up_model.py``'s choice (SmolLM2-135M-Instruct by default). It
+starts the three as child processes, waits for each to be ready under a deadline, prints the router
+URL and ready-to-paste requests, then supervises: Ctrl-C or SIGTERM stops all three (exit 0); a
+child that dies stops the others (exit 1, with that child's log tail).
 """
 
 from __future__ import annotations
