@@ -117,3 +117,57 @@ def test_fork_group_of_a_finished_job_hands_children_their_pages(runner):
     for s in seqs:
         runner.release(s)
     assert runner.free_pages() == free_before
+
+
+def test_colocated_server_cancel_during_fork_returns_every_page_after_the_job():
+    """The colocated server forks the same way (``fork_group``): its fork job is held at the first
+    child's page copy; a cancel there must leave the group's pages taken until the job returns, then
+    give every page back, both pools in lockstep. Fails if the cancel frees them under the job."""
+    from common.engine.colocated_server import ColocatedServer
+    from tests.cluster import tiny_model_dirs
+
+    target, draft = tiny_model_dirs()
+    entered, release = threading.Event(), threading.Event()
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, n=3)
+    prompt = [(5 * i + 3) % 400 + 5 for i in range(29)]
+    inp = GenerateInput(request_id="c", prompt_ids=prompt, params=params, stream=True, return_logprob=False,
+                        logprob_start_len=len(prompt), bootstrap=None, kv_transfer_params=None)
+
+    async def main():
+        server = ColocatedServer(target, draft, max_total_tokens=1024)
+        await server.start()
+        try:
+            runner = server.runner
+            real = runner.target.copy_page
+
+            def gated(src, dst):
+                entered.set()
+                assert release.wait(GATE_S), "the test never opened the gate"
+                real(src, dst)
+
+            runner.target.copy_page = gated
+            free_before = runner.free_pages()
+            gen = server.generate(inp)
+            task = asyncio.create_task(anext(gen))
+            assert await asyncio.to_thread(entered.wait, GATE_S), "the fork job never started"
+            held = runner.free_pages()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert runner.free_pages() == held, "pages went back while the fork job still ran"
+            release.set()
+            for _ in range(GATE_S * 100):
+                if runner.free_pages() == free_before:
+                    break
+                await asyncio.sleep(0.01)
+            assert runner.free_pages() == free_before, "the cancelled fork leaked pages"
+            del runner.target.copy_page
+            seq = Sequence("later", list(prompt), SamplingParams(max_new_tokens=8))
+            runner.admit(seq)
+            assert seq.pages == seq.draft_pages
+            runner.release(seq)
+        finally:
+            release.set()
+            await server.stop(5)
+
+    asyncio.run(main())
