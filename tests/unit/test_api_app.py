@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
@@ -19,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from common.api import GenerateEvent, GenerateInput, create_app
 from common.api.limits import max_prompt_chars
-from common.errors import OverloadedError, TransferError
+from common.errors import FailCode, OverloadedError, TransferError
 
 pytestmark = pytest.mark.anyio
 KEY = "s3cret"
@@ -304,6 +305,24 @@ async def test_completions_stream_continuous_usage_stats_without_include_usage_a
     assert [e["usage"]["completion_tokens"] for e in events[:-1]] == [1, 2, 3]
     assert events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
     assert all("usage" not in e for e in sse_events(off.text))
+
+
+async def test_a_peer_named_cancel_is_logged_at_info_and_counted_by_the_route(caplog):
+    """A request failed because the other daemon's client left (code ``cancelled``) is logged at
+    INFO, not WARNING (fails if it is logged as a failure); a body refused before any generator
+    opened is counted by the route through ``count_outcome``."""
+    backend = EchoBackend()
+    backend.fail_before = TransferError("prefill failed the transfer: prefill cancelled", code=FailCode.CANCELLED)
+    counted: list[str] = []
+    backend.count_outcome = counted.append
+    with caplog.at_level(logging.INFO, logger="common.api.app"):
+        async with client_for(backend) as c:
+            r = await c.post("/generate", json={"text": "ab"})
+            bad = await c.post("/generate", json={"text": "ab", "wobble": 1})
+    assert r.status_code == 502 and bad.status_code == 400
+    (line,) = [rec for rec in caplog.records if "prefill cancelled" in rec.getMessage()]
+    assert line.levelno == logging.INFO
+    assert counted == ["refused"]  # the 502 was the generator's own to count (EchoBackend does not)
 
 
 # --- errors -----------------------------------------------------------------------------------
