@@ -6,8 +6,9 @@ What is simulated, and where it meets the real code (everything else is the daem
 
 - NIXL: ``SimEngine`` is a ``WriteOps`` (the real ``post_write``/``wait``/``release`` logic) over a
   fake agent; a WRITE's footprint (which pages and aux slot it may fill or read) is read from the
-  descriptors the real code posts. ``SimRankAgents``/``SimGroup`` stand for the other prefill ranks
-  (``RankAgents``, ``TpGroup``): each rank's WRITE is a ``SimWrite`` too, answered like a rank does.
+  descriptors the real code posts. ``SimRankAgents`` stands for the other prefill ranks (``RankAgents``)
+  and ``rank_group`` is the real ``TpGroup`` over rank processes the test can lose: each rank's
+  WRITE is a ``SimWrite`` too, answered like a rank does.
 - ZeroMQ: ``SimServer`` (the prefill's ROUTER) and ``SimLink`` (the decode's ``PrefillLink``) put
   frames in one FIFO per direction, as one connection keeps them.
 - Time: ``SimClock`` replaces ``time`` in the modules that read it; ``time.sleep`` inside a WRITE job
@@ -30,16 +31,14 @@ import numpy as np
 from common import wire
 from common.aux import AuxSlots
 from common.aux_record import AUX_RECORD_V2_BYTES
-from common.engine.tp_group import TpWorkerError
+from common.engine.tp_group import GroupState, TpGroup
 from common.errors import FailCode, TransferError, UnsafeWriteError
-from common.transport.rank_agents import RankAgents
 from prefill_worker.rooms import Room
 from common.transport.nixl_types import NIXL_ERRORS, PreppedList
 from common.transport.nixl_writes import WriteOps
 
 AUX_BASE = 1 << 20  # descriptor addresses at or above it are aux slots (AUX_BASE + slot * AUX_ITEM); below, page ids
 AUX_ITEM = AUX_RECORD_V2_BYTES
-IS_FAIL_PER_RANK = hasattr(RankAgents, "fail")  # TpGroup._fail ends only the exited ranks' ops
 _NIXL_ERROR = next(e for e in NIXL_ERRORS if e.__name__ != "nixlNotFoundError")
 
 
@@ -333,7 +332,7 @@ class SimRankAgents:
         self.pending: dict[int, Future] = {}
         self.rank_of: dict[int, int] = {}
         self.due: dict[int, float] = {}
-        self.lost: set[int] = set()  # ranks whose process is gone (SimGroup.lost)
+        self.lost: set[int] = set()  # ranks whose process is gone (the rank processes of ``rank_group``)
 
     def submit(self, rank: int, op: str, *args) -> tuple[int, Future]:
         assert op == "write", op
@@ -362,7 +361,7 @@ class SimRankAgents:
             w.is_abort_asked = True
 
     def fail_all(self, error: Exception) -> None:
-        """The older ``RankAgents`` (before issue 24 item 2): every pending answer fails now."""
+        """``RankAgents.fail_all`` as it was before issue 24 item 2: every pending answer fails now."""
         self.fail(error, self.pending_ranks())
 
     def fail(self, error: Exception, ranks) -> None:
@@ -384,32 +383,28 @@ class SimRankAgents:
         return self.due[op_id]
 
 
-class SimGroup:
-    """``TpGroup`` as ``RankTransport`` reads it: ``check_alive`` fails the group (and every pending
-    rank answer, as ``TpGroup._fail`` does) once a rank was lost; ``fail`` is any other ``_fail``."""
+class _RankProcess:
+    """A worker rank's ``Popen`` as ``TpGroup`` reads it: running until the test loses it."""
 
-    def __init__(self, agents: SimRankAgents) -> None:
-        self.agents = agents
-        self.lost: set[int] = agents.lost
-        self.failure: str | None = None
+    def __init__(self, rank: int, lost: set[int]) -> None:
+        self.rank, self.lost, self.pid = rank, lost, 4000 + rank
 
-    def check_alive(self, doing: str = "a transfer") -> None:
-        if self.failure is not None and IS_FAIL_PER_RANK:
-            self.fail(self.failure)  # ends the ops of ranks exited since
-        if self.failure is None and self.lost:
-            self.fail(f"TP worker rank {min(self.lost)} exited during {doing}")
-        if self.failure is not None:
-            raise TpWorkerError(self.failure)
+    def poll(self) -> int | None:
+        return -9 if self.rank in self.lost else None
 
-    def fail(self, reason: str) -> None:
-        """``TpGroup._fail`` of the code under test: the pending answers of the exited ranks end
-        (every pending answer, in the ``RankAgents`` before issue 24 item 2)."""
-        if self.failure is None:
-            self.failure = reason
-        if IS_FAIL_PER_RANK:
-            self.agents.fail(TpWorkerError(self.failure), set(self.lost))
-        else:
-            self.agents.fail_all(TpWorkerError(self.failure))
+
+def rank_group(agents: SimRankAgents, tp_size: int) -> TpGroup:
+    """The real ``TpGroup`` (its ``check_alive`` and ``_fail``: which ranks' pending answers end when
+    the group fails) over rank processes that the test loses at will (``agents.lost``)."""
+    group = TpGroup.__new__(TpGroup)
+    group.spec = SimpleNamespace(tp_size=tp_size)
+    group.state = GroupState.READY
+    group._failure = None
+    group._fail_lock = threading.Lock()
+    group._procs = [_RankProcess(rank, agents.lost) for rank in range(1, tp_size)]
+    group.agents = agents
+    group.lost = agents.lost
+    return group
 
 
 class SimServer:
