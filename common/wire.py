@@ -51,7 +51,8 @@ from common.wire_check import _build, _short
 #   1 (kvferry 0.6): aux record v3 (280 bytes: the first token's top logprobs in f64, like its own
 #                    logprob), written only into slots that hold it; a 0.5 decode's slots get v2.
 #   1 (kvferry 0.6): Abort.code (default "": ABORTED), "cancelled" when the decode's client went away,
-#                    so that the prefill counts a cancel, not a failed transfer; sent only for a cancel.
+#                    so that the prefill counts a cancel, not a failed transfer; sent only for a cancel,
+#                    and only to a prefill whose RegisterAck.abort_codes (default False) says it reads it.
 PROTOCOL_VERSION = 1
 
 # A register frame carries two entries per layer per model; 1 MiB holds ~5,000 regions.
@@ -175,6 +176,9 @@ class RegisterAck(Message):
     # with staging: the decode side of each run of a room's stream, in stream order, as (addr, nbytes
     # per page, page stride, device): page p of run r is [addr + p * stride, + nbytes); None: no staging
     staging_runs: list[list[int]] | None = None
+    # the prefill reads Abort.code: a decode sends "cancelled" only to a prefill that says so (one that
+    # predates it refuses the field as unknown, and the abort would be lost)
+    abort_codes: bool = False
 
     @property
     def fail_code(self) -> FailCode:

@@ -78,10 +78,12 @@ class AbortSender:
         self._tasks: set[asyncio.Task] = set()
 
     def send_soon(self, link: PrefillLink, room: int, reason: str, code: FailCode | None = None) -> AbortNote:
-        """``code`` CANCELLED (the client went away) is named in the abort; any other is not."""
+        """``code`` CANCELLED (the client went away) is named in the abort, to a prefill that reads
+        abort codes (``PrefillLink.reads_abort_codes``); any other code is not."""
         self.metrics.aborts.labels(side="decode").inc()
         note = AbortNote(link)
-        msg = wire.Abort(room=room, reason=reason, code="cancelled" if code is FailCode.CANCELLED else "")
+        named = code is FailCode.CANCELLED and link.reads_abort_codes
+        msg = wire.Abort(room=room, reason=reason, code=FailCode.CANCELLED.value if named else "")
         task = asyncio.get_running_loop().create_task(self._send(note, msg))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

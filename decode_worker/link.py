@@ -162,6 +162,11 @@ class PrefillLink:
         return self.ack.staging_runs if self.ack is not None else None
 
     @property
+    def reads_abort_codes(self) -> bool:
+        """The prefill reads ``Abort.code`` (an older one refuses the field: its aborts carry none)."""
+        return bool(self.ack and self.ack.abort_codes)
+
+    @property
     def writes_draft(self) -> bool:
         return bool(self.ack and any(k[0] == "draft" for k in self.ack.written))
 

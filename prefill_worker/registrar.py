@@ -115,7 +115,7 @@ class Registrar:
         await self.send(identity, wire.RegisterAck(
             prefill_id=self.prefill_id, accepted=True, error=None,
             written=[list(k) for k in plan.written], ignored=[list(k) for k in plan.ignored],
-            decode_only_spec_dec=plan.decode_only_spec_dec, staging_runs=staging_runs))
+            decode_only_spec_dec=plan.decode_only_spec_dec, staging_runs=staging_runs, abort_codes=True))
 
     async def _plan_and_lists(self, owner: bytes, msg: wire.Register) -> tuple[TransferPlan, list[ListPair]]:
         refusal = self.peers.refuse_register(msg.decode_id, msg.agent_name, owner)
@@ -157,7 +157,8 @@ class Registrar:
             if msg.tp_rank > 0:
                 self.tp_parts.add(owner, msg)
                 await self.send(identity, wire.RegisterAck(prefill_id=self.prefill_id, accepted=True, error=None,
-                                                           written=[], ignored=[], decode_only_spec_dec=False))
+                                                           written=[], ignored=[], decode_only_spec_dec=False,
+                                                           abort_codes=True))
                 return
             parts = self.tp_parts.complete(owner, msg)
             plan = build_peer_plan(self.transport.layouts, parts, f"decode_id={msg.decode_id} agent={msg.agent_name}",

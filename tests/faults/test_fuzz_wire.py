@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -27,6 +29,7 @@ import types
 import typing
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import msgpack
 import pytest
@@ -566,6 +569,37 @@ def test_decode_request_survives_fuzz_at_register_and_transfer(stack):
         assert stack.decode.is_alive(), stack.decode.tail()
 
     run()
+    assert_still_serving(stack)
+
+
+def test_a_cancel_is_not_named_to_a_prefill_that_predates_abort_codes(stack):
+    """The fake prefill registers the decode as a prefill from before ``Abort.code`` does (its
+    RegisterAck has no ``abort_codes``). A client that hangs up while the decode waits for the KV
+    makes the decode abort the room with no code: such a prefill refuses an unknown field, and the
+    abort would be lost. Fails if the decode names the cancel whatever its prefill reads."""
+    fake, room = stack.fake, random.getrandbits(63)
+    payload = json.dumps(body(room, fake.port)).encode()
+    url = urlsplit(stack.decode.url)
+    client = socket.create_connection((url.hostname, url.port), timeout=30)
+    client.sendall(b"POST /generate HTTP/1.1\r\nHost: kvferry\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+    abort, deadline = None, time.monotonic() + 60
+    try:
+        while abort is None:
+            assert time.monotonic() < deadline, "the decode never aborted the room of a client gone"
+            msg = fake.recv_message(0.05)
+            if isinstance(msg, wire.Register):
+                reply(fake, [wire.encode(wire.RegisterAck(prefill_id="fake-prefill", accepted=True, error=None,
+                                                          written=[r.key for r in msg.regions], ignored=[],
+                                                          decode_only_spec_dec=False))])
+            elif isinstance(msg, wire.Transfer) and msg.room == room:
+                client.close()  # the client hangs up while the decode waits for the room's KV
+            elif isinstance(msg, wire.Abort) and msg.room == room:
+                abort = msg
+    finally:
+        client.close()
+    reply(fake, [wire.encode(wire.TransferResult(room=room, ok=False, error="aborted"))])
+    assert abort.code == "" and abort.fail_code is FailCode.ABORTED, abort
     assert_still_serving(stack)
 
 
