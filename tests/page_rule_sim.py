@@ -23,7 +23,7 @@ import itertools
 import threading
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 
 import numpy as np
@@ -445,8 +445,9 @@ class SimLink(PrefillLink):
     def __init__(self, world: World, identity: bytes, decode_id: str, receiver) -> None:
         super().__init__("prefill", 1, receiver)
         self.world, self.identity, self.decode_id = world, identity, decode_id
+        reads_codes = {"abort_codes": True} if "abort_codes" in {f.name for f in fields(wire.RegisterAck)} else {}
         self.ack = wire.RegisterAck(prefill_id="prefill-1", accepted=True, error=None, written=[], ignored=[],
-                                    decode_only_spec_dec=False, abort_codes=True)
+                                    decode_only_spec_dec=False, **reads_codes)
         self.state = LinkState.REGISTERED
         self.sent: list[wire.Message] = []
 

@@ -422,17 +422,21 @@ class PageRuleMachine(RuleBasedStateMachine):
         self.d_end.setdefault(room_id, []).append("ok")
         release()
 
-    @rule(room=st.sampled_from(ROOMS), first=st.sampled_from(["decode", "prefill"]), lands=st.booleans())
+    @rule(room=st.sampled_from(ROOMS), first=st.sampled_from(["decode", "prefill"]),
+          lands=st.sampled_from(["all", "rank 0", "none"]))
     def both_legs(self, room, first, lands):
-        """The router sends both legs of a request; the transfer request reaches the prefill."""
+        """The router sends both legs of a request; the transfer request reaches the prefill; all its
+        WRITEs land, or prefill rank 0's only (the other ranks' are still on the wire), or none yet."""
         if first == "prefill":
             self.prefill_request(room, "ok")
         self.decode_request(room)
         if first == "decode":
             self.prefill_request(room, "ok")
         self.frames_reach_prefill(99)
-        if lands:
+        if lands == "all":
             self.data_plane_runs()
+        elif lands == "rank 0":
+            self.rank0_writes_end(True)
 
     @rule(room=st.sampled_from(ROOMS))
     def decode_request(self, room):
@@ -544,7 +548,13 @@ class PageRuleMachine(RuleBasedStateMachine):
                 elif CLOCK.now > w.deadline:
                     self.world.cancel(w, "timed out", FailCode.TIMEOUT)
 
-    @precondition(lambda self: getattr(self, "group", None) is not None and not self.group.lost)
+    def _ranks_writing(self) -> bool:
+        """A rank other than 0 is writing: the moment a lost rank or a failed group matters (before
+        any room, it only refuses every later one)."""
+        return hasattr(self, "world") and any(w.rank and w.state is WState.IN_FLIGHT for w in self.world.writes)
+
+    @precondition(lambda self: getattr(self, "group", None) is not None and not self.group.lost
+                  and self._ranks_writing())
     @rule(data=st.data())
     def lose_rank(self, data):
         rank = data.draw(st.integers(1, self.topology[0] - 1))
@@ -554,7 +564,7 @@ class PageRuleMachine(RuleBasedStateMachine):
                 w.state = WState.ENDED  # its WRITEs end with its process (nobody answers for them)
         self.settle()
 
-    @precondition(lambda self: getattr(self, "group", None) is not None)
+    @precondition(lambda self: getattr(self, "group", None) is not None and self._ranks_writing())
     @rule()
     def group_fails(self):
         self.group._fail("a collective timed out on rank 0 with every worker alive")
