@@ -38,11 +38,12 @@ def test_restart_prefill(healthy):
 
 
 def test_restart_prefill_faster_than_heartbeats(healthy):
-    """A decode with a long heartbeat limit (15 s) still sees its link as registered after the
-    prefill came back; the new prefill answers its first transfer with "not registered", and the
-    decode registers again and asks once more within the same deadline: no client sees an error."""
+    """A decode with a long heartbeat limit (60 s: longer than a prefill restart takes on a loaded
+    2-core machine, 16 s once) still sees its link as registered after the prefill came back; the
+    new prefill answers its first transfer with "not registered", and the decode registers again
+    and asks once more within the same deadline: no client sees an error."""
     pair = healthy
-    patient = pair.cluster.decode(extra=DECODE_FLAGS + ["--heartbeat-misses", "30"], start=False)
+    patient = pair.cluster.decode(extra=DECODE_FLAGS + ["--heartbeat-misses", "120"], start=False)
     pair.start(patient)
     other = Pair(pair.cluster, pair.prefill, patient)
     try:
