@@ -46,8 +46,9 @@ Breaks it catches, each re-introduced by a one- or two-line edit in a scratch co
   TP-1: the prefill's client leaves during the WRITE, the cancel fails, ``cancelled`` is told:
   decode aux slot 0 is freed under it.
 - item 2, ``TpGroup._fail``: ``self.agents.fail(error, range(1, self.spec.tp_size))`` (every rank's
-  pending answer ends when the group fails, as ``fail_all`` did): a prefill page goes back while
-  rank 1's WRITE still reads it.
+  pending answer ends when the group fails, as ``fail_all`` did). Shrunk: TP 2 -> 1, both legs,
+  rank 0's WRITE lands, the group fails: the room ends and prefill page 0 goes back while rank 1's
+  WRITE still reads it (the decode's pages follow once the result arrives).
 - item 3, ``Quarantine.written``: the guard cut to ``if hold is None:`` and the part count to
   ``if True:`` (the code before ``06ef0b3``: any notification, any agent, ends any hold): a decode
   page is free while a WRITE that could not be cancelled may land in it.
