@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from common import wire
+from common.wire import messages as wire
 from common.plan import geometry
 from common.plan.staging import StagingCosts, crossover_runs, direct_s, plan_room, room_stream, staged_s
-from common.staging_slots import StagingSlot
+from common.wire.staging_slots import StagingSlot
 from decode_worker.staging import StagingReceiver
 from prefill_worker.staging import NUM_BUFFERS, StagingSender, merged_runs, stream_runs
 

@@ -36,10 +36,10 @@ import numpy as np
 import torch
 
 from bench._common import emit, git_hash, hardware, median
-from common import wire
-from common.aux import AuxSlots
-from common.model.config import ModelConfig
-from common.model.kv_cache import KvCache
+from common.wire import messages as wire
+from common.wire.aux_slots import AuxSlots
+from common.models.config import ModelConfig
+from common.cache.kv_cache import KvCache
 from common.plan.layout import KvLayout
 from common.plan.tp import rank_heads
 from common.plan.tp_feed import FeedPlan, build_tp_plan, feed_descs

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emit, git_hash, hardware  # noqa: E402
 from bench.spec import tiny_dirs  # noqa: E402
-from common.procs import Proc, free_port, worker_proc  # noqa: E402
+from common.daemon.procs import Proc, free_port, worker_proc  # noqa: E402
 
 
 def post(url: str, body: dict) -> tuple[int, float, float]:
@@ -141,7 +141,7 @@ def inprocess_ttft(runner, tokenizer, prompts, params) -> list[float]:
 
 
 def measure(a, pool, local, servers, num_prompt_tokens: int, concurrency: int) -> dict:
-    from common.model.sampling import SamplingParams
+    from common.sampling.sampler import SamplingParams
 
     prefill, decode, colocated = servers
     rng = random.Random(a.seed)
@@ -240,14 +240,14 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     if a.serve_colocated:
-        from common.lifecycle import run
+        from common.daemon.lifecycle import run
 
         from common.engine.colocated_server import ColocatedServer
 
         sys.exit(run(ColocatedServer(target, draft, device=a.device, max_total_tokens=a.max_total_tokens,
                                      port=a.serve_colocated)))
     from common.engine.factory import build_runner
-    from common.model.tokenizer import Tokenizer
+    from common.text.tokenizer import Tokenizer
 
     local = None if a.no_inprocess else (build_runner(target, draft, device=a.device,
                                                        max_total_tokens=max(lengths) + 8192 + 1024),

@@ -54,7 +54,7 @@ def timed(fn, iters: int) -> float:
 
 def sequences(runner, batch: int, context: int, new_tokens: int):
     from common.engine.sequence import Sequence
-    from common.model.sampling import SamplingParams
+    from common.sampling.sampler import SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     seqs = [Sequence(f"b{i}", [(7 * i + j) % 500 + 5 for j in range(context)], params) for i in range(batch)]
@@ -121,7 +121,7 @@ def gemv_cases(model) -> list[dict]:
     """One row through each projection of layer 0: cuBLAS (F.linear) against the Triton GEMV."""
     import torch
 
-    from common.model import triton_fused
+    from common.kernels import triton_fused
 
     layer, out = model.layers[0], []
     for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
@@ -167,7 +167,7 @@ def main() -> None:
     import torch
 
     from common.engine.factory import build_runner
-    from common.model.config import ModelConfig
+    from common.models.config import ModelConfig
 
     if not a.device.startswith("cuda") or not torch.cuda.is_available():
         raise SystemExit(f"bench/engine.py measures a CUDA device against its roofline; got --device {a.device}")

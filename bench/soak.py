@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emit, git_hash, hardware  # noqa: E402
 from bench.spec import tiny_dirs  # noqa: E402
-from common.procs import Proc, free_port, http_json, router_proc, worker_proc  # noqa: E402
+from common.daemon.procs import Proc, free_port, http_json, router_proc, worker_proc  # noqa: E402
 
 logger = logging.getLogger("bench.soak")
 
@@ -316,7 +316,7 @@ def references(target: str, prompts: list[list[int]]) -> list[list[int]]:
     from common.engine.colocated import ColocatedEngine
     from common.engine.factory import build_runner
     from common.api.sampling_schema import sglang_params
-    from common.model.tokenizer import Tokenizer
+    from common.text.tokenizer import Tokenizer
 
     torch.set_num_threads(1)
     engine = ColocatedEngine(build_runner(target, None, page_size=16, max_total_tokens=16384),

@@ -28,7 +28,7 @@ def _make_tiny_model(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--preset", default="tiny", help="tiny (default) or a real shape such as llama-3.1-8b")
     args = parser.parse_args(argv)
-    from common.model.tiny import make_tiny_model
+    from common.models.tiny import make_tiny_model
 
     paths = make_tiny_model(args.dir, seed=args.seed, preset=args.preset)
     print(f"wrote {paths}")
@@ -45,7 +45,7 @@ def _convert_gguf(argv: list[str]) -> int:
                         help="dtype of the dequantized weights (default float32)")
     args = parser.parse_args(argv)
     from common.errors import ModelLoadError
-    from common.model.gguf import convert_gguf
+    from common.models.gguf import convert_gguf
 
     try:
         print(f"wrote {convert_gguf(args.file, args.dir, args.dtype)}")

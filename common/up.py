@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from common.errors import ConfigError, ModelLoadError
-from common.procs import Proc, free_port
+from common.daemon.procs import Proc, free_port
 from common.up_model import SMOLLM2_NAME, Served, resolve
 
 POLL_S = 0.2
@@ -81,8 +81,8 @@ def check_ports_free(host: str, ports: dict[str, int]) -> None:
 
 def check_tp_sizes(args: argparse.Namespace, target: Path) -> None:
     """Refuse a --prefill-tp/--decode-tp the model cannot be split over, naming the valid sizes."""
-    from common.model.config import ModelConfig
-    from common.model.tp_layers import TpShard
+    from common.models.config import ModelConfig
+    from common.layers.tp_layers import TpShard
 
     try:
         config = ModelConfig.from_dir(target)

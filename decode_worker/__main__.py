@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from common.lifecycle import daemon_main
+from common.daemon.lifecycle import daemon_main
 from decode_worker.config import DecodeConfig
 
 

@@ -12,13 +12,13 @@ import logging
 import time
 import uuid
 
-from common import wire
+from common.wire import messages as wire
 from common.api.app import create_app
-from common.daemon_core import DaemonCore
+from common.daemon.core import DaemonCore
 from common.engine.batcher import DecodeBatcher
 from common.errors import OverloadedError
 from common.plan.layout import layout_summary
-from common.lifecycle import start_http
+from common.daemon.lifecycle import start_http
 from common.transport.zmq import load_keys
 from decode_worker.config import DecodeConfig
 from decode_worker.kv_transfer import KvReceiver

@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common import wire
-from common.aux import AuxSlots
+from common.wire import messages as wire
+from common.wire.aux_slots import AuxSlots
 from common.errors import FailCode
-from common.metrics import Metrics
+from common.daemon.metrics import Metrics
 from decode_worker.link import PrefillLink
 
 logger = logging.getLogger(__name__)

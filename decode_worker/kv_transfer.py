@@ -23,10 +23,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from common import wire
-from common.aux import AuxSlots
+from common.wire import messages as wire
+from common.wire.aux_slots import AuxSlots
 from common.errors import DisaggError, FailCode, PeerUnavailableError, TransferError
-from common.metrics import Metrics
+from common.daemon.metrics import Metrics
 from common.transport.nixl import NixlEngine
 from decode_worker.holds import AbortSender, Quarantine
 from decode_worker.link import LinkState, PrefillLink

@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from common import wire
+from common.wire import messages as wire
 from common.errors import DisaggError, FailCode, GeometryMismatchError, PeerUnavailableError, ProtocolError
-from common.metrics import Metrics
+from common.daemon.metrics import Metrics
 from common.transport.zmq import BootstrapClient
 
 logger = logging.getLogger(__name__)

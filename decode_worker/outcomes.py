@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
-from common import wire
+from common.wire import messages as wire
 from common.errors import FailCode, GeometryMismatchError, PeerUnavailableError, TransferError
-from common.metrics import Metrics
+from common.daemon.metrics import Metrics
 from decode_worker.holds import Quarantine
 from decode_worker.link import PrefillLink
 from decode_worker.waiters import FetchError, Waiter, parse_notification

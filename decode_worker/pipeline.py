@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from common import wire
+from common.wire import messages as wire
 from common.api.backend import DaemonBackend, DaemonView, GenerateEvent, GenerateInput
 from common.api.outcome import Outcome
 from common.engine.batcher import DecodeBatcher
@@ -27,9 +27,9 @@ from common.engine.output import OutputTracker
 from common.engine.runner import ModelRunner
 from common.engine.sequence import Sequence
 from common.errors import DisaggError, RequestError, fail_code_of
-from common.metrics import Metrics
-from common.model.grammar import GrammarCache
-from common.model.sampling import make_generator
+from common.daemon.metrics import Metrics
+from common.sampling.grammar import GrammarCache
+from common.sampling.sampler import make_generator
 from decode_worker.config import DecodeConfig
 from decode_worker.kv_transfer import KvReceiver
 

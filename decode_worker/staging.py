@@ -22,11 +22,11 @@ import numpy as np
 import torch
 
 from common.errors import ProtocolError
-from common.model.staging_copy import pool_holding, row_index, scatter
+from common.kernels.staging_copy import pool_holding, row_index, scatter
 from common.plan.staging import copy_plan
-from common.staging_slots import SlotRole, StagingSlot, StagingSlots
+from common.wire.staging_slots import SlotRole, StagingSlot, StagingSlots
 from common.transport.nixl import NixlEngine
-from common.wire import StagingInfo
+from common.wire.messages import StagingInfo
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from common import wire
-from common.aux import AuxSlots
-from common.aux_record import AuxRecord
+from common.wire import messages as wire
+from common.wire.aux_slots import AuxSlots
+from common.wire.aux_record import AuxRecord
 from common.errors import DisaggError, FailCode, ProtocolError, TransferError
 from decode_worker.link import PrefillLink
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import time
 
-from common import wire
+from common.wire import messages as wire
 from common.errors import DisaggError, FailCode
 from common.plan.layout import KvLayout
-from common.metrics import Metrics
+from common.daemon.metrics import Metrics
 from common.transport.nixl import NixlEngine
 from common.transport.nixl_probe import MetadataProbe
 from common.transport.zmq import BootstrapServer

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import flag, require
-from common.daemon_config import CommonConfig
+from common.daemon.flags import flag, require
+from common.daemon.config import CommonConfig
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from common.api.app import create_app
-from common.daemon_core import DaemonCore
+from common.daemon.core import DaemonCore
 from common.errors import FailCode, OverloadedError
 from common.plan.layout import layout_summary
-from common.lifecycle import start_http
+from common.daemon.lifecycle import start_http
 from common.transport.nixl_probe import MetadataProbe
 from common.transport.zmq import BootstrapServer, load_keys, load_public_keys
 from prefill_worker.bootstrap import Bootstrap

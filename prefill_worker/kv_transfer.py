@@ -18,12 +18,12 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 
-from common import wire
-from common.aux_record import AuxRecord, decode_reads_v2
+from common.wire import messages as wire
+from common.wire.aux_record import AuxRecord, decode_reads_v2
 from common.plan import geometry
-from common.aux import AuxSlots
+from common.wire.aux_slots import AuxSlots
 from common.errors import FailCode, GeometryMismatchError, PeerUnavailableError, TransferError, UnsafeWriteError
-from common.metrics import Metrics
+from common.daemon.metrics import Metrics
 from common.transport.nixl import NixlEngine
 from prefill_worker.peers import DecodePeer, ListPair, PeerTable
 from prefill_worker.rooms import Room, RoomState

@@ -25,8 +25,8 @@ from common.engine.runner import ModelRunner
 from common.engine.sequence import Sequence
 from common.engine.tp_group import TpWorkerError
 from common.errors import DisaggError, FailCode, RequestError, fail_code_of
-from common.model.grammar import GrammarCache
-from common.model.sampling import make_generator
+from common.sampling.grammar import GrammarCache
+from common.sampling.sampler import make_generator
 from prefill_worker.bootstrap import Bootstrap
 from prefill_worker.config import PrefillConfig
 from prefill_worker.kv_transfer import KvWriter

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from common import wire
+from common.wire import messages as wire
 from common.api.schema import FieldError
 from common.engine.sequence import Sequence
 

@@ -15,13 +15,13 @@ import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from common import wire
+from common.wire import messages as wire
 from common.plan import geometry
 from common.errors import DisaggError, FailCode, GeometryMismatchError, ProtocolError
 from common.plan.geometry import TransferPlan
 from common.plan.layout import ADDR_LIMIT, KvLayout, check_tp_rank
-from common.wire import MEM_KINDS
-from common.metrics import Metrics
+from common.wire.messages import MEM_KINDS
+from common.daemon.metrics import Metrics
 from common.transport.nixl import NixlEngine
 from common.transport.nixl_probe import MetadataProbe
 from prefill_worker.peers import DecodePeer, ListPair, PeerTable

@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from common import wire
+from common.wire import messages as wire
 from common.errors import FailCode, OverloadedError, TransferError
 from common.plan.geometry import RequestXfer, TransferPlan
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from common import wire
+from common.wire import messages as wire
 from common.errors import FailCode, GeometryMismatchError, ProtocolError
 from common.plan.layout import KvLayout, check_layout, check_tp_rank
 

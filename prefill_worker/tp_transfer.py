@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common import wire
+from common.wire import messages as wire
 from common.errors import (DisaggError, FailCode, GeometryMismatchError, PeerUnavailableError, ProtocolError,
                            TransferError, UnsafeWriteError)
 from common.plan.geometry import check_transfer_counts

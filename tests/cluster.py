@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.procs import Proc, free_port, http_json, router_proc, vllm_router_proc, worker_proc
+from common.daemon.procs import Proc, free_port, http_json, router_proc, vllm_router_proc, worker_proc
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_DIR = REPO / ".tiny" / "seed0"
@@ -26,7 +26,7 @@ SLACK_S = 2.0
 
 def tiny_model_dirs() -> tuple[str, str]:
     """The embedded tiny checkpoint (target, draft), made once per machine under .tiny/."""
-    from common.model.tiny import ensure_tiny_model
+    from common.models.tiny import ensure_tiny_model
 
     target, draft = ensure_tiny_model(TINY_DIR, seed=0)
     return str(target), str(draft)
@@ -49,7 +49,7 @@ def tiny_models() -> tuple[str, str]:
 @pytest.fixture(scope="session")
 def tok(tiny_models):
     """The tiny checkpoint's tokenizer."""
-    from common.model.tokenizer import Tokenizer
+    from common.text.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(tiny_models[0])
 
@@ -147,7 +147,7 @@ def colocated(tiny_models):
     """Colocated reference engines: ``colocated(draft=False)``; built once per session."""
     from common.engine.colocated import ColocatedEngine
     from common.engine.factory import build_runner
-    from common.model.tokenizer import Tokenizer
+    from common.text.tokenizer import Tokenizer
 
     torch.set_num_threads(1)
     target, draft = tiny_models

@@ -28,9 +28,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from common import wire
-from common.aux import AuxSlots
-from common.aux_record import AUX_RECORD_V2_BYTES
+from common.wire import messages as wire
+from common.wire.aux_slots import AuxSlots
+from common.wire.aux_record import AUX_RECORD_V2_BYTES
 from common.engine.tp_group import GroupState, TpGroup
 from common.errors import FailCode, TransferError, UnsafeWriteError
 from decode_worker.link import LinkState, PrefillLink

@@ -1,5 +1,5 @@
 """Tensor-parallel ranks as threads of one process, for tests of the sharded model alone (no worker
-processes): each rank loads its shard (``common/model/tp_layers.py``) and a KV pool of its KV heads,
+processes): each rank loads its shard (``common/layers/tp_layers.py``) and a KV pool of its KV heads,
 and their all_reduce is a barrier and a sum in rank order. The process engine
 (``common/engine/tp_group.py``) runs the same model code with gloo or NCCL instead."""
 
@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from common.model.kv_cache import KvCache
-from common.model.llama import SeqChunk
-from common.model.loader import load_model
+from common.cache.kv_cache import KvCache
+from common.models.llama import SeqChunk
+from common.models.loader import load_model
 
 PAGE_SIZE, NUM_PAGES = 16, 128
 PROMPTS = [[7], [(i * 37 + 11) % 500 for i in range(45)], [(i * 13 + 5) % 500 for i in range(300)]]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from common.model.sampling import SamplingParams
+    from common.sampling.sampler import SamplingParams
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -88,7 +88,7 @@ class GenerateEvent:
 
 
 class TokenizerLike(Protocol):
-    """The part of `common.model.tokenizer.Tokenizer` the HTTP layer uses."""
+    """The part of `common.text.tokenizer.Tokenizer` the HTTP layer uses."""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 

@@ -166,7 +166,7 @@ def exactly(*types: type) -> Callable[[Any], Any]:
     return check
 
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit; common.model.top_logprobs keeps the same
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit; common.sampling.top_logprobs keeps the same
 
 
 def as_top_logprobs(value: Any) -> int | None:

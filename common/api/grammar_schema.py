@@ -1,5 +1,5 @@
 """The structured-output fields of a request: SGLang's `regex`, `json_schema` (the schema as a JSON
-string) and `ebnf`, and OpenAI's `response_format`, as a `GrammarSpec` (common/model/grammar.py).
+string) and `ebnf`, and OpenAI's `response_format`, as a `GrammarSpec` (common/sampling/grammar.py).
 
 `GrammarFields` is the base of both sampling models (common/api/sampling_schema.py): it declares
 SGLang's three fields (served in `sampling_params` and, as SGLang's extension, at the top level of
@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, model_validator
 
 from common.api.fields import BODY_CONFIG, Refusal, Refused, Str, WrongType, field, join_path, type_name
-from common.model.grammar import JSON_OBJECT_SCHEMA, GrammarSpec
+from common.sampling.grammar import JSON_OBJECT_SCHEMA, GrammarSpec
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 _JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")

@@ -28,7 +28,7 @@ from common.api.schema import (
     set_fields,
 )
 from common.errors import RequestError
-from common.model.sampling import SamplingParams
+from common.sampling.sampler import SamplingParams
 
 _COMMON_IGNORED: dict[str, tuple[type, ...]] = {
     "user": (str,), "spaces_between_special_tokens": (bool,), "stream_interval": (int,),

@@ -3,9 +3,9 @@ sampling fields, as pydantic models.
 
 A model checks each field's type and refuses the features this engine does not implement
 (`structural_tag`, vLLM's `guided_*`, `best_of`) unless they are sent at their neutral value;
-penalties, `logit_bias` and `min_new_tokens`/`min_tokens` are served (common/model/penalties.py),
+penalties, `logit_bias` and `min_new_tokens`/`min_tokens` are served (common/sampling/penalties.py),
 and so is structured output (`regex`, `json_schema`, `ebnf`, `response_format`:
-common/api/grammar_schema.py). `kwargs()` gives the keyword arguments of `common.model.sampling.SamplingParams`,
+common/api/grammar_schema.py). `kwargs()` gives the keyword arguments of `common.sampling.sampler.SamplingParams`,
 whose `check_ranges` then checks the ranges; `range_names()` maps a `SamplingParams` field to the
 client's name for it. `sglang_params` and `openai_params` build a checked `SamplingParams` in one call (the HTTP layer,
 reference runs in tests and benchmarks).
@@ -23,7 +23,7 @@ from common.api.fields import (
     field, validate_body,
 )
 from common.api.grammar_schema import GrammarFields, check_response_format
-from common.model.sampling import SamplingParams
+from common.sampling.sampler import SamplingParams
 
 # Accepted only at the value that means "off": anything else changes the output in a way this
 # engine does not implement.

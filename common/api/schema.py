@@ -26,7 +26,7 @@ from common.api.fields import (
 )
 from common.api.sampling_schema import SGLangSampling
 from common.errors import RequestError
-from common.model.sampling import SamplingParams
+from common.sampling.sampler import SamplingParams
 
 MISSING: Any = object()
 MAX_ROOM = 2**64

@@ -32,8 +32,8 @@ import logging
 import torch
 
 from common.errors import DisaggError, OverloadedError
-from common.model.config import ModelConfig
-from common.wire import MODEL_KINDS, Region
+from common.models.config import ModelConfig
+from common.wire.messages import MODEL_KINDS, Region
 
 logger = logging.getLogger(__name__)
 

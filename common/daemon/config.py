@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.api.limits import DEFAULT_MAX_REQUEST_BYTES
-from common.config import flag, require
-from common.log import LEVELS
+from common.daemon.flags import flag, require
+from common.daemon.log import LEVELS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_LAYOUTS = ("page-major", "layer-major")  # common/model/kv_cache.py has the same tuple (a test checks)
-ATTENTION_BACKENDS = ("auto", "torch", "triton")  # as common/model/attn_backend.py
+KV_LAYOUTS = ("page-major", "layer-major")  # common/cache/kv_cache.py has the same tuple (a test checks)
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # as common/layers/attn_backend.py
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class CommonConfig:
     served_model_name: str | None = flag(None, help="the model's name in /v1/models and /server_info "
                                                     "(default: the folder's name, or the GGUF file's stem)")
     max_total_tokens: int = flag(0, help="KV pool size in tokens (per model); 0 = auto: --kv-mem-fraction of the "
-                                         "memory free at start-up (common/daemon_start.py)")
+                                         "memory free at start-up (common/daemon/start.py)")
     kv_mem_fraction: float = flag(-1.0, help="with --max-total-tokens 0, the share of free memory the KV pools take: "
                                              "-1 = auto (0.4 of the GPU's free memory after the weights on CUDA, "
                                              "0.1 of MemAvailable on CPU, at most 512 MiB); at most 65536 tokens")

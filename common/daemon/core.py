@@ -17,18 +17,18 @@ from pathlib import Path
 
 import torch
 
-from common.aux import AuxSlots
-from common.daemon_config import CommonConfig
+from common.wire.aux_slots import AuxSlots
+from common.daemon.config import CommonConfig
 from common.engine.factory import build_runner
 from common.engine.runner import ModelRunner
 from common.engine.tp_group import TpWorkerError
 from common.plan.layout import KvLayout
-from common.lifecycle import stop_http
-from common.metrics import Metrics
-from common.model.grammar import GrammarCache
-from common.model.tokenizer import Tokenizer
+from common.daemon.lifecycle import stop_http
+from common.daemon.metrics import Metrics
+from common.sampling.grammar import GrammarCache
+from common.text.tokenizer import Tokenizer
 from common.transport.nixl import NixlEngine
-from common.wire import AuxInfo
+from common.wire.messages import AuxInfo
 
 logger = logging.getLogger(__name__)
 

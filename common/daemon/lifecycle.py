@@ -1,6 +1,6 @@
 """Daemon lifecycle: one uvloop loop, visible start/stop, signals that only set events.
 
-``daemon_main`` is what each ``__main__`` calls: the config (``common/daemon_start.settle`` resolves
+``daemon_main`` is what each ``__main__`` calls: the config (``common/daemon/start.settle`` resolves
 the model and the pool size; a refusal is one line, exit 2), logging, then ``run(daemon)``.
 ``daemon.start()`` loads the model, allocates and registers KV memory, binds sockets and HTTP; only
 then is READY=1 sent to systemd and /health turns green (a failure is one log line, exit 1). The first SIGTERM/SIGINT starts a drain (``daemon.stop(drain_timeout_s)``: stop
@@ -20,7 +20,7 @@ from typing import Protocol
 
 import uvicorn
 
-from common import sdnotify
+from common.daemon import sdnotify
 
 logger = logging.getLogger(__name__)
 
@@ -122,10 +122,10 @@ def run(daemon: Daemon) -> int:
 
 def daemon_main(argv: list[str] | None, config_cls: type, prog: str, make_daemon) -> int:
     """The whole ``__main__`` of a daemon: config from flags and env, logging, then ``run``."""
-    from common.config import parse_config
-    from common.daemon_start import settle
+    from common.daemon.flags import parse_config
+    from common.daemon.start import settle
     from common.errors import ConfigError
-    from common.log import configure
+    from common.daemon.log import configure
 
     try:
         config = parse_config(config_cls, argv, prog=prog)

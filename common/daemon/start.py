@@ -4,7 +4,7 @@
 
 - ``--model`` / ``--draft-model``: a folder must hold ``config.json`` (a mistyped path or a hub name
   is refused, never created); a ``FILE.gguf`` is converted once into ``~/.cache/kvferry/gguf``
-  (``common/model/gguf.py``) and the folder served; ``--served-model-name`` defaults to the GGUF's
+  (``common/models/gguf.py``) and the folder served; ``--served-model-name`` defaults to the GGUF's
   stem (a folder's name otherwise, ``DaemonCore``).
 - ``--tp-size`` is checked against the model, naming the sizes that fit.
 - ``--max-total-tokens 0`` (auto) becomes a count: ``--kv-mem-fraction`` of the memory free now
@@ -21,9 +21,9 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from common.daemon_config import CommonConfig
+from common.daemon.config import CommonConfig
 from common.errors import ConfigError, ModelLoadError
-from common.model.config import ModelConfig
+from common.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def checkpoint_folder(value: str, flag: str, dtype: str) -> Path:
     """The folder ``value`` names (a GGUF converted first); ConfigError naming ``flag`` otherwise."""
-    from common.model.gguf import cached_folder, is_gguf
+    from common.models.gguf import cached_folder, is_gguf
 
     path = Path(value).expanduser()
     if is_gguf(path):
@@ -122,8 +122,8 @@ def auto_tokens(config: CommonConfig, target: Path, configs: list[ModelConfig]) 
 
 def settle(config: CommonConfig) -> CommonConfig:
     """``config`` with the model folders resolved, the TP size checked and the pool size counted."""
-    from common.model.gguf import is_gguf
-    from common.model.tp_layers import TpShard
+    from common.models.gguf import is_gguf
+    from common.layers.tp_layers import TpShard
 
     dtype = config.torch_dtype_name
     target = checkpoint_folder(config.model, "--model", dtype)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from common.engine.output import OutputTracker, StepOutput
 from common.engine.runner import ModelRunner, PendingStep
 from common.engine.sequence import Sequence, SeqState
-from common.model.stops import FinishReason
+from common.sampling.stops import FinishReason
 
 logger = logging.getLogger(__name__)
 

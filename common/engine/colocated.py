@@ -16,8 +16,8 @@ from common.engine.output import OutputTracker
 from common.engine.runner import ModelRunner
 from common.engine.sequence import Sequence, SeqState
 from common.errors import RequestError
-from common.model.grammar import GrammarCache
-from common.model.sampling import SamplingParams, make_generator
+from common.sampling.grammar import GrammarCache
+from common.sampling.sampler import SamplingParams, make_generator
 
 
 @dataclass(frozen=True)

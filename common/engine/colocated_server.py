@@ -2,7 +2,7 @@
 
 ``ColocatedServer`` is a ``Backend`` and a lifecycle daemon in one, with the same scheduler,
 batcher and executor structure as the prefill/decode pair: the baseline that ``bench/e2e.py``
-measures disaggregation against (``common.lifecycle.run`` serves it).
+measures disaggregation against (``common.daemon.lifecycle.run`` serves it).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ class ColocatedServer:
         from common.api.app import create_app
         from common.engine.batcher import DecodeBatcher
         from common.engine.factory import build_runner
-        from common.lifecycle import start_http
-        from common.model.grammar import GrammarCache
-        from common.model.tokenizer import Tokenizer
+        from common.daemon.lifecycle import start_http
+        from common.sampling.grammar import GrammarCache
+        from common.text.tokenizer import Tokenizer
         from common.engine.prefill_scheduler import PrefillScheduler
 
         self.executor = ThreadPoolExecutor(1)
@@ -47,7 +47,7 @@ class ColocatedServer:
         self.http = await start_http(create_app(self, api_key=None, request_timeout_s=600), self.host, self.port)
 
     async def stop(self, timeout_s: float) -> None:
-        from common.lifecycle import stop_http
+        from common.daemon.lifecycle import stop_http
 
         await stop_http(*self.http)
         await self.scheduler.stop()
@@ -73,7 +73,7 @@ class ColocatedServer:
         from common.engine.fork import check_group, children_of, fork_group, outputs
         from common.engine.output import OutputTracker
         from common.engine.sequence import Sequence
-        from common.model.sampling import make_generator
+        from common.sampling.sampler import make_generator
 
         device = self.runner.target.kv.device
         seq = Sequence(inp.request_id, list(inp.prompt_ids), inp.params, make_generator(inp.params.seed, device),
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     baseline server on its own (tests compare the pair's answers with its answers)."""
     import argparse
 
-    from common.lifecycle import run
+    from common.daemon.lifecycle import run
 
     ap = argparse.ArgumentParser(prog="python -m common.engine.colocated_server")
     ap.add_argument("--model", required=True)

@@ -7,10 +7,10 @@ from common.engine.runner import ModelRunner, ModelSlot
 from common.engine.tp_comm import rank_device
 from common.engine.tp_group import TpGroup, TpSpec
 from common.errors import ConfigError
-from common.model.config import ModelConfig
-from common.model.kv_cache import KvCache, PageAllocator
-from common.model.loader import load_model
-from common.model.tp_layers import TpConfigError, TpShard
+from common.models.config import ModelConfig
+from common.cache.kv_cache import KvCache, PageAllocator
+from common.models.loader import load_model
+from common.layers.tp_layers import TpConfigError, TpShard
 
 
 def build_slot(model_dir: str, *, model_name: str, device: str, dtype: str | None, page_size: int,

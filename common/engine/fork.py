@@ -28,7 +28,7 @@ from common.engine.output import StepOutput
 from common.engine.runner import ModelRunner
 from common.engine.sequence import Sequence
 from common.errors import OverloadedError
-from common.model.sampling import make_generator
+from common.sampling.sampler import make_generator
 
 
 def pages_for_group(runner: ModelRunner, seq: Sequence, n: int) -> int:

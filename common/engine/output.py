@@ -1,6 +1,6 @@
 """Turns generated token ids into client-visible output: text deltas, stop decisions, events.
 
-One ``OutputTracker`` per sequence, over ``common.model.detok.StreamingOutput``, which decides
+One ``OutputTracker`` per sequence, over ``common.text.detok.StreamingOutput``, which decides
 token by token, so a stop token or stop string ends the output at exactly the token plain
 decoding would end it at, however many tokens a speculative step produced.
 """
@@ -11,8 +11,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from common.engine.sequence import Sequence
-from common.model.detok import StreamingOutput, StreamStep
-from common.model.stops import FinishReason
+from common.text.detok import StreamingOutput, StreamStep
+from common.sampling.stops import FinishReason
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""A batch's penalties, logit bias and min_tokens (common/model/penalties.py) from its sequences.
+"""A batch's penalties, logit bias and min_tokens (common/sampling/penalties.py) from its sequences.
 
 Only sequences whose `SamplingParams` ask for any of them are looked at; a batch with none builds
 nothing, and the sampler takes its plain path. A sequence that needs token counts gets a
@@ -23,7 +23,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from common.engine.sequence import Sequence
-from common.model.penalties import LogitAdjust, RowRequest, TokenHistory, build_adjust, has_adjustments, needs_history
+from common.sampling.penalties import LogitAdjust, RowRequest, TokenHistory, build_adjust, has_adjustments, needs_history
 
 
 def _num_generated(s: Sequence) -> int:

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.model.sampling import SamplingParams
+from common.sampling.sampler import SamplingParams
 
 if TYPE_CHECKING:
-    from common.model.grammar import GrammarMatcher
+    from common.sampling.grammar import GrammarMatcher
 
 
 class SeqState(enum.Enum):
@@ -55,7 +55,7 @@ class Sequence:
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
     logprob_start_len: int = 0  # with input_logprobs: the first prompt token whose logprob is wanted
-    # top logprobs (common/model/top_logprobs.py): how many alternatives per token; per output token
+    # top logprobs (common/sampling/top_logprobs.py): how many alternatives per token; per output token
     # its alternatives (in step with output_ids while top_logprobs_num > 0); per prompt token from
     # logprob_start_len on (with input_logprobs; [] where there is no value)
     top_logprobs_num: int = 0
@@ -65,13 +65,13 @@ class Sequence:
     draft_num_cached: int = 0
     num_proposed: int = 0
     num_accepted: int = 0
-    history_row: int | None = None  # its penalties' TokenHistory row (common/model/penalties.py)
+    history_row: int | None = None  # its penalties' TokenHistory row (common/sampling/penalties.py)
     state: SeqState = SeqState.WAITING
     finish_reason: dict | None = None
     error: str | None = None
     # structured output's matcher, None when unconstrained: its next mask needs this step's token
     # on the host, so a batch holding one is never overlapped with the step before
-    grammar: GrammarMatcher | None = None  # common/model/grammar.py
+    grammar: GrammarMatcher | None = None  # common/sampling/grammar.py
 
     def transition(self, new: SeqState) -> None:
         if new not in _TRANSITIONS[self.state]:

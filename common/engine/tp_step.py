@@ -21,7 +21,7 @@ from enum import IntEnum
 import numpy as np
 
 from common.errors import ProtocolError
-from common.model.llama import SeqChunk
+from common.models.llama import SeqChunk
 
 HEADER_MAGIC = 0x4B56_5450_0001  # "KVTP" v1: bump the low digits when the header changes
 _HEADER = struct.Struct("<8q")

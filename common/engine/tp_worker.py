@@ -20,11 +20,11 @@ import sys
 
 import torch
 
-from common import log
+from common.daemon import log
 from common.engine.tp_comm import TpComm, open_store, parse_init_method, rank_device
 from common.engine.tp_step import HEADER_BYTES, StepHeader, StepKind, decode_forward
-from common.model.kv_cache import KV_LAYOUTS, KvCache
-from common.model.loader import load_model
+from common.cache.kv_cache import KV_LAYOUTS, KvCache
+from common.models.loader import load_model
 from common.transport.rank_agent import RankAgentServer
 
 logger = logging.getLogger(__name__)

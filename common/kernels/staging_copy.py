@@ -80,7 +80,7 @@ def scatter_reference(staging: torch.Tensor, buffer: torch.Tensor, plan: CopyPla
 def _kernels():
     """``triton_staging`` on CUDA when Triton imports; None otherwise (the torch reference runs)."""
     try:
-        from common.model import triton_staging  # import triton only on this path
+        from common.kernels import triton_staging  # import triton only on this path
     except ImportError as exc:
         logger.warning("Triton is not importable (%s): staging copies use torch index ops", exc)
         return None

@@ -1,6 +1,6 @@
 """Paged attention in Triton: K/V read straight from the KV pool through page tables, no gather.
 
-Three kernels, each checked against the torch path (``attention.py``) in ``tests/gpu``:
+Three kernels, each checked against the torch path (``common/layers/attention.py``) in ``tests/gpu``:
 
 - ``store_kv``: token t's K/V [Hkv, D] goes to row ``rows[t]`` of page ``pages[t]``; a negative
   page skips the token (padding rows of a CUDA graph bucket).

@@ -1,16 +1,16 @@
 """Attention backends: how a forward stores its new K/V and attends over the paged pool.
 
 ``torch`` (``attention.py``) runs everywhere and is the reference; ``triton``
-(``triton_attention.py``) reads pages in place on CUDA. ``--attention-backend auto`` picks triton on
-a CUDA device when Triton imports, else torch. Both expose one interface::
+(``common/kernels/triton_attention.py``) reads pages in place on CUDA. ``--attention-backend auto``
+picks triton on a CUDA device when Triton imports, else torch. Both expose one interface::
 
     token_ids, plan = backend.plan(chunks, page_size, device)   # host -> device, once per forward
     backend.store(k_cache, v_cache, k, v, plan)                  # per layer
     out = backend.attend(q, k_cache, v_cache, plan, window, scale)
 
 The elementwise steps around attention go through the backend too (``add_norm``, ``rope_store``,
-``silu_mul``, ``linear``): the torch compositions on the torch path, fused kernels (``triton_fused.py``) on the
-triton path.
+``silu_mul``, ``linear``): the torch compositions on the torch path, fused kernels
+(``common/kernels/triton_fused.py``) on the triton path.
 
 A plan has ``positions`` [T], ``last_index`` [B] and ``query_lens`` (list); the rest is the
 backend's own. ``TritonPlan`` travels to the device as one int64 copy and can also be built from
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.model import attention, rope
-from common.model.h2d import to_device
-from common.model.norm import rms_norm
+from common.layers import attention, rope
+from common.kernels.h2d import to_device
+from common.layers.norm import rms_norm
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # A batch of prompts with no cached prefix, one of them longer than this, attends with SDPA (flash)
@@ -143,7 +143,7 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, device: torch.device, num_kv_heads: int) -> None:
-        from common.model import triton_attention, triton_fused  # import triton: only on this path
+        from common.kernels import triton_attention, triton_fused  # import triton: only on this path
 
         self.kernels = triton_attention
         self.fused = triton_fused

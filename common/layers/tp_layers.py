@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from common.errors import ConfigError, GeometryMismatchError
-from common.model.config import ModelConfig
+from common.models.config import ModelConfig
 from common.plan.tp import HeadRange, rank_heads
 
 

@@ -2,7 +2,7 @@
 
 ``convert_gguf(file, dir)`` writes what ``--model DIR`` loads: ``config.json`` from the file's
 ``{arch}.*`` metadata, ``model.safetensors`` with every tensor dequantized (the ``gguf`` package's
-numpy dequantizers) to one dtype, and the tokenizer (``gguf_tokenizer.py``). ``cached_folder``
+numpy dequantizers) to one dtype, and the tokenizer (``common/text/gguf_tokenizer.py``). ``cached_folder``
 converts once into ``~/.cache/kvferry/gguf/<key>/<stem>/`` (keyed by the file's path, size, mtime
 and the dtype); that is how the daemons and ``kvferry up`` serve ``--model FILE.gguf``.
 
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from common.errors import ModelLoadError
-from common.model.gguf_tokenizer import tokenizer_files
+from common.text.gguf_tokenizer import tokenizer_files
 
 # general.architecture -> (config.json architectures entry, model_type). Mistral GGUFs say "llama".
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),

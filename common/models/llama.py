@@ -2,7 +2,7 @@
 
 One ``forward`` serves every phase: prefill (``start_pos`` 0), chunked prefill and spec-dec verify
 (several new tokens after a cached prefix) and batched decode (one new token per chunk). Linear
-layers run over all packed tokens at once; attention reads each chunk's pages (``attention.py``).
+layers run over all packed tokens at once; attention reads each chunk's pages (``common/layers/attention.py``).
 Weights are plain tensors filled by ``loader.load_model``: q/k/v and gate/up are stored fused, and
 ``hf_tensor_map`` says where each Hugging Face tensor lands.
 """
@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.model import rope
-from common.model.attn_backend import make_backend
-from common.model.config import ModelConfig
-from common.model.kv_cache import KvCache
-from common.model.norm import rms_norm
-from common.model.tp_layers import TensorSlot, TpShard, layer_tensor_map
+from common.layers import rope
+from common.layers.attn_backend import make_backend
+from common.models.config import ModelConfig
+from common.cache.kv_cache import KvCache
+from common.layers.norm import rms_norm
+from common.layers.tp_layers import TensorSlot, TpShard, layer_tensor_map
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
     """Decoder with embedding, layers, final norm and lm_head (tied to the embedding when configured).
 
     With a ``shard`` of TP > 1 the layers hold this rank's heads and intermediate block
-    (``tp_layers.py``); embedding, norms and lm_head are replicated. ``attach_tp`` gives the layers
+    (``common/layers/tp_layers.py``); embedding, norms and lm_head are replicated. ``attach_tp`` gives the layers
     the TP group's all_reduce. Ranks other than 0 stop after the last layer (``run`` returns None):
     only rank 0 computes logits and samples."""
 
@@ -139,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
         self.attn = make_backend("auto", device, shard.kv_heads.count)
 
     def set_attention_backend(self, name: str) -> None:
-        """``auto``, ``torch`` or ``triton`` (CUDA only); see ``attn_backend.py``."""
+        """``auto``, ``torch`` or ``triton`` (CUDA only); see ``common/layers/attn_backend.py``."""
         self.attn = make_backend(name, self.device, self.shard.kv_heads.count)
 
     def attach_tp(self, all_reduce) -> None:

@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint folder (safetensors, single or sharded) into ``LlamaForCausalLM``."""
+"""Load a Hugging Face checkpoint folder (safetensors, single or sharded) into the class ``registry.py``
+names for its architecture (``LlamaForCausalLM`` for every family served today)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import torch
 from safetensors import safe_open
 
 from common.errors import ModelLoadError
-from common.model.config import ModelConfig
-from common.model.llama import LlamaForCausalLM
-from common.model.tp_layers import TensorSlot, TpShard
+from common.models.config import ModelConfig
+from common.models.llama import LlamaForCausalLM
+from common.models.registry import model_class
+from common.layers.tp_layers import TensorSlot, TpShard
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +38,11 @@ def load_model(
     tp_size: int = 1, tp_rank: int = 0,
 ) -> LlamaForCausalLM:
     """Read ``config.json`` and the safetensors of ``model_dir``; ``dtype`` None keeps the checkpoint's.
-    With ``tp_size`` > 1 only rank ``tp_rank``'s part of each sharded tensor is kept (``tp_layers.py``)."""
+    With ``tp_size`` > 1 only rank ``tp_rank``'s part of each sharded tensor is kept (``common/layers/tp_layers.py``)."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     torch_dtype = parse_dtype(dtype if dtype is not None else config.torch_dtype)
-    model = LlamaForCausalLM(config, torch_dtype, device, TpShard.of(config, tp_size, tp_rank))
+    model = model_class(config)(config, torch_dtype, device, TpShard.of(config, tp_size, tp_rank))
     slots = model.hf_tensor_map()
     loaded: set[str] = set()
     ignored: list[str] = []

@@ -16,7 +16,7 @@ from itertools import accumulate
 import numpy as np
 
 from common.plan.layout import Desc
-from common.wire import AuxInfo, Region
+from common.wire.messages import AuxInfo, Region
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common.errors import GeometryMismatchError
-from common.wire import AuxInfo, Region, RegionKey, Transfer
+from common.wire.messages import AuxInfo, Region, RegionKey, Transfer
 # One side's table and its checks (common.plan.layout) and the prepared lists (common.plan.desc_lists),
 # imported from their own modules by whoever needs them: nothing is re-exported from here.
 from common.plan.layout import Desc, KvLayout, check_layout, format_key, format_keys
@@ -70,7 +70,7 @@ class TransferPlan:
     @property
     def aux_nbytes(self) -> int:
         """Bytes of aux record written per room: the smaller of the two sides' slots, so either side may
-        be the older one (common/aux_record.py says which record fits)."""
+        be the older one (common/wire/aux_record.py says which record fits)."""
         return self.groups[-1].aux_nbytes
 
     def __post_init__(self) -> None:

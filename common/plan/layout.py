@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.errors import GeometryMismatchError
-from common.aux_record import AUX_RECORD_BYTES
-from common.wire import KV_KINDS, MEM_KINDS, MODEL_KINDS, AuxInfo, Region, RegionKey, Register
+from common.wire.aux_record import AUX_RECORD_BYTES
+from common.wire.messages import KV_KINDS, MEM_KINDS, MODEL_KINDS, AuxInfo, Region, RegionKey, Register
 
 ADDR_LIMIT = 1 << 64  # one past the last byte a 64-bit descriptor address can name
 Desc = tuple[int, int, int]  # one NIXL descriptor: (addr, nbytes, device)

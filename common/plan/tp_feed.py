@@ -25,7 +25,7 @@ import numpy as np
 from common.errors import GeometryMismatchError
 from common.plan.layout import KvLayout, check_layout, format_key, format_keys
 from common.plan.tp import HeadRange, PageSide, check_tp, copies, feeds, num_copies, rank_heads
-from common.wire import Region, RegionKey
+from common.wire.messages import Region, RegionKey
 
 INT64_LIMIT = 1 << 63  # descriptors are int64: a region must end below this
 # The most descriptors one room may need over all its feeds (before merging). Each row costs ~1.5-2 us

@@ -68,7 +68,7 @@ class GrammarSpec:
 
 
 def tokenizer_info(tokenizer: Any, vocab_size: int) -> xgr.TokenizerInfo:
-    """xgrammar's view of `tokenizer` (common.model.tokenizer.Tokenizer over a `tokenizers`
+    """xgrammar's view of `tokenizer` (common.text.tokenizer.Tokenizer over a `tokenizers`
     backend), over the model's `vocab_size` (the width of its logits): ids past the tokenizer's
     vocabulary are never allowed, tokenizer ids past the model's are dropped. Special tokens are
     passed as empty strings, which xgrammar never lets a grammar produce: their text

@@ -2,11 +2,11 @@
 
 Reading path: `SamplingParams` (what a request asks; its ranges), `probs` (temperature, top-k,
 top-p, min-p; also used by speculative decoding's accept/reject), `Sampler.sample`; then
-`common.model.stops` (when a request ends).
+`common.sampling.stops` (when a request ends).
 
 Penalties (repetition, frequency, presence), logit bias and `min_new_tokens` change the raw
-logits before `probs` (common/model/penalties.py, through `Sampler.sample`'s `adjust`). Structured output: `grammar`, applied by
-the runner through common/model/grammar.py.
+logits before `probs` (common/sampling/penalties.py, through `Sampler.sample`'s `adjust`). Structured output: `grammar`, applied by
+the runner through common/sampling/grammar.py.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from common.errors import RequestError
-from common.model.h2d import to_device
+from common.kernels.h2d import to_device
 
 if TYPE_CHECKING:
-    from common.model.grammar import GrammarSpec
+    from common.sampling.grammar import GrammarSpec
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     # vLLM's definitions, applied on the raw logits before the transform above
-    # (common/model/penalties.py); neutral: 1.0, 0.0, 0.0, no bias, 0
+    # (common/sampling/penalties.py); neutral: 1.0, 0.0, 0.0, no bias, 0
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -60,7 +60,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False  # keep the matched stop string/token in the text (SGLang's name)
     n: int = 1
-    grammar: GrammarSpec | None = None  # structured output: common/model/grammar.py
+    grammar: GrammarSpec | None = None  # structured output: common/sampling/grammar.py
 
     @property
     def is_greedy(self) -> bool:
@@ -201,7 +201,7 @@ def sample_from_probs(p: torch.Tensor,
 
 class LogitsAdjust(Protocol):
     """What a batch's rows ask to change in the raw logits before sampling (penalties, logit
-    bias, min_tokens: `common.model.penalties.LogitAdjust`)."""
+    bias, min_tokens: `common.sampling.penalties.LogitAdjust`)."""
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor: ...
 

@@ -86,7 +86,7 @@ def _sentencepiece_bpe(meta, tokens: list[str]) -> Tokenizer:
 
 
 def build_tokenizer(meta) -> Tokenizer:
-    """The ``tokenizers`` object of a GGUF's metadata (``meta``: ``common.model.gguf.Metadata``)."""
+    """The ``tokenizers`` object of a GGUF's metadata (``meta``: ``common.models.gguf.Metadata``)."""
     kind = meta.get("tokenizer.ggml.model")
     builders = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
     if kind not in builders:

@@ -12,7 +12,7 @@ import numpy as np
 from nixl import _bindings as nixl_bindings
 
 from common.errors import TransferError
-from common.wire import MEM_KINDS
+from common.wire.messages import MEM_KINDS
 
 Desc = tuple[int, int, int]  # (addr, nbytes, device)
 

@@ -35,7 +35,7 @@ import zmq
 
 from common.errors import DisaggError, PeerUnavailableError, ProtocolError
 from common.transport import rank_wire
-from common.wire import Region
+from common.wire.messages import Region
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from common.errors import (DisaggError, FailCode, PeerUnavailableError, ProtocolError, TransferError,
                            UnsafeWriteError)
-from common.wire import Region
+from common.wire.messages import Region
 
 ERROR_KINDS: dict[str, type[DisaggError]] = {
     "transfer": TransferError,

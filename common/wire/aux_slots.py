@@ -2,7 +2,7 @@
 
 The prefill fills its slot with the room id, first token (and its top logprobs) and prompt length,
 and the same WRITE that moves the KV copies it into the decode's slot (DESIGN §3; the record's
-layout and versions: ``common/aux_record.py``). Slots are handed out one per room
+layout and versions: ``common/wire/aux_record.py``). Slots are handed out one per room
 in flight; ``acquire`` never returns a slot twice before ``release``.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from common.errors import OverloadedError
-from common.aux_record import AUX_RECORD_V3_BYTES
-from common.wire import AuxInfo
+from common.wire.aux_record import AUX_RECORD_V3_BYTES
+from common.wire.messages import AuxInfo
 
 
 class AuxSlots:

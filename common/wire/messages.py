@@ -22,7 +22,7 @@ from typing import ClassVar
 import msgpack
 
 from common.errors import FailCode, ProtocolError
-from common.wire_check import _build, _short
+from common.wire.checks import _build, _short
 
 # PROTOCOL_VERSION is bumped when a field is removed or renamed, a field's type or meaning changes,
 # a kind is removed, or the aux record layout changes. Adding a kind, or a field with a default,
@@ -38,7 +38,7 @@ from common.wire_check import _build, _short
 #   1 (kvferry 0.3): TransferResult.code and RegisterAck.code (default "": a peer that predates them,
 #                    read as FailCode.OTHER) and Register.draft_model (default "": no draft, or a
 #                    decode that predates it).
-#   1 (kvferry 0.4): aux record v2 (common/aux_record.py: the first token's top logprobs), written only
+#   1 (kvferry 0.4): aux record v2 (common/wire/aux_record.py: the first token's top logprobs), written only
 #                    into a decode's slots that hold it, and TransferResult.prompt_logprobs (default
 #                    None), sent only to such a decode: a 0.3 peer on either side sees 0.3 frames.
 #   1 (kvferry 0.5): tensor parallelism: one register per decode rank (Register.tp_rank; ranks > 0 carry
@@ -59,7 +59,7 @@ PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 1 << 20
 
 MODEL_KINDS = ("target", "draft")
-# The order of bytes inside one page of a region (``common/model/kv_cache.py``): heads outermost, so
+# The order of bytes inside one page of a region (``common/cache/kv_cache.py``): heads outermost, so
 # a head slice of a page is one range (tensor parallelism with other TP sizes on the two sides).
 # A register without it comes from a kvferry whose pages were tokens-outermost: refused, never mixed.
 PAGE_ORDER = "heads-outer"

@@ -36,10 +36,10 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from common import wire
+from common.wire import messages as wire
 from common.errors import FailCode, ProtocolError
-from common.model.sampling import SamplingParams
-from common.procs import Proc, http_json
+from common.sampling.sampler import SamplingParams
+from common.daemon.procs import Proc, http_json
 from tests.cluster import REPO, Cluster, LogWatch, free_pages, room_event
 
 pytestmark = pytest.mark.timeout(1800)

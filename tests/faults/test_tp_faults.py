@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from common.procs import http_json
+from common.daemon.procs import http_json
 from tests.cluster import LogWatch, room_event
 from tests.faults.harness import (
     DECODE_FLAGS, PREFILL_FLAGS, SLACK_S, Pair, Pending, assert_clear_error, body, boot, new_room,

@@ -14,9 +14,9 @@ import torch
 
 from common.engine.colocated import ColocatedEngine
 from common.engine.factory import build_runner
-from common.model.llama import SeqChunk
-from common.model.sampling import SamplingParams
-from common.model.tokenizer import Tokenizer
+from common.models.llama import SeqChunk
+from common.sampling.sampler import SamplingParams
+from common.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.gpu
 

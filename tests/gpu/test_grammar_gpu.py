@@ -12,9 +12,9 @@ import torch
 
 from common.engine.colocated import ColocatedEngine
 from common.engine.factory import build_runner
-from common.model.grammar import GrammarCache, GrammarSpec, mask_logits
-from common.model.sampling import SamplingParams
-from common.model.tokenizer import Tokenizer
+from common.sampling.grammar import GrammarCache, GrammarSpec, mask_logits
+from common.sampling.sampler import SamplingParams
+from common.text.tokenizer import Tokenizer
 from tests.json_schema_check import errors
 from tests.unit.test_grammar import ANSWER, PERSON, PROMPTS
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from common.engine.factory import build_runner
-from common.model.llama import SeqChunk
-from common.model.sampling import Sampler, SamplingParams, make_generator
+from common.models.llama import SeqChunk
+from common.sampling.sampler import Sampler, SamplingParams, make_generator
 
 pytestmark = pytest.mark.gpu
 

@@ -9,8 +9,8 @@ import torch
 
 from common.engine.factory import build_runner
 from common.engine.sequence import Sequence
-from common.model.sampling import SamplingParams
-from common.model.tokenizer import Tokenizer
+from common.sampling.sampler import SamplingParams
+from common.text.tokenizer import Tokenizer
 from tests.unit import test_batcher
 
 pytestmark = pytest.mark.gpu

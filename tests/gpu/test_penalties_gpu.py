@@ -11,9 +11,9 @@ import torch
 from common.engine.colocated import ColocatedEngine
 from common.engine.factory import build_runner
 from common.engine.penalty_inputs import decode_adjust
-from common.model.penalties import TokenHistory
-from common.model.sampling import Sampler, SamplingParams, make_generator
-from common.model.tokenizer import Tokenizer
+from common.sampling.penalties import TokenHistory
+from common.sampling.sampler import Sampler, SamplingParams, make_generator
+from common.text.tokenizer import Tokenizer
 from tests.gpu.test_host_syncs import _no_sync
 from tests.unit.test_penalties import ENGINE_PARAMS, EOS, PROMPTS, VOCAB, _case, _sequences, reference, reference_greedy
 

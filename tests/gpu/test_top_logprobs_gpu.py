@@ -9,8 +9,8 @@ import torch
 
 from common.engine.factory import build_runner
 from common.engine.sequence import Sequence
-from common.model.sampling import SamplingParams
-from common.model.top_logprobs import attach, to_host, top_logprobs, with_tops
+from common.sampling.sampler import SamplingParams
+from common.sampling.top_logprobs import attach, to_host, top_logprobs, with_tops
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""The tensor-parallel model (``common/model/tp_layers.py``) on CUDA with the Triton kernels: the
+"""The tensor-parallel model (``common/layers/tp_layers.py``) on CUDA with the Triton kernels: the
 TP 2 and TP 4 shards of the tiny checkpoints, each with a KV pool of its own KV heads, give TP 1's
 greedy tokens (float32, eager). The ranks run as threads of one process on one GPU
 (``tests/tp_threads.py``): NCCL needs one GPU per rank, so the process engine
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.model.tiny import make_tiny_model
+from common.models.tiny import make_tiny_model
 from tests.tp_threads import greedy_in_threads
 
 pytestmark = pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""The Triton paged-attention kernels against the torch path (``common/model/attention.py``).
+"""The Triton paged-attention kernels against the torch path (``common/layers/attention.py``).
 
 Random page tables over a pool bigger than the batch needs, lengths from 1 to 32k with page
 boundaries, both KV layouts, page sizes 1/16/64, GQA, sliding windows, bf16 and fp32.
@@ -15,10 +15,10 @@ import random
 import pytest
 import torch
 
-from common.model import attention
+from common.layers import attention
 
 pytestmark = pytest.mark.gpu
-triton_attention = pytest.importorskip("common.model.triton_attention")
+triton_attention = pytest.importorskip("common.kernels.triton_attention")
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from common.model import staging_copy
-from common.model.config import ModelConfig
-from common.model.kv_cache import KV_LAYOUTS, KvCache
+from common.kernels import staging_copy
+from common.models.config import ModelConfig
+from common.cache.kv_cache import KV_LAYOUTS, KvCache
 from common.plan.desc_lists import DescGroup
 from common.plan.staging import copy_plan, room_stream
 
 pytestmark = pytest.mark.gpu
-triton_staging = pytest.importorskip("common.model.triton_staging")
+triton_staging = pytest.importorskip("common.kernels.triton_staging")
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 

@@ -25,7 +25,7 @@ import time
 import pytest
 
 from common.api.outcome import OUTCOMES
-from common.procs import http_json
+from common.daemon.procs import http_json
 from tests.cluster import Cluster, assert_pages_return, ok, post
 from tests.faults.harness import counter, metrics
 

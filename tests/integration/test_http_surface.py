@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from common.model.sampling import SamplingParams
+from common.sampling.sampler import SamplingParams
 from common.api.sampling_schema import openai_params, sglang_params
 from tests.cluster import Cluster, free_pages
 

@@ -2,7 +2,7 @@
 NIXL over loopback, both real routers).
 
 The prefill samples the first token: its alternatives reach the decode in the aux record (v2), the
-prompt logprobs in the TransferResult (common/aux_record.py, common/wire.py). Every answer here
+prompt logprobs in the TransferResult (common/wire/aux_record.py, common/wire/messages.py). Every answer here
 comes from the decode through a router and is compared with the colocated engine (token ids
 exactly, logprob values within 1e-4) and with the colocated HTTP server given the same request
 (the same answer, values within 1e-4), greedy and seeded, streamed and not; the OpenAI routes
@@ -107,7 +107,7 @@ def test_generate_through_vllm_router_keeps_output_logprobs_only(pd, tok_ids):
 
 @pytest.fixture(scope="module")
 def tok_ids(tiny_models) -> list[int]:
-    from common.model.tokenizer import Tokenizer
+    from common.text.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(tiny_models[0]).encode(PROMPT)
 

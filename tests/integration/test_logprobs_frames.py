@@ -5,14 +5,14 @@ The TransferResult that carries a room's prompt logprobs to the decode is one ms
 decode's DEALER drops a connection whose frame passes ``wire.MAX_FRAME_BYTES`` (libzmq's
 MAXMSGSIZE), failing every room on that link. With token ids >= 65,536 msgpack spends 5 bytes on
 each id, and each position's two lists of alternatives carry their own headers. The checkpoint is
-``tiny-vocab-66k`` (common/model/tiny.py): every position's 20 most likely tokens have such ids.
+``tiny-vocab-66k`` (common/models/tiny.py): every position's 20 most likely tokens have such ids.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from common.model.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 from prefill_worker.prompt_logprobs import max_prompt_logprob_tokens
 from tests.cluster import Cluster, assert_pages_return, free_pages, send_pair
 
@@ -23,7 +23,7 @@ DAEMON = ["--max-total-tokens", "16384"]
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
     """(prefill, decode) over the tiny-vocab-66k checkpoint."""
-    from common.model.tiny import make_tiny_model
+    from common.models.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("vocab66k")
     target, draft = make_tiny_model(root / "model", seed=0, preset="tiny-vocab-66k")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from common.api.sampling_schema import openai_params, sglang_params
-from common.model.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 from tests.cluster import Cluster, assert_pages_return, ok, post, send_pair
 
 PROMPT = "The ferry leaves the north pier at seven"

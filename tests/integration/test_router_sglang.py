@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from common.model.sampling import SamplingParams
+from common.sampling.sampler import SamplingParams
 from common.api.sampling_schema import openai_params, sglang_params
 from tests.cluster import Cluster, assert_pages_return, ok, post
 

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import zmq
 
-from common import wire
-from common.model.sampling import SamplingParams
-from common.procs import Proc, http_json
+from common.wire import messages as wire
+from common.sampling.sampler import SamplingParams
+from common.daemon.procs import Proc, http_json
 from common.transport.zmq import load_keys
 from tests.cluster import REPO, SLACK_S, Cluster
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.procs import free_port, http_json
+from common.daemon.procs import free_port, http_json
 from common.up_model import SMOLLM2_NAME, Unavailable, smollm2_folder, smollm2_gguf
 from tests.cluster import REPO, post
 from tests.integration.test_up import kill_up, stop_up, wait_for_text

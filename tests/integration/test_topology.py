@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from common.procs import http_json
+from common.daemon.procs import http_json
 from common.api.sampling_schema import sglang_params
 from tests.cluster import Cluster, assert_pages_return, free_pages, post
 

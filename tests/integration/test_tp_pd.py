@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from common.model.sampling import SamplingParams
-from common.procs import http_json
+from common.sampling.sampler import SamplingParams
+from common.daemon.procs import http_json
 from tests.cluster import Cluster, assert_pages_return, free_pages, ok, post
 
 LENGTHS = [1, 17, 64, 300, 2000]
@@ -46,7 +46,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, tiny_models) -> dict[str, tuple[str, str]]:
-    from common.model.tiny import make_tiny_model
+    from common.models.tiny import make_tiny_model
 
     target, draft = make_tiny_model(tmp_path_factory.mktemp("kv8"), seed=1, preset="tiny-kv8")
     return {"tiny": tiny_models, "kv8": (str(target), str(draft))}
@@ -59,7 +59,7 @@ def references(models):
 
     from common.engine.colocated import ColocatedEngine
     from common.engine.factory import build_runner
-    from common.model.tokenizer import Tokenizer
+    from common.text.tokenizer import Tokenizer
 
     torch.set_num_threads(1)
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)

@@ -16,14 +16,14 @@ import time
 
 import torch
 
-from common import wire
-from common.aux_record import AuxRecord
-from common.aux import AuxSlots
-from common.model.config import ModelConfig
-from common.model.kv_cache import KvCache
-from common.model.llama import SeqChunk
-from common.model.loader import load_model
-from common.procs import http_json
+from common.wire import messages as wire
+from common.wire.aux_record import AuxRecord
+from common.wire.aux_slots import AuxSlots
+from common.models.config import ModelConfig
+from common.cache.kv_cache import KvCache
+from common.models.llama import SeqChunk
+from common.models.loader import load_model
+from common.daemon.procs import http_json
 from common.transport.nixl import NixlEngine
 from common.transport.zmq import BootstrapClient
 

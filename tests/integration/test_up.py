@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.procs import free_port, http_json
+from common.daemon.procs import free_port, http_json
 from common.api.sampling_schema import sglang_params
 from tests.cluster import REPO, post
 

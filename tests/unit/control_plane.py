@@ -19,10 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import uvloop
 
-from common import wire
-from common.aux import AuxSlots
+from common.wire import messages as wire
+from common.wire.aux_slots import AuxSlots
 from common.plan.layout import KvLayout
-from common.metrics import Metrics
+from common.daemon.metrics import Metrics
 from common.transport.nixl import NixlEngine
 from common.transport.zmq import BootstrapClient, BootstrapServer
 from prefill_worker.bootstrap import Bootstrap

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from common.plan import geometry as g
 from common.plan.layout import KvLayout
-from common.wire import AuxInfo, Region, Transfer
+from common.wire.messages import AuxInfo, Region, Transfer
 
 
 ITEM = 256

@@ -18,7 +18,7 @@ from common.api.schema import (
 from common.errors import (
     OverloadedError, PeerUnavailableError, RequestError, TransferError,
 )
-from common.model.sampling import SamplingParams
+from common.sampling.sampler import SamplingParams
 
 
 class CharTokenizer:

@@ -1,5 +1,6 @@
 """The shape of the house, checked: imports go one way and form no circle (TYPE_CHECKING imports
-included), and no production file or class outgrows what one reader holds in their head."""
+included), the model side knows nothing of serving, every package says what it owns, and no
+production file or class outgrows what one reader holds in their head."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("common", "prefill_worker", "decode_worker")
 MAX_FILE_LINES, MAX_CLASS_LINES = 400, 250
+# The model side (what a new architecture, layer, kernel or cache structure touches) imports nothing
+# of the serving side; the wire and the kernels sit below everything that uses them.
+MODEL_SIDE = ("models", "layers", "kernels", "cache", "sampling", "text")
+SERVING_SIDE = ("engine", "api", "daemon", "transport", "up", "up_model", "cli")
+MAY_IMPORT = {"wire": ("wire", "errors"), "plan": ("plan", "wire", "errors"), "kernels": ("kernels", "plan", "errors")}
 
 
 def _modules() -> dict[str, Path]:
@@ -93,6 +99,33 @@ def test_imports_go_one_way():
                 assert not [m for m in imported if m.startswith(other)], f"{name} imports {other}"
 
 
+def _under(name: str, packages: tuple[str, ...]) -> bool:
+    """``name`` is one of ``common.<package>`` for ``packages``, or a module inside one."""
+    return any(name == f"common.{p}" or name.startswith(f"common.{p}.") for p in packages)
+
+
+def test_imports_go_down_the_layers():
+    mods = _modules()
+    wrong = []
+    for name, path in mods.items():
+        imported = _imports(name, path, mods)
+        if _under(name, MODEL_SIDE):
+            wrong += [f"{name} imports {m}" for m in imported if _under(m, SERVING_SIDE)]
+        for package, allowed in MAY_IMPORT.items():
+            if _under(name, (package,)):
+                wrong += [f"{name} imports {m}" for m in imported if not _under(m, allowed)]
+    assert wrong == []
+
+
+def test_every_package_says_what_it_owns():
+    """Each package of common/ has a README, and common/README.md's table names it (``name/``)."""
+    table = (REPO / "common" / "README.md").read_text()
+    packages = sorted(p.parent for p in (REPO / "common").glob("*/*.py"))
+    missing = [f"{p.name}/" for p in set(packages) if f"`{p.name}/`" not in table]
+    no_readme = [p.name for p in set(packages) if not (p / "README.md").is_file()]
+    assert (sorted(missing), sorted(no_readme)) == ([], [])
+
+
 def test_files_and_classes_stay_small():
     too_long = []
     for name, path in _modules().items():
@@ -112,10 +145,10 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_the_import_finder_sees_type_checking_function_and_relative_imports(tmp_path):
     source = tmp_path / "a.py"
     source.write_text("from typing import TYPE_CHECKING\n"
-                      "if TYPE_CHECKING:\n    from common.wire import Message\n"
+                      "if TYPE_CHECKING:\n    from common.wire.messages import Message\n"
                       "def f():\n    import common.errors\n"
                       "from . import rooms\nfrom .peers import PeerTable\n")
-    mods = {m: source for m in ("common.wire", "common.errors", "common.aux", "prefill_worker.rooms",
+    mods = {m: source for m in ("common.wire.messages", "common.errors", "common.wire.aux_slots", "prefill_worker.rooms",
                                 "prefill_worker.peers")}
-    assert _imports("prefill_worker.a", source, mods) == {"common.wire", "common.errors", "prefill_worker.rooms",
+    assert _imports("prefill_worker.a", source, mods) == {"common.wire.messages", "common.errors", "prefill_worker.rooms",
                                                           "prefill_worker.peers"}

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.model.attention import build_plan
-from common.model.attn_backend import pack_chunks, resolve_backend
-from common.model.llama import SeqChunk
+from common.layers.attention import build_plan
+from common.layers.attn_backend import pack_chunks, resolve_backend
+from common.models.llama import SeqChunk
 
 
 @st.composite

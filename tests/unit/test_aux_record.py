@@ -1,4 +1,4 @@
-"""The aux record (common/aux_record.py): v1, v2 and v3 round trips, old records still decode, and what
+"""The aux record (common/wire/aux_record.py): v1, v2 and v3 round trips, old records still decode, and what
 cannot be written or read is refused with a clear error; TransferResult.prompt_logprobs on the wire."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common import wire
-from common.aux_record import (
+from common.wire import messages as wire
+from common.wire.aux_record import (
     AUX_MAGIC, AUX_MAGIC_V2, AUX_MAGIC_V3, AUX_RECORD_BYTES, AUX_RECORD_V2_BYTES, AUX_RECORD_V3_BYTES, MAX_AUX_TOP,
     AuxRecord, decode_reads_v2,
 )

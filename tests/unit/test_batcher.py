@@ -12,8 +12,8 @@ import pytest
 from common.engine.batcher import DecodeBatcher
 from common.engine.output import OutputTracker
 from common.engine.sequence import Sequence
-from common.model.sampling import SamplingParams, make_generator
-from common.model.tokenizer import Tokenizer
+from common.sampling.sampler import SamplingParams, make_generator
+from common.text.tokenizer import Tokenizer
 from tests.cluster import tiny_model_dirs, tiny_runner
 from tests.unit.control_plane import run
 

@@ -1,11 +1,11 @@
-"""Flags both daemons share (common/daemon_config.py), read through each daemon's config class."""
+"""Flags both daemons share (common/daemon/config.py), read through each daemon's config class."""
 
 from __future__ import annotations
 
 import pytest
 
 from common.api.limits import DEFAULT_MAX_REQUEST_BYTES
-from common.config import parse_config
+from common.daemon.flags import parse_config
 from common.errors import ConfigError
 from decode_worker.config import DecodeConfig
 from prefill_worker.config import PrefillConfig

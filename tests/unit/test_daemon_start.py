@@ -1,4 +1,4 @@
-"""Start-up refusals and derived settings (common/daemon_start.py): a mistyped --model, a folder that
+"""Start-up refusals and derived settings (common/daemon/start.py): a mistyped --model, a folder that
 is not a checkpoint and a --tp-size the model cannot be split over are each refused in one line
 naming the value and what would fit; a GGUF --model is served from its converted folder under its
 file's stem; --max-total-tokens 0 counts the pool from free memory within the CPU caps."""
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from common.config import parse_config
-from common.daemon_start import AUTO_TOKENS_CAP, CPU_KV_BYTES_CAP, kv_bytes_per_token, settle
+from common.daemon.flags import parse_config
+from common.daemon.start import AUTO_TOKENS_CAP, CPU_KV_BYTES_CAP, kv_bytes_per_token, settle
 from common.errors import ConfigError
-from common.model.config import ModelConfig
+from common.models.config import ModelConfig
 from prefill_worker.config import PrefillConfig
 from tests.cluster import REPO, tiny_model_dirs
 

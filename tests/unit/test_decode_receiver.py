@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from common import wire
-from common.aux import AuxSlots
-from common.aux_record import AuxRecord
+from common.wire import messages as wire
+from common.wire.aux_slots import AuxSlots
+from common.wire.aux_record import AuxRecord
 from common.errors import (FailCode, GeometryMismatchError, OverloadedError, PeerUnavailableError, RequestError,
                            TransferError)
-from common.metrics import Metrics
+from common.daemon.metrics import Metrics
 from common.transport.nixl import NixlEngine
 from decode_worker.kv_transfer import KvReceiver
 from tests.unit.control_plane import PAGE_SIZE, Prefill, new_pool, pool_layout, run, until

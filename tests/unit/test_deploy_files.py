@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.config import config_from_args, env_name
+from common.daemon.flags import config_from_args, env_name
 from decode_worker.config import DecodeConfig
 from prefill_worker.config import PrefillConfig
 

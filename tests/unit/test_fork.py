@@ -16,9 +16,9 @@ from common.engine.fork import fork, fork_kv, fork_pages, pages_for_group
 from common.engine.output import OutputTracker
 from common.engine.sequence import Sequence
 from common.errors import OverloadedError
-from common.model.kv_cache import PageAllocator, PageOwnershipError
-from common.model.sampling import SamplingParams, make_generator
-from common.model.tokenizer import Tokenizer
+from common.cache.kv_cache import PageAllocator, PageOwnershipError
+from common.sampling.sampler import SamplingParams, make_generator
+from common.text.tokenizer import Tokenizer
 from tests.cluster import tiny_model_dirs, tiny_runner
 from tests.unit.control_plane import run
 

@@ -19,7 +19,7 @@ import pytest
 
 from common.api.backend import GenerateInput
 from common.engine.sequence import Sequence
-from common.model.sampling import SamplingParams
+from common.sampling.sampler import SamplingParams
 from decode_worker.pipeline import DecodeBackend
 from tests.cluster import tiny_runner
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from common.plan import geometry as g
 from common.plan.layout import KvLayout, check_layout
 from common.errors import GeometryMismatchError
-from common.wire import Region, Register
+from common.wire.messages import Region, Register
 from tests.unit.geometry_cases import (
     AUX, ITEM, PAGES, layout, layout_pairs, locate, page_major, plan_ranges, room, rooms, selected, table, transfer)
 
@@ -172,7 +172,7 @@ def test_insane_aux_is_refused(field, value):
 
 def test_aux_record_is_the_smaller_slot_of_the_two_sides():
     """Either side may be the older one (a 32-byte v1 slot): the prefill writes what the smaller slot
-    holds (common/aux_record.py picks the record that fits)."""
+    holds (common/wire/aux_record.py picks the record that fits)."""
     plan = g.build_plan(layout(table(), aux=dataclasses.replace(AUX, item_len=128)), layout(table()))
     assert plan.aux_nbytes == 64 and plan.groups[-1].prefill_descs()[-1][1] == 64
     plan = g.build_plan(layout(table()), layout(table(), aux=dataclasses.replace(AUX, item_len=128)))

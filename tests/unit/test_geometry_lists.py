@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from common.plan import geometry as g
 from common.errors import GeometryMismatchError
-from common.wire import Region
+from common.wire.messages import Region
 from tests.unit.geometry_cases import (
     ITEM, PAGES, layout, locate, merged_descs, nixl_merged, page_major, room, rooms, selected, table)
 

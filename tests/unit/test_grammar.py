@@ -11,9 +11,9 @@ import torch
 
 from common.engine.colocated import ColocatedEngine
 from common.errors import RequestError
-from common.model.grammar import ANY_JSON, DraftMasks, GrammarCache, GrammarSpec, mask_logits
-from common.model.sampling import SamplingParams
-from common.model.tokenizer import Tokenizer
+from common.sampling.grammar import ANY_JSON, DraftMasks, GrammarCache, GrammarSpec, mask_logits
+from common.sampling.sampler import SamplingParams
+from common.text.tokenizer import Tokenizer
 from tests.cluster import tiny_model_dirs, tiny_runner
 from tests.json_schema_check import errors
 
@@ -89,7 +89,7 @@ def test_tokenizer_info_is_xgrammars_own_but_for_special_tokens(tokenizer):
     import xgrammar as xgr
     from transformers import PreTrainedTokenizerFast
 
-    from common.model.grammar import tokenizer_info
+    from common.sampling.grammar import tokenizer_info
 
     hf = PreTrainedTokenizerFast.from_pretrained(tiny_model_dirs()[0])
     size = tokenizer.vocab_size + 8
@@ -254,7 +254,7 @@ def test_forked_completions_each_follow_the_grammar(engines, tokenizer):
     from common.engine.batcher import DecodeBatcher
     from common.engine.output import OutputTracker
     from common.engine.sequence import Sequence
-    from common.model.sampling import make_generator
+    from common.sampling.sampler import make_generator
     from tests.unit.control_plane import run
     from tests.unit.test_fork import fork_checked
 

@@ -8,11 +8,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from common.daemon_config import CommonConfig
+from common.daemon.config import CommonConfig
 from common.errors import OverloadedError
-from common.model.attention import _gather_keys, build_plan, write_kv
-from common.model.config import ModelConfig
-from common.model.kv_cache import KV_LAYOUTS, KvCache, PageAllocator, PageOwnershipError
+from common.layers.attention import _gather_keys, build_plan, write_kv
+from common.models.config import ModelConfig
+from common.cache.kv_cache import KV_LAYOUTS, KvCache, PageAllocator, PageOwnershipError
 from common.plan.tp import HeadRange, PageSide
 
 

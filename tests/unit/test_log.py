@@ -1,4 +1,4 @@
-"""common/log.py: uvicorn's "Invalid HTTP request received." (sglang-router's gRPC probe of each
+"""common/daemon/log.py: uvicorn's "Invalid HTTP request received." (sglang-router's gRPC probe of each
 worker's HTTP port) is dropped at info and kept, explained, at debug; other uvicorn lines pass."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from common.log import NonHttpProbes, logging_config
+from common.daemon.log import NonHttpProbes, logging_config
 
 
 def record(msg: str) -> logging.LogRecord:

@@ -97,10 +97,10 @@ import prefill_worker.peers
 import prefill_worker.pipeline
 import prefill_worker.rooms
 import prefill_worker.tp_transfer
-from common import wire
+from common.wire import messages as wire
 from common.errors import DisaggError, FailCode
-from common.metrics import Metrics
-from common.model.kv_cache import PageAllocator
+from common.daemon.metrics import Metrics
+from common.cache.kv_cache import PageAllocator
 from decode_worker.kv_transfer import KvReceiver
 from prefill_worker.bootstrap import Bootstrap
 from prefill_worker.kv_transfer import KvWriter

@@ -1,4 +1,4 @@
-"""Penalties, logit bias and min_tokens (common/model/penalties.py) against a plain reference of
+"""Penalties, logit bias and min_tokens (common/sampling/penalties.py) against a plain reference of
 vLLM's definitions written here, row by row and token by token: the logit maths, the sampler on
 mixed batches (rows with and without, greedy and seeded), the device-side token history, the
 engine (plain, speculative and overlapped decoding) against a reference decode loop, and the stop
@@ -16,11 +16,11 @@ import torch
 from common.engine.colocated import ColocatedEngine
 from common.engine.penalty_inputs import decode_adjust, prefill_adjust, record_accepted, verify_logits
 from common.engine.sequence import Sequence
-from common.model.llama import SeqChunk
-from common.model.penalties import RowRequest, TokenHistory, build_adjust
-from common.model.sampling import Sampler, SamplingParams, make_generator, probs
-from common.model.stops import StopChecker
-from common.model.tokenizer import Tokenizer
+from common.models.llama import SeqChunk
+from common.sampling.penalties import RowRequest, TokenHistory, build_adjust
+from common.sampling.sampler import Sampler, SamplingParams, make_generator, probs
+from common.sampling.stops import StopChecker
+from common.text.tokenizer import Tokenizer
 from tests.cluster import tiny_model_dirs, tiny_runner
 
 torch.set_num_threads(1)

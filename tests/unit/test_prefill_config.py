@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import parse_config
+from common.daemon.flags import parse_config
 from common.errors import ConfigError
 from prefill_worker.config import PrefillConfig
 

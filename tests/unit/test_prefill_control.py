@@ -11,12 +11,12 @@ import time
 import pytest
 from nixl import _bindings as nixl_bindings
 
-from common import wire
-from common.aux_record import AuxRecord
-from common.config import parse_config
+from common.wire import messages as wire
+from common.wire.aux_record import AuxRecord
+from common.daemon.flags import parse_config
 from common.engine.sequence import Sequence
 from common.errors import FailCode, PeerUnavailableError, TransferError, UnsafeWriteError
-from common.model.sampling import SamplingParams
+from common.sampling.sampler import SamplingParams
 from common.transport.nixl import NixlEngine
 from prefill_worker.config import PrefillConfig
 from prefill_worker.daemon import PrefillDaemon

@@ -11,7 +11,7 @@ import pytest
 
 from common.engine.prefill_scheduler import PrefillScheduler
 from common.engine.sequence import Sequence
-from common.model.sampling import SamplingParams
+from common.sampling.sampler import SamplingParams
 from tests.cluster import tiny_runner
 from tests.unit.control_plane import run
 

@@ -1,4 +1,4 @@
-"""Ports for the processes that tests, benches and ``kvferry up`` start (common/procs.py): picked
+"""Ports for the processes that tests, benches and ``kvferry up`` start (common/daemon/procs.py): picked
 outside the kernel's ephemeral range, and a start that lost its port to another process before it
 bound is retried on a new one (issue 12, item 13)."""
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from common.procs import PORT_FLOOR, Proc, _ephemeral_floor, free_port, http_json
+from common.daemon.procs import PORT_FLOOR, Proc, _ephemeral_floor, free_port, http_json
 
 # A stand-in daemon: serves GET /health on --port, or exits as uvicorn does when the port is taken.
 SERVER = """

@@ -11,7 +11,7 @@ import time
 import pytest
 from nixl import _bindings as nixl_bindings
 
-from common import wire
+from common.wire import messages as wire
 from common.errors import FailCode, TransferError, fail_code_of
 from common.transport.nixl import NixlEngine
 from common.transport.nixl_types import XferState

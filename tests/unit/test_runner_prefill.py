@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.engine.sequence import Sequence
-from common.model.sampling import SamplingParams
+from common.sampling.sampler import SamplingParams
 from tests.cluster import tiny_model_dirs, tiny_runner
 
 PROMPT = [(7 * i + 3) % 400 + 5 for i in range(70)]

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from common.errors import RequestError
-from common.model.detok import StreamingOutput
-from common.model.sampling import Sampler, SamplingParams, make_generator, probs
-from common.model.stops import FinishReason, StopChecker
+from common.text.detok import StreamingOutput
+from common.sampling.sampler import Sampler, SamplingParams, make_generator, probs
+from common.sampling.stops import FinishReason, StopChecker
 from common.api.sampling_schema import openai_params, sglang_params
 
 torch.set_num_threads(1)

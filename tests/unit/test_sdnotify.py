@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from common import sdnotify
+from common.daemon import sdnotify
 
 
 @pytest.fixture

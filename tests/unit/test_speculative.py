@@ -11,8 +11,8 @@ import torch
 from common.engine.colocated import ColocatedEngine
 from common.engine.factory import build_runner
 from common.engine.spec import verify_greedy, verify_sampled
-from common.model.sampling import SamplingParams
-from common.model.tokenizer import Tokenizer
+from common.sampling.sampler import SamplingParams
+from common.text.tokenizer import Tokenizer
 from tests.cluster import tiny_model_dirs
 
 

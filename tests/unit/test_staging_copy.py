@@ -1,4 +1,4 @@
-"""The torch reference of the staging gather and scatter (``common/model/staging_copy.py``) on random
+"""The torch reference of the staging gather and scatter (``common/kernels/staging_copy.py``) on random
 page tables: exact bytes, a lossless round trip, and nothing outside the runs touched."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.model import staging_copy
+from common.kernels import staging_copy
 from common.plan.staging import copy_plan
 
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from common import wire
+from common.wire import messages as wire
 from common.errors import ProtocolError
-from common.metrics import Metrics
+from common.daemon.metrics import Metrics
 from common.plan.staging import StagingCosts, crossover_runs
-from common.staging_slots import SlotState
+from common.wire.staging_slots import SlotState
 from common.transport.nixl import NixlEngine
 from decode_worker.staging import StagingReceiver
 from prefill_worker.staging import StagingSender, merged_runs

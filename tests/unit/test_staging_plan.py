@@ -9,9 +9,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.model import staging_copy
-from common.model.config import ModelConfig
-from common.model.kv_cache import KV_LAYOUTS, KvCache
+from common.kernels import staging_copy
+from common.models.config import ModelConfig
+from common.cache.kv_cache import KV_LAYOUTS, KvCache
 from common.plan.desc_lists import DescGroup
 from common.plan.staging import (
     DirectReason, StagingCosts, StepOp, StreamSegment, TransferPath, chunk_plan, choose_path, copy_plan,

@@ -1,4 +1,4 @@
-"""Staging slots (``common/staging_slots.py``): the transition table, and random room lives under
+"""Staging slots (``common/wire/staging_slots.py``): the transition table, and random room lives under
 the fault rules (acquire never waits, reuse only when nothing can touch a slot, quarantine is final)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from common.staging_slots import _TRANSITIONS, SlotRole, SlotState, StagingSlot, StagingSlots
+from common.wire.staging_slots import _TRANSITIONS, SlotRole, SlotState, StagingSlot, StagingSlots
 
 EVENTS = ("start_write", "write_done", "scatter_done", "cancelled")
 # where each event leads from each state, per role (absent: the event raises and changes nothing)

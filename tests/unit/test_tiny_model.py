@@ -11,9 +11,13 @@ import pytest
 import torch
 
 from common.errors import RequestError
-from common.model import KvCache, PageAllocator, SeqChunk, Tokenizer, load_model, make_tiny_model, presets
-from common.model.config import ModelConfig
-from common.model.tiny import _config_json
+from common.cache.kv_cache import KvCache, PageAllocator
+from common.models.llama import SeqChunk
+from common.text.tokenizer import Tokenizer
+from common.models.loader import load_model
+from common.models.tiny import make_tiny_model, presets
+from common.models.config import ModelConfig
+from common.models.tiny import _config_json
 
 torch.set_num_threads(1)
 PAGE_SIZE = 16

@@ -1,4 +1,4 @@
-"""Top logprobs (common/model/top_logprobs.py) against a torch reference: log_softmax, then topk, of the
+"""Top logprobs (common/sampling/top_logprobs.py) against a torch reference: log_softmax, then topk, of the
 raw logits. The pure functions on random logits, then whole requests on the tiny checkpoint: the
 prefill's first token, plain and speculative decode steps, and prompt positions, each checked
 against one full forward over the prompt and the output."""
@@ -10,10 +10,10 @@ import torch
 
 from common.engine.colocated import ColocatedEngine
 from common.engine.sequence import Sequence
-from common.model.llama import SeqChunk
-from common.model.sampling import SamplingParams
-from common.model.tokenizer import Tokenizer
-from common.model.top_logprobs import attach, prompt_tops, to_host, top_logprobs, with_tops
+from common.models.llama import SeqChunk
+from common.sampling.sampler import SamplingParams
+from common.text.tokenizer import Tokenizer
+from common.sampling.top_logprobs import attach, prompt_tops, to_host, top_logprobs, with_tops
 from tests.cluster import tiny_model_dirs, tiny_runner
 
 TOL = 1e-4

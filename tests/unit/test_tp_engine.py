@@ -31,14 +31,14 @@ from common.engine.sequence import Sequence
 from common.engine.tp_group import TpWorkerError
 from common.engine.tp_step import HEADER_BYTES, StepHeader, StepKind, decode_forward, encode_forward
 from common.errors import ProtocolError
-from common.model.config import ModelConfig
-from common.model.llama import SeqChunk
-from common.model.loader import load_model
-from common.model.grammar import GrammarSpec
-from common.model.sampling import SamplingParams
-from common.model.tokenizer import Tokenizer
-from common.model.tiny import make_tiny_model
-from common.model.tp_layers import TpConfigError, TpShard
+from common.models.config import ModelConfig
+from common.models.llama import SeqChunk
+from common.models.loader import load_model
+from common.sampling.grammar import GrammarSpec
+from common.sampling.sampler import SamplingParams
+from common.text.tokenizer import Tokenizer
+from common.models.tiny import make_tiny_model
+from common.layers.tp_layers import TpConfigError, TpShard
 from tests.cluster import tiny_model_dirs
 from tests.tp_threads import greedy_in_threads
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from common import wire
+from common.wire import messages as wire
 from common.errors import DisaggError, FailCode
 from common.plan.layout import MAX_TP_SIZE
 from prefill_worker.tp_parts import MAX_OWNER_DECODES, TpRegistrations, part_nbytes

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from common import wire
-from common.aux_record import AUX_RECORD_BYTES
+from common.wire import messages as wire
+from common.wire.aux_record import AUX_RECORD_BYTES
 from common.engine.tp_group import GroupState, TpGroup, TpSpec
 from common.errors import DisaggError, FailCode, UnsafeWriteError
 from common.plan.layout import KvLayout

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from common.errors import ConfigError
-from common.procs import free_port
+from common.daemon.procs import free_port
 from common.up import main as up_main
 from common.up_model import resolve
 from tests.cluster import tiny_model_dirs

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common import wire
+from common.wire import messages as wire
 from common.errors import ProtocolError
 
 KINDS = sorted(wire._REGISTRY.values(), key=lambda cls: cls.KIND)

@@ -12,7 +12,7 @@ import zmq.asyncio
 
 from common.errors import ConfigError, PeerUnavailableError, ProtocolError
 from common.transport.zmq import BootstrapClient, BootstrapServer, keygen, load_keys, load_public_keys
-from common.wire import MAX_FRAME_BYTES, Abort, AuxInfo, Ping, Pong, Region, Register, Transfer, encode
+from common.wire.messages import MAX_FRAME_BYTES, Abort, AuxInfo, Ping, Pong, Region, Register, Transfer, encode
 
 pytestmark = pytest.mark.timeout(30)
 

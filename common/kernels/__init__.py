@@ -1,0 +1,2 @@
+"""Kernels, each beside its torch reference: Triton attention, fused elementwise ops, staging copies,
+host-to-device copies."""

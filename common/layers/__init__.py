@@ -1,0 +1,1 @@
+"""Model layers: attention and its backend choice, rotary, RMSNorm, tensor-parallel sharding."""

@@ -1,0 +1,27 @@
+"""The model class of each served architecture, keyed by ``config.json``'s ``architectures``.
+
+A new architecture is one file in this package and one entry here; ``config.py``'s
+``SUPPORTED_ARCHITECTURES`` names its family, which decides biases and q/k norm. Every family served
+today is the Llama forward (``llama.py``).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from common.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from common.models.llama import LlamaForCausalLM
+
+MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+assert set(MODELS) == set(SUPPORTED_ARCHITECTURES), "registry.py and config.py name different architectures"
+
+
+def model_class(config: ModelConfig) -> type[nn.Module]:
+    """The class that serves ``config.architecture`` (already checked against ``SUPPORTED_ARCHITECTURES``
+    when the config was parsed)."""
+    return MODELS[config.architecture]

@@ -1,0 +1,1 @@
+"""Text: the tokenizer (Hugging Face tokenizer.json or a GGUF's vocabulary) and the streaming detokenizer."""

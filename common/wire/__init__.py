@@ -1,0 +1,1 @@
+"""The wire: messages and their codec, the field checks, the aux record and its slots, staging slots."""
