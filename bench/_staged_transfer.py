@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
-from common.wire import messages as wire
-from common.plan import geometry
-from common.plan.staging import StagingCosts, crossover_runs, direct_s, plan_room, room_stream, staged_s
-from common.wire.staging_slots import StagingSlot
-from decode_worker.staging import StagingReceiver
-from prefill_worker.staging import NUM_BUFFERS, StagingSender, merged_runs, stream_runs
+from kvferry.common.wire import messages as wire
+from kvferry.common.plan import geometry
+from kvferry.common.plan.staging import StagingCosts, crossover_runs, direct_s, plan_room, room_stream, staged_s
+from kvferry.common.wire.staging_slots import StagingSlot
+from kvferry.decode_worker.staging import StagingReceiver
+from kvferry.prefill_worker.staging import NUM_BUFFERS, StagingSender, merged_runs, stream_runs
 
 ROOM_ID = 7  # the bench's one room id (the slots track their holder by it)
 

@@ -9,9 +9,9 @@ import time
 import numpy as np
 import torch
 
-from common.kernels import staging_copy
-from common.plan.staging import CopyPlan, copy_plan
-from common.transport.nixl import NixlEngine
+from kvferry.common.kernels import staging_copy
+from kvferry.common.plan.staging import CopyPlan, copy_plan
+from kvferry.common.transport.nixl import NixlEngine
 
 
 class Side:
@@ -59,7 +59,7 @@ def checksums(pool: torch.Tensor, ids, page_nbytes: int) -> list[list[int]]:
 def set_kernel(config: str | None) -> None:
     """Make ``config`` (``BLOCKxWARPS[xTILES]``) the Triton kernels' default in this process."""
     if config:
-        from common.kernels import triton_staging
+        from kvferry.common.kernels import triton_staging
         triton_staging.CONFIG = triton_staging.KernelConfig.parse(config)
 
 

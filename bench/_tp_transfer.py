@@ -36,14 +36,14 @@ import numpy as np
 import torch
 
 from bench._common import emit, git_hash, hardware, median
-from common.wire import messages as wire
-from common.wire.aux_slots import AuxSlots
-from common.models.config import ModelConfig
-from common.cache.kv_cache import KvCache
-from common.plan.layout import KvLayout
-from common.plan.tp import rank_heads
-from common.plan.tp_feed import FeedPlan, build_tp_plan, feed_descs
-from common.transport.nixl import NixlEngine
+from kvferry.common.wire import messages as wire
+from kvferry.common.wire.aux_slots import AuxSlots
+from kvferry.common.models.config import ModelConfig
+from kvferry.common.cache.kv_cache import KvCache
+from kvferry.common.plan.layout import KvLayout
+from kvferry.common.plan.tp import rank_heads
+from kvferry.common.plan.tp_feed import FeedPlan, build_tp_plan, feed_descs
+from kvferry.common.transport.nixl import NixlEngine
 
 MODEL = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
          "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}

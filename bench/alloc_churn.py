@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emit, git_hash  # noqa: E402
-from common.cache.kv_cache import PageAllocator  # noqa: E402
+from kvferry.common.cache.kv_cache import PageAllocator  # noqa: E402
 
 
 class LowestFirst:

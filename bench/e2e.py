@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emit, git_hash, hardware  # noqa: E402
 from bench.spec import tiny_dirs  # noqa: E402
-from common.daemon.procs import Proc, free_port, worker_proc  # noqa: E402
+from kvferry.common.daemon.procs import Proc, free_port, worker_proc  # noqa: E402
 
 
 def post(url: str, body: dict) -> tuple[int, float, float]:
@@ -120,7 +120,7 @@ def staging_counts(url: str) -> dict:
 def inprocess_ttft(runner, tokenizer, prompts, params) -> list[float]:
     """Bare prefill forward of a wave, in batches of at most 8,192 tokens as the servers run them
     (each batch's pages freed before the next, so the pool needs one batch only)."""
-    from common.engine.sequence import Sequence
+    from kvferry.common.engine.sequence import Sequence
 
     batches, num_tokens = [[]], 0
     for i, p in enumerate(prompts):
@@ -141,7 +141,7 @@ def inprocess_ttft(runner, tokenizer, prompts, params) -> list[float]:
 
 
 def measure(a, pool, local, servers, num_prompt_tokens: int, concurrency: int) -> dict:
-    from common.sampling.sampler import SamplingParams
+    from kvferry.common.sampling.sampler import SamplingParams
 
     prefill, decode, colocated = servers
     rng = random.Random(a.seed)
@@ -240,14 +240,14 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     if a.serve_colocated:
-        from common.daemon.lifecycle import run
+        from kvferry.common.daemon.lifecycle import run
 
-        from common.engine.colocated_server import ColocatedServer
+        from kvferry.common.engine.colocated_server import ColocatedServer
 
         sys.exit(run(ColocatedServer(target, draft, device=a.device, max_total_tokens=a.max_total_tokens,
                                      port=a.serve_colocated)))
-    from common.engine.factory import build_runner
-    from common.text.tokenizer import Tokenizer
+    from kvferry.common.engine.factory import build_runner
+    from kvferry.common.text.tokenizer import Tokenizer
 
     local = None if a.no_inprocess else (build_runner(target, draft, device=a.device,
                                                        max_total_tokens=max(lengths) + 8192 + 1024),

@@ -53,8 +53,8 @@ def timed(fn, iters: int) -> float:
 
 
 def sequences(runner, batch: int, context: int, new_tokens: int):
-    from common.engine.sequence import Sequence
-    from common.sampling.sampler import SamplingParams
+    from kvferry.common.engine.sequence import Sequence
+    from kvferry.common.sampling.sampler import SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     seqs = [Sequence(f"b{i}", [(7 * i + j) % 500 + 5 for j in range(context)], params) for i in range(batch)]
@@ -121,7 +121,7 @@ def gemv_cases(model) -> list[dict]:
     """One row through each projection of layer 0: cuBLAS (F.linear) against the Triton GEMV."""
     import torch
 
-    from common.kernels import triton_fused
+    from kvferry.common.kernels import triton_fused
 
     layer, out = model.layers[0], []
     for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
@@ -166,8 +166,8 @@ def main() -> None:
     a = parse_args()
     import torch
 
-    from common.engine.factory import build_runner
-    from common.models.config import ModelConfig
+    from kvferry.common.engine.factory import build_runner
+    from kvferry.common.models.config import ModelConfig
 
     if not a.device.startswith("cuda") or not torch.cuda.is_available():
         raise SystemExit(f"bench/engine.py measures a CUDA device against its roofline; got --device {a.device}")

@@ -61,7 +61,7 @@ fi
 m8b=/tmp/m8b
 if [[ $what == spec || $what == e2e || $what == e2e-churn || $what == engine || $what == xfer-threads || $what == all ]] \
     && [[ ! -f $m8b/draft/config.json ]]; then
-  timeout 200 python3 -m common.cli make-tiny-model $m8b --preset llama-3.1-8b 2>&1 | tail -2
+  timeout 200 python3 -m kvferry.common.cli make-tiny-model $m8b --preset llama-3.1-8b 2>&1 | tail -2
 fi
 if [[ $what == e2e-churn ]]; then
   # issue 17: TTFT overhead of disaggregation at 64 concurrent 1k-token requests on a fresh pool and after

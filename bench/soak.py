@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emit, git_hash, hardware  # noqa: E402
 from bench.spec import tiny_dirs  # noqa: E402
-from common.daemon.procs import Proc, free_port, http_json, router_proc, worker_proc  # noqa: E402
+from kvferry.common.daemon.procs import Proc, free_port, http_json, router_proc, worker_proc  # noqa: E402
 
 logger = logging.getLogger("bench.soak")
 
@@ -313,10 +313,10 @@ def references(target: str, prompts: list[list[int]]) -> list[list[int]]:
     """Greedy outputs of the colocated engine, once per distinct prompt."""
     import torch
 
-    from common.engine.colocated import ColocatedEngine
-    from common.engine.factory import build_runner
-    from common.api.sampling_schema import sglang_params
-    from common.text.tokenizer import Tokenizer
+    from kvferry.common.engine.colocated import ColocatedEngine
+    from kvferry.common.engine.factory import build_runner
+    from kvferry.common.api.sampling_schema import sglang_params
+    from kvferry.common.text.tokenizer import Tokenizer
 
     torch.set_num_threads(1)
     engine = ColocatedEngine(build_runner(target, None, page_size=16, max_total_tokens=16384),

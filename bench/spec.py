@@ -28,7 +28,7 @@ from bench._common import emit, git_hash, hardware  # noqa: E402
 
 def tiny_dirs() -> tuple[str, str]:
     """The embedded tiny checkpoint (target, draft) under .tiny/seed0, made on first use."""
-    from common.models.tiny import ensure_tiny_model
+    from kvferry.common.models.tiny import ensure_tiny_model
 
     target, draft = ensure_tiny_model(REPO / ".tiny" / "seed0", seed=0)
     return str(target), str(draft)
@@ -36,7 +36,7 @@ def tiny_dirs() -> tuple[str, str]:
 
 def corpus_prompts(tokenizer, num_prompts: int, num_tokens: int, seed: int) -> list[list[int]]:
     """Seeded windows of the tiny corpus (natural text, as the tiny model was built for)."""
-    from common.models.tiny_corpus import CORPUS
+    from kvferry.common.models.tiny_corpus import CORPUS
 
     ids = tokenizer.encode(CORPUS, add_special_tokens=False)
     rng = random.Random(seed)
@@ -60,10 +60,10 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    from common.engine.colocated import ColocatedEngine
-    from common.engine.factory import build_runner
-    from common.sampling.sampler import SamplingParams
-    from common.text.tokenizer import Tokenizer
+    from kvferry.common.engine.colocated import ColocatedEngine
+    from kvferry.common.engine.factory import build_runner
+    from kvferry.common.sampling.sampler import SamplingParams
+    from kvferry.common.text.tokenizer import Tokenizer
 
     torch.manual_seed(a.seed)
     torch.set_num_threads(a.threads)

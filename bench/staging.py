@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emit, git_hash, hardware, median  # noqa: E402
 from bench._staging_side import Side, checksums, decode_main, set_kernel  # noqa: E402
-from common.kernels import staging_copy  # noqa: E402
-from common.plan.staging import StepOp, chunk_plan, pipeline_steps  # noqa: E402
-from common.transport.nixl import XferState  # noqa: E402
+from kvferry.common.kernels import staging_copy  # noqa: E402
+from kvferry.common.plan.staging import StepOp, chunk_plan, pipeline_steps  # noqa: E402
+from kvferry.common.transport.nixl import XferState  # noqa: E402
 
 POOL_FACTOR = 4  # decode pages per room page
 NUM_BUFFERS = 2  # prefill chunk buffers of the pipelined case
@@ -102,7 +102,7 @@ def kernel_sweep(pf: Prefill, n: int, configs: list[str], iters: int, p_ids: np.
     """Time the Triton gather and scatter of the room on the prefill's pool per configuration (the
     scatter writes the gathered pages back where they were: the pool stays as it was); one JSON
     line each; returns the configuration with the least gather + scatter."""
-    from common.kernels import triton_staging
+    from kvferry.common.kernels import triton_staging
     plan, index = pf.plan(p_ids, pf.slot)
     nbytes = n * pf.page_nbytes
     best, best_ms = None, math.inf
@@ -134,7 +134,7 @@ def run_case(pf: Prefill, n: int, num_chunks: int, iters: int, rng: np.random.Ge
         kernel = kernel_sweep(pf, n, pf.kernel_configs, iters, p_ids)
     set_kernel(kernel)
     if kernel is None and pf.is_cuda:  # the module's default
-        from common.kernels import triton_staging
+        from kvferry.common.kernels import triton_staging
         kernel = str(triton_staging.CONFIG)
     pf.ask("kernel", kernel)
     pf.ask("room", d_ids.tolist())

@@ -53,13 +53,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emit, git_hash, hardware, median  # noqa: E402
-from common.wire import messages as wire
-from common.plan import geometry  # noqa: E402
-from common.wire.aux_slots import AuxSlots  # noqa: E402
-from common.plan.layout import KvLayout  # noqa: E402
-from common.models.config import ModelConfig  # noqa: E402
-from common.cache.kv_cache import KV_LAYOUTS, KvCache, PageAllocator  # noqa: E402
-from common.transport.nixl import NixlEngine  # noqa: E402
+from kvferry.common.wire import messages as wire
+from kvferry.common.plan import geometry  # noqa: E402
+from kvferry.common.wire.aux_slots import AuxSlots  # noqa: E402
+from kvferry.common.plan.layout import KvLayout  # noqa: E402
+from kvferry.common.models.config import ModelConfig  # noqa: E402
+from kvferry.common.cache.kv_cache import KV_LAYOUTS, KvCache, PageAllocator  # noqa: E402
+from kvferry.common.transport.nixl import NixlEngine  # noqa: E402
 from bench._staged_transfer import DecodeStaging, PrefillStaging  # noqa: E402
 
 PAGE_SIZE = 16

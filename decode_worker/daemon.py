@@ -12,18 +12,18 @@ import logging
 import time
 import uuid
 
-from common.wire import messages as wire
-from common.api.app import create_app
-from common.daemon.core import DaemonCore
-from common.engine.batcher import DecodeBatcher
-from common.errors import OverloadedError
-from common.plan.layout import layout_summary
-from common.daemon.lifecycle import start_http
-from common.transport.zmq import load_keys
-from decode_worker.config import DecodeConfig
-from decode_worker.kv_transfer import KvReceiver
-from decode_worker.staging import StagingReceiver
-from decode_worker.pipeline import DecodeBackend
+from kvferry.common.wire import messages as wire
+from kvferry.common.api.app import create_app
+from kvferry.common.daemon.core import DaemonCore
+from kvferry.common.engine.batcher import DecodeBatcher
+from kvferry.common.errors import OverloadedError
+from kvferry.common.plan.layout import layout_summary
+from kvferry.common.daemon.lifecycle import start_http
+from kvferry.common.transport.zmq import load_keys
+from kvferry.decode_worker.config import DecodeConfig
+from kvferry.decode_worker.kv_transfer import KvReceiver
+from kvferry.decode_worker.staging import StagingReceiver
+from kvferry.decode_worker.pipeline import DecodeBackend
 
 logger = logging.getLogger(__name__)
 

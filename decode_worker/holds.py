@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common.wire import messages as wire
-from common.wire.aux_slots import AuxSlots
-from common.errors import FailCode
-from common.daemon.metrics import Metrics
-from decode_worker.link import PrefillLink
+from kvferry.common.wire import messages as wire
+from kvferry.common.wire.aux_slots import AuxSlots
+from kvferry.common.errors import FailCode
+from kvferry.common.daemon.metrics import Metrics
+from kvferry.decode_worker.link import PrefillLink
 
 logger = logging.getLogger(__name__)
 

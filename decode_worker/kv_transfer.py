@@ -23,17 +23,17 @@ import logging
 import time
 from collections.abc import Callable
 
-from common.wire import messages as wire
-from common.wire.aux_slots import AuxSlots
-from common.errors import DisaggError, FailCode, PeerUnavailableError, TransferError
-from common.daemon.metrics import Metrics
-from common.transport.nixl import NixlEngine
-from decode_worker.holds import AbortSender, Quarantine
-from decode_worker.link import LinkState, PrefillLink
-from decode_worker.links import LinkPool
-from decode_worker.outcomes import RoomOutcomes
-from decode_worker.staging import StagingReceiver
-from decode_worker.waiters import FetchError, Landed, Waiter, read_aux
+from kvferry.common.wire import messages as wire
+from kvferry.common.wire.aux_slots import AuxSlots
+from kvferry.common.errors import DisaggError, FailCode, PeerUnavailableError, TransferError
+from kvferry.common.daemon.metrics import Metrics
+from kvferry.common.transport.nixl import NixlEngine
+from kvferry.decode_worker.holds import AbortSender, Quarantine
+from kvferry.decode_worker.link import LinkState, PrefillLink
+from kvferry.decode_worker.links import LinkPool
+from kvferry.decode_worker.outcomes import RoomOutcomes
+from kvferry.decode_worker.staging import StagingReceiver
+from kvferry.decode_worker.waiters import FetchError, Landed, Waiter, read_aux
 
 logger = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from common.wire import messages as wire
-from common.errors import DisaggError, FailCode, GeometryMismatchError, PeerUnavailableError, ProtocolError
-from common.daemon.metrics import Metrics
-from common.transport.zmq import BootstrapClient
+from kvferry.common.wire import messages as wire
+from kvferry.common.errors import DisaggError, FailCode, GeometryMismatchError, PeerUnavailableError, ProtocolError
+from kvferry.common.daemon.metrics import Metrics
+from kvferry.common.transport.zmq import BootstrapClient
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from common.errors import OverloadedError, RequestError
-from decode_worker.link import PrefillLink
+from kvferry.common.errors import OverloadedError, RequestError
+from kvferry.decode_worker.link import PrefillLink
 
 logger = logging.getLogger(__name__)
 

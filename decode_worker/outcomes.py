@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
-from common.wire import messages as wire
-from common.errors import FailCode, GeometryMismatchError, PeerUnavailableError, TransferError
-from common.daemon.metrics import Metrics
-from decode_worker.holds import Quarantine
-from decode_worker.link import PrefillLink
-from decode_worker.waiters import FetchError, Waiter, parse_notification
+from kvferry.common.wire import messages as wire
+from kvferry.common.errors import FailCode, GeometryMismatchError, PeerUnavailableError, TransferError
+from kvferry.common.daemon.metrics import Metrics
+from kvferry.decode_worker.holds import Quarantine
+from kvferry.decode_worker.link import PrefillLink
+from kvferry.decode_worker.waiters import FetchError, Waiter, parse_notification
 
 logger = logging.getLogger(__name__)
 

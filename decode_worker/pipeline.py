@@ -17,21 +17,21 @@ from typing import Protocol
 
 import torch
 
-from common.wire import messages as wire
-from common.api.backend import DaemonBackend, DaemonView, GenerateEvent, GenerateInput
-from common.api.outcome import Outcome
-from common.engine.batcher import DecodeBatcher
-from common.engine.colocated import decode_seed
-from common.engine.fork import check_group, children_of, fork_group, outputs
-from common.engine.output import OutputTracker
-from common.engine.runner import ModelRunner
-from common.engine.sequence import Sequence
-from common.errors import DisaggError, RequestError, fail_code_of
-from common.daemon.metrics import Metrics
-from common.sampling.grammar import GrammarCache
-from common.sampling.sampler import make_generator
-from decode_worker.config import DecodeConfig
-from decode_worker.kv_transfer import KvReceiver
+from kvferry.common.wire import messages as wire
+from kvferry.common.api.backend import DaemonBackend, DaemonView, GenerateEvent, GenerateInput
+from kvferry.common.api.outcome import Outcome
+from kvferry.common.engine.batcher import DecodeBatcher
+from kvferry.common.engine.colocated import decode_seed
+from kvferry.common.engine.fork import check_group, children_of, fork_group, outputs
+from kvferry.common.engine.output import OutputTracker
+from kvferry.common.engine.runner import ModelRunner
+from kvferry.common.engine.sequence import Sequence
+from kvferry.common.errors import DisaggError, RequestError, fail_code_of
+from kvferry.common.daemon.metrics import Metrics
+from kvferry.common.sampling.grammar import GrammarCache
+from kvferry.common.sampling.sampler import make_generator
+from kvferry.decode_worker.config import DecodeConfig
+from kvferry.decode_worker.kv_transfer import KvReceiver
 
 logger = logging.getLogger(__name__)
 

@@ -21,12 +21,12 @@ from concurrent.futures import Executor
 import numpy as np
 import torch
 
-from common.errors import ProtocolError
-from common.kernels.staging_copy import pool_holding, row_index, scatter
-from common.plan.staging import copy_plan
-from common.wire.staging_slots import SlotRole, StagingSlot, StagingSlots
-from common.transport.nixl import NixlEngine
-from common.wire.messages import StagingInfo
+from kvferry.common.errors import ProtocolError
+from kvferry.common.kernels.staging_copy import pool_holding, row_index, scatter
+from kvferry.common.plan.staging import copy_plan
+from kvferry.common.wire.staging_slots import SlotRole, StagingSlot, StagingSlots
+from kvferry.common.transport.nixl import NixlEngine
+from kvferry.common.wire.messages import StagingInfo
 
 logger = logging.getLogger(__name__)
 

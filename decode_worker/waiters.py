@@ -9,11 +9,11 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from common.wire import messages as wire
-from common.wire.aux_slots import AuxSlots
-from common.wire.aux_record import AuxRecord
-from common.errors import DisaggError, FailCode, ProtocolError, TransferError
-from decode_worker.link import PrefillLink
+from kvferry.common.wire import messages as wire
+from kvferry.common.wire.aux_slots import AuxSlots
+from kvferry.common.wire.aux_record import AuxRecord
+from kvferry.common.errors import DisaggError, FailCode, ProtocolError, TransferError
+from kvferry.decode_worker.link import PrefillLink
 
 logger = logging.getLogger(__name__)
 

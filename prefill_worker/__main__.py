@@ -1,16 +1,16 @@
-"""``python -m prefill_worker`` / ``kvferry prefill``: build the config, set up logging, run."""
+"""``python -m kvferry.prefill_worker`` / ``kvferry prefill``: build the config, set up logging, run."""
 
 from __future__ import annotations
 
 import sys
 
-from common.daemon.lifecycle import daemon_main
-from prefill_worker.config import PrefillConfig
+from kvferry.common.daemon.lifecycle import daemon_main
+from kvferry.prefill_worker.config import PrefillConfig
 
 
 def main(argv: list[str] | None = None) -> int:
     def make_daemon(config: PrefillConfig):
-        from prefill_worker.daemon import PrefillDaemon  # imports torch and the model: only when running
+        from kvferry.prefill_worker.daemon import PrefillDaemon  # imports torch and the model: only when running
 
         return PrefillDaemon(config)
 

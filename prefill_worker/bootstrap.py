@@ -11,16 +11,16 @@ from __future__ import annotations
 import logging
 import time
 
-from common.wire import messages as wire
-from common.errors import DisaggError, FailCode
-from common.plan.layout import KvLayout
-from common.daemon.metrics import Metrics
-from common.transport.nixl import NixlEngine
-from common.transport.nixl_probe import MetadataProbe
-from common.transport.zmq import BootstrapServer
-from prefill_worker.peers import PeerTable
-from prefill_worker.registrar import Registrar
-from prefill_worker.rooms import EarlyTransfer, Room, RoomState, RoomTable
+from kvferry.common.wire import messages as wire
+from kvferry.common.errors import DisaggError, FailCode
+from kvferry.common.plan.layout import KvLayout
+from kvferry.common.daemon.metrics import Metrics
+from kvferry.common.transport.nixl import NixlEngine
+from kvferry.common.transport.nixl_probe import MetadataProbe
+from kvferry.common.transport.zmq import BootstrapServer
+from kvferry.prefill_worker.peers import PeerTable
+from kvferry.prefill_worker.registrar import Registrar
+from kvferry.prefill_worker.rooms import EarlyTransfer, Room, RoomState, RoomTable
 
 logger = logging.getLogger(__name__)
 

@@ -14,22 +14,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from common.api.app import create_app
-from common.daemon.core import DaemonCore
-from common.errors import FailCode, OverloadedError
-from common.plan.layout import layout_summary
-from common.daemon.lifecycle import start_http
-from common.transport.nixl_probe import MetadataProbe
-from common.transport.zmq import BootstrapServer, load_keys, load_public_keys
-from prefill_worker.bootstrap import Bootstrap
-from prefill_worker.config import PrefillConfig
-from prefill_worker.kv_transfer import KvWriter
-from prefill_worker.staging import StagingSender
-from prefill_worker.tp_transfer import RankTransport
-from prefill_worker.peers import PeerTable
-from prefill_worker.pipeline import PrefillBackend
-from prefill_worker.rooms import RoomLimits, RoomTable
-from common.engine.prefill_scheduler import PrefillScheduler
+from kvferry.common.api.app import create_app
+from kvferry.common.daemon.core import DaemonCore
+from kvferry.common.errors import FailCode, OverloadedError
+from kvferry.common.plan.layout import layout_summary
+from kvferry.common.daemon.lifecycle import start_http
+from kvferry.common.transport.nixl_probe import MetadataProbe
+from kvferry.common.transport.zmq import BootstrapServer, load_keys, load_public_keys
+from kvferry.prefill_worker.bootstrap import Bootstrap
+from kvferry.prefill_worker.config import PrefillConfig
+from kvferry.prefill_worker.kv_transfer import KvWriter
+from kvferry.prefill_worker.staging import StagingSender
+from kvferry.prefill_worker.tp_transfer import RankTransport
+from kvferry.prefill_worker.peers import PeerTable
+from kvferry.prefill_worker.pipeline import PrefillBackend
+from kvferry.prefill_worker.rooms import RoomLimits, RoomTable
+from kvferry.common.engine.prefill_scheduler import PrefillScheduler
 
 logger = logging.getLogger(__name__)
 

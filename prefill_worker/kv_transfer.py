@@ -18,17 +18,17 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 
-from common.wire import messages as wire
-from common.wire.aux_record import AuxRecord, decode_reads_v2
-from common.plan import geometry
-from common.wire.aux_slots import AuxSlots
-from common.errors import FailCode, GeometryMismatchError, PeerUnavailableError, TransferError, UnsafeWriteError
-from common.daemon.metrics import Metrics
-from common.transport.nixl import NixlEngine
-from prefill_worker.peers import DecodePeer, ListPair, PeerTable
-from prefill_worker.rooms import Room, RoomState
-from prefill_worker.staging import StagedRoom, StagingSender
-from prefill_worker.tp_transfer import RankTransport, TpPeerPlan
+from kvferry.common.wire import messages as wire
+from kvferry.common.wire.aux_record import AuxRecord, decode_reads_v2
+from kvferry.common.plan import geometry
+from kvferry.common.wire.aux_slots import AuxSlots
+from kvferry.common.errors import FailCode, GeometryMismatchError, PeerUnavailableError, TransferError, UnsafeWriteError
+from kvferry.common.daemon.metrics import Metrics
+from kvferry.common.transport.nixl import NixlEngine
+from kvferry.prefill_worker.peers import DecodePeer, ListPair, PeerTable
+from kvferry.prefill_worker.rooms import Room, RoomState
+from kvferry.prefill_worker.staging import StagedRoom, StagingSender
+from kvferry.prefill_worker.tp_transfer import RankTransport, TpPeerPlan
 
 logger = logging.getLogger(__name__)
 

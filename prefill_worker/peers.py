@@ -21,9 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from common.errors import DisaggError, FailCode
-from common.plan.geometry import TransferPlan
-from common.transport.nixl import NixlEngine, PreppedList
+from kvferry.common.errors import DisaggError, FailCode
+from kvferry.common.plan.geometry import TransferPlan
+from kvferry.common.transport.nixl import NixlEngine, PreppedList
 
 logger = logging.getLogger(__name__)
 

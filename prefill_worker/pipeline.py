@@ -18,21 +18,21 @@ from typing import Protocol
 
 import torch
 
-from common.api.backend import DaemonBackend, DaemonView, GenerateEvent, GenerateInput
-from common.api.outcome import Outcome
-from common.api.schema import FieldError
-from common.engine.runner import ModelRunner
-from common.engine.sequence import Sequence
-from common.engine.tp_group import TpWorkerError
-from common.errors import DisaggError, FailCode, RequestError, fail_code_of
-from common.sampling.grammar import GrammarCache
-from common.sampling.sampler import make_generator
-from prefill_worker.bootstrap import Bootstrap
-from prefill_worker.config import PrefillConfig
-from prefill_worker.kv_transfer import KvWriter
-from prefill_worker.prompt_logprobs import max_prompt_logprob_tokens, prompt_logprobs_of
-from prefill_worker.rooms import Room, RoomTable
-from common.engine.prefill_scheduler import PrefillScheduler
+from kvferry.common.api.backend import DaemonBackend, DaemonView, GenerateEvent, GenerateInput
+from kvferry.common.api.outcome import Outcome
+from kvferry.common.api.schema import FieldError
+from kvferry.common.engine.runner import ModelRunner
+from kvferry.common.engine.sequence import Sequence
+from kvferry.common.engine.tp_group import TpWorkerError
+from kvferry.common.errors import DisaggError, FailCode, RequestError, fail_code_of
+from kvferry.common.sampling.grammar import GrammarCache
+from kvferry.common.sampling.sampler import make_generator
+from kvferry.prefill_worker.bootstrap import Bootstrap
+from kvferry.prefill_worker.config import PrefillConfig
+from kvferry.prefill_worker.kv_transfer import KvWriter
+from kvferry.prefill_worker.prompt_logprobs import max_prompt_logprob_tokens, prompt_logprobs_of
+from kvferry.prefill_worker.rooms import Room, RoomTable
+from kvferry.common.engine.prefill_scheduler import PrefillScheduler
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import math
 
-from common.wire import messages as wire
-from common.api.schema import FieldError
-from common.engine.sequence import Sequence
+from kvferry.common.wire import messages as wire
+from kvferry.common.api.schema import FieldError
+from kvferry.common.engine.sequence import Sequence
 
 _FRAME_SLACK_BYTES = 4096  # the TransferResult's other fields and the three outer lists' headers
 _FLOAT_BYTES = 9  # msgpack float64

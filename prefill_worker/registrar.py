@@ -15,19 +15,19 @@ import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from common.wire import messages as wire
-from common.plan import geometry
-from common.errors import DisaggError, FailCode, GeometryMismatchError, ProtocolError
-from common.plan.geometry import TransferPlan
-from common.plan.layout import ADDR_LIMIT, KvLayout, check_tp_rank
-from common.wire.messages import MEM_KINDS
-from common.daemon.metrics import Metrics
-from common.transport.nixl import NixlEngine
-from common.transport.nixl_probe import MetadataProbe
-from prefill_worker.peers import DecodePeer, ListPair, PeerTable
-from prefill_worker.staging import stream_runs
-from prefill_worker.tp_parts import TpRegistrations
-from prefill_worker.tp_transfer import RankTransport, TpPeerPlan, build_peer_plan, needs_feeds
+from kvferry.common.wire import messages as wire
+from kvferry.common.plan import geometry
+from kvferry.common.errors import DisaggError, FailCode, GeometryMismatchError, ProtocolError
+from kvferry.common.plan.geometry import TransferPlan
+from kvferry.common.plan.layout import ADDR_LIMIT, KvLayout, check_tp_rank
+from kvferry.common.wire.messages import MEM_KINDS
+from kvferry.common.daemon.metrics import Metrics
+from kvferry.common.transport.nixl import NixlEngine
+from kvferry.common.transport.nixl_probe import MetadataProbe
+from kvferry.prefill_worker.peers import DecodePeer, ListPair, PeerTable
+from kvferry.prefill_worker.staging import stream_runs
+from kvferry.prefill_worker.tp_parts import TpRegistrations
+from kvferry.prefill_worker.tp_transfer import RankTransport, TpPeerPlan, build_peer_plan, needs_feeds
 
 logger = logging.getLogger(__name__)
 

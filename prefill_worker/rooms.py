@@ -21,9 +21,9 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from common.wire import messages as wire
-from common.errors import FailCode, OverloadedError, TransferError
-from common.plan.geometry import RequestXfer, TransferPlan
+from kvferry.common.wire import messages as wire
+from kvferry.common.errors import FailCode, OverloadedError, TransferError
+from kvferry.common.plan.geometry import RequestXfer, TransferPlan
 
 logger = logging.getLogger(__name__)
 

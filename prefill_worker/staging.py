@@ -31,13 +31,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.wire import messages as wire
-from common.errors import FailCode, TransferError, UnsafeWriteError
-from common.kernels.staging_copy import gather, pool_holding, row_index
-from common.plan.staging import (Chunk, DirectReason, StagingCosts, StepOp, StreamSegment, TransferPath, copy_plan,
+from kvferry.common.wire import messages as wire
+from kvferry.common.errors import FailCode, TransferError, UnsafeWriteError
+from kvferry.common.kernels.staging_copy import gather, pool_holding, row_index
+from kvferry.common.plan.staging import (Chunk, DirectReason, StagingCosts, StepOp, StreamSegment, TransferPath, copy_plan,
                                  crossover_runs, pipeline_steps, plan_room, room_stream)
-from common.wire.staging_slots import SlotRole, StagingSlot, StagingSlots
-from common.transport.nixl import NixlEngine
+from kvferry.common.wire.staging_slots import SlotRole, StagingSlot, StagingSlots
+from kvferry.common.transport.nixl import NixlEngine
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from common.wire import messages as wire
-from common.errors import FailCode, GeometryMismatchError, ProtocolError
-from common.plan.layout import KvLayout, check_layout, check_tp_rank
+from kvferry.common.wire import messages as wire
+from kvferry.common.errors import FailCode, GeometryMismatchError, ProtocolError
+from kvferry.common.plan.layout import KvLayout, check_layout, check_tp_rank
 
 MAX_PARTS = 64  # decodes whose rank registers wait for their rank 0's
 MAX_PARTS_BYTES = 64 << 20  # every connection's parts together

@@ -1,5 +1,5 @@
 """The prefill's transfers into a decode whose geometry differs from its own: another TP size on
-either side, or another page size. ``common.plan.tp_feed`` says which prefill rank writes which
+either side, or another page size. ``kvferry.common.plan.tp_feed`` says which prefill rank writes which
 heads of which tokens into which decode rank (a feed); this module runs those feeds.
 
 Registration: a decode at TP B sends B ``register`` messages, ranks 1.. first and rank 0 last.
@@ -32,13 +32,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.wire import messages as wire
-from common.errors import (DisaggError, FailCode, GeometryMismatchError, PeerUnavailableError, ProtocolError,
+from kvferry.common.wire import messages as wire
+from kvferry.common.errors import (DisaggError, FailCode, GeometryMismatchError, PeerUnavailableError, ProtocolError,
                            TransferError, UnsafeWriteError)
-from common.plan.geometry import check_transfer_counts
-from common.plan.layout import KvLayout, check_layout
-from common.plan.tp_feed import TpPlan, build_tp_plan, check_room_descs, feed_descs
-from common.transport.nixl import NixlEngine
+from kvferry.common.plan.geometry import check_transfer_counts
+from kvferry.common.plan.layout import KvLayout, check_layout
+from kvferry.common.plan.tp_feed import TpPlan, build_tp_plan, check_room_descs, feed_descs
+from kvferry.common.transport.nixl import NixlEngine
 
 logger = logging.getLogger(__name__)
 

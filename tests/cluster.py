@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.daemon.procs import Proc, free_port, http_json, router_proc, vllm_router_proc, worker_proc
+from kvferry.common.daemon.procs import Proc, free_port, http_json, router_proc, vllm_router_proc, worker_proc
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_DIR = REPO / ".tiny" / "seed0"
@@ -26,7 +26,7 @@ SLACK_S = 2.0
 
 def tiny_model_dirs() -> tuple[str, str]:
     """The embedded tiny checkpoint (target, draft), made once per machine under .tiny/."""
-    from common.models.tiny import ensure_tiny_model
+    from kvferry.common.models.tiny import ensure_tiny_model
 
     target, draft = ensure_tiny_model(TINY_DIR, seed=0)
     return str(target), str(draft)
@@ -34,7 +34,7 @@ def tiny_model_dirs() -> tuple[str, str]:
 
 def tiny_runner(*, draft: bool, max_total_tokens: int = 4096):
     """A ModelRunner over the tiny checkpoint (with its draft or not), one thread, 16-token pages."""
-    from common.engine.factory import build_runner
+    from kvferry.common.engine.factory import build_runner
 
     torch.set_num_threads(1)
     target, draft_dir = tiny_model_dirs()
@@ -49,7 +49,7 @@ def tiny_models() -> tuple[str, str]:
 @pytest.fixture(scope="session")
 def tok(tiny_models):
     """The tiny checkpoint's tokenizer."""
-    from common.text.tokenizer import Tokenizer
+    from kvferry.common.text.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(tiny_models[0])
 
@@ -80,7 +80,7 @@ class Cluster:
         """The colocated server over the same checkpoint: the daemons' HTTP layer, prefill scheduler
         and continuous batcher in one process (``common/engine/colocated_server.py``)."""
         port = free_port()
-        args = [sys.executable, "-m", "common.engine.colocated_server", "--model", self.target, "--port", str(port),
+        args = [sys.executable, "-m", "kvferry.common.engine.colocated_server", "--model", self.target, "--port", str(port),
                 "--max-total-tokens", str(max_total_tokens), *(["--draft-model", self.draft] if draft else [])]
         return self._add(Proc(f"colocated:{port}", args, f"http://127.0.0.1:{port}",
                               self.log_dir / f"colocated-{port}.log", env=dict(self.env), picked=("--port",)), True)
@@ -145,9 +145,9 @@ def assert_pages_return(procs: list[Proc], before: dict, timeout_s: float = 10.0
 @pytest.fixture(scope="session")
 def colocated(tiny_models):
     """Colocated reference engines: ``colocated(draft=False)``; built once per session."""
-    from common.engine.colocated import ColocatedEngine
-    from common.engine.factory import build_runner
-    from common.text.tokenizer import Tokenizer
+    from kvferry.common.engine.colocated import ColocatedEngine
+    from kvferry.common.engine.factory import build_runner
+    from kvferry.common.text.tokenizer import Tokenizer
 
     torch.set_num_threads(1)
     target, draft = tiny_models

@@ -28,15 +28,15 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from common.wire import messages as wire
-from common.wire.aux_slots import AuxSlots
-from common.wire.aux_record import AUX_RECORD_V2_BYTES
-from common.engine.tp_group import GroupState, TpGroup
-from common.errors import FailCode, TransferError, UnsafeWriteError
-from decode_worker.link import LinkState, PrefillLink
-from prefill_worker.rooms import Room
-from common.transport.nixl_types import NIXL_ERRORS, PreppedList
-from common.transport.nixl_writes import WriteOps
+from kvferry.common.wire import messages as wire
+from kvferry.common.wire.aux_slots import AuxSlots
+from kvferry.common.wire.aux_record import AUX_RECORD_V2_BYTES
+from kvferry.common.engine.tp_group import GroupState, TpGroup
+from kvferry.common.errors import FailCode, TransferError, UnsafeWriteError
+from kvferry.decode_worker.link import LinkState, PrefillLink
+from kvferry.prefill_worker.rooms import Room
+from kvferry.common.transport.nixl_types import NIXL_ERRORS, PreppedList
+from kvferry.common.transport.nixl_writes import WriteOps
 
 AUX_BASE = 1 << 20  # descriptor addresses at or above it are aux slots (AUX_BASE + slot * AUX_ITEM); below, page ids
 AUX_ITEM = AUX_RECORD_V2_BYTES
@@ -440,7 +440,7 @@ class NoSocket:
 class SimLink(PrefillLink):
     """The decode's real ``PrefillLink`` (its state, agents, pong time, the ack it read), registered
     with a prefill that reads abort codes; ``send`` puts the frame on the connection instead of a
-    socket (``decode_worker.link.BootstrapClient`` must be ``NoSocket`` while it is built)."""
+    socket (``kvferry.decode_worker.link.BootstrapClient`` must be ``NoSocket`` while it is built)."""
 
     def __init__(self, world: World, identity: bytes, decode_id: str, receiver) -> None:
         super().__init__("prefill", 1, receiver)

@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from common.cache.kv_cache import KvCache
-from common.models.llama import SeqChunk
-from common.models.loader import load_model
+from kvferry.common.cache.kv_cache import KvCache
+from kvferry.common.models.llama import SeqChunk
+from kvferry.common.models.loader import load_model
 
 PAGE_SIZE, NUM_PAGES = 16, 128
 PROMPTS = [[7], [(i * 37 + 11) % 500 for i in range(45)], [(i * 13 + 5) % 500 for i in range(300)]]

@@ -3,7 +3,7 @@
 See README.md in this folder for the reading path and the exact request/response shapes.
 """
 
-from common.api.app import create_app
-from common.api.backend import Backend, BootstrapInfo, GenerateEvent, GenerateInput
+from kvferry.common.api.app import create_app
+from kvferry.common.api.backend import Backend, BootstrapInfo, GenerateEvent, GenerateInput
 
 __all__ = ["Backend", "BootstrapInfo", "GenerateEvent", "GenerateInput", "create_app"]

@@ -23,21 +23,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
-from common.api.auth import ApiKeyMiddleware
-from common.api.backend import Backend, GenerateEvent, GenerateInput
-from common.api.info import add_info_routes
-from common.api.limits import DEFAULT_MAX_REQUEST_BYTES, max_prompt_chars, read_body
-from common.api.openai_schema import ChatBody, CompletionBody, OpenAIRequest, parse_openai
-from common.api.responses import (
+from kvferry.common.api.auth import ApiKeyMiddleware
+from kvferry.common.api.backend import Backend, GenerateEvent, GenerateInput
+from kvferry.common.api.info import add_info_routes
+from kvferry.common.api.limits import DEFAULT_MAX_REQUEST_BYTES, max_prompt_chars, read_body
+from kvferry.common.api.openai_schema import ChatBody, CompletionBody, OpenAIRequest, parse_openai
+from kvferry.common.api.responses import (
     ItemOutput, error_info, generate_response, openai_response, simple_error,
 )
-from common.api.schema import FieldError, GenerateBody, ParseContext, PromptItem, parse_generate
-from common.api.sse import (
+from kvferry.common.api.schema import FieldError, GenerateBody, ParseContext, PromptItem, parse_generate
+from kvferry.common.api.sse import (
     ClientGone, SSEResponse, StreamFormatter, close_all, dumps, merge_events, sse_body,
     until_disconnect,
 )
-from common.api.streams import OpenAIStream, SGLangStream
-from common.errors import ConfigError, DisaggError, FailCode, OverloadedError
+from kvferry.common.api.streams import OpenAIStream, SGLangStream
+from kvferry.common.errors import ConfigError, DisaggError, FailCode, OverloadedError
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import logging
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from common.api.sse import dumps
+from kvferry.common.api.sse import dumps
 
 logger = logging.getLogger(__name__)
 

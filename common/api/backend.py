@@ -1,7 +1,7 @@
 """What the HTTP layer needs from a daemon: the `Backend` protocol and the values that cross it.
 
 The prefill daemon, the decode daemon and a colocated single-process server each implement
-`Backend`; `common.api.app.create_app` turns any of them into the same HTTP API. The HTTP layer
+`Backend`; `kvferry.common.api.app.create_app` turns any of them into the same HTTP API. The HTTP layer
 parses, validates and tokenizes; the backend only ever sees `GenerateInput`, and answers with a
 stream of `GenerateEvent`s.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from common.sampling.sampler import SamplingParams
+    from kvferry.common.sampling.sampler import SamplingParams
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -88,7 +88,7 @@ class GenerateEvent:
 
 
 class TokenizerLike(Protocol):
-    """The part of `common.text.tokenizer.Tokenizer` the HTTP layer uses."""
+    """The part of `kvferry.common.text.tokenizer.Tokenizer` the HTTP layer uses."""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -104,7 +104,7 @@ class TokenizerLike(Protocol):
 class Backend(Protocol):
     """A daemon as the HTTP layer sees it. `role` is one of `ROLES`.
 
-    `generate` is an async generator. It raises `common.errors.DisaggError` subclasses (their
+    `generate` is an async generator. It raises `kvferry.common.errors.DisaggError` subclasses (their
     `http_status` becomes the answer's status). The HTTP layer always closes it (`aclose()`, or
     cancellation of the task iterating it) when it stops early — client gone, deadline passed, a
     sibling prompt of a batch failed — so the backend must abort the request and free its pages
@@ -167,7 +167,7 @@ class DaemonBackend:
         return self.daemon.is_serving
 
     def generate(self, inp: GenerateInput) -> AsyncIterator[GenerateEvent]:
-        from common.api.outcome import Outcome, counted
+        from kvferry.common.api.outcome import Outcome, counted
 
         outcome = Outcome(self.count_outcome, self.role, inp.request_id, inp.deadline)
         return counted(self.run(inp, outcome), outcome)
@@ -185,7 +185,7 @@ class DaemonBackend:
         return self.daemon.metrics.render()
 
     async def health_generate(self) -> None:
-        from common.errors import OverloadedError
+        from kvferry.common.errors import OverloadedError
 
         if not self.daemon.is_serving:
             raise OverloadedError(f"{self.role} is not serving (starting or draining)")

@@ -19,7 +19,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, PlainValidator, ValidationError
 
-from common.errors import RequestError
+from kvferry.common.errors import RequestError
 
 # Discriminator tags of the "one object or a list of them" fields; not part of a field's path.
 TAG_OBJECT, TAG_LIST = "object", "list"
@@ -166,7 +166,7 @@ def exactly(*types: type) -> Callable[[Any], Any]:
     return check
 
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit; common.sampling.top_logprobs keeps the same
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit; kvferry.common.sampling.top_logprobs keeps the same
 
 
 def as_top_logprobs(value: Any) -> int | None:

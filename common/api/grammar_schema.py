@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, model_validator
 
-from common.api.fields import BODY_CONFIG, Refusal, Refused, Str, WrongType, field, join_path, type_name
-from common.sampling.grammar import JSON_OBJECT_SCHEMA, GrammarSpec
+from kvferry.common.api.fields import BODY_CONFIG, Refusal, Refused, Str, WrongType, field, join_path, type_name
+from kvferry.common.sampling.grammar import JSON_OBJECT_SCHEMA, GrammarSpec
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 _JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")

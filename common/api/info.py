@@ -20,9 +20,9 @@ from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
-from common.api.backend import Backend
-from common.api.responses import simple_error
-from common.api.sse import dumps
+from kvferry.common.api.backend import Backend
+from kvferry.common.api.responses import simple_error
+from kvferry.common.api.sse import dumps
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from starlette.requests import Request
 
-from common.api.backend import TokenizerLike
-from common.api.schema import FieldError
+from kvferry.common.api.backend import TokenizerLike
+from kvferry.common.api.schema import FieldError
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 PROMPT_CHARS_PER_TOKEN_BYTE = 4

@@ -21,7 +21,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from common.api.backend import TokenizerLike
+from kvferry.common.api.backend import TokenizerLike
 
 NEG_INF_LOGPROB = -999999999.0  # SGLang's stand-in for -inf, which JSON cannot carry
 

@@ -17,18 +17,18 @@ from typing import Any, ClassVar
 import jinja2
 from pydantic import BaseModel, model_validator
 
-from common.api.fields import (
+from kvferry.common.api.fields import (
     BODY_CONFIG, FieldError, Object, Refused, Str, StrictBool, as_top_logprobs, check_keys, documented,
     field, type_name, validate_body,
 )
-from common.api.sampling_schema import SAMPLING_NEUTRAL, OpenAISampling
-from common.api.schema import (
+from kvferry.common.api.sampling_schema import SAMPLING_NEUTRAL, OpenAISampling
+from kvferry.common.api.schema import (
     BOOTSTRAP_KEYS, MISSING, ParseContext, PromptItem, bootstrap_fields, check_prompt_ids, check_text_length,
     encode_text, error_param, parse_kv_transfer_params, per_prompt, prompt_item, request_ids,
     set_fields,
 )
-from common.errors import RequestError
-from common.sampling.sampler import SamplingParams
+from kvferry.common.errors import RequestError
+from kvferry.common.sampling.sampler import SamplingParams
 
 _COMMON_IGNORED: dict[str, tuple[type, ...]] = {
     "user": (str,), "spaces_between_special_tokens": (bool,), "stream_interval": (int,),

@@ -22,7 +22,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from common.errors import DisaggError, FailCode, OverloadedError, RequestError
+from kvferry.common.errors import DisaggError, FailCode, OverloadedError, RequestError
 
 logger = logging.getLogger(__name__)
 

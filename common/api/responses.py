@@ -19,12 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.api.backend import GenerateEvent, TokenizerLike
-from common.api.logprobs import (
+from kvferry.common.api.backend import GenerateEvent, TokenizerLike
+from kvferry.common.api.logprobs import (
     chat_logprobs, completion_logprobs, join_completion_logprobs, sglang_logprobs, sglang_top_logprobs,
 )
-from common.api.schema import GenerateRequest, PromptItem, error_param
-from common.errors import DisaggError, RequestError
+from kvferry.common.api.schema import GenerateRequest, PromptItem, error_param
+from kvferry.common.errors import DisaggError, RequestError
 
 RETRY_AFTER_S = 1
 

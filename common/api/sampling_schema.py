@@ -5,7 +5,7 @@ A model checks each field's type and refuses the features this engine does not i
 (`structural_tag`, vLLM's `guided_*`, `best_of`) unless they are sent at their neutral value;
 penalties, `logit_bias` and `min_new_tokens`/`min_tokens` are served (common/sampling/penalties.py),
 and so is structured output (`regex`, `json_schema`, `ebnf`, `response_format`:
-common/api/grammar_schema.py). `kwargs()` gives the keyword arguments of `common.sampling.sampler.SamplingParams`,
+common/api/grammar_schema.py). `kwargs()` gives the keyword arguments of `kvferry.common.sampling.sampler.SamplingParams`,
 whose `check_ranges` then checks the ranges; `range_names()` maps a `SamplingParams` field to the
 client's name for it. `sglang_params` and `openai_params` build a checked `SamplingParams` in one call (the HTTP layer,
 reference runs in tests and benchmarks).
@@ -18,12 +18,12 @@ from typing import Any
 
 from pydantic import model_validator
 
-from common.api.fields import (
+from kvferry.common.api.fields import (
     BODY_CONFIG, Bool, Float, Int, Refused, Stop, TokenIds, WrongType, as_bool, as_float, as_int, check_keys,
     field, validate_body,
 )
-from common.api.grammar_schema import GrammarFields, check_response_format
-from common.sampling.sampler import SamplingParams
+from kvferry.common.api.grammar_schema import GrammarFields, check_response_format
+from kvferry.common.sampling.sampler import SamplingParams
 
 # Accepted only at the value that means "off": anything else changes the output in a way this
 # engine does not implement.

@@ -19,14 +19,14 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Discriminator, Tag, model_validator
 
-from common.api.backend import BootstrapInfo, TokenizerLike
-from common.api.fields import (
+from kvferry.common.api.backend import BootstrapInfo, TokenizerLike
+from kvferry.common.api.fields import (
     BODY_CONFIG, TAG_LIST, TAG_OBJECT, FieldError, Object, StrictBool, StrictInt, as_top_logprobs,
     check_keys, documented, field, type_name, validate_body,
 )
-from common.api.sampling_schema import SGLangSampling
-from common.errors import RequestError
-from common.sampling.sampler import SamplingParams
+from kvferry.common.api.sampling_schema import SGLangSampling
+from kvferry.common.errors import RequestError
+from kvferry.common.sampling.sampler import SamplingParams
 
 MISSING: Any = object()
 MAX_ROOM = 2**64

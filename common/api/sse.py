@@ -21,9 +21,9 @@ from typing import Any, Protocol, TypeVar
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from common.api.backend import GenerateEvent
-from common.api.responses import error_info
-from common.errors import DisaggError
+from kvferry.common.api.backend import GenerateEvent
+from kvferry.common.api.responses import error_info
+from kvferry.common.errors import DisaggError
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Stream formatters: turn `(prompt index, GenerateEvent)` pairs into SSE payload objects.
 
 A formatter has `start()`, `event(index, ev)` and `end()`, each returning the JSON objects to send
-as `data:` lines. `common.api.sse.sse_body` drives it and adds the error event and `[DONE]`.
+as `data:` lines. `kvferry.common.api.sse.sse_body` drives it and adds the error event and `[DONE]`.
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from common.api.backend import GenerateEvent, TokenizerLike
-from common.api.openai_schema import OpenAIRequest
-from common.api.responses import (
+from kvferry.common.api.backend import GenerateEvent, TokenizerLike
+from kvferry.common.api.openai_schema import OpenAIRequest
+from kvferry.common.api.responses import (
     ItemOutput, echo_text, matched_stop, openai_finish, openai_logprobs, sglang_output, usage,
 )
-from common.api.schema import GenerateRequest
+from kvferry.common.api.schema import GenerateRequest
 
 
 class SGLangStream:

@@ -17,7 +17,7 @@ scattered pages is one NIXL descriptor per page instead of one per page per regi
 In-page order, heads outermost: one page item is ``[num_kv_heads, page_size, head_dim]``, so the
 bytes of heads ``[h, h + n)`` of a page are one contiguous range from
 ``(h - head_start) * page_size * head_dim * elem`` (and so is any token range of one head). That is
-what ``common.plan.tp`` assumes: a prefill and a decode with different TP sizes hold different head
+what ``kvferry.common.plan.tp`` assumes: a prefill and a decode with different TP sizes hold different head
 slices, and each slice of a page moves as one descriptor. ``kv.k[layer]``/``kv.v[layer]`` keep
 the logical ``[num_pages, page_size, Hkv, D]`` shape as strided views (strides ``(page stride,
 head_dim, page_size * head_dim, 1)``); each page of them (``kv.k[layer][p]``) is one contiguous
@@ -31,9 +31,9 @@ import logging
 
 import torch
 
-from common.errors import DisaggError, OverloadedError
-from common.models.config import ModelConfig
-from common.wire.messages import MODEL_KINDS, Region
+from kvferry.common.errors import DisaggError, OverloadedError
+from kvferry.common.models.config import ModelConfig
+from kvferry.common.wire.messages import MODEL_KINDS, Region
 
 logger = logging.getLogger(__name__)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.api.limits import DEFAULT_MAX_REQUEST_BYTES
-from common.daemon.flags import flag, require
-from common.daemon.log import LEVELS
+from kvferry.common.api.limits import DEFAULT_MAX_REQUEST_BYTES
+from kvferry.common.daemon.flags import flag, require
+from kvferry.common.daemon.log import LEVELS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_LAYOUTS = ("page-major", "layer-major")  # common/cache/kv_cache.py has the same tuple (a test checks)

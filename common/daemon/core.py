@@ -17,18 +17,18 @@ from pathlib import Path
 
 import torch
 
-from common.wire.aux_slots import AuxSlots
-from common.daemon.config import CommonConfig
-from common.engine.factory import build_runner
-from common.engine.runner import ModelRunner
-from common.engine.tp_group import TpWorkerError
-from common.plan.layout import KvLayout
-from common.daemon.lifecycle import stop_http
-from common.daemon.metrics import Metrics
-from common.sampling.grammar import GrammarCache
-from common.text.tokenizer import Tokenizer
-from common.transport.nixl import NixlEngine
-from common.wire.messages import AuxInfo
+from kvferry.common.wire.aux_slots import AuxSlots
+from kvferry.common.daemon.config import CommonConfig
+from kvferry.common.engine.factory import build_runner
+from kvferry.common.engine.runner import ModelRunner
+from kvferry.common.engine.tp_group import TpWorkerError
+from kvferry.common.plan.layout import KvLayout
+from kvferry.common.daemon.lifecycle import stop_http
+from kvferry.common.daemon.metrics import Metrics
+from kvferry.common.sampling.grammar import GrammarCache
+from kvferry.common.text.tokenizer import Tokenizer
+from kvferry.common.transport.nixl import NixlEngine
+from kvferry.common.wire.messages import AuxInfo
 
 logger = logging.getLogger(__name__)
 

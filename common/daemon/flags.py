@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import field
 from typing import Any
 
-from common.errors import ConfigError
+from kvferry.common.errors import ConfigError
 
 ENV_PREFIX = "KVFERRY_"
 

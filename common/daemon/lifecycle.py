@@ -20,7 +20,7 @@ from typing import Protocol
 
 import uvicorn
 
-from common.daemon import sdnotify
+from kvferry.common.daemon import sdnotify
 
 logger = logging.getLogger(__name__)
 
@@ -122,10 +122,10 @@ def run(daemon: Daemon) -> int:
 
 def daemon_main(argv: list[str] | None, config_cls: type, prog: str, make_daemon) -> int:
     """The whole ``__main__`` of a daemon: config from flags and env, logging, then ``run``."""
-    from common.daemon.flags import parse_config
-    from common.daemon.start import settle
-    from common.errors import ConfigError
-    from common.daemon.log import configure
+    from kvferry.common.daemon.flags import parse_config
+    from kvferry.common.daemon.start import settle
+    from kvferry.common.errors import ConfigError
+    from kvferry.common.daemon.log import configure
 
     try:
         config = parse_config(config_cls, argv, prog=prog)

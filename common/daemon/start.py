@@ -21,9 +21,9 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from common.daemon.config import CommonConfig
-from common.errors import ConfigError, ModelLoadError
-from common.models.config import ModelConfig
+from kvferry.common.daemon.config import CommonConfig
+from kvferry.common.errors import ConfigError, ModelLoadError
+from kvferry.common.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def checkpoint_folder(value: str, flag: str, dtype: str) -> Path:
     """The folder ``value`` names (a GGUF converted first); ConfigError naming ``flag`` otherwise."""
-    from common.models.gguf import cached_folder, is_gguf
+    from kvferry.common.models.gguf import cached_folder, is_gguf
 
     path = Path(value).expanduser()
     if is_gguf(path):
@@ -122,8 +122,8 @@ def auto_tokens(config: CommonConfig, target: Path, configs: list[ModelConfig]) 
 
 def settle(config: CommonConfig) -> CommonConfig:
     """``config`` with the model folders resolved, the TP size checked and the pool size counted."""
-    from common.models.gguf import is_gguf
-    from common.layers.tp_layers import TpShard
+    from kvferry.common.models.gguf import is_gguf
+    from kvferry.common.layers.tp_layers import TpShard
 
     dtype = config.torch_dtype_name
     target = checkpoint_folder(config.model, "--model", dtype)

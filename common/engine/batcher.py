@@ -24,10 +24,10 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
-from common.engine.output import OutputTracker, StepOutput
-from common.engine.runner import ModelRunner, PendingStep
-from common.engine.sequence import Sequence, SeqState
-from common.sampling.stops import FinishReason
+from kvferry.common.engine.output import OutputTracker, StepOutput
+from kvferry.common.engine.runner import ModelRunner, PendingStep
+from kvferry.common.engine.sequence import Sequence, SeqState
+from kvferry.common.sampling.stops import FinishReason
 
 logger = logging.getLogger(__name__)
 

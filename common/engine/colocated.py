@@ -12,12 +12,12 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 
-from common.engine.output import OutputTracker
-from common.engine.runner import ModelRunner
-from common.engine.sequence import Sequence, SeqState
-from common.errors import RequestError
-from common.sampling.grammar import GrammarCache
-from common.sampling.sampler import SamplingParams, make_generator
+from kvferry.common.engine.output import OutputTracker
+from kvferry.common.engine.runner import ModelRunner
+from kvferry.common.engine.sequence import Sequence, SeqState
+from kvferry.common.errors import RequestError
+from kvferry.common.sampling.grammar import GrammarCache
+from kvferry.common.sampling.sampler import SamplingParams, make_generator
 
 
 @dataclass(frozen=True)

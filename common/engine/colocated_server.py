@@ -2,7 +2,7 @@
 
 ``ColocatedServer`` is a ``Backend`` and a lifecycle daemon in one, with the same scheduler,
 batcher and executor structure as the prefill/decode pair: the baseline that ``bench/e2e.py``
-measures disaggregation against (``common.daemon.lifecycle.run`` serves it).
+measures disaggregation against (``kvferry.common.daemon.lifecycle.run`` serves it).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ class ColocatedServer:
         self.model_name, self.model_path = Path(target).name, target
 
     async def start(self) -> None:
-        from common.api.app import create_app
-        from common.engine.batcher import DecodeBatcher
-        from common.engine.factory import build_runner
-        from common.daemon.lifecycle import start_http
-        from common.sampling.grammar import GrammarCache
-        from common.text.tokenizer import Tokenizer
-        from common.engine.prefill_scheduler import PrefillScheduler
+        from kvferry.common.api.app import create_app
+        from kvferry.common.engine.batcher import DecodeBatcher
+        from kvferry.common.engine.factory import build_runner
+        from kvferry.common.daemon.lifecycle import start_http
+        from kvferry.common.sampling.grammar import GrammarCache
+        from kvferry.common.text.tokenizer import Tokenizer
+        from kvferry.common.engine.prefill_scheduler import PrefillScheduler
 
         self.executor = ThreadPoolExecutor(1)
         self.runner = build_runner(self.target, self.draft, device=self.device, max_total_tokens=self.max_total_tokens)
@@ -47,7 +47,7 @@ class ColocatedServer:
         self.http = await start_http(create_app(self, api_key=None, request_timeout_s=600), self.host, self.port)
 
     async def stop(self, timeout_s: float) -> None:
-        from common.daemon.lifecycle import stop_http
+        from kvferry.common.daemon.lifecycle import stop_http
 
         await stop_http(*self.http)
         await self.scheduler.stop()
@@ -68,12 +68,12 @@ class ColocatedServer:
         return None
 
     async def generate(self, inp):
-        from common.api.backend import GenerateEvent
-        from common.engine.colocated import decode_seed
-        from common.engine.fork import check_group, children_of, fork_group, outputs
-        from common.engine.output import OutputTracker
-        from common.engine.sequence import Sequence
-        from common.sampling.sampler import make_generator
+        from kvferry.common.api.backend import GenerateEvent
+        from kvferry.common.engine.colocated import decode_seed
+        from kvferry.common.engine.fork import check_group, children_of, fork_group, outputs
+        from kvferry.common.engine.output import OutputTracker
+        from kvferry.common.engine.sequence import Sequence
+        from kvferry.common.sampling.sampler import make_generator
 
         device = self.runner.target.kv.device
         seq = Sequence(inp.request_id, list(inp.prompt_ids), inp.params, make_generator(inp.params.seed, device),
@@ -119,13 +119,13 @@ def prompt_meta(seq) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m common.engine.colocated_server --model DIR [--draft-model DIR] --port P``: the
+    """``python -m kvferry.common.engine.colocated_server --model DIR [--draft-model DIR] --port P``: the
     baseline server on its own (tests compare the pair's answers with its answers)."""
     import argparse
 
-    from common.daemon.lifecycle import run
+    from kvferry.common.daemon.lifecycle import run
 
-    ap = argparse.ArgumentParser(prog="python -m common.engine.colocated_server")
+    ap = argparse.ArgumentParser(prog="python -m kvferry.common.engine.colocated_server")
     ap.add_argument("--model", required=True)
     ap.add_argument("--draft-model")
     ap.add_argument("--port", type=int, required=True)

@@ -24,7 +24,7 @@ import time
 import numpy as np
 import torch
 
-from common.layers.attn_backend import TritonPlan, pack_chunks
+from kvferry.common.layers.attn_backend import TritonPlan, pack_chunks
 
 logger = logging.getLogger(__name__)
 

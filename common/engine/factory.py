@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from common.engine.cuda_graph import StepGraphs
-from common.engine.runner import ModelRunner, ModelSlot
-from common.engine.tp_comm import rank_device
-from common.engine.tp_group import TpGroup, TpSpec
-from common.errors import ConfigError
-from common.models.config import ModelConfig
-from common.cache.kv_cache import KvCache, PageAllocator
-from common.models.loader import load_model
-from common.layers.tp_layers import TpConfigError, TpShard
+from kvferry.common.engine.cuda_graph import StepGraphs
+from kvferry.common.engine.runner import ModelRunner, ModelSlot
+from kvferry.common.engine.tp_comm import rank_device
+from kvferry.common.engine.tp_group import TpGroup, TpSpec
+from kvferry.common.errors import ConfigError
+from kvferry.common.models.config import ModelConfig
+from kvferry.common.cache.kv_cache import KvCache, PageAllocator
+from kvferry.common.models.loader import load_model
+from kvferry.common.layers.tp_layers import TpConfigError, TpShard
 
 
 def build_slot(model_dir: str, *, model_name: str, device: str, dtype: str | None, page_size: int,

@@ -22,13 +22,13 @@ from concurrent.futures import Executor
 
 import torch
 
-from common.engine.batcher import Job
-from common.engine.colocated import decode_seed
-from common.engine.output import StepOutput
-from common.engine.runner import ModelRunner
-from common.engine.sequence import Sequence
-from common.errors import OverloadedError
-from common.sampling.sampler import make_generator
+from kvferry.common.engine.batcher import Job
+from kvferry.common.engine.colocated import decode_seed
+from kvferry.common.engine.output import StepOutput
+from kvferry.common.engine.runner import ModelRunner
+from kvferry.common.engine.sequence import Sequence
+from kvferry.common.errors import OverloadedError
+from kvferry.common.sampling.sampler import make_generator
 
 
 def pages_for_group(runner: ModelRunner, seq: Sequence, n: int) -> int:

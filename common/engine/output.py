@@ -1,6 +1,6 @@
 """Turns generated token ids into client-visible output: text deltas, stop decisions, events.
 
-One ``OutputTracker`` per sequence, over ``common.text.detok.StreamingOutput``, which decides
+One ``OutputTracker`` per sequence, over ``kvferry.common.text.detok.StreamingOutput``, which decides
 token by token, so a stop token or stop string ends the output at exactly the token plain
 decoding would end it at, however many tokens a speculative step produced.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from common.engine.sequence import Sequence
-from common.text.detok import StreamingOutput, StreamStep
-from common.sampling.stops import FinishReason
+from kvferry.common.engine.sequence import Sequence
+from kvferry.common.text.detok import StreamingOutput, StreamStep
+from kvferry.common.sampling.stops import FinishReason
 
 
 @dataclass(slots=True)

@@ -22,8 +22,8 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from common.engine.sequence import Sequence
-from common.sampling.penalties import LogitAdjust, RowRequest, TokenHistory, build_adjust, has_adjustments, needs_history
+from kvferry.common.engine.sequence import Sequence
+from kvferry.common.sampling.penalties import LogitAdjust, RowRequest, TokenHistory, build_adjust, has_adjustments, needs_history
 
 
 def _num_generated(s: Sequence) -> int:

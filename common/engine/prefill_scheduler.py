@@ -16,8 +16,8 @@ import asyncio
 import logging
 from concurrent.futures import Executor
 
-from common.engine.runner import ModelRunner
-from common.engine.sequence import Sequence
+from kvferry.common.engine.runner import ModelRunner
+from kvferry.common.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -12,18 +12,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.engine.cuda_graph import StepGraphs
-from common.engine.penalty_inputs import decode_adjust, prefill_adjust, record_accepted, verify_logits
-from common.engine.sequence import Sequence, pages_needed
-from common.engine.spec import Verdict, verify_greedy_ids, verify_sampled
-from common.errors import OverloadedError
-from common.sampling.grammar import DraftMasks, mask_logits
-from common.cache.kv_cache import KvCache, PageAllocator
-from common.kernels.h2d import to_device
-from common.models.llama import SeqChunk, TokenFeed
-from common.sampling.penalties import TokenHistory
-from common.sampling.sampler import Sampler, probs
-from common.sampling.top_logprobs import TopK, attach, prompt_tops, spec_tops, to_host, top_logprobs, with_tops
+from kvferry.common.engine.cuda_graph import StepGraphs
+from kvferry.common.engine.penalty_inputs import decode_adjust, prefill_adjust, record_accepted, verify_logits
+from kvferry.common.engine.sequence import Sequence, pages_needed
+from kvferry.common.engine.spec import Verdict, verify_greedy_ids, verify_sampled
+from kvferry.common.errors import OverloadedError
+from kvferry.common.sampling.grammar import DraftMasks, mask_logits
+from kvferry.common.cache.kv_cache import KvCache, PageAllocator
+from kvferry.common.kernels.h2d import to_device
+from kvferry.common.models.llama import SeqChunk, TokenFeed
+from kvferry.common.sampling.penalties import TokenHistory
+from kvferry.common.sampling.sampler import Sampler, probs
+from kvferry.common.sampling.top_logprobs import TopK, attach, prompt_tops, spec_tops, to_host, top_logprobs, with_tops
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class ModelSlot:
     captured decode graphs (``cuda_graph.py``). With tensor parallelism, ``tp`` (rank 0's
     ``tp_group.TpGroup``) runs every KV-changing step on the other ranks too."""
 
-    model: object  # common.models.llama model: forward(chunks, kv, all_logits=False)
+    model: object  # kvferry.common.models.llama model: forward(chunks, kv, all_logits=False)
     kv: KvCache
     allocator: PageAllocator
     graphs: list[StepGraphs] = field(default_factory=list)  # decode (q = 1), then verify (q = k + 1)

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.sampling.sampler import SamplingParams
+from kvferry.common.sampling.sampler import SamplingParams
 
 if TYPE_CHECKING:
-    from common.sampling.grammar import GrammarMatcher
+    from kvferry.common.sampling.grammar import GrammarMatcher
 
 
 class SeqState(enum.Enum):

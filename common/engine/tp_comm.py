@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-from common.errors import ConfigError
+from kvferry.common.errors import ConfigError
 
 
 def parse_init_method(init_method: str) -> tuple[str, int]:

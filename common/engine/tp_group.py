@@ -1,5 +1,5 @@
 """Rank 0 of a tensor-parallel engine: starts ranks 1..N-1 as worker processes
-(``python -m common.engine.tp_worker``), mirrors every operation that changes KV contents to them,
+(``python -m kvferry.common.engine.tp_worker``), mirrors every operation that changes KV contents to them,
 and closes them.
 
 Per step, rank 0 writes one ``StepHeader`` to each worker's stdin pipe and, for a forward, broadcasts
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
-from common.engine.tp_comm import TpComm, open_store, rank_device
-from common.engine.tp_step import StepHeader, StepKind, encode_forward
-from common.errors import DisaggError
-from common.transport.rank_agents import RankAgents, RankInfo
+from kvferry.common.engine.tp_comm import TpComm, open_store, rank_device
+from kvferry.common.engine.tp_step import StepHeader, StepKind, encode_forward
+from kvferry.common.errors import DisaggError
+from kvferry.common.transport.rank_agents import RankAgents, RankInfo
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class TpSpec:
     agent_prefix: str = ""  # non-empty: each worker registers its KV pool with a NIXL agent of its own
 
     def worker_argv(self, rank: int, init_method: str, agent_endpoint: str = "") -> list[str]:
-        argv = [sys.executable, "-m", "common.engine.tp_worker", "--rank", str(rank), "--tp-size",
+        argv = [sys.executable, "-m", "kvferry.common.engine.tp_worker", "--rank", str(rank), "--tp-size",
                 str(self.tp_size), "--init-method", init_method, "--model", self.model_dir, "--device", self.device,
                 "--page-size", str(self.page_size), "--num-pages", str(self.num_pages), "--kv-layout",
                 self.kv_layout, "--attention-backend", self.attention_backend, "--timeout-s", str(self.timeout_s),

@@ -20,8 +20,8 @@ from enum import IntEnum
 
 import numpy as np
 
-from common.errors import ProtocolError
-from common.models.llama import SeqChunk
+from kvferry.common.errors import ProtocolError
+from kvferry.common.models.llama import SeqChunk
 
 HEADER_MAGIC = 0x4B56_5450_0001  # "KVTP" v1: bump the low digits when the header changes
 _HEADER = struct.Struct("<8q")

@@ -1,6 +1,6 @@
 """Rank K (1..N-1) of a tensor-parallel engine; rank 0 (``tp_group.TpGroup``) starts it as::
 
-    python -m common.engine.tp_worker --rank K --tp-size N --init-method tcp://127.0.0.1:PORT \\
+    python -m kvferry.common.engine.tp_worker --rank K --tp-size N --init-method tcp://127.0.0.1:PORT \\
         --model DIR --device cpu --page-size 16 --num-pages 4096 ...
 
 It joins the group (``joined/K`` in rank 0's store), loads its shard of the model and a KV pool of
@@ -20,12 +20,12 @@ import sys
 
 import torch
 
-from common.daemon import log
-from common.engine.tp_comm import TpComm, open_store, parse_init_method, rank_device
-from common.engine.tp_step import HEADER_BYTES, StepHeader, StepKind, decode_forward
-from common.cache.kv_cache import KV_LAYOUTS, KvCache
-from common.models.loader import load_model
-from common.transport.rank_agent import RankAgentServer
+from kvferry.common.daemon import log
+from kvferry.common.engine.tp_comm import TpComm, open_store, parse_init_method, rank_device
+from kvferry.common.engine.tp_step import HEADER_BYTES, StepHeader, StepKind, decode_forward
+from kvferry.common.cache.kv_cache import KV_LAYOUTS, KvCache
+from kvferry.common.models.loader import load_model
+from kvferry.common.transport.rank_agent import RankAgentServer
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ _POLL_S = 1.0  # each wait for rank 0's next step; the loop ends on end of file
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m common.engine.tp_worker", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kvferry.common.engine.tp_worker", description=__doc__.splitlines()[0])
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--tp-size", type=int, required=True)
     p.add_argument("--init-method", required=True, help="tcp://HOST:PORT of rank 0's store")

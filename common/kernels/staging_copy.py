@@ -1,7 +1,7 @@
 """Gather a room's runs into a staging slot and scatter them back out (issue 17): the torch
 reference, and the entry points that pick the Triton kernels (``triton_staging.py``) on CUDA.
 
-The geometry is a ``common.plan.staging.CopyPlan``: the buffer holding the runs (a KV pool's
+The geometry is a ``kvferry.common.plan.staging.CopyPlan``: the buffer holding the runs (a KV pool's
 ``buffer``, any dtype, contiguous) is seen as rows of ``row_nbytes`` bytes of ``elem_nbytes``-wide
 integers, and run i is ``rows_per_run`` consecutive rows from row ``plan.rows[i]``::
 
@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from common.plan.staging import CopyPlan
+from kvferry.common.plan.staging import CopyPlan
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def scatter_reference(staging: torch.Tensor, buffer: torch.Tensor, plan: CopyPla
 def _kernels():
     """``triton_staging`` on CUDA when Triton imports; None otherwise (the torch reference runs)."""
     try:
-        from common.kernels import triton_staging  # import triton only on this path
+        from kvferry.common.kernels import triton_staging  # import triton only on this path
     except ImportError as exc:
         logger.warning("Triton is not importable (%s): staging copies use torch index ops", exc)
         return None

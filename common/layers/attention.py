@@ -3,7 +3,7 @@
 A forward call packs the new tokens of every chunk into one [T, ...] batch. ``BatchPlan`` turns the
 chunks' page tables into index tensors once per call; every layer reuses them. The KV of a layer is
 [num_pages, page_size, Hkv, D], a strided view over heads-outer pages (``[Hkv, page_size, D]`` each,
-see ``common.cache.kv_cache``; a page-major pool also interleaves layers), so K/V are only ever
+see ``kvferry.common.cache.kv_cache``; a page-major pool also interleaves layers), so K/V are only ever
 addressed as (page, row), never as a flat slot, and reads gather whole pages:
 
 - ``write_pages[t]``, ``write_rows[t]``: where token t's K/V is stored;
@@ -116,7 +116,7 @@ def _gather_keys(cache: torch.Tensor, pages: torch.Tensor, num_seqs: int) -> tor
     """cache [num_pages, page_size, Hkv, D], pages [num_seqs * m] (m pages per sequence)
     -> [num_seqs, Hkv, m * page_size, D], contiguous: each sequence's keys, per head in token order.
 
-    In a pool (heads-outer pages, ``common.cache.kv_cache``) each (page, head) is one contiguous row
+    In a pool (heads-outer pages, ``kvferry.common.cache.kv_cache``) each (page, head) is one contiguous row
     of ``page_size * D`` elements, at a whole number of rows from the storage start; so the result is
     one ``index_select`` of rows (block copies) in (sequence, head, page) order: one copy, and SDPA
     on CPU runs about twice as fast on it as on a transposed view. Other strides take a slower path.

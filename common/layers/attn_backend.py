@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.layers import attention, rope
-from common.kernels.h2d import to_device
-from common.layers.norm import rms_norm
+from kvferry.common.layers import attention, rope
+from kvferry.common.kernels.h2d import to_device
+from kvferry.common.layers.norm import rms_norm
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # A batch of prompts with no cached prefix, one of them longer than this, attends with SDPA (flash)
@@ -143,7 +143,7 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, device: torch.device, num_kv_heads: int) -> None:
-        from common.kernels import triton_attention, triton_fused  # import triton: only on this path
+        from kvferry.common.kernels import triton_attention, triton_fused  # import triton: only on this path
 
         self.kernels = triton_attention
         self.fused = triton_fused

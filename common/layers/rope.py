@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from common.models.config import ModelConfig
+from kvferry.common.models.config import ModelConfig
 
 
 def inv_frequencies(config: ModelConfig) -> torch.Tensor:

@@ -11,7 +11,7 @@ Megatron-style, over ``tp_size`` ranks::
     embed_tokens, lm_head,   replicated: every rank holds them whole (the simplest choice; the
     norms                    vocabulary is not split, and only rank 0 computes logits)
 
-Attention heads are split in equal blocks; KV heads follow ``common.plan.tp.rank_heads`` (blocks,
+Attention heads are split in equal blocks; KV heads follow ``kvferry.common.plan.tp.rank_heads`` (blocks,
 or one head replicated on ``tp_size / num_kv_heads`` consecutive ranks), so rank r's query heads
 always read KV heads it holds. ``TpShard.single(config)`` is the whole model (TP 1).
 """
@@ -22,14 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
-from common.errors import ConfigError, GeometryMismatchError
-from common.models.config import ModelConfig
-from common.plan.tp import HeadRange, rank_heads
+from kvferry.common.errors import ConfigError, GeometryMismatchError
+from kvferry.common.models.config import ModelConfig
+from kvferry.common.plan.tp import HeadRange, rank_heads
 
 
 def valid_tp_sizes(c: ModelConfig) -> list[int]:
     """The TP sizes a model can be sharded over: they divide the attention heads and the intermediate
-    size, and divide or are divided by the KV heads (``common.plan.tp.check_tp``)."""
+    size, and divide or are divided by the KV heads (``kvferry.common.plan.tp.check_tp``)."""
     return [t for t in range(1, c.num_attention_heads + 1)
             if not c.num_attention_heads % t and not c.intermediate_size % t
             and not (c.num_key_value_heads % t and t % c.num_key_value_heads)]

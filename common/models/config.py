@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.errors import ModelLoadError
+from kvferry.common.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

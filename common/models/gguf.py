@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.errors import ModelLoadError
-from common.text.gguf_tokenizer import tokenizer_files
+from kvferry.common.errors import ModelLoadError
+from kvferry.common.text.gguf_tokenizer import tokenizer_files
 
 # general.architecture -> (config.json architectures entry, model_type). Mistral GGUFs say "llama".
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),

@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.layers import rope
-from common.layers.attn_backend import make_backend
-from common.models.config import ModelConfig
-from common.cache.kv_cache import KvCache
-from common.layers.norm import rms_norm
-from common.layers.tp_layers import TensorSlot, TpShard, layer_tensor_map
+from kvferry.common.layers import rope
+from kvferry.common.layers.attn_backend import make_backend
+from kvferry.common.models.config import ModelConfig
+from kvferry.common.cache.kv_cache import KvCache
+from kvferry.common.layers.norm import rms_norm
+from kvferry.common.layers.tp_layers import TensorSlot, TpShard, layer_tensor_map
 
 logger = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from common.errors import ModelLoadError
-from common.models.config import ModelConfig
-from common.models.llama import LlamaForCausalLM
-from common.models.registry import model_class
-from common.layers.tp_layers import TensorSlot, TpShard
+from kvferry.common.errors import ModelLoadError
+from kvferry.common.models.config import ModelConfig
+from kvferry.common.models.llama import LlamaForCausalLM
+from kvferry.common.models.registry import model_class
+from kvferry.common.layers.tp_layers import TensorSlot, TpShard
 
 logger = logging.getLogger(__name__)
 

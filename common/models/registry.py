@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from common.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from common.models.llama import LlamaForCausalLM
+from kvferry.common.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kvferry.common.models.llama import LlamaForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

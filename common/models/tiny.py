@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from common.models.tiny_corpus import CORPUS
+from kvferry.common.models.tiny_corpus import CORPUS
 
 logger = logging.getLogger(__name__)
 

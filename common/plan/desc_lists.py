@@ -1,6 +1,6 @@
 """One decode peer's prepared descriptor lists (DESIGN §4): which entry holds which page.
 
-Pure, like ``common.plan.geometry``, which builds these inside a ``TransferPlan``.
+Pure, like ``kvferry.common.plan.geometry``, which builds these inside a ``TransferPlan``.
 NIXL (1.5.1, measured) merges two successive entries of a request only when their list indices are
 consecutive on both sides and their bytes touch on both sides, so each side's list holds its pages
 in address order (``ListOrder``), aux slots last. An entry is one page of a *run* (``fuse_pairs``):
@@ -15,8 +15,8 @@ from itertools import accumulate
 
 import numpy as np
 
-from common.plan.layout import Desc
-from common.wire.messages import AuxInfo, Region
+from kvferry.common.plan.layout import Desc
+from kvferry.common.wire.messages import AuxInfo, Region
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ Page p of a region lies at ``addr + p * page_stride``: back to back in a layer-m
 
 NIXL (1.5.1, measured) merges two successive entries of a request only when their list indices are
 consecutive (i, i + 1) on both sides and their bytes touch on both sides; entries that touch in
-memory but not in the list never merge. So each side's prepared list (``common.plan.desc_lists``)
+memory but not in the list never merge. So each side's prepared list (``kvferry.common.plan.desc_lists``)
 holds its pages in address order (``ListOrder``), aux slots last::
 
     index:  0 .. size-1                                      size .. size+num_slots-1
@@ -40,12 +40,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.errors import GeometryMismatchError
-from common.wire.messages import AuxInfo, Region, RegionKey, Transfer
-# One side's table and its checks (common.plan.layout) and the prepared lists (common.plan.desc_lists),
+from kvferry.common.errors import GeometryMismatchError
+from kvferry.common.wire.messages import AuxInfo, Region, RegionKey, Transfer
+# One side's table and its checks (kvferry.common.plan.layout) and the prepared lists (kvferry.common.plan.desc_lists),
 # imported from their own modules by whoever needs them: nothing is re-exported from here.
-from common.plan.layout import Desc, KvLayout, check_layout, format_key, format_keys
-from common.plan.desc_lists import DescGroup
+from kvferry.common.plan.layout import Desc, KvLayout, check_layout, format_key, format_keys
+from kvferry.common.plan.desc_lists import DescGroup
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 ``KvLayout`` is what a daemon derives from its own pools or reads from a ``register`` message;
 ``check_layout`` refuses a table no plan could use (bad kinds, overflowing or overlapping regions,
-a page stride shorter than a page). Pure functions, like ``common.plan.geometry``, which builds the
+a page stride shorter than a page). Pure functions, like ``kvferry.common.plan.geometry``, which builds the
 transfer plan from two of these.
 """
 
@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.errors import GeometryMismatchError
-from common.wire.aux_record import AUX_RECORD_BYTES
-from common.wire.messages import KV_KINDS, MEM_KINDS, MODEL_KINDS, AuxInfo, Region, RegionKey, Register
+from kvferry.common.errors import GeometryMismatchError
+from kvferry.common.wire.aux_record import AUX_RECORD_BYTES
+from kvferry.common.wire.messages import KV_KINDS, MEM_KINDS, MODEL_KINDS, AuxInfo, Region, RegionKey, Register
 
 ADDR_LIMIT = 1 << 64  # one past the last byte a 64-bit descriptor address can name
 Desc = tuple[int, int, int]  # one NIXL descriptor: (addr, nbytes, device)

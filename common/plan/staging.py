@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.plan.desc_lists import DescGroup
+from kvferry.common.plan.desc_lists import DescGroup
 
 
 class TransferPath(enum.Enum):

@@ -28,7 +28,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.errors import GeometryMismatchError
+from kvferry.common.errors import GeometryMismatchError
 
 
 @dataclass(frozen=True, slots=True, order=True)

@@ -4,7 +4,7 @@
 and says which prefill rank writes which KV heads of which regions into which decode rank (a
 ``FeedPlan`` per such pair of ranks); ``feed_descs`` turns one feed and one room's page ids into
 the NIXL descriptors (``(addr, nbytes, device)`` rows) that move the room's tokens. The head and
-token maths is ``common.plan.tp``'s; this module adds the region tables, the checks that need
+token maths is ``kvferry.common.plan.tp``'s; this module adds the region tables, the checks that need
 them, and the addresses. Every refusal is a ``GeometryMismatchError`` naming both values.
 
 Heads are counted per model: a draft model may have fewer KV heads than the target, so its regions
@@ -12,7 +12,7 @@ may be fed by other prefill ranks than the target's. A feed holds every region k
 ranks moves heads of, target and draft alike, each ``RegionPair`` with its own heads; the decode
 rank's room is complete once every prefill rank in ``TpPlan.feeders`` has notified it. Decode
 draft regions are ignored when the prefill has no draft (the decode runs speculative decoding on
-its own), as in ``common.plan.geometry.build_plan``. Aux records are not part of this plan.
+its own), as in ``kvferry.common.plan.geometry.build_plan``. Aux records are not part of this plan.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.errors import GeometryMismatchError
-from common.plan.layout import KvLayout, check_layout, format_key, format_keys
-from common.plan.tp import HeadRange, PageSide, check_tp, copies, feeds, num_copies, rank_heads
-from common.wire.messages import Region, RegionKey
+from kvferry.common.errors import GeometryMismatchError
+from kvferry.common.plan.layout import KvLayout, check_layout, format_key, format_keys
+from kvferry.common.plan.tp import HeadRange, PageSide, check_tp, copies, feeds, num_copies, rank_heads
+from kvferry.common.wire.messages import Region, RegionKey
 
 INT64_LIMIT = 1 << 63  # descriptors are int64: a region must end below this
 # The most descriptors one room may need over all its feeds (before merging). Each row costs ~1.5-2 us

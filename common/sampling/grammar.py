@@ -12,7 +12,7 @@ Who calls what: the prefill samples the first token under the grammar (`ModelRun
 masks its logits); the decode builds its own matcher, which the first token (from the aux record)
 advances when the sequence joins the batch; each decode step is masked (`ModelRunner.decode`,
 `DraftMasks` when it speculates), and every token kept advances the matcher
-(`common.engine.output.OutputTracker`, the one place a matcher moves for good). A sequence ends
+(`kvferry.common.engine.output.OutputTracker`, the one place a matcher moves for good). A sequence ends
 when its matcher rejects a token (an abort: masking makes that a bug) or terminates (it accepted a
 stop token: finish reason stop). A stop token is allowed only where the grammar is complete, as
 xgrammar's masks say.
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from common.errors import RequestError
+from kvferry.common.errors import RequestError
 
 KINDS = ("json_schema", "regex", "ebnf")
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # OpenAI's {"type": "json_object"}, as SGLang maps it
@@ -68,7 +68,7 @@ class GrammarSpec:
 
 
 def tokenizer_info(tokenizer: Any, vocab_size: int) -> xgr.TokenizerInfo:
-    """xgrammar's view of `tokenizer` (common.text.tokenizer.Tokenizer over a `tokenizers`
+    """xgrammar's view of `tokenizer` (kvferry.common.text.tokenizer.Tokenizer over a `tokenizers`
     backend), over the model's `vocab_size` (the width of its logits): ids past the tokenizer's
     vocabulary are never allowed, tokenizer ids past the model's are dropped. Special tokens are
     passed as empty strings, which xgrammar never lets a grammar produce: their text

@@ -9,7 +9,7 @@ its sampling transform. vLLM's definitions, in vLLM's order, per row of a batch:
 4. frequency_penalty f and presence_penalty p: `logits -= f * count + p * (count > 0)`, where
    count is how often the token occurs in the output so far (the prompt does not count).
 
-Then `common.sampling.sampler.probs` (temperature, top-k, top-p, min-p), or argmax for a greedy
+Then `kvferry.common.sampling.sampler.probs` (temperature, top-k, top-p, min-p), or argmax for a greedy
 row. The reported logprob of the chosen token stays log_softmax of the raw logits.
 
 State: `TokenHistory` keeps on the device one row per sequence whose penalties need its tokens:
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.kernels.h2d import to_device
-from common.sampling.sampler import SamplingParams
+from kvferry.common.kernels.h2d import to_device
+from kvferry.common.sampling.sampler import SamplingParams
 
 
 MAX_CACHED_BIASES = 4096
@@ -65,7 +65,7 @@ class TokenHistory:
     int32 (output tokens) and `in_prompt` [rows, V] bool. Grows by doubling; a released row is
     reused. `acquire` runs on the model thread, `release` may run on another (hence the lock).
     `eos_token_ids`: what min_tokens masks besides `stop_token_ids` (the tokenizer's EOS ids, the
-    ones `common.sampling.stops.StopChecker` stops on)."""
+    ones `kvferry.common.sampling.stops.StopChecker` stops on)."""
 
     def __init__(self, vocab_size: int, device: torch.device | str,
                  eos_token_ids: Collection[int] = ()) -> None:

@@ -2,7 +2,7 @@
 
 Reading path: `SamplingParams` (what a request asks; its ranges), `probs` (temperature, top-k,
 top-p, min-p; also used by speculative decoding's accept/reject), `Sampler.sample`; then
-`common.sampling.stops` (when a request ends).
+`kvferry.common.sampling.stops` (when a request ends).
 
 Penalties (repetition, frequency, presence), logit bias and `min_new_tokens` change the raw
 logits before `probs` (common/sampling/penalties.py, through `Sampler.sample`'s `adjust`). Structured output: `grammar`, applied by
@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from common.errors import RequestError
-from common.kernels.h2d import to_device
+from kvferry.common.errors import RequestError
+from kvferry.common.kernels.h2d import to_device
 
 if TYPE_CHECKING:
-    from common.sampling.grammar import GrammarSpec
+    from kvferry.common.sampling.grammar import GrammarSpec
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ def sample_from_probs(p: torch.Tensor,
 
 class LogitsAdjust(Protocol):
     """What a batch's rows ask to change in the raw logits before sampling (penalties, logit
-    bias, min_tokens: `common.sampling.penalties.LogitAdjust`)."""
+    bias, min_tokens: `kvferry.common.sampling.penalties.LogitAdjust`)."""
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor: ...
 

@@ -2,7 +2,7 @@
 
 `StopChecker` judges each step's new tokens and the text decoded so far against one request's
 `SamplingParams`; `FinishReason` is the outcome, shaped like SGLang's `meta_info.finish_reason`.
-`common.text.detok.StreamingOutput` ties a `StopChecker` to incremental detokenization.
+`kvferry.common.text.detok.StreamingOutput` ties a `StopChecker` to incremental detokenization.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.sampling.sampler import SamplingParams
+from kvferry.common.sampling.sampler import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

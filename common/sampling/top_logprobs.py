@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.kernels.h2d import to_device
+from kvferry.common.kernels.h2d import to_device
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs and completions logprobs
 

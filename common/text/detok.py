@@ -1,7 +1,7 @@
 """Incremental detokenization for streaming, and one request's streamed output.
 
 `IncrementalDetokenizer` turns token ids into text deltas whose concatenation is exactly
-`decode(output_ids)`; `StreamingOutput` adds stop handling (`common.sampling.stops.StopChecker`)
+`decode(output_ids)`; `StreamingOutput` adds stop handling (`kvferry.common.sampling.stops.StopChecker`)
 and holds back text that may still become a stop string, so a sent delta never needs retracting.
 
 Why the offsets: decoding one token alone is wrong in two ways. A multi-byte UTF-8 character may be
@@ -19,8 +19,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from common.sampling.sampler import SamplingParams
-from common.sampling.stops import FinishReason, StopChecker
+from kvferry.common.sampling.sampler import SamplingParams
+from kvferry.common.sampling.stops import FinishReason, StopChecker
 
 logger = logging.getLogger(__name__)
 

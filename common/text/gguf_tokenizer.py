@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from common.errors import ModelLoadError
+from kvferry.common.errors import ModelLoadError
 
 CONTROL, USER_DEFINED = 3, 4
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -86,7 +86,7 @@ def _sentencepiece_bpe(meta, tokens: list[str]) -> Tokenizer:
 
 
 def build_tokenizer(meta) -> Tokenizer:
-    """The ``tokenizers`` object of a GGUF's metadata (``meta``: ``common.models.gguf.Metadata``)."""
+    """The ``tokenizers`` object of a GGUF's metadata (``meta``: ``kvferry.common.models.gguf.Metadata``)."""
     kind = meta.get("tokenizer.ggml.model")
     builders = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
     if kind not in builders:

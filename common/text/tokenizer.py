@@ -24,7 +24,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HfTokenizer
 from tokenizers import processors
 
-from common.errors import ModelLoadError, RequestError
+from kvferry.common.errors import ModelLoadError, RequestError
 
 logger = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ import torch
 from nixl import _bindings as nixl_bindings
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-from common.errors import PeerUnavailableError, ProtocolError, TransferError
-from common.transport.nixl_types import (NIXL_ERRORS, Desc, PreppedList, RegisteredMemory, XferHandle, XferState,
+from kvferry.common.errors import PeerUnavailableError, ProtocolError, TransferError
+from kvferry.common.transport.nixl_types import (NIXL_ERRORS, Desc, PreppedList, RegisteredMemory, XferHandle, XferState,
                                          as_desc_array, check_mem, nixl_error, poll_pauses)
-from common.transport.nixl_writes import WriteOps
+from kvferry.common.transport.nixl_writes import WriteOps
 
 __all__ = ["Desc", "NixlEngine", "PreppedList", "RegisteredMemory", "XferHandle", "XferState", "poll_pauses"]
 

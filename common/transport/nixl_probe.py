@@ -14,7 +14,7 @@ import multiprocessing as mp
 import threading
 import uuid
 
-from common.errors import ProtocolError
+from kvferry.common.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from nixl import _bindings as nixl_bindings
 
-from common.errors import TransferError
-from common.wire.messages import MEM_KINDS
+from kvferry.common.errors import TransferError
+from kvferry.common.wire.messages import MEM_KINDS
 
 Desc = tuple[int, int, int]  # (addr, nbytes, device)
 

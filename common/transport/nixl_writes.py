@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from common.errors import FailCode, TransferError, UnsafeWriteError
-from common.transport.nixl_types import NIXL_ERRORS, PreppedList, XferHandle, XferState, nixl_error, poll_pauses
+from kvferry.common.errors import FailCode, TransferError, UnsafeWriteError
+from kvferry.common.transport.nixl_types import NIXL_ERRORS, PreppedList, XferHandle, XferState, nixl_error, poll_pauses
 
 logger = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import zmq
 
-from common.errors import DisaggError, FailCode, TransferError
-from common.transport import rank_wire
-from common.transport.nixl import NixlEngine
+from kvferry.common.errors import DisaggError, FailCode, TransferError
+from kvferry.common.transport import rank_wire
+from kvferry.common.transport.nixl import NixlEngine
 
 logger = logging.getLogger(__name__)
 

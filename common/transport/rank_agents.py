@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import zmq
 
-from common.errors import DisaggError, PeerUnavailableError, ProtocolError
-from common.transport import rank_wire
-from common.wire.messages import Region
+from kvferry.common.errors import DisaggError, PeerUnavailableError, ProtocolError
+from kvferry.common.transport import rank_wire
+from kvferry.common.wire.messages import Region
 
 logger = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from dataclasses import astuple
 import msgpack
 import numpy as np
 
-from common.errors import (DisaggError, FailCode, PeerUnavailableError, ProtocolError, TransferError,
+from kvferry.common.errors import (DisaggError, FailCode, PeerUnavailableError, ProtocolError, TransferError,
                            UnsafeWriteError)
-from common.wire.messages import Region
+from kvferry.common.wire.messages import Region
 
 ERROR_KINDS: dict[str, type[DisaggError]] = {
     "transfer": TransferError,

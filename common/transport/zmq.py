@@ -1,6 +1,6 @@
 """The ZeroMQ control plane: the prefill's bootstrap ROUTER and the decode's DEALER (DESIGN §3).
 
-One wire message per frame (``common.wire.messages``). Everything runs on the daemon's asyncio loop (uvloop
+One wire message per frame (``kvferry.common.wire.messages``). Everything runs on the daemon's asyncio loop (uvloop
 works: zmq.asyncio only needs ``add_reader``); a socket has one reader task, and sends come from tasks
 on the same loop, never from another thread. Every wait takes a timeout; nothing here retries.
 
@@ -29,8 +29,8 @@ import zmq.asyncio
 import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-from common.errors import ConfigError, PeerUnavailableError, ProtocolError
-from common.wire.messages import MAX_FRAME_BYTES, Message, decode, encode
+from kvferry.common.errors import ConfigError, PeerUnavailableError, ProtocolError
+from kvferry.common.wire.messages import MAX_FRAME_BYTES, Message, decode, encode
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from common.errors import ProtocolError
+from kvferry.common.errors import ProtocolError
 
 AUX_MAGIC = 0x4B564631  # "KVF1"
 AUX_MAGIC_V2 = 0x4B564632  # "KVF2"

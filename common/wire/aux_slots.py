@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from common.errors import OverloadedError
-from common.wire.aux_record import AUX_RECORD_V3_BYTES
-from common.wire.messages import AuxInfo
+from kvferry.common.errors import OverloadedError
+from kvferry.common.wire.aux_record import AUX_RECORD_V3_BYTES
+from kvferry.common.wire.messages import AuxInfo
 
 
 class AuxSlots:

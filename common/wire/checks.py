@@ -1,4 +1,4 @@
-"""The checks ``common.wire.messages.decode`` runs on a frame's fields: each field present (or defaulted), of
+"""The checks ``kvferry.common.wire.messages.decode`` runs on a frame's fields: each field present (or defaulted), of
 its declared type (bool never counts as an int), nested maps built into their dataclasses, unknown
 fields refused; every refusal a ``ProtocolError`` naming the field and quoting the value, shortened."""
 
@@ -10,7 +10,7 @@ import reprlib
 import types
 import typing
 
-from common.errors import ProtocolError
+from kvferry.common.errors import ProtocolError
 
 
 # Error texts quote what the peer sent, shortened: the error frame that answers a frame must not

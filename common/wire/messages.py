@@ -21,8 +21,8 @@ from typing import ClassVar
 
 import msgpack
 
-from common.errors import FailCode, ProtocolError
-from common.wire.checks import _build, _short
+from kvferry.common.errors import FailCode, ProtocolError
+from kvferry.common.wire.checks import _build, _short
 
 # PROTOCOL_VERSION is bumped when a field is removed or renamed, a field's type or meaning changes,
 # a kind is removed, or the aux record layout changes. Adding a kind, or a field with a default,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from common.wire.aux_record import AUX_RECORD_V3_BYTES
+from kvferry.common.wire.aux_record import AUX_RECORD_V3_BYTES
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from common.daemon.procs import Proc, http_json
+from kvferry.common.daemon.procs import Proc, http_json
 from tests.cluster import ORDER_EVENTS, SLACK_S, Cluster, LogWatch, assert_order_path, free_pages, room_event
 
 KV_WAIT_S = 3.0        # decode: --kv-wait-timeout-s

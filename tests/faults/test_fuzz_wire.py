@@ -36,10 +36,10 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from common.wire import messages as wire
-from common.errors import FailCode, ProtocolError
-from common.sampling.sampler import SamplingParams
-from common.daemon.procs import Proc, http_json
+from kvferry.common.wire import messages as wire
+from kvferry.common.errors import FailCode, ProtocolError
+from kvferry.common.sampling.sampler import SamplingParams
+from kvferry.common.daemon.procs import Proc, http_json
 from tests.cluster import REPO, Cluster, LogWatch, free_pages, room_event
 
 pytestmark = pytest.mark.timeout(1800)
@@ -396,7 +396,7 @@ def test_prefill_answers_register_with_right_geometry_and_bad_agent_metadata(sta
     """The decode's real geometry with corrupt NIXL metadata of an agent in this process (a
     parse that succeeds harms no real peer): a register_ack every time, and a rejection with a
     reason for garbage. Altered metadata that NIXL still parses may be accepted."""
-    from common.transport.nixl import NixlEngine
+    from kvferry.common.transport.nixl import NixlEngine
 
     agent = NixlEngine("fuzzmeta")
     names = st.integers(0, 2**62).map(lambda n: f"fuzz-{n}")  # never a real decode's id or agent name
@@ -422,7 +422,7 @@ def test_corrupt_ucx_address_in_register_does_not_kill_prefill(stack, cluster, t
     loading process on such metadata (address.c addr_version assertion), so the prefill loads peer
     metadata in a probe child first (common/transport/nixl_probe.py)."""
     prefill = cluster.prefill()
-    script = ("import sys, torch; from common.transport.nixl import NixlEngine; e = NixlEngine('gone'); "
+    script = ("import sys, torch; from kvferry.common.transport.nixl import NixlEngine; e = NixlEngine('gone'); "
               "t = torch.zeros(1024, dtype=torch.uint8); e.register_tensor(t); "
               "open(sys.argv[1], 'wb').write(e.metadata())")
     subprocess.run([sys.executable, "-c", script, str(tmp_path / "md")], check=True, capture_output=True,

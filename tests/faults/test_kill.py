@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from common.daemon.procs import http_json
+from kvferry.common.daemon.procs import http_json
 from tests.cluster import LogWatch, room_event
 from tests.faults.harness import (
     DECODE_DEADLINE_S, PREFILL_DEADLINE_S, SLACK_S, XFER_S, Pending, assert_clear_error, assert_within, body,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from common.daemon.procs import http_json
+from kvferry.common.daemon.procs import http_json
 from tests.faults.harness import DECODE_FLAGS, Pair, counter, metrics, wait_pages
 
 

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from common.daemon.procs import http_json
+from kvferry.common.daemon.procs import http_json
 from tests.cluster import Cluster, LogWatch, room_event
 from tests.faults.harness import (PREFILL_DEADLINE_S, Pair, Pending, assert_clear_error, assert_within, body, boot,
                                   metrics, new_room, prompt, wait_pages)

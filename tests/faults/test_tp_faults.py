@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from common.daemon.procs import http_json
+from kvferry.common.daemon.procs import http_json
 from tests.cluster import LogWatch, room_event
 from tests.faults.harness import (
     DECODE_FLAGS, PREFILL_FLAGS, SLACK_S, Pair, Pending, assert_clear_error, body, boot, new_room,
@@ -56,13 +56,13 @@ def _children(pid: int) -> dict[int, str]:
 def _rank_pid(daemon, rank: int) -> int:
     """The pid of TP worker ``rank`` of ``daemon``."""
     ranks = [pid for pid, cmd in _children(daemon.pid).items()
-             if "common.engine.tp_worker" in cmd and f"--rank {rank} " in cmd + " "]
+             if "kvferry.common.engine.tp_worker" in cmd and f"--rank {rank} " in cmd + " "]
     assert len(ranks) == 1, f"{daemon.name}: TP worker rank {rank} not found among {_children(daemon.pid)}"
     return ranks[0]
 
 
 def _workers(daemon) -> set[int]:
-    return {pid for pid, cmd in _children(daemon.pid).items() if "common.engine.tp_worker" in cmd}
+    return {pid for pid, cmd in _children(daemon.pid).items() if "kvferry.common.engine.tp_worker" in cmd}
 
 
 def _gone(pid: int) -> bool:

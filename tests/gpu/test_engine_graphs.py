@@ -12,11 +12,11 @@ import random
 import pytest
 import torch
 
-from common.engine.colocated import ColocatedEngine
-from common.engine.factory import build_runner
-from common.models.llama import SeqChunk
-from common.sampling.sampler import SamplingParams
-from common.text.tokenizer import Tokenizer
+from kvferry.common.engine.colocated import ColocatedEngine
+from kvferry.common.engine.factory import build_runner
+from kvferry.common.models.llama import SeqChunk
+from kvferry.common.sampling.sampler import SamplingParams
+from kvferry.common.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.gpu
 

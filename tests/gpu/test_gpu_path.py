@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from common.engine.colocated import ColocatedEngine
-from common.engine.factory import build_runner
-from common.sampling.sampler import SamplingParams
-from common.text.tokenizer import Tokenizer
-from common.daemon.procs import http_json
+from kvferry.common.engine.colocated import ColocatedEngine
+from kvferry.common.engine.factory import build_runner
+from kvferry.common.sampling.sampler import SamplingParams
+from kvferry.common.text.tokenizer import Tokenizer
+from kvferry.common.daemon.procs import http_json
 from tests.cluster import free_pages, send_pair
 
 pytestmark = pytest.mark.gpu
@@ -116,7 +116,7 @@ def test_staged_rooms_in_vram(cluster, tiny_models):
     """Every room staged (crossover 1, 1 MiB chunks): the Triton gather on the prefill, one WRITE per
     chunk over cuda_ipc into the decode's slot, the Triton scatter into the decode's pages; greedy
     output as colocated, every page and slot back."""
-    from common.daemon.procs import http_json
+    from kvferry.common.daemon.procs import http_json
 
     target, _ = tiny_models
     prefill = cluster.prefill(extra=CUDA + ["--staging-bytes", str(64 << 20), "--staging-chunk-bytes", str(1 << 20),

@@ -10,11 +10,11 @@ import re
 import pytest
 import torch
 
-from common.engine.colocated import ColocatedEngine
-from common.engine.factory import build_runner
-from common.sampling.grammar import GrammarCache, GrammarSpec, mask_logits
-from common.sampling.sampler import SamplingParams
-from common.text.tokenizer import Tokenizer
+from kvferry.common.engine.colocated import ColocatedEngine
+from kvferry.common.engine.factory import build_runner
+from kvferry.common.sampling.grammar import GrammarCache, GrammarSpec, mask_logits
+from kvferry.common.sampling.sampler import SamplingParams
+from kvferry.common.text.tokenizer import Tokenizer
 from tests.json_schema_check import errors
 from tests.unit.test_grammar import ANSWER, PERSON, PROMPTS
 

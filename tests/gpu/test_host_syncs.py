@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine.factory import build_runner
-from common.models.llama import SeqChunk
-from common.sampling.sampler import Sampler, SamplingParams, make_generator
+from kvferry.common.engine.factory import build_runner
+from kvferry.common.models.llama import SeqChunk
+from kvferry.common.sampling.sampler import Sampler, SamplingParams, make_generator
 
 pytestmark = pytest.mark.gpu
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine.factory import build_runner
-from common.engine.sequence import Sequence
-from common.sampling.sampler import SamplingParams
-from common.text.tokenizer import Tokenizer
+from kvferry.common.engine.factory import build_runner
+from kvferry.common.engine.sequence import Sequence
+from kvferry.common.sampling.sampler import SamplingParams
+from kvferry.common.text.tokenizer import Tokenizer
 from tests.unit import test_batcher
 
 pytestmark = pytest.mark.gpu

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine.colocated import ColocatedEngine
-from common.engine.factory import build_runner
-from common.engine.penalty_inputs import decode_adjust
-from common.sampling.penalties import TokenHistory
-from common.sampling.sampler import Sampler, SamplingParams, make_generator
-from common.text.tokenizer import Tokenizer
+from kvferry.common.engine.colocated import ColocatedEngine
+from kvferry.common.engine.factory import build_runner
+from kvferry.common.engine.penalty_inputs import decode_adjust
+from kvferry.common.sampling.penalties import TokenHistory
+from kvferry.common.sampling.sampler import Sampler, SamplingParams, make_generator
+from kvferry.common.text.tokenizer import Tokenizer
 from tests.gpu.test_host_syncs import _no_sync
 from tests.unit.test_penalties import ENGINE_PARAMS, EOS, PROMPTS, VOCAB, _case, _sequences, reference, reference_greedy
 

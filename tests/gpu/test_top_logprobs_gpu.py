@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine.factory import build_runner
-from common.engine.sequence import Sequence
-from common.sampling.sampler import SamplingParams
-from common.sampling.top_logprobs import attach, to_host, top_logprobs, with_tops
+from kvferry.common.engine.factory import build_runner
+from kvferry.common.engine.sequence import Sequence
+from kvferry.common.sampling.sampler import SamplingParams
+from kvferry.common.sampling.top_logprobs import attach, to_host, top_logprobs, with_tops
 
 pytestmark = pytest.mark.gpu
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.models.tiny import make_tiny_model
+from kvferry.common.models.tiny import make_tiny_model
 from tests.tp_threads import greedy_in_threads
 
 pytestmark = pytest.mark.gpu

@@ -15,10 +15,10 @@ import random
 import pytest
 import torch
 
-from common.layers import attention
+from kvferry.common.layers import attention
 
 pytestmark = pytest.mark.gpu
-triton_attention = pytest.importorskip("common.kernels.triton_attention")
+triton_attention = pytest.importorskip("kvferry.common.kernels.triton_attention")
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"

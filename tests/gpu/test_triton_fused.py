@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 
-from common.layers import rope
-from common.layers.norm import rms_norm
+from kvferry.common.layers import rope
+from kvferry.common.layers.norm import rms_norm
 
 pytestmark = pytest.mark.gpu
-triton_fused = pytest.importorskip("common.kernels.triton_fused")
+triton_fused = pytest.importorskip("kvferry.common.kernels.triton_fused")
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 DTYPES = [torch.float32, torch.float16 if DEVICE == "cpu" else torch.bfloat16]

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from common.kernels import staging_copy
-from common.models.config import ModelConfig
-from common.cache.kv_cache import KV_LAYOUTS, KvCache
-from common.plan.desc_lists import DescGroup
-from common.plan.staging import copy_plan, room_stream
+from kvferry.common.kernels import staging_copy
+from kvferry.common.models.config import ModelConfig
+from kvferry.common.cache.kv_cache import KV_LAYOUTS, KvCache
+from kvferry.common.plan.desc_lists import DescGroup
+from kvferry.common.plan.staging import copy_plan, room_stream
 
 pytestmark = pytest.mark.gpu
-triton_staging = pytest.importorskip("common.kernels.triton_staging")
+triton_staging = pytest.importorskip("kvferry.common.kernels.triton_staging")
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 

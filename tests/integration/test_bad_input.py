@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from common.sampling.sampler import SamplingParams
-from common.daemon.procs import Proc, http_json
+from kvferry.common.sampling.sampler import SamplingParams
+from kvferry.common.daemon.procs import Proc, http_json
 from tests.cluster import Cluster, free_pages
 
 pytestmark = pytest.mark.timeout(600)

@@ -24,8 +24,8 @@ import time
 
 import pytest
 
-from common.api.outcome import OUTCOMES
-from common.daemon.procs import http_json
+from kvferry.common.api.outcome import OUTCOMES
+from kvferry.common.daemon.procs import http_json
 from tests.cluster import Cluster, assert_pages_return, ok, post
 from tests.faults.harness import counter, metrics
 

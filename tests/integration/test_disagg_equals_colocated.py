@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from common.sampling.sampler import SamplingParams
+from kvferry.common.sampling.sampler import SamplingParams
 from tests.cluster import free_pages, http_json, send_pair
 
 # 32 prompt lengths from 1 to 2,000 tokens; 16, 32, 64, 128, 256, 512, 1024 end exactly on a page.

@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from common.sampling.sampler import SamplingParams
-from common.api.sampling_schema import openai_params, sglang_params
+from kvferry.common.sampling.sampler import SamplingParams
+from kvferry.common.api.sampling_schema import openai_params, sglang_params
 from tests.cluster import Cluster, free_pages
 
 PROMPT = "The ferry leaves the north pier at seven"

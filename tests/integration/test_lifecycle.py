@@ -11,7 +11,7 @@ would be. What is asserted:
   happened; requests in flight at the signal finish (the drain); the daemon exits 0; the surviving
   side's free pages come back to their starting count.
 - A second SIGTERM during a drain that would last a minute exits within seconds with status 1
-  (``common.daemon.lifecycle``: the forced exit skips the drain, so it does not report success).
+  (``kvferry.common.daemon.lifecycle``: the forced exit skips the drain, so it does not report success).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from common.daemon.procs import Proc, free_port, http_json
-from common.api.sampling_schema import sglang_params
+from kvferry.common.daemon.procs import Proc, free_port, http_json
+from kvferry.common.api.sampling_schema import sglang_params
 from tests.cluster import ROOM_EVENTS, SLACK_S, LogWatch, free_pages, post
 
 

@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 
-from common.api.sampling_schema import sglang_params
+from kvferry.common.api.sampling_schema import sglang_params
 from tests.cluster import Cluster, assert_pages_return, free_pages, ok, post, send_pair
 
 TOL = 1e-4
@@ -107,7 +107,7 @@ def test_generate_through_vllm_router_keeps_output_logprobs_only(pd, tok_ids):
 
 @pytest.fixture(scope="module")
 def tok_ids(tiny_models) -> list[int]:
-    from common.text.tokenizer import Tokenizer
+    from kvferry.common.text.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(tiny_models[0]).encode(PROMPT)
 

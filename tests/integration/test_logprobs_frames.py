@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.text.tokenizer import Tokenizer
-from prefill_worker.prompt_logprobs import max_prompt_logprob_tokens
+from kvferry.common.text.tokenizer import Tokenizer
+from kvferry.prefill_worker.prompt_logprobs import max_prompt_logprob_tokens
 from tests.cluster import Cluster, assert_pages_return, free_pages, send_pair
 
 TOP = 20  # the most alternatives a request may ask for: the fewest positions that fill a frame
@@ -23,7 +23,7 @@ DAEMON = ["--max-total-tokens", "16384"]
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
     """(prefill, decode) over the tiny-vocab-66k checkpoint."""
-    from common.models.tiny import make_tiny_model
+    from kvferry.common.models.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("vocab66k")
     target, draft = make_tiny_model(root / "model", seed=0, preset="tiny-vocab-66k")

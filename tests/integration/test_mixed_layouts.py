@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from common.sampling.sampler import SamplingParams
+from kvferry.common.sampling.sampler import SamplingParams
 from tests.cluster import free_pages, send_pair
 
 LENGTHS = [1, 16, 17, 100, 256, 1000]

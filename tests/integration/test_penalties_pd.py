@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.api.sampling_schema import openai_params, sglang_params
-from common.text.tokenizer import Tokenizer
+from kvferry.common.api.sampling_schema import openai_params, sglang_params
+from kvferry.common.text.tokenizer import Tokenizer
 from tests.cluster import Cluster, assert_pages_return, ok, post, send_pair
 
 PROMPT = "The ferry leaves the north pier at seven"

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from common.daemon.procs import http_json
+from kvferry.common.daemon.procs import http_json
 from tests.cluster import Cluster, assert_pages_return, free_pages, post
 
 TRANSFER_WAIT_S = 60.0  # the prefill's own deadline: nothing below may come near it

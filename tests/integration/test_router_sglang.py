@@ -13,8 +13,8 @@ import json
 
 import pytest
 
-from common.sampling.sampler import SamplingParams
-from common.api.sampling_schema import openai_params, sglang_params
+from kvferry.common.sampling.sampler import SamplingParams
+from kvferry.common.api.sampling_schema import openai_params, sglang_params
 from tests.cluster import Cluster, assert_pages_return, ok, post
 
 PROMPT = "The ferry leaves the north pier at seven"

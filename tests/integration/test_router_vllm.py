@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.api.sampling_schema import openai_params, sglang_params
+from kvferry.common.api.sampling_schema import openai_params, sglang_params
 from tests.cluster import Cluster, assert_pages_return, ok, post
 
 PROMPT = "The ferry leaves the north pier at seven"

@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from common.wire import messages as wire
-from common.sampling.sampler import SamplingParams
-from common.daemon.procs import Proc, http_json
-from common.transport.zmq import load_keys
+from kvferry.common.wire import messages as wire
+from kvferry.common.sampling.sampler import SamplingParams
+from kvferry.common.daemon.procs import Proc, http_json
+from kvferry.common.transport.zmq import load_keys
 from tests.cluster import REPO, SLACK_S, Cluster
 
 pytestmark = pytest.mark.timeout(600)
@@ -48,7 +48,7 @@ class Secure:
 
 
 def keygen(directory: Path, name: str) -> None:
-    subprocess.run([sys.executable, "-m", "common.cli", "keygen", str(directory), "--name", name], cwd=REPO,
+    subprocess.run([sys.executable, "-m", "kvferry.common.cli", "keygen", str(directory), "--name", name], cwd=REPO,
                    check=True, capture_output=True, timeout=60)
 
 

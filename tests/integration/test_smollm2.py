@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.daemon.procs import free_port, http_json
-from common.up_model import SMOLLM2_NAME, Unavailable, smollm2_folder, smollm2_gguf
+from kvferry.common.daemon.procs import free_port, http_json
+from kvferry.common.up_model import SMOLLM2_NAME, Unavailable, smollm2_folder, smollm2_gguf
 from tests.cluster import REPO, post
 from tests.integration.test_up import kill_up, stop_up, wait_for_text
 
@@ -51,7 +51,7 @@ def reference(folder: Path) -> tuple[list[int], list[int], str]:
 
 def test_up_serves_smollm2_with_transformers_tokens(smollm2, tmp_path):
     ports = {name: free_port() for name in ("prefill-port", "bootstrap-port", "decode-port", "router-port")}
-    args = [sys.executable, "-m", "common.cli", "up", "--log-dir", str(tmp_path / "logs"), "--timeout-s", "240"]
+    args = [sys.executable, "-m", "kvferry.common.cli", "up", "--log-dir", str(tmp_path / "logs"), "--timeout-s", "240"]
     for name, port in ports.items():
         args += [f"--{name}", str(port)]
     out_path = tmp_path / "up.out"

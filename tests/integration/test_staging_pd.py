@@ -12,8 +12,8 @@ from __future__ import annotations
 import random
 from concurrent.futures import ThreadPoolExecutor
 
-from common.sampling.sampler import SamplingParams
-from common.daemon.procs import http_json
+from kvferry.common.sampling.sampler import SamplingParams
+from kvferry.common.daemon.procs import http_json
 from tests.cluster import assert_pages_return, free_pages, send_pair
 
 LENGTHS = [1, 17, 100, 700, 2000]

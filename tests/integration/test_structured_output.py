@@ -20,7 +20,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from common.api.sampling_schema import openai_params, sglang_params
+from kvferry.common.api.sampling_schema import openai_params, sglang_params
 from tests.cluster import Cluster, assert_pages_return, ok, post
 from tests.json_schema_check import errors
 

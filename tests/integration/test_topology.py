@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from common.daemon.procs import http_json
-from common.api.sampling_schema import sglang_params
+from kvferry.common.daemon.procs import http_json
+from kvferry.common.api.sampling_schema import sglang_params
 from tests.cluster import Cluster, assert_pages_return, free_pages, post
 
 NUM_REQUESTS = 200

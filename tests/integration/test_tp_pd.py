@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from common.sampling.sampler import SamplingParams
-from common.daemon.procs import http_json
+from kvferry.common.sampling.sampler import SamplingParams
+from kvferry.common.daemon.procs import http_json
 from tests.cluster import Cluster, assert_pages_return, free_pages, ok, post
 
 LENGTHS = [1, 17, 64, 300, 2000]
@@ -46,7 +46,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, tiny_models) -> dict[str, tuple[str, str]]:
-    from common.models.tiny import make_tiny_model
+    from kvferry.common.models.tiny import make_tiny_model
 
     target, draft = make_tiny_model(tmp_path_factory.mktemp("kv8"), seed=1, preset="tiny-kv8")
     return {"tiny": tiny_models, "kv8": (str(target), str(draft))}
@@ -57,9 +57,9 @@ def references(models):
     """TP-1 colocated greedy outputs per model (a draft changes nothing under greedy decoding)."""
     import torch
 
-    from common.engine.colocated import ColocatedEngine
-    from common.engine.factory import build_runner
-    from common.text.tokenizer import Tokenizer
+    from kvferry.common.engine.colocated import ColocatedEngine
+    from kvferry.common.engine.factory import build_runner
+    from kvferry.common.text.tokenizer import Tokenizer
 
     torch.set_num_threads(1)
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)

@@ -16,16 +16,16 @@ import time
 
 import torch
 
-from common.wire import messages as wire
-from common.wire.aux_record import AuxRecord
-from common.wire.aux_slots import AuxSlots
-from common.models.config import ModelConfig
-from common.cache.kv_cache import KvCache
-from common.models.llama import SeqChunk
-from common.models.loader import load_model
-from common.daemon.procs import http_json
-from common.transport.nixl import NixlEngine
-from common.transport.zmq import BootstrapClient
+from kvferry.common.wire import messages as wire
+from kvferry.common.wire.aux_record import AuxRecord
+from kvferry.common.wire.aux_slots import AuxSlots
+from kvferry.common.models.config import ModelConfig
+from kvferry.common.cache.kv_cache import KvCache
+from kvferry.common.models.llama import SeqChunk
+from kvferry.common.models.loader import load_model
+from kvferry.common.daemon.procs import http_json
+from kvferry.common.transport.nixl import NixlEngine
+from kvferry.common.transport.zmq import BootstrapClient
 
 POISON = 0xAB
 PAGE_SIZE = 16

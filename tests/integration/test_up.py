@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from common.daemon.procs import free_port, http_json
-from common.api.sampling_schema import sglang_params
+from kvferry.common.daemon.procs import free_port, http_json
+from kvferry.common.api.sampling_schema import sglang_params
 from tests.cluster import REPO, post
 
 
@@ -67,7 +67,7 @@ def wait_for_text(path: Path, text: str, proc: subprocess.Popen, timeout_s: floa
 def start_up(tmp_path: Path, extra: list[str] | None = None) -> tuple[subprocess.Popen, dict[str, int], Path]:
     """``kvferry up`` on free loopback ports, in its own session; returns (process, ports, output file)."""
     ports = {name: free_port() for name in ("prefill-port", "bootstrap-port", "decode-port", "router-port")}
-    args = [sys.executable, "-m", "common.cli", "up", "--tiny", "--log-dir",
+    args = [sys.executable, "-m", "kvferry.common.cli", "up", "--tiny", "--log-dir",
             str(tmp_path / "logs"), "--timeout-s", "180", *(extra or [])]
     for name, port in ports.items():
         args += [f"--{name}", str(port)]

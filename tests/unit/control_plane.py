@@ -19,16 +19,16 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import uvloop
 
-from common.wire import messages as wire
-from common.wire.aux_slots import AuxSlots
-from common.plan.layout import KvLayout
-from common.daemon.metrics import Metrics
-from common.transport.nixl import NixlEngine
-from common.transport.zmq import BootstrapClient, BootstrapServer
-from prefill_worker.bootstrap import Bootstrap
-from prefill_worker.kv_transfer import KvWriter
-from prefill_worker.peers import PeerTable
-from prefill_worker.rooms import Room, RoomLimits, RoomTable
+from kvferry.common.wire import messages as wire
+from kvferry.common.wire.aux_slots import AuxSlots
+from kvferry.common.plan.layout import KvLayout
+from kvferry.common.daemon.metrics import Metrics
+from kvferry.common.transport.nixl import NixlEngine
+from kvferry.common.transport.zmq import BootstrapClient, BootstrapServer
+from kvferry.prefill_worker.bootstrap import Bootstrap
+from kvferry.prefill_worker.kv_transfer import KvWriter
+from kvferry.prefill_worker.peers import PeerTable
+from kvferry.prefill_worker.rooms import Room, RoomLimits, RoomTable
 
 NUM_LAYERS, ITEM_BYTES, NUM_PAGES, PAGE_SIZE = 2, 256, 32, 16
 MODEL = "fingerprint-0"

@@ -8,9 +8,9 @@ import math
 
 from hypothesis import strategies as st
 
-from common.plan import geometry as g
-from common.plan.layout import KvLayout
-from common.wire.messages import AuxInfo, Region, Transfer
+from kvferry.common.plan import geometry as g
+from kvferry.common.plan.layout import KvLayout
+from kvferry.common.wire.messages import AuxInfo, Region, Transfer
 
 
 ITEM = 256

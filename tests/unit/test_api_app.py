@@ -18,9 +18,9 @@ import pytest
 import uvicorn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from common.api import GenerateEvent, GenerateInput, create_app
-from common.api.limits import max_prompt_chars
-from common.errors import FailCode, OverloadedError, TransferError
+from kvferry.common.api import GenerateEvent, GenerateInput, create_app
+from kvferry.common.api.limits import max_prompt_chars
+from kvferry.common.errors import FailCode, OverloadedError, TransferError
 
 pytestmark = pytest.mark.anyio
 KEY = "s3cret"
@@ -315,7 +315,7 @@ async def test_a_peer_named_cancel_is_logged_at_info_and_counted_by_the_route(ca
     backend.fail_before = TransferError("prefill failed the transfer: prefill cancelled", code=FailCode.CANCELLED)
     counted: list[str] = []
     backend.count_outcome = counted.append
-    with caplog.at_level(logging.INFO, logger="common.api.app"):
+    with caplog.at_level(logging.INFO, logger="kvferry.common.api.app"):
         async with client_for(backend) as c:
             r = await c.post("/generate", json={"text": "ab"})
             bad = await c.post("/generate", json={"text": "ab", "wobble": 1})

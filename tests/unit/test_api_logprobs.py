@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.api.backend import GenerateEvent, GenerateInput
+from kvferry.common.api.backend import GenerateEvent, GenerateInput
 from tests.unit.test_api_app import ByteTokenizer, EchoBackend, client_for, sse_events
 
 pytestmark = pytest.mark.anyio

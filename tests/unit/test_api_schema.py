@@ -1,4 +1,4 @@
-"""Request parsing and response shaping of common.api: pure functions, no server."""
+"""Request parsing and response shaping of kvferry.common.api: pure functions, no server."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.api.backend import BootstrapInfo, GenerateEvent
-from common.api.openai_schema import parse_openai
-from common.api.logprobs import chat_logprobs, clean_logprob, completion_logprobs, sglang_logprobs
-from common.api.responses import ItemOutput, error_info, generate_response, openai_response
-from common.api.schema import (
+from kvferry.common.api.backend import BootstrapInfo, GenerateEvent
+from kvferry.common.api.openai_schema import parse_openai
+from kvferry.common.api.logprobs import chat_logprobs, clean_logprob, completion_logprobs, sglang_logprobs
+from kvferry.common.api.responses import ItemOutput, error_info, generate_response, openai_response
+from kvferry.common.api.schema import (
     FieldError, ParseContext, PromptItem, error_param, parse_generate, resolve_bootstrap,
 )
-from common.errors import (
+from kvferry.common.errors import (
     OverloadedError, PeerUnavailableError, RequestError, TransferError,
 )
-from common.sampling.sampler import SamplingParams
+from kvferry.common.sampling.sampler import SamplingParams
 
 
 class CharTokenizer:

@@ -5,6 +5,7 @@ production file or class outgrows what one reader holds in their head."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,7 +22,7 @@ def _modules() -> dict[str, Path]:
     mods = {}
     for package in PACKAGES:
         for path in (REPO / package).rglob("*.py"):
-            name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            name = ".".join(("kvferry",) + path.relative_to(REPO).with_suffix("").parts)
             mods[name.removesuffix(".__init__")] = path
     return mods
 
@@ -92,16 +93,16 @@ def test_imports_go_one_way():
     mods = _modules()
     for name, path in mods.items():
         imported = _imports(name, path, mods)
-        if name.startswith("common"):
-            assert not [m for m in imported if not m.startswith("common")], f"{name} imports a worker"
+        if name.startswith("kvferry.common"):
+            assert not [m for m in imported if not m.startswith("kvferry.common")], f"{name} imports a worker"
         for worker, other in (("prefill_worker", "decode_worker"), ("decode_worker", "prefill_worker")):
-            if name.startswith(worker):
-                assert not [m for m in imported if m.startswith(other)], f"{name} imports {other}"
+            if name.startswith(f"kvferry.{worker}"):
+                assert not [m for m in imported if m.startswith(f"kvferry.{other}")], f"{name} imports {other}"
 
 
 def _under(name: str, packages: tuple[str, ...]) -> bool:
     """``name`` is one of ``common.<package>`` for ``packages``, or a module inside one."""
-    return any(name == f"common.{p}" or name.startswith(f"common.{p}.") for p in packages)
+    return any(name == f"kvferry.common.{p}" or name.startswith(f"kvferry.common.{p}.") for p in packages)
 
 
 def test_imports_go_down_the_layers():
@@ -124,6 +125,10 @@ def test_every_package_says_what_it_owns():
     missing = [f"{p.name}/" for p in set(packages) if f"`{p.name}/`" not in table]
     no_readme = [p.name for p in set(packages) if not (p / "README.md").is_file()]
     assert (sorted(missing), sorted(no_readme)) == ([], [])
+    # ... and is installed: pyproject.toml lists every package under kvferry.
+    listed = set(re.findall(r'^    "(kvferry[\w.]*)",$', (REPO / "pyproject.toml").read_text(), re.M))
+    folders = {"kvferry", "kvferry.common", "kvferry.prefill_worker", "kvferry.decode_worker"}
+    assert listed == folders | {f"kvferry.common.{p.name}" for p in packages}
 
 
 def test_files_and_classes_stay_small():
@@ -145,10 +150,10 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_the_import_finder_sees_type_checking_function_and_relative_imports(tmp_path):
     source = tmp_path / "a.py"
     source.write_text("from typing import TYPE_CHECKING\n"
-                      "if TYPE_CHECKING:\n    from common.wire.messages import Message\n"
-                      "def f():\n    import common.errors\n"
+                      "if TYPE_CHECKING:\n    from kvferry.common.wire.messages import Message\n"
+                      "def f():\n    import kvferry.common.errors\n"
                       "from . import rooms\nfrom .peers import PeerTable\n")
-    mods = {m: source for m in ("common.wire.messages", "common.errors", "common.wire.aux_slots", "prefill_worker.rooms",
-                                "prefill_worker.peers")}
-    assert _imports("prefill_worker.a", source, mods) == {"common.wire.messages", "common.errors", "prefill_worker.rooms",
-                                                          "prefill_worker.peers"}
+    mods = {m: source for m in ("kvferry.common.wire.messages", "kvferry.common.errors", "kvferry.common.wire.aux_slots", "kvferry.prefill_worker.rooms",
+                                "kvferry.prefill_worker.peers")}
+    assert _imports("kvferry.prefill_worker.a", source, mods) == {"kvferry.common.wire.messages", "kvferry.common.errors", "kvferry.prefill_worker.rooms",
+                                                          "kvferry.prefill_worker.peers"}

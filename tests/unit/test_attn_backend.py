@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.layers.attention import build_plan
-from common.layers.attn_backend import pack_chunks, resolve_backend
-from common.models.llama import SeqChunk
+from kvferry.common.layers.attention import build_plan
+from kvferry.common.layers.attn_backend import pack_chunks, resolve_backend
+from kvferry.common.models.llama import SeqChunk
 
 
 @st.composite
@@ -66,7 +66,7 @@ def test_backend_choice():
 
 @pytest.mark.parametrize("q", [1, 5])
 def test_graph_inputs_pad_to_the_bucket(q):
-    from common.engine.cuda_graph import graph_inputs
+    from kvferry.common.engine.cuda_graph import graph_inputs
 
     chunks = [SeqChunk(list(range(10 * i, 10 * i + q)), start, pages)
               for i, (start, pages) in enumerate([(3, [7, 2, 9]), (20, [4, 1, 8, 6]), (0, [5])])]

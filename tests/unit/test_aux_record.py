@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.wire import messages as wire
-from common.wire.aux_record import (
+from kvferry.common.wire import messages as wire
+from kvferry.common.wire.aux_record import (
     AUX_MAGIC, AUX_MAGIC_V2, AUX_MAGIC_V3, AUX_RECORD_BYTES, AUX_RECORD_V2_BYTES, AUX_RECORD_V3_BYTES, MAX_AUX_TOP,
     AuxRecord, decode_reads_v2,
 )
-from common.errors import ProtocolError
+from kvferry.common.errors import ProtocolError
 
 F32 = st.floats(width=32, allow_nan=False)
 TOPS = st.lists(st.tuples(st.integers(0, (1 << 31) - 1), F32), max_size=MAX_AUX_TOP).map(tuple)

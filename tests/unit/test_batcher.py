@@ -9,11 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from common.engine.batcher import DecodeBatcher
-from common.engine.output import OutputTracker
-from common.engine.sequence import Sequence
-from common.sampling.sampler import SamplingParams, make_generator
-from common.text.tokenizer import Tokenizer
+from kvferry.common.engine.batcher import DecodeBatcher
+from kvferry.common.engine.output import OutputTracker
+from kvferry.common.engine.sequence import Sequence
+from kvferry.common.sampling.sampler import SamplingParams, make_generator
+from kvferry.common.text.tokenizer import Tokenizer
 from tests.cluster import tiny_model_dirs, tiny_runner
 from tests.unit.control_plane import run
 

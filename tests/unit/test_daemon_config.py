@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from common.api.limits import DEFAULT_MAX_REQUEST_BYTES
-from common.daemon.flags import parse_config
-from common.errors import ConfigError
-from decode_worker.config import DecodeConfig
-from prefill_worker.config import PrefillConfig
+from kvferry.common.api.limits import DEFAULT_MAX_REQUEST_BYTES
+from kvferry.common.daemon.flags import parse_config
+from kvferry.common.errors import ConfigError
+from kvferry.decode_worker.config import DecodeConfig
+from kvferry.prefill_worker.config import PrefillConfig
 
 CONFIGS = [PrefillConfig, DecodeConfig]
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from common.daemon.flags import parse_config
-from common.daemon.start import AUTO_TOKENS_CAP, CPU_KV_BYTES_CAP, kv_bytes_per_token, settle
-from common.errors import ConfigError
-from common.models.config import ModelConfig
-from prefill_worker.config import PrefillConfig
+from kvferry.common.daemon.flags import parse_config
+from kvferry.common.daemon.start import AUTO_TOKENS_CAP, CPU_KV_BYTES_CAP, kv_bytes_per_token, settle
+from kvferry.common.errors import ConfigError
+from kvferry.common.models.config import ModelConfig
+from kvferry.prefill_worker.config import PrefillConfig
 from tests.cluster import REPO, tiny_model_dirs
 
 
@@ -72,7 +72,7 @@ def test_gguf_model_is_served_from_its_converted_folder_under_its_stem(tmp_path,
 
 
 def test_daemon_refusal_is_one_line_with_exit_code_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "decode_worker", "--model", str(tmp_path / "nope")], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "kvferry.decode_worker", "--model", str(tmp_path / "nope")], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"kvferry decode: --model {tmp_path / 'nope'}: no such folder or "

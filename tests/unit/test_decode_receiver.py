@@ -11,14 +11,14 @@ import time
 
 import pytest
 
-from common.wire import messages as wire
-from common.wire.aux_slots import AuxSlots
-from common.wire.aux_record import AuxRecord
-from common.errors import (FailCode, GeometryMismatchError, OverloadedError, PeerUnavailableError, RequestError,
+from kvferry.common.wire import messages as wire
+from kvferry.common.wire.aux_slots import AuxSlots
+from kvferry.common.wire.aux_record import AuxRecord
+from kvferry.common.errors import (FailCode, GeometryMismatchError, OverloadedError, PeerUnavailableError, RequestError,
                            TransferError)
-from common.daemon.metrics import Metrics
-from common.transport.nixl import NixlEngine
-from decode_worker.kv_transfer import KvReceiver
+from kvferry.common.daemon.metrics import Metrics
+from kvferry.common.transport.nixl import NixlEngine
+from kvferry.decode_worker.kv_transfer import KvReceiver
 from tests.unit.control_plane import PAGE_SIZE, Prefill, new_pool, pool_layout, run, until
 
 pytestmark = pytest.mark.timeout(60)

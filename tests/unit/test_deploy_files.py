@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.daemon.flags import config_from_args, env_name
-from decode_worker.config import DecodeConfig
-from prefill_worker.config import PrefillConfig
+from kvferry.common.daemon.flags import config_from_args, env_name
+from kvferry.decode_worker.config import DecodeConfig
+from kvferry.prefill_worker.config import PrefillConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from common.text.detok import REPLACEMENT_CHAR, IncrementalDetokenizer, StreamingOutput
-from common.sampling.sampler import SamplingParams
+from kvferry.common.text.detok import REPLACEMENT_CHAR, IncrementalDetokenizer, StreamingOutput
+from kvferry.common.sampling.sampler import SamplingParams
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",

@@ -11,14 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from common.engine.batcher import DecodeBatcher
-from common.engine.fork import fork, fork_kv, fork_pages, pages_for_group
-from common.engine.output import OutputTracker
-from common.engine.sequence import Sequence
-from common.errors import OverloadedError
-from common.cache.kv_cache import PageAllocator, PageOwnershipError
-from common.sampling.sampler import SamplingParams, make_generator
-from common.text.tokenizer import Tokenizer
+from kvferry.common.engine.batcher import DecodeBatcher
+from kvferry.common.engine.fork import fork, fork_kv, fork_pages, pages_for_group
+from kvferry.common.engine.output import OutputTracker
+from kvferry.common.engine.sequence import Sequence
+from kvferry.common.errors import OverloadedError
+from kvferry.common.cache.kv_cache import PageAllocator, PageOwnershipError
+from kvferry.common.sampling.sampler import SamplingParams, make_generator
+from kvferry.common.text.tokenizer import Tokenizer
 from tests.cluster import tiny_model_dirs, tiny_runner
 from tests.unit.control_plane import run
 

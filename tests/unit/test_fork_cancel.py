@@ -5,7 +5,7 @@ speculative decoding runs inside the fork) by a gate around the real runner's ``
 The request is cancelled there, then the gate opens. Every page of both pools must come back, no
 page may go back while the job still runs, and the target and draft pools must still move in
 lockstep, so that later admissions succeed. The decode's pipeline (``DecodeBackend._fork``) and the
-colocated server run the same ``common.engine.fork.fork_group``.
+colocated server run the same ``kvferry.common.engine.fork.fork_group``.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.api.backend import GenerateInput
-from common.engine.sequence import Sequence
-from common.sampling.sampler import SamplingParams
-from decode_worker.pipeline import DecodeBackend
+from kvferry.common.api.backend import GenerateInput
+from kvferry.common.engine.sequence import Sequence
+from kvferry.common.sampling.sampler import SamplingParams
+from kvferry.decode_worker.pipeline import DecodeBackend
 from tests.cluster import tiny_runner
 
 pytestmark = pytest.mark.timeout(120)
@@ -123,7 +123,7 @@ def test_colocated_server_cancel_during_fork_returns_every_page_after_the_job():
     """The colocated server forks the same way (``fork_group``): its fork job is held at the first
     child's page copy; a cancel there must leave the group's pages taken until the job returns, then
     give every page back, both pools in lockstep. Fails if the cancel frees them under the job."""
-    from common.engine.colocated_server import ColocatedServer
+    from kvferry.common.engine.colocated_server import ColocatedServer
     from tests.cluster import tiny_model_dirs
 
     target, draft = tiny_model_dirs()

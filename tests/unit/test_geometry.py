@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.plan import geometry as g
-from common.plan.layout import KvLayout, check_layout
-from common.errors import GeometryMismatchError
-from common.wire.messages import Region, Register
+from kvferry.common.plan import geometry as g
+from kvferry.common.plan.layout import KvLayout, check_layout
+from kvferry.common.errors import GeometryMismatchError
+from kvferry.common.wire.messages import Region, Register
 from tests.unit.geometry_cases import (
     AUX, ITEM, PAGES, layout, layout_pairs, locate, page_major, plan_ranges, room, rooms, selected, table, transfer)
 

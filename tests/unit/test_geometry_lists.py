@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.plan import geometry as g
-from common.errors import GeometryMismatchError
-from common.wire.messages import Region
+from kvferry.common.plan import geometry as g
+from kvferry.common.errors import GeometryMismatchError
+from kvferry.common.wire.messages import Region
 from tests.unit.geometry_cases import (
     ITEM, PAGES, layout, locate, merged_descs, nixl_merged, page_major, room, rooms, selected, table)
 

@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 
 gguf = pytest.importorskip("gguf")
 
-from common.errors import ModelLoadError  # noqa: E402
-from common.models.config import ModelConfig  # noqa: E402
-from common.models.gguf import cached_folder, convert_gguf  # noqa: E402
-from common.text.tokenizer import Tokenizer  # noqa: E402
+from kvferry.common.errors import ModelLoadError  # noqa: E402
+from kvferry.common.models.config import ModelConfig  # noqa: E402
+from kvferry.common.models.gguf import cached_folder, convert_gguf  # noqa: E402
+from kvferry.common.text.tokenizer import Tokenizer  # noqa: E402
 from tests.cluster import tiny_model_dirs  # noqa: E402
 
 HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -188,7 +188,7 @@ def test_unknown_tokenizer_and_missing_file_are_refused(tmp_path):
 def test_qwen3_gguf_keeps_q_and_k_rows_in_order(tmp_path):
     """llama.cpp permutes Q/K only for llama: a qwen3 file's rows are read as they are, its q/k norms
     land in q_norm/k_norm, and the folder loads as Qwen3."""
-    from common.models.loader import load_model
+    from kvferry.common.models.loader import load_model
 
     target = Path(tiny_model_dirs()[0])
     layers, head_dim = json.loads((target / "config.json").read_text())["num_hidden_layers"], 32
@@ -211,7 +211,7 @@ def test_qwen3_gguf_keeps_q_and_k_rows_in_order(tmp_path):
 def test_llama31_rope_freqs_become_llama3_rope_scaling(tmp_path):
     """llama.cpp stores Llama 3.1 rope scaling as per-pair factors (rope_freqs): computed here from
     transformers' formula (common/layers/rope.py), they read back as rope_type llama3, factor 32."""
-    from common.layers.rope import inv_frequencies
+    from kvferry.common.layers.rope import inv_frequencies
 
     target = Path(tiny_model_dirs()[0])
     raw = json.loads((target / "config.json").read_text())
@@ -238,7 +238,7 @@ def spm_gguf(path: Path, target: Path) -> Path:
     from tokenizers import Tokenizer as HfTokenizer
     from tokenizers import models, pre_tokenizers, trainers
 
-    from common.models.tiny_corpus import CORPUS
+    from kvferry.common.models.tiny_corpus import CORPUS
 
     specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     spm = HfTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))

@@ -9,11 +9,11 @@ import re
 import pytest
 import torch
 
-from common.engine.colocated import ColocatedEngine
-from common.errors import RequestError
-from common.sampling.grammar import ANY_JSON, DraftMasks, GrammarCache, GrammarSpec, mask_logits
-from common.sampling.sampler import SamplingParams
-from common.text.tokenizer import Tokenizer
+from kvferry.common.engine.colocated import ColocatedEngine
+from kvferry.common.errors import RequestError
+from kvferry.common.sampling.grammar import ANY_JSON, DraftMasks, GrammarCache, GrammarSpec, mask_logits
+from kvferry.common.sampling.sampler import SamplingParams
+from kvferry.common.text.tokenizer import Tokenizer
 from tests.cluster import tiny_model_dirs, tiny_runner
 from tests.json_schema_check import errors
 
@@ -89,7 +89,7 @@ def test_tokenizer_info_is_xgrammars_own_but_for_special_tokens(tokenizer):
     import xgrammar as xgr
     from transformers import PreTrainedTokenizerFast
 
-    from common.sampling.grammar import tokenizer_info
+    from kvferry.common.sampling.grammar import tokenizer_info
 
     hf = PreTrainedTokenizerFast.from_pretrained(tiny_model_dirs()[0])
     size = tokenizer.vocab_size + 8
@@ -217,7 +217,7 @@ def test_sampled_speculation_under_the_grammar_stays_inside_it(engines):
 
 
 def test_request_fields_become_one_grammar_spec():
-    from common.api.sampling_schema import openai_params, sglang_params
+    from kvferry.common.api.sampling_schema import openai_params, sglang_params
 
     assert sglang_params({"regex": "a+"}).grammar == GrammarSpec("regex", "a+", "sampling_params.regex")
     assert sglang_params({"json_schema": ANY_JSON, "regex": None}).grammar.text == ANY_JSON
@@ -236,7 +236,7 @@ def test_request_fields_become_one_grammar_spec():
 
 def test_min_tokens_with_a_constraint_is_refused_naming_it():
     """min_tokens masks the stop tokens; a grammar complete before then would leave no token."""
-    from common.api.sampling_schema import openai_params, sglang_params
+    from kvferry.common.api.sampling_schema import openai_params, sglang_params
 
     with pytest.raises(RequestError, match=r"^sampling_params\.min_new_tokens cannot be combined with an output"):
         sglang_params({"regex": "a", "min_new_tokens": 2})
@@ -251,10 +251,10 @@ def test_forked_completions_each_follow_the_grammar(engines, tokenizer):
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
-    from common.engine.batcher import DecodeBatcher
-    from common.engine.output import OutputTracker
-    from common.engine.sequence import Sequence
-    from common.sampling.sampler import make_generator
+    from kvferry.common.engine.batcher import DecodeBatcher
+    from kvferry.common.engine.output import OutputTracker
+    from kvferry.common.engine.sequence import Sequence
+    from kvferry.common.sampling.sampler import make_generator
     from tests.unit.control_plane import run
     from tests.unit.test_fork import fork_checked
 

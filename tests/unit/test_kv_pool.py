@@ -8,12 +8,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from common.daemon.config import CommonConfig
-from common.errors import OverloadedError
-from common.layers.attention import _gather_keys, build_plan, write_kv
-from common.models.config import ModelConfig
-from common.cache.kv_cache import KV_LAYOUTS, KvCache, PageAllocator, PageOwnershipError
-from common.plan.tp import HeadRange, PageSide
+from kvferry.common.daemon.config import CommonConfig
+from kvferry.common.errors import OverloadedError
+from kvferry.common.layers.attention import _gather_keys, build_plan, write_kv
+from kvferry.common.models.config import ModelConfig
+from kvferry.common.cache.kv_cache import KV_LAYOUTS, KvCache, PageAllocator, PageOwnershipError
+from kvferry.common.plan.tp import HeadRange, PageSide
 
 
 class AllocatorMachine(RuleBasedStateMachine):
@@ -231,7 +231,7 @@ def test_kv_writes_and_page_gathers_work_on_strided_views(layout):
 @pytest.mark.parametrize("head_start", [0, 2])
 def test_page_items_are_heads_outermost(layout, head_start):
     """A head of one page of a region is one contiguous byte range ``(h - head_start) * head_bytes``
-    into the page item, and so is a token range of it: what ``common.plan.tp`` assumes, so that a TP
+    into the page item, and so is a token range of it: what ``kvferry.common.plan.tp`` assumes, so that a TP
     rank's head slice moves as one range. Fails with tokens-outer pages ([page_size, Hkv, D])."""
     page_size, head_dim, dtype = 4, 8, torch.bfloat16
     kv = KvCache(_config(kv_heads=4), num_pages=3, page_size=page_size, dtype=dtype, device="cpu", layout=layout,

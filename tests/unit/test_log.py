@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from common.daemon.log import NonHttpProbes, logging_config
+from kvferry.common.daemon.log import NonHttpProbes, logging_config
 
 
 def record(msg: str) -> logging.LogRecord:

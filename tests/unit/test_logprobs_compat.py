@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from common.wire import messages as wire
-from common.wire.aux_slots import AuxSlots
-from common.wire.aux_record import AUX_MAGIC, AUX_MAGIC_V2, AUX_MAGIC_V3, AUX_RECORD_BYTES, AUX_RECORD_V2_BYTES, AuxRecord
+from kvferry.common.wire import messages as wire
+from kvferry.common.wire.aux_slots import AuxSlots
+from kvferry.common.wire.aux_record import AUX_MAGIC, AUX_MAGIC_V2, AUX_MAGIC_V3, AUX_RECORD_BYTES, AUX_RECORD_V2_BYTES, AuxRecord
 from tests.unit.control_plane import Decode, Prefill, run
 
 pytestmark = pytest.mark.timeout(60)

@@ -12,11 +12,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from common.errors import ModelLoadError  # noqa: E402
-from common.models.config import ModelConfig  # noqa: E402
-from common.cache.kv_cache import KV_LAYOUTS, KvCache, PageAllocator  # noqa: E402
-from common.models.llama import LlamaForCausalLM, SeqChunk  # noqa: E402
-from common.models.loader import load_model  # noqa: E402
+from kvferry.common.errors import ModelLoadError  # noqa: E402
+from kvferry.common.models.config import ModelConfig  # noqa: E402
+from kvferry.common.cache.kv_cache import KV_LAYOUTS, KvCache, PageAllocator  # noqa: E402
+from kvferry.common.models.llama import LlamaForCausalLM, SeqChunk  # noqa: E402
+from kvferry.common.models.loader import load_model  # noqa: E402
 
 torch.set_num_threads(1)
 VOCAB = 97

@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from common.errors import PeerUnavailableError, ProtocolError, TransferError
-from common.transport.nixl import NixlEngine, XferState
+from kvferry.common.errors import PeerUnavailableError, ProtocolError, TransferError
+from kvferry.common.transport.nixl import NixlEngine, XferState
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -184,7 +184,7 @@ def test_dead_peer_raises_transfer_error(target, prefill):
 
     with pytest.raises(TransferError, match=peer) as info:
         _write(engine, local, remote, [(1, 1)], b"dead")
-    assert type(info.value).__module__ == "common.errors"  # converted, not a raw nixl exception
+    assert type(info.value).__module__ == "kvferry.common.errors"  # converted, not a raw nixl exception
     assert "timed out" not in str(info.value), info.value  # NIXL reported the dead peer; our deadline did not fire
 
 
@@ -232,7 +232,7 @@ def test_close_is_idempotent_and_final(target, prefill):
 
 
 def test_poll_pauses_spin_first_then_grow_to_the_cap():
-    from common.transport.nixl import poll_pauses
+    from kvferry.common.transport.nixl import poll_pauses
     pauses = poll_pauses(spin_s=0.002, max_pause_s=0.0004)
     assert next(pauses) == 0.0  # a WRITE that ends at once is seen at once
     time.sleep(0.003)

@@ -11,8 +11,8 @@ import logging
 
 import pytest
 
-from common.api.outcome import Outcome, counted
-from common.errors import FailCode, OverloadedError, TransferError
+from kvferry.common.api.outcome import Outcome, counted
+from kvferry.common.errors import FailCode, OverloadedError, TransferError
 
 
 def _run(coro):
@@ -72,7 +72,7 @@ def test_closed_mid_stream_is_a_cancel_logged_at_info_with_its_phase(caplog):
         await anext(gen)
         await gen.aclose()
 
-    with caplog.at_level(logging.INFO, logger="common.api.outcome"):
+    with caplog.at_level(logging.INFO, logger="kvferry.common.api.outcome"):
         _run(main())
     assert tally.names == ["cancelled"]
     (record,) = [r for r in caplog.records if "cancelled" in r.getMessage()]

@@ -38,7 +38,7 @@ rank 0's WRITE ends, the room ends PEER_LOST and prefill page 0 goes back while 
 still reads it.
 
 Breaks it catches, each re-introduced by a one- or two-line edit in a scratch copy of ``main`` at ``1812ccc``
-(``cp -a``, then ``PYTHONPATH=/tmp/prN``, checked with ``prefill_worker.__file__``):
+(``cp -a``, then ``PYTHONPATH=/tmp/prN``, checked with ``kvferry.prefill_worker.__file__``):
 - item 1, ``Room.end_code``: ``if not self.is_aborted and (self.is_unsafe or code is FailCode.UNSAFE):``
   (an aborted room's code wins over UNSAFE again). Shrunk: TP 1 -> 2, room 1's cancels fail, both
   legs, the WRITEs in flight; the decode's KV wait times out, its abort makes the prefill cancel, the
@@ -85,29 +85,29 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
     run_state_machine_as_test
 
-import common.transport.nixl_writes
-import decode_worker.holds
-import decode_worker.kv_transfer
-import decode_worker.link
-import decode_worker.links
-import decode_worker.waiters
-import prefill_worker.bootstrap
-import prefill_worker.kv_transfer
-import prefill_worker.peers
-import prefill_worker.pipeline
-import prefill_worker.rooms
-import prefill_worker.tp_transfer
-from common.wire import messages as wire
-from common.errors import DisaggError, FailCode
-from common.daemon.metrics import Metrics
-from common.cache.kv_cache import PageAllocator
-from decode_worker.kv_transfer import KvReceiver
-from prefill_worker.bootstrap import Bootstrap
-from prefill_worker.kv_transfer import KvWriter
-from prefill_worker.peers import DecodePeer, ListPair, PeerTable
-from prefill_worker.pipeline import PrefillBackend
-from prefill_worker.rooms import Room, RoomLimits, RoomTable
-from prefill_worker.tp_transfer import RankTransport, TpPeerPlan
+import kvferry.common.transport.nixl_writes
+import kvferry.decode_worker.holds
+import kvferry.decode_worker.kv_transfer
+import kvferry.decode_worker.link
+import kvferry.decode_worker.links
+import kvferry.decode_worker.waiters
+import kvferry.prefill_worker.bootstrap
+import kvferry.prefill_worker.kv_transfer
+import kvferry.prefill_worker.peers
+import kvferry.prefill_worker.pipeline
+import kvferry.prefill_worker.rooms
+import kvferry.prefill_worker.tp_transfer
+from kvferry.common.wire import messages as wire
+from kvferry.common.errors import DisaggError, FailCode
+from kvferry.common.daemon.metrics import Metrics
+from kvferry.common.cache.kv_cache import PageAllocator
+from kvferry.decode_worker.kv_transfer import KvReceiver
+from kvferry.prefill_worker.bootstrap import Bootstrap
+from kvferry.prefill_worker.kv_transfer import KvWriter
+from kvferry.prefill_worker.peers import DecodePeer, ListPair, PeerTable
+from kvferry.prefill_worker.pipeline import PrefillBackend
+from kvferry.prefill_worker.rooms import Room, RoomLimits, RoomTable
+from kvferry.prefill_worker.tp_transfer import RankTransport, TpPeerPlan
 from tests.page_rule_sim import (AUX_BASE, AUX_ITEM, Job, SimClock, SimEngine, NoSocket, SimExecutor, SimLink,
                                  SimLoop, SimRankAgents, SimServer, TrackedAux, World, WState, rank_group)
 
@@ -128,11 +128,11 @@ IDENTITY = b"decode-conn"
 # (prefill TP, decode TP): None = the TP-1 path (KvWriter._write over prepared lists); else the
 # feeds of RankTransport, rank k feeding rank k (or every rank feeding rank 0, or rank 0 all ranks)
 TOPOLOGIES = (None, (1, 1), (2, 1), (3, 1), (1, 2), (2, 2))
-MODULES_WITH_TIME = (prefill_worker.bootstrap, prefill_worker.kv_transfer, prefill_worker.peers, prefill_worker.rooms,
-                     prefill_worker.pipeline,
-                     prefill_worker.tp_transfer, decode_worker.holds, decode_worker.kv_transfer, decode_worker.link,
-                     decode_worker.links,
-                     decode_worker.waiters, common.transport.nixl_writes)
+MODULES_WITH_TIME = (kvferry.prefill_worker.bootstrap, kvferry.prefill_worker.kv_transfer, kvferry.prefill_worker.peers, kvferry.prefill_worker.rooms,
+                     kvferry.prefill_worker.pipeline,
+                     kvferry.prefill_worker.tp_transfer, kvferry.decode_worker.holds, kvferry.decode_worker.kv_transfer, kvferry.decode_worker.link,
+                     kvferry.decode_worker.links,
+                     kvferry.decode_worker.waiters, kvferry.common.transport.nixl_writes)
 
 
 def _feeds(topology: tuple[int, int]) -> list[tuple[int, int]]:
@@ -188,10 +188,10 @@ def patch_world(monkeypatch) -> None:
     """The sim's seams: the clock where modules read ``time``, the other ranks' wait, the descriptors."""
     for module in MODULES_WITH_TIME:
         monkeypatch.setattr(module, "time", CLOCK.module())
-    monkeypatch.setattr(prefill_worker.tp_transfer, "wait_futures", lambda *a, **k: Job.park())
-    monkeypatch.setattr(decode_worker.link, "BootstrapClient", NoSocket)
-    monkeypatch.setattr(prefill_worker.tp_transfer, "feed_descs", _sim_feed_descs)
-    monkeypatch.setattr(prefill_worker.kv_transfer, "_indices", _sim_indices)
+    monkeypatch.setattr(kvferry.prefill_worker.tp_transfer, "wait_futures", lambda *a, **k: Job.park())
+    monkeypatch.setattr(kvferry.decode_worker.link, "BootstrapClient", NoSocket)
+    monkeypatch.setattr(kvferry.prefill_worker.tp_transfer, "feed_descs", _sim_feed_descs)
+    monkeypatch.setattr(kvferry.prefill_worker.kv_transfer, "_indices", _sim_indices)
 
 
 class PageRuleMachine(RuleBasedStateMachine):

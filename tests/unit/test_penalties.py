@@ -13,14 +13,14 @@ from collections import Counter
 import pytest
 import torch
 
-from common.engine.colocated import ColocatedEngine
-from common.engine.penalty_inputs import decode_adjust, prefill_adjust, record_accepted, verify_logits
-from common.engine.sequence import Sequence
-from common.models.llama import SeqChunk
-from common.sampling.penalties import RowRequest, TokenHistory, build_adjust
-from common.sampling.sampler import Sampler, SamplingParams, make_generator, probs
-from common.sampling.stops import StopChecker
-from common.text.tokenizer import Tokenizer
+from kvferry.common.engine.colocated import ColocatedEngine
+from kvferry.common.engine.penalty_inputs import decode_adjust, prefill_adjust, record_accepted, verify_logits
+from kvferry.common.engine.sequence import Sequence
+from kvferry.common.models.llama import SeqChunk
+from kvferry.common.sampling.penalties import RowRequest, TokenHistory, build_adjust
+from kvferry.common.sampling.sampler import Sampler, SamplingParams, make_generator, probs
+from kvferry.common.sampling.stops import StopChecker
+from kvferry.common.text.tokenizer import Tokenizer
 from tests.cluster import tiny_model_dirs, tiny_runner
 
 torch.set_num_threads(1)

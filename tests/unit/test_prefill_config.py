@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.daemon.flags import parse_config
-from common.errors import ConfigError
-from prefill_worker.config import PrefillConfig
+from kvferry.common.daemon.flags import parse_config
+from kvferry.common.errors import ConfigError
+from kvferry.prefill_worker.config import PrefillConfig
 
 
 def config(*argv: str, env: dict | None = None) -> PrefillConfig:

@@ -11,18 +11,18 @@ import time
 import pytest
 from nixl import _bindings as nixl_bindings
 
-from common.wire import messages as wire
-from common.wire.aux_record import AuxRecord
-from common.daemon.flags import parse_config
-from common.engine.sequence import Sequence
-from common.errors import FailCode, PeerUnavailableError, TransferError, UnsafeWriteError
-from common.sampling.sampler import SamplingParams
-from common.transport.nixl import NixlEngine
-from prefill_worker.config import PrefillConfig
-from prefill_worker.daemon import PrefillDaemon
-from prefill_worker.peers import PeerTable
-from prefill_worker.pipeline import PrefillBackend
-from prefill_worker.rooms import EarlyTransfer, Room, RoomLimits, RoomState, RoomTable
+from kvferry.common.wire import messages as wire
+from kvferry.common.wire.aux_record import AuxRecord
+from kvferry.common.daemon.flags import parse_config
+from kvferry.common.engine.sequence import Sequence
+from kvferry.common.errors import FailCode, PeerUnavailableError, TransferError, UnsafeWriteError
+from kvferry.common.sampling.sampler import SamplingParams
+from kvferry.common.transport.nixl import NixlEngine
+from kvferry.prefill_worker.config import PrefillConfig
+from kvferry.prefill_worker.daemon import PrefillDaemon
+from kvferry.prefill_worker.peers import PeerTable
+from kvferry.prefill_worker.pipeline import PrefillBackend
+from kvferry.prefill_worker.rooms import EarlyTransfer, Room, RoomLimits, RoomState, RoomTable
 from tests.cluster import tiny_model_dirs, tiny_runner
 from tests.unit.control_plane import PAGE_SIZE, Decode, Prefill, run, until
 
@@ -505,7 +505,7 @@ class ErrStateEngine(NixlEngine):
     """The real engine, whose WRITE reports NIXL's ERR state (a failed backend transfer)."""
 
     def poll(self, handle):
-        from common.transport.nixl import XferState
+        from kvferry.common.transport.nixl import XferState
         super().poll(handle)
         return XferState.ERR
 

@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from common.engine.prefill_scheduler import PrefillScheduler
-from common.engine.sequence import Sequence
-from common.sampling.sampler import SamplingParams
+from kvferry.common.engine.prefill_scheduler import PrefillScheduler
+from kvferry.common.engine.sequence import Sequence
+from kvferry.common.sampling.sampler import SamplingParams
 from tests.cluster import tiny_runner
 from tests.unit.control_plane import run
 

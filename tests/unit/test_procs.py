@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from common.daemon.procs import PORT_FLOOR, Proc, _ephemeral_floor, free_port, http_json
+from kvferry.common.daemon.procs import PORT_FLOOR, Proc, _ephemeral_floor, free_port, http_json
 
 # A stand-in daemon: serves GET /health on --port, or exits as uvicorn does when the port is taken.
 SERVER = """

@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.wire import messages as wire
-from common.api.schema import FieldError
-from common.engine.sequence import Sequence
-from common.sampling.sampler import SamplingParams
-from prefill_worker.prompt_logprobs import max_prompt_logprob_tokens, position_bytes, prompt_logprobs_of, result_frame_bytes
+from kvferry.common.wire import messages as wire
+from kvferry.common.api.schema import FieldError
+from kvferry.common.engine.sequence import Sequence
+from kvferry.common.sampling.sampler import SamplingParams
+from kvferry.prefill_worker.prompt_logprobs import max_prompt_logprob_tokens, position_bytes, prompt_logprobs_of, result_frame_bytes
 
 # the largest values msgpack can be given here: token ids past 65,535 (5 bytes), float64 logprobs (9)
 WIDE_ID = (1 << 32) - 1

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.engine.tp_group import TpWorkerError
-from common.errors import FailCode, PeerUnavailableError
-from prefill_worker.tp_transfer import RankTransport
+from kvferry.common.engine.tp_group import TpWorkerError
+from kvferry.common.errors import FailCode, PeerUnavailableError
+from kvferry.prefill_worker.tp_transfer import RankTransport
 
 
 class _LostGroup:

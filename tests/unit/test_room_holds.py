@@ -11,10 +11,10 @@ import time
 import pytest
 from nixl import _bindings as nixl_bindings
 
-from common.wire import messages as wire
-from common.errors import FailCode, TransferError, fail_code_of
-from common.transport.nixl import NixlEngine
-from common.transport.nixl_types import XferState
+from kvferry.common.wire import messages as wire
+from kvferry.common.errors import FailCode, TransferError, fail_code_of
+from kvferry.common.transport.nixl import NixlEngine
+from kvferry.common.transport.nixl_types import XferState
 from tests.unit.control_plane import Prefill, run, until
 from tests.unit.test_decode_receiver import Receiver
 

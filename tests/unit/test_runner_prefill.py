@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from common.engine.sequence import Sequence
-from common.sampling.sampler import SamplingParams
+from kvferry.common.engine.sequence import Sequence
+from kvferry.common.sampling.sampler import SamplingParams
 from tests.cluster import tiny_model_dirs, tiny_runner
 
 PROMPT = [(7 * i + 3) % 400 + 5 for i in range(70)]

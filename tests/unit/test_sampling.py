@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from common.errors import RequestError
-from common.text.detok import StreamingOutput
-from common.sampling.sampler import Sampler, SamplingParams, make_generator, probs
-from common.sampling.stops import FinishReason, StopChecker
-from common.api.sampling_schema import openai_params, sglang_params
+from kvferry.common.errors import RequestError
+from kvferry.common.text.detok import StreamingOutput
+from kvferry.common.sampling.sampler import Sampler, SamplingParams, make_generator, probs
+from kvferry.common.sampling.stops import FinishReason, StopChecker
+from kvferry.common.api.sampling_schema import openai_params, sglang_params
 
 torch.set_num_threads(1)
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from common.daemon import sdnotify
+from kvferry.common.daemon import sdnotify
 
 
 @pytest.fixture

@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 
-from common.engine.colocated import ColocatedEngine
-from common.engine.factory import build_runner
-from common.engine.spec import verify_greedy, verify_sampled
-from common.sampling.sampler import SamplingParams
-from common.text.tokenizer import Tokenizer
+from kvferry.common.engine.colocated import ColocatedEngine
+from kvferry.common.engine.factory import build_runner
+from kvferry.common.engine.spec import verify_greedy, verify_sampled
+from kvferry.common.sampling.sampler import SamplingParams
+from kvferry.common.text.tokenizer import Tokenizer
 from tests.cluster import tiny_model_dirs
 
 

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.kernels import staging_copy
-from common.plan.staging import copy_plan
+from kvferry.common.kernels import staging_copy
+from kvferry.common.plan.staging import copy_plan
 
 
 @st.composite

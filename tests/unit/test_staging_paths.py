@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from common.wire import messages as wire
-from common.errors import ProtocolError
-from common.daemon.metrics import Metrics
-from common.plan.staging import StagingCosts, crossover_runs
-from common.wire.staging_slots import SlotState
-from common.transport.nixl import NixlEngine
-from decode_worker.staging import StagingReceiver
-from prefill_worker.staging import StagingSender, merged_runs
+from kvferry.common.wire import messages as wire
+from kvferry.common.errors import ProtocolError
+from kvferry.common.daemon.metrics import Metrics
+from kvferry.common.plan.staging import StagingCosts, crossover_runs
+from kvferry.common.wire.staging_slots import SlotState
+from kvferry.common.transport.nixl import NixlEngine
+from kvferry.decode_worker.staging import StagingReceiver
+from kvferry.prefill_worker.staging import StagingSender, merged_runs
 
 PAGE = 1024  # bytes of one page of the one region below
 
@@ -196,7 +196,7 @@ def test_crossover_off_or_too_small_a_buffer_means_no_staging(engine):
 
 
 def test_merged_runs_counts_what_nixl_merges():
-    from common.plan.staging import StreamSegment
+    from kvferry.common.plan.staging import StreamSegment
 
     seg = StreamSegment(PAGE, np.array([0, PAGE, 5 * PAGE, 6 * PAGE]), np.array([0, PAGE, 2 * PAGE, 9 * PAGE]), 0, 0)
     assert merged_runs([seg]) == 3  # 0-1 adjacent on both sides; 1-2 apart on the prefill; 2-3 apart on the decode
@@ -213,8 +213,8 @@ def test_a_staged_room_aborted_mid_transfer_posts_no_further_chunk(engine):
     decode's slot (loopback WRITEs copy inside the post), no notification goes, the write ends with
     the abort's reason and the slot is free again. Fails if the abort check before each chunk WRITE
     in ``StagingSender.write`` is disabled (the second chunk lands)."""
-    from common.errors import FailCode, TransferError
-    from prefill_worker.rooms import Room
+    from kvferry.common.errors import FailCode, TransferError
+    from kvferry.prefill_worker.rooms import Room
 
     pool = torch.arange(64 * PAGE, dtype=torch.int64).to(torch.uint8) | 1  # no zero byte
     s = _sender(engine, pool, crossover=1, metrics=Metrics("prefill"))
@@ -252,7 +252,7 @@ def test_a_staged_room_whose_write_could_not_be_cancelled_quarantines_the_prefil
     """The prefill's slot is read by the WRITE: after an ``UnsafeWriteError`` it is never handed
     out again, after any other failure it is free. Fails if ``StagingSender.finish`` treats an
     UnsafeWriteError like a cancelled WRITE (the slot freed under a WRITE that may still read it)."""
-    from common.errors import TransferError, UnsafeWriteError
+    from kvferry.common.errors import TransferError, UnsafeWriteError
 
     pool = torch.zeros(64 * PAGE, dtype=torch.uint8)
     s = _sender(engine, pool, crossover=1, metrics=Metrics("prefill"))

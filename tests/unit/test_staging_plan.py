@@ -9,11 +9,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.kernels import staging_copy
-from common.models.config import ModelConfig
-from common.cache.kv_cache import KV_LAYOUTS, KvCache
-from common.plan.desc_lists import DescGroup
-from common.plan.staging import (
+from kvferry.common.kernels import staging_copy
+from kvferry.common.models.config import ModelConfig
+from kvferry.common.cache.kv_cache import KV_LAYOUTS, KvCache
+from kvferry.common.plan.desc_lists import DescGroup
+from kvferry.common.plan.staging import (
     DirectReason, StagingCosts, StepOp, StreamSegment, TransferPath, chunk_plan, choose_path, copy_plan,
     crossover_runs, direct_s, faster_path, num_chunks, pipeline_steps, plan_room, room_stream, staged_s,
 )

@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from common.wire.staging_slots import _TRANSITIONS, SlotRole, SlotState, StagingSlot, StagingSlots
+from kvferry.common.wire.staging_slots import _TRANSITIONS, SlotRole, SlotState, StagingSlot, StagingSlots
 
 EVENTS = ("start_write", "write_done", "scatter_done", "cancelled")
 # where each event leads from each state, per role (absent: the event raises and changes nothing)

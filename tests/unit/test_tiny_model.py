@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.errors import RequestError
-from common.cache.kv_cache import KvCache, PageAllocator
-from common.models.llama import SeqChunk
-from common.text.tokenizer import Tokenizer
-from common.models.loader import load_model
-from common.models.tiny import make_tiny_model, presets
-from common.models.config import ModelConfig
-from common.models.tiny import _config_json
+from kvferry.common.errors import RequestError
+from kvferry.common.cache.kv_cache import KvCache, PageAllocator
+from kvferry.common.models.llama import SeqChunk
+from kvferry.common.text.tokenizer import Tokenizer
+from kvferry.common.models.loader import load_model
+from kvferry.common.models.tiny import make_tiny_model, presets
+from kvferry.common.models.config import ModelConfig
+from kvferry.common.models.tiny import _config_json
 
 torch.set_num_threads(1)
 PAGE_SIZE = 16

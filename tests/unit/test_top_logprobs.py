@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine.colocated import ColocatedEngine
-from common.engine.sequence import Sequence
-from common.models.llama import SeqChunk
-from common.sampling.sampler import SamplingParams
-from common.text.tokenizer import Tokenizer
-from common.sampling.top_logprobs import attach, prompt_tops, to_host, top_logprobs, with_tops
+from kvferry.common.engine.colocated import ColocatedEngine
+from kvferry.common.engine.sequence import Sequence
+from kvferry.common.models.llama import SeqChunk
+from kvferry.common.sampling.sampler import SamplingParams
+from kvferry.common.text.tokenizer import Tokenizer
+from kvferry.common.sampling.top_logprobs import attach, prompt_tops, to_host, top_logprobs, with_tops
 from tests.cluster import tiny_model_dirs, tiny_runner
 
 TOL = 1e-4

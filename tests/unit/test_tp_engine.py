@@ -1,5 +1,5 @@
 """Tensor-parallel engine on CPU (gloo): rank 0 in this process, ranks 1..N-1 as
-``python -m common.engine.tp_worker`` processes. Greedy output at TP 2 and TP 4 equals TP 1 token
+``python -m kvferry.common.engine.tp_worker`` processes. Greedy output at TP 2 and TP 4 equals TP 1 token
 for token (float32; prompts of 1 to 300 tokens, prefill then 16 tokens through the overlapped
 decode path, and n > 1 forks whose copied page must reach every rank), on the embedded tiny
 checkpoint (4 attention heads, 2 KV heads: TP 4 replicates each KV head on two ranks) and on
@@ -24,21 +24,21 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.engine.colocated import ColocatedEngine
-from common.engine.factory import build_runner, check_tp_options
-from common.engine.fork import fork
-from common.engine.sequence import Sequence
-from common.engine.tp_group import TpWorkerError
-from common.engine.tp_step import HEADER_BYTES, StepHeader, StepKind, decode_forward, encode_forward
-from common.errors import ProtocolError
-from common.models.config import ModelConfig
-from common.models.llama import SeqChunk
-from common.models.loader import load_model
-from common.sampling.grammar import GrammarSpec
-from common.sampling.sampler import SamplingParams
-from common.text.tokenizer import Tokenizer
-from common.models.tiny import make_tiny_model
-from common.layers.tp_layers import TpConfigError, TpShard
+from kvferry.common.engine.colocated import ColocatedEngine
+from kvferry.common.engine.factory import build_runner, check_tp_options
+from kvferry.common.engine.fork import fork
+from kvferry.common.engine.sequence import Sequence
+from kvferry.common.engine.tp_group import TpWorkerError
+from kvferry.common.engine.tp_step import HEADER_BYTES, StepHeader, StepKind, decode_forward, encode_forward
+from kvferry.common.errors import ProtocolError
+from kvferry.common.models.config import ModelConfig
+from kvferry.common.models.llama import SeqChunk
+from kvferry.common.models.loader import load_model
+from kvferry.common.sampling.grammar import GrammarSpec
+from kvferry.common.sampling.sampler import SamplingParams
+from kvferry.common.text.tokenizer import Tokenizer
+from kvferry.common.models.tiny import make_tiny_model
+from kvferry.common.layers.tp_layers import TpConfigError, TpShard
 from tests.cluster import tiny_model_dirs
 from tests.tp_threads import greedy_in_threads
 
@@ -276,7 +276,7 @@ def _wait_gone(pids: list[int], timeout_s: float = 60) -> list[int]:
 
 _RANK0 = """
 import sys, torch
-from common.engine.factory import build_runner
+from kvferry.common.engine.factory import build_runner
 runner = build_runner(sys.argv[1], page_size=16, max_total_tokens=1024, tp_size=2, tp_num_threads=1)
 print(" ".join(map(str, runner.target.tp.worker_pids)), flush=True)
 sys.stdin.read()  # until the test kills this process

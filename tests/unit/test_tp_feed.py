@@ -13,12 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.wire.aux_record import AUX_RECORD_BYTES
-from common.errors import GeometryMismatchError
-from common.plan.layout import KvLayout
-from common.plan.tp import HeadRange, rank_heads
-from common.plan.tp_feed import MAX_ROOM_DESCS, build_tp_plan, check_room_descs, feed_descs, room_descs
-from common.wire.messages import AuxInfo, Region
+from kvferry.common.wire.aux_record import AUX_RECORD_BYTES
+from kvferry.common.errors import GeometryMismatchError
+from kvferry.common.plan.layout import KvLayout
+from kvferry.common.plan.tp import HeadRange, rank_heads
+from kvferry.common.plan.tp_feed import MAX_ROOM_DESCS, build_tp_plan, check_room_descs, feed_descs, room_descs
+from kvferry.common.wire.messages import AuxInfo, Region
 
 BASE = 0x1000  # every rank's memory starts here; its device number is its rank
 MAX_TOKENS = 130
@@ -296,8 +296,8 @@ def test_the_prefill_refuses_such_a_decode_when_it_registers():
     """``build_peer_plan`` (the registrar's check of a decode's ranks) applies the bound at the
     prefill's longest room, and by default at its whole pool (fails if registration plans such a
     decode and leaves the cost to each room)."""
-    from common.wire import messages as wire
-    from prefill_worker.tp_transfer import build_peer_plan
+    from kvferry.common.wire import messages as wire
+    from kvferry.prefill_worker.tp_transfer import build_peer_plan
 
     target = {"target": (8, 32, 4)}
     prefill = side(1, 16, target, num_pages=512)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from common.wire import messages as wire
-from common.errors import DisaggError, FailCode
-from common.plan.layout import MAX_TP_SIZE
-from prefill_worker.tp_parts import MAX_OWNER_DECODES, TpRegistrations, part_nbytes
+from kvferry.common.wire import messages as wire
+from kvferry.common.errors import DisaggError, FailCode
+from kvferry.common.plan.layout import MAX_TP_SIZE
+from kvferry.prefill_worker.tp_parts import MAX_OWNER_DECODES, TpRegistrations, part_nbytes
 
 
 def reg(decode_id: str, tp_rank: int, tp_size: int = 2, metadata: bytes = b"md") -> wire.Register:

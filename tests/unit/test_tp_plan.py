@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.errors import GeometryMismatchError
-from common.plan.tp import (
+from kvferry.common.errors import GeometryMismatchError
+from kvferry.common.plan.tp import (
     HeadRange, PageSide, copies, decode_feeders, feeds, num_copies, rank_heads, segments, writer_of,
 )
 

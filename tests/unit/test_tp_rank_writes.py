@@ -17,17 +17,17 @@ import numpy as np
 import pytest
 import torch
 
-from common.wire import messages as wire
-from common.wire.aux_record import AUX_RECORD_BYTES
-from common.engine.tp_group import GroupState, TpGroup, TpSpec
-from common.errors import DisaggError, FailCode, UnsafeWriteError
-from common.plan.layout import KvLayout
-from common.plan.tp_feed import build_tp_plan
-from common.transport import rank_wire
-from common.transport.nixl import NixlEngine
-from common.transport.rank_agent import RankAgentServer
-from common.transport.rank_agents import RankAgents
-from prefill_worker.tp_transfer import RankTransport, TpPeerPlan
+from kvferry.common.wire import messages as wire
+from kvferry.common.wire.aux_record import AUX_RECORD_BYTES
+from kvferry.common.engine.tp_group import GroupState, TpGroup, TpSpec
+from kvferry.common.errors import DisaggError, FailCode, UnsafeWriteError
+from kvferry.common.plan.layout import KvLayout
+from kvferry.common.plan.tp_feed import build_tp_plan
+from kvferry.common.transport import rank_wire
+from kvferry.common.transport.nixl import NixlEngine
+from kvferry.common.transport.rank_agent import RankAgentServer
+from kvferry.common.transport.rank_agents import RankAgents
+from kvferry.prefill_worker.tp_transfer import RankTransport, TpPeerPlan
 
 PAGE, PAGES, TOKEN_BYTES = 16, 8, 4
 ITEM = PAGE * TOKEN_BYTES  # one head of one page

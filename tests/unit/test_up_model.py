@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import ConfigError
-from common.daemon.procs import free_port
-from common.up import main as up_main
-from common.up_model import resolve
+from kvferry.common.errors import ConfigError
+from kvferry.common.daemon.procs import free_port
+from kvferry.common.up import main as up_main
+from kvferry.common.up_model import resolve
 from tests.cluster import tiny_model_dirs
 
 PORTS = [x for name in ("prefill", "decode", "bootstrap", "router") for x in (f"--{name}-port", str(free_port()))]

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.wire import messages as wire
-from common.errors import ProtocolError
+from kvferry.common.wire import messages as wire
+from kvferry.common.errors import ProtocolError
 
 KINDS = sorted(wire._REGISTRY.values(), key=lambda cls: cls.KIND)
 INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1  # what msgpack can carry

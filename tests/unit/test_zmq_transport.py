@@ -10,9 +10,9 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from common.errors import ConfigError, PeerUnavailableError, ProtocolError
-from common.transport.zmq import BootstrapClient, BootstrapServer, keygen, load_keys, load_public_keys
-from common.wire.messages import MAX_FRAME_BYTES, Abort, AuxInfo, Ping, Pong, Region, Register, Transfer, encode
+from kvferry.common.errors import ConfigError, PeerUnavailableError, ProtocolError
+from kvferry.common.transport.zmq import BootstrapClient, BootstrapServer, keygen, load_keys, load_public_keys
+from kvferry.common.wire.messages import MAX_FRAME_BYTES, Abort, AuxInfo, Ping, Pong, Region, Register, Transfer, encode
 
 pytestmark = pytest.mark.timeout(30)
 
