@@ -2,7 +2,8 @@
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|chooser|staging|spec|e2e|xfer-threads|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
-# (bash ../shared/tools/device-wheels.sh ...). NVLink multicast stays off.
+# (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
+# GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-$PWD/gpu-out}
