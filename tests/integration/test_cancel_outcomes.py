@@ -128,6 +128,19 @@ def unread_connections(port: int) -> int:
     return count
 
 
+def closed_unread_connections(port: int) -> int:
+    """Connections to local ``port`` that the router has closed (state 08, close-wait) while they
+    still hold bytes the (held still) process has not read: requests whose client left."""
+    count = 0
+    with open("/proc/net/tcp") as table:
+        for line in list(table)[1:]:
+            fields = line.split()
+            local, state, queues = fields[1], fields[3], fields[4]
+            if int(local.split(":")[1], 16) == port and state == "08" and int(queues.split(":")[1], 16) > 0:
+                count += 1
+    return count
+
+
 def gauge(proc, name: str) -> float:
     return counter(metrics(proc), name)
 
@@ -222,6 +235,9 @@ def test_through_vllm_router_cancels_are_counted_on_the_daemons_that_saw_them(pd
         wait_for("the router's two prefill legs sent", lambda: unread_connections(port) >= 2)
         for s in prefilling:
             s.leave()
+        # resumed only once the router has closed both legs, so the prefill sees its clients gone
+        # (a prefill resumed first could answer before the close arrives: ok instead of cancelled)
+        wait_for("the router's two prefill legs closed", lambda: closed_unread_connections(port) >= 2)
     finally:
         prefill.signal(signal.SIGCONT)
     wait_for("five outcomes on the prefill",

@@ -190,9 +190,10 @@ def test_notification_without_the_rooms_aux_record_discards_the_kv_and_holds_the
 
 def test_abort_that_cannot_be_sent_is_counted_and_pages_wait_for_the_hold():
     async def body(prefill, decode):
-        prefill.open_room(41, num_tokens=20)
+        room = prefill.open_room(41, num_tokens=20)
         task = asyncio.get_running_loop().create_task(decode.fetch(prefill, 41, 20, [0, 1], timeout_s=0.5))
-        await until(lambda: 41 in decode.receiver.waiters, what="the room waiting")
+        # the transfer request has arrived (closing earlier fails its send instead: "queue full")
+        await until(lambda: room.transfer is not None, what="the transfer bound on the prefill")
         prefill.server.close()  # the prefill's socket is gone before the decode gives up
         with pytest.raises(TransferError, match="did not arrive within 0.5s"):
             await task
