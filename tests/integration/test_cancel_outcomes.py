@@ -115,28 +115,19 @@ def wait_for(what: str, check, *procs) -> None:
         time.sleep(0.2)
 
 
-def unread_connections(port: int) -> int:
-    """Connections to local ``port`` holding bytes its (held still) process has not read: the
-    router's requests, sent. From /proc/net/tcp: local address, state 01 (established), rx queue."""
+ESTABLISHED, CLOSE_WAIT = "01", "08"  # /proc/net/tcp connection states
+
+
+def unread_connections(port: int, state: str = ESTABLISHED) -> int:
+    """Connections to local ``port`` in ``state`` holding bytes its (held still) process has not
+    read: the router's requests, sent (ESTABLISHED), or sent and then closed by the router because
+    their client left (CLOSE_WAIT). From /proc/net/tcp: local address, state, rx queue."""
     count = 0
     with open("/proc/net/tcp") as table:
         for line in list(table)[1:]:
             fields = line.split()
-            local, state, queues = fields[1], fields[3], fields[4]
-            if int(local.split(":")[1], 16) == port and state == "01" and int(queues.split(":")[1], 16) > 0:
-                count += 1
-    return count
-
-
-def closed_unread_connections(port: int) -> int:
-    """Connections to local ``port`` that the router has closed (state 08, close-wait) while they
-    still hold bytes the (held still) process has not read: requests whose client left."""
-    count = 0
-    with open("/proc/net/tcp") as table:
-        for line in list(table)[1:]:
-            fields = line.split()
-            local, state, queues = fields[1], fields[3], fields[4]
-            if int(local.split(":")[1], 16) == port and state == "08" and int(queues.split(":")[1], 16) > 0:
+            local, conn_state, queues = fields[1], fields[3], fields[4]
+            if int(local.split(":")[1], 16) == port and conn_state == state and int(queues.split(":")[1], 16) > 0:
                 count += 1
     return count
 
@@ -237,7 +228,7 @@ def test_through_vllm_router_cancels_are_counted_on_the_daemons_that_saw_them(pd
             s.leave()
         # resumed only once the router has closed both legs, so the prefill sees its clients gone
         # (a prefill resumed first could answer before the close arrives: ok instead of cancelled)
-        wait_for("the router's two prefill legs closed", lambda: closed_unread_connections(port) >= 2)
+        wait_for("the router's two prefill legs closed", lambda: unread_connections(port, CLOSE_WAIT) >= 2)
     finally:
         prefill.signal(signal.SIGCONT)
     wait_for("five outcomes on the prefill",
