@@ -28,6 +28,10 @@ class DecodeConfig(CommonConfig):
     max_prefill_links: int = flag(64, help="prefills this decode keeps a control connection to at once; the "
                                            "longest idle one is closed to open another")
 
+    max_local_prefill_tokens: int = flag(0, help="prefill here, skipping the prefill's compute and WRITE, a "
+                                                 "prompt this decode holds in its prefix cache but for at most "
+                                                 "this many tokens (the prefill's leg just ends); 0 = off")
+
     def __post_init__(self) -> None:
         super().__post_init__()
         require(0 <= self.spec_k <= 16, f"--spec-k must be in 0..16, got {self.spec_k}")
@@ -35,6 +39,10 @@ class DecodeConfig(CommonConfig):
         require((self.curve_secret_key is None) == (self.curve_server_key is None),
                 "--curve-secret-key and --curve-server-key go together")
         require(self.max_prefill_links > 0, "--max-prefill-links must be positive")
+        require(self.max_local_prefill_tokens >= 0,
+                f"--max-local-prefill-tokens must be >= 0, got {self.max_local_prefill_tokens}")
+        require(self.max_local_prefill_tokens == 0 or not self.disable_prefix_cache,
+                "--max-local-prefill-tokens needs the prefix cache (not with --disable-prefix-cache)")
         require(self.staging_slot_bytes >= 0, f"--staging-slot-bytes must be >= 0, got {self.staging_slot_bytes}")
 
     @property

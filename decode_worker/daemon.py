@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 
+from kvferry.common.engine.sequence import SeqState
 from kvferry.common.wire import messages as wire
 from kvferry.common.api.app import create_app
 from kvferry.common.daemon.core import DaemonCore
@@ -54,9 +55,9 @@ class DecodeDaemon(DaemonCore):
                                    quarantine_s=max(2 * c.xfer_timeout_s, 5.0), client_keys=self._curve(),
                                    allowed_hosts=c.bootstrap_hosts, max_links=c.max_prefill_links,
                                    rank_agents=self.tp_group.agents if self.tp_group is not None else None,
-                                   staging=self.staging)
+                                   staging=self.staging, page_size=self.runner.page_size)
         self.batcher = DecodeBatcher(self.runner, self.model_executor, max_running=c.max_running_requests,
-                                     on_finish=self.runner.release, on_step=self._on_step,
+                                     on_finish=self._on_finish, on_step=self._on_step,
                                      overlap=not c.disable_overlap_schedule)
         self.batcher.start()
         self.receiver.start()
@@ -95,7 +96,8 @@ class DecodeDaemon(DaemonCore):
                                       model=layout.model, page_size=layout.page_size, kv_dtype=layout.kv_dtype,
                                       tp_size=layout.tp_size, tp_rank=layout.tp_rank, regions=list(layout.regions),
                                       aux=layout.aux, draft_model=self.draft_fingerprint, page_order=wire.PAGE_ORDER,
-                                      staging=self.staging.info() if self.staging and layout.tp_rank == 0 else None))
+                                      staging=self.staging.info() if self.staging and layout.tp_rank == 0 else None,
+                                      reads_cached_tokens=True))
         return msgs
 
     def _curve(self) -> dict | None:
@@ -110,12 +112,21 @@ class DecodeDaemon(DaemonCore):
         self.receiver.sweep()
         self._update_gauges()
 
+    def _on_finish(self, seq) -> None:
+        """A sequence left the batch (its last step returned): a finished one's KV, prompt and
+        generated tokens, goes into the prefix cache (the next turn of its conversation hits it)
+        before its own hold on the pages is dropped."""
+        if seq.state is SeqState.FINISHED:
+            self.runner.cache_tokens(seq)
+        self.runner.release(seq)
+
     def _on_step(self, jobs, outputs) -> None:
         self.metrics.generated_tokens.inc(sum(len(o.token_ids) for o in outputs))
 
     def _update_gauges(self) -> None:
         self.staging_info()
         self.metrics.observe_pools(self.runner.slots)
+        self.metrics.observe_cache(self.prefix_cache)
         self.metrics.rooms_waiting.set(len(self.receiver.waiters))
         self.metrics.requests_running.set(self.batcher.num_active)
 
@@ -125,6 +136,11 @@ class DecodeDaemon(DaemonCore):
             raise OverloadedError("decode is draining or not started; retry on another decode")
         if self.inflight >= self.config.max_running_requests + self.config.max_queued_requests:
             raise OverloadedError(f"decode has {self.inflight} requests in flight, its limit; retry later")
+
+    def busy_reason(self) -> str | None:
+        if self.inflight or self.receiver.is_waiting:
+            return f"{self.inflight} requests in flight"
+        return None
 
     def server_info(self) -> dict:
         c = self.config
@@ -136,4 +152,5 @@ class DecodeDaemon(DaemonCore):
                 **self.tp_info(), **self.staging_info(),
                 "kv_layout": layout_summary(self.layout(), self.draft_fingerprint),
                 "quarantined_rooms": len(self.receiver.quarantined),
-                "quarantined_pages_forever": self.receiver.holds.num_forever_pages}
+                "quarantined_pages_forever": self.receiver.holds.num_forever_pages,
+                "max_local_prefill_tokens": c.max_local_prefill_tokens, **self.cache_info()}

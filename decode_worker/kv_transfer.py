@@ -46,11 +46,12 @@ class KvReceiver:
                  metrics: Metrics, register_timeout_s: float, heartbeat_interval_s: float,
                  heartbeat_misses: int, quarantine_s: float, client_keys: dict | None = None,
                  allowed_hosts: frozenset[str] = frozenset(), max_links: int = 64, rank_agents=None,
-                 staging: StagingReceiver | None = None):
+                 staging: StagingReceiver | None = None, page_size: int = 1):
         self.engine = engine
         self.staging = staging or StagingReceiver.disabled()  # slots a prefill may WRITE a scattered room into
         self.rank_agents = rank_agents  # TP: the other ranks' agents, whose notifications count too
         self.register_msg = register_msg
+        self.page_size = page_size
         self.aux = aux
         self.metrics = metrics
         self.register_timeout_s = register_timeout_s
@@ -97,9 +98,36 @@ class KvReceiver:
         self.outcomes.on_notification(agent, payload)
 
     # -- rooms -----------------------------------------------------------------------------------------
+    def reads_prefix(self, host: str, port: int) -> bool:
+        """The link to ``host:port`` is registered with a prefill that writes only a room's suffix
+        (a request may then take a prefix hit); False before the link's first registration."""
+        link = self.pool.links.get((host, port))
+        return link is not None and link.reads_prefix
+
+    def prefill_cached_tokens(self, room: int) -> int:
+        """The prompt tokens the prefill of ``room`` took from its cache (its ``TransferResult``;
+        0 when it said none or has not said yet). Read once."""
+        return self.outcomes.cached_tokens.pop(room, 0)
+
+    async def send_local(self, *, request_id: str, host: str, port: int, room: int, page_ids: list[int],
+                         num_prompt_tokens: int, prefix_len: int, timeout_s: float) -> None:
+        """Tell the prefill of ``room`` that this decode computes the prompt's rest itself: its leg
+        ends without computing or writing. No page is offered to a WRITE (the prefill writes
+        nothing for such a room), so a failure here costs the prefill's leg its wait, never pages."""
+        try:
+            link = self.pool.get(host, port, self._is_busy)
+            if not link.reads_prefix:
+                raise PeerUnavailableError(f"prefill {link.address} re-registered without prefix writes")
+            await link.send(wire.Transfer(room=room, decode_id=link.decode_id, page_ids=page_ids, aux_slot=0,
+                                          num_prompt_tokens=num_prompt_tokens, decode_prefix_len=prefix_len,
+                                          local_prefill=True), timeout_s=timeout_s)
+        except DisaggError as exc:
+            logger.warning("room=%d request_id=%s: could not tell prefill %s:%d of the local prefill (its leg "
+                           "waits for its deadline): %s", room, request_id, host, port, exc)
+
     async def fetch(self, *, request_id: str, host: str, port: int, room: int, page_ids: list[int],
                     num_prompt_tokens: int, timeout_s: float, release: Callable[[], None],
-                    wants_prompt_logprobs: bool = False) -> Landed:
+                    wants_prompt_logprobs: bool = False, prefix_len: int = 0) -> Landed:
         """Ask the prefill for ``room``'s KV into ``page_ids``; return the aux record (and the link,
         and the prompt logprobs when ``wants_prompt_logprobs``) once it has landed. On failure the pages are freed (``release``) or quarantined, whichever
         is safe, and the error raised; the caller frees them only after a success."""
@@ -120,7 +148,7 @@ class KvReceiver:
         try:
             try:
                 result = await self._fetch_once(request_id, link, room, page_ids, num_prompt_tokens, deadline,
-                                                timeout_s, wants_prompt_logprobs)
+                                                timeout_s, wants_prompt_logprobs, prefix_len)
             except FetchError as exc:
                 if exc.code is not FailCode.NOT_REGISTERED:
                     raise
@@ -131,7 +159,7 @@ class KvReceiver:
                 self.holds.sent.pop(room, None)
                 self.holds.drop_slot(room)  # nothing was written: the first attempt's aux slot goes back
                 result = await self._fetch_once(request_id, link, room, page_ids, num_prompt_tokens, deadline,
-                                                timeout_s, wants_prompt_logprobs)
+                                                timeout_s, wants_prompt_logprobs, prefix_len)
         except FetchError as exc:
             self._settle(room, link, exc, release, num_pages)
             raise exc.error from None
@@ -166,7 +194,7 @@ class KvReceiver:
 
     async def _fetch_once(self, request_id: str, link: PrefillLink, room: int, page_ids: list[int],
                           num_prompt_tokens: int, deadline: float, timeout_s: float,
-                          wants_prompt_logprobs: bool = False) -> Landed:
+                          wants_prompt_logprobs: bool = False, prefix_len: int = 0) -> Landed:
         """One attempt of ``fetch`` under its ``deadline``; ``timeout_s`` (the whole wait) names it in errors."""
         try:
             await asyncio.wait_for(link.ensure_registered(self.register_timeout_s), _remaining_s(deadline))
@@ -183,11 +211,12 @@ class KvReceiver:
         self.waiters[room] = waiter
         self.wake.set()
         try:
-            await self._ask(waiter, page_ids, num_prompt_tokens, deadline, timeout_s)
+            await self._ask(waiter, page_ids, num_prompt_tokens, deadline, timeout_s, prefix_len)
             self.metrics.kv_wait_seconds.observe(time.perf_counter() - waiter.sent_at)
             record = read_aux(self.aux, waiter, num_prompt_tokens)
             result = waiter.future.result()
-            await self.staging.land(room, link.staging_runs, page_ids, waiter.staged)  # scattered before it is ready
+            first = prefix_len // self.page_size  # the pages written (and staged) start there
+            await self.staging.land(room, link.staging_runs, page_ids[first:], waiter.staged)  # scattered before ready
             return Landed(record, link, result.prompt_logprobs if isinstance(result, wire.TransferResult) else None)
         except BaseException:
             if room in self.holds.sent:  # the WRITE may still fill the slot: it is held with the pages
@@ -205,12 +234,18 @@ class KvReceiver:
             self.outcomes.remember(room, link, waiter.parts)
 
     async def _ask(self, waiter: Waiter, page_ids: list[int], num_prompt_tokens: int, deadline: float,
-                   timeout_s: float) -> None:
+                   timeout_s: float, prefix_len: int = 0) -> None:
         """Send the transfer request and wait until its outcome is settled (read it with ``read_aux``)."""
         link = waiter.link
+        if prefix_len and not link.reads_prefix:  # it would write the shared pages of the hit too
+            raise FetchError(PeerUnavailableError(
+                f"room={waiter.room} request_id={waiter.request_id}: prefill {link.address} re-registered without "
+                f"prefix writes; this request's cached prefix cannot be kept: retry", code=FailCode.OVERLOADED),
+                pages_safe=True)
+        first = prefix_len // self.page_size
         msg = wire.Transfer(room=waiter.room, decode_id=link.decode_id, page_ids=page_ids, aux_slot=waiter.aux_slot,
-                            num_prompt_tokens=num_prompt_tokens,
-                            staging_slot=self.staging.offer(waiter.room, link.staging_runs, len(page_ids)))
+                            num_prompt_tokens=num_prompt_tokens, decode_prefix_len=prefix_len,
+                            staging_slot=self.staging.offer(waiter.room, link.staging_runs, len(page_ids) - first))
         try:
             await link.send(msg, timeout_s=_remaining_s(deadline))
         except DisaggError as exc:  # the request never left this process: nothing will be written

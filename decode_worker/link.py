@@ -167,6 +167,12 @@ class PrefillLink:
         return bool(self.ack and self.ack.abort_codes)
 
     @property
+    def reads_prefix(self) -> bool:
+        """Registered with a prefill that reads ``Transfer.decode_prefix_len`` and ``local_prefill``
+        (an older one would write the whole room, cached pages too: such rooms take no prefix hit)."""
+        return self.state is LinkState.REGISTERED and bool(self.ack and self.ack.prefix_writes)
+
+    @property
     def writes_draft(self) -> bool:
         return bool(self.ack and any(k[0] == "draft" for k in self.ack.written))
 

@@ -34,6 +34,8 @@ class RoomOutcomes:
         self.metrics = metrics
         # rooms ended lately (late notifications are not stale), with their link and notifying agents
         self.recent: OrderedDict[int, tuple[PrefillLink, set[str]]] = OrderedDict()
+        # rooms' TransferResult.cached_tokens (the prefill's prefix hit), read once by the request
+        self.cached_tokens: OrderedDict[int, int] = OrderedDict()
 
     def on_link_message(self, link: PrefillLink, msg: wire.Message) -> None:
         """A link's reader hands over a transfer_result or error frame."""
@@ -60,6 +62,11 @@ class RoomOutcomes:
         if self.holds.confirm(msg.room, link, unsafe=unsafe):
             return  # a quarantined room: the prefill confirmed (or its pages stay held for good)
         waiter = self.waiters.get(msg.room)
+        asked_here = waiter.link is link if waiter is not None else self.recent.get(msg.room, (None,))[0] is link
+        if msg.ok and msg.cached_tokens > 0 and asked_here:
+            self.cached_tokens[msg.room] = msg.cached_tokens
+            while len(self.cached_tokens) > MAX_RECENT:
+                self.cached_tokens.popitem(last=False)
         if waiter is None:
             self._learn_agents(link, msg)
             return

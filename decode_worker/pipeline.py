@@ -8,6 +8,8 @@ or, when a failed room's WRITE may still land, once the prefill confirms (or a h
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -48,6 +50,7 @@ class DecodeParts(DaemonView, Protocol):
     inflight: int
     grammars: GrammarCache
     model_executor: Executor
+    prefix_cache: object  # RadixCache or None
 
     def admit_or_raise(self) -> None: ...
 
@@ -70,7 +73,12 @@ class DecodeBackend(DaemonBackend):
             seq.grammar = await d.grammars.matcher_async(inp.params.grammar)
         if inp.params.n > 1:
             check_group(d.runner, seq, inp.params.n)
-        d.runner.admit(seq)
+        b = inp.bootstrap
+        # A prefix hit only with a prefill that writes just the rest (the hit's pages are shared,
+        # read only); at most all but the last prompt token, so that every part of the room
+        # writes something (kvferry.common.plan.tp).
+        reuse = d.prefix_cache is not None and d.receiver.reads_prefix(b.host, b.port)
+        d.runner.admit(seq, max_hit=seq.num_prompt_tokens - 1 if reuse else 0)
         d.inflight += 1
         try:
             async for event in self._run(seq, inp, started, outcome):
@@ -83,28 +91,39 @@ class DecodeBackend(DaemonBackend):
         d = self.daemon
         b = inp.bootstrap
         num_pages = -(-seq.num_prompt_tokens // d.runner.page_size)
+        hit = seq.cached_tokens  # this decode's prefix hit: not transferred
+        wants_prompt = inp.return_logprob and inp.logprob_start_len < seq.num_prompt_tokens
+        local = (0 < seq.num_prompt_tokens - hit <= d.config.max_local_prefill_tokens and not wants_prompt
+                 and d.receiver.reads_prefix(b.host, b.port))
+        d.metrics.prefix_hit_tokens.labels(side="decode").inc(hit)
         outcome.phase = "kv_wait"
-        try:
-            record, link, prompt = await d.receiver.fetch(
-                request_id=seq.request_id, host=b.host, port=b.port, room=b.room, page_ids=seq.pages[:num_pages],
-                num_prompt_tokens=seq.num_prompt_tokens, timeout_s=d.config.kv_wait_timeout_s,
-                release=lambda: d.runner.release(seq),
-                wants_prompt_logprobs=inp.return_logprob and inp.logprob_start_len < seq.num_prompt_tokens)
-        except BaseException as exc:  # the receiver freed or quarantined the pages
-            if not outcome.is_cancel(exc):  # a client gone (here or at the prefill) is no failed transfer
-                outcome.set("kv_failed", str(exc))
-                d.metrics.failed_transfers.labels(reason=fail_code_of(exc).value).inc()
-            raise
-        seq.num_cached = seq.num_prompt_tokens
-        seq.output_ids.append(record.first_token_id)
-        seq.output_logprobs.append(record.first_token_logprob)
-        if seq.top_logprobs_num > 0:
-            seq.output_top_logprobs.append(list(record.top_logprobs)[:seq.top_logprobs_num])
-        if link.writes_draft:
-            seq.draft_num_cached = seq.num_prompt_tokens
+        if local:
+            writes_draft = await self._prefill_here(seq, inp, num_pages)
+        else:
+            try:
+                record, link, prompt = await d.receiver.fetch(
+                    request_id=seq.request_id, host=b.host, port=b.port, room=b.room, page_ids=seq.pages[:num_pages],
+                    num_prompt_tokens=seq.num_prompt_tokens, timeout_s=d.config.kv_wait_timeout_s,
+                    release=lambda: d.runner.release(seq), wants_prompt_logprobs=wants_prompt, prefix_len=hit)
+            except BaseException as exc:  # the receiver freed or quarantined the pages
+                if not outcome.is_cancel(exc):  # a client gone (here or at the prefill) is no failed transfer
+                    outcome.set("kv_failed", str(exc))
+                    d.metrics.failed_transfers.labels(reason=fail_code_of(exc).value).inc()
+                raise
+            seq.num_cached = seq.num_prompt_tokens
+            seq.output_ids.append(record.first_token_id)
+            seq.output_logprobs.append(record.first_token_logprob)
+            if seq.top_logprobs_num > 0:
+                seq.output_top_logprobs.append(list(record.top_logprobs)[:seq.top_logprobs_num])
+            writes_draft = link.writes_draft
+            if writes_draft:
+                seq.draft_num_cached = seq.num_prompt_tokens
         d.metrics.ttft_seconds.observe(time.monotonic() - started)
+        # The tokens whose KV was not recomputed: the prefill's hit, or ours when we computed the rest.
+        prefill_hit = 0 if local else d.receiver.prefill_cached_tokens(b.room)
+        cache_meta = {"cached_tokens_prefill": prefill_hit, "cached_tokens_decode": hit, "local_prefill": local}
         # the draft's prompt KV: written by the prefill, filled by the batcher, or (n > 1) by the fork
-        needs_draft = d.runner.draft is not None and not link.writes_draft and inp.params.n == 1
+        needs_draft = d.runner.draft is not None and not writes_draft and inp.params.n == 1
         outcome.phase = "decode"
         seqs = await self._fork(seq, inp)
         jobs = [d.batcher.submit(s, OutputTracker(s, self.tokenizer.decode, self.tokenizer.eos_token_ids),
@@ -120,7 +139,12 @@ class DecodeBackend(DaemonBackend):
                 s = seqs[index]
                 num_out[index] += len(out.token_ids)
                 finished = out.finish_reason is not None
+                if finished and not local and not cache_meta["cached_tokens_prefill"]:
+                    # the prefill's TransferResult (after its WRITE) has come by now, if it said any
+                    cache_meta["cached_tokens_prefill"] = d.receiver.prefill_cached_tokens(b.room)
+                cached = hit if local else cache_meta["cached_tokens_prefill"]
                 meta = {"prompt_tokens": s.num_prompt_tokens, "completion_tokens": num_out[index],
+                        "cached_tokens": cached, **cache_meta,
                         "e2e_latency": time.monotonic() - started, **first_meta[index]}
                 first_meta[index] = {}
                 if finished and s.num_proposed:
@@ -146,6 +170,28 @@ class DecodeBackend(DaemonBackend):
             for s in seqs:  # every request's draft proposals so far, however it ended
                 d.metrics.spec_proposed.inc(s.num_proposed)
                 d.metrics.spec_accepted.inc(s.num_accepted)
+
+    async def _prefill_here(self, seq: Sequence, inp: GenerateInput, num_pages: int) -> bool:
+        """Local prefill: the prompt's rest past this decode's hit is computed here, and the
+        prefill told to end its leg (nothing written). Returns whether the draft's KV is in place
+        (never: the batcher or the fork fills it from the draft's own hit)."""
+        d = self.daemon
+        b = inp.bootstrap
+        await d.receiver.send_local(request_id=seq.request_id, host=b.host, port=b.port, room=b.room,
+                                    page_ids=seq.pages[:num_pages], num_prompt_tokens=seq.num_prompt_tokens,
+                                    prefix_len=seq.cached_tokens, timeout_s=d.config.register_timeout_s)
+        loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(d.model_executor, lambda: d.runner.prefill([seq]))
+        try:
+            await asyncio.shield(job)
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait([job])  # the forward writes the pages: free them only after it returned
+            d.runner.release(seq)
+            raise
+        d.metrics.local_prefill_rooms.inc()
+        d.metrics.prompt_tokens_computed.inc(seq.num_prompt_tokens - seq.cached_tokens)
+        return False
 
     async def _fork(self, seq: Sequence, inp: GenerateInput) -> list[Sequence]:
         """``seq`` and, for ``n > 1``, its forks over the received prompt KV (common/engine/fork.py)."""

@@ -148,6 +148,7 @@ class PrefillDaemon(DaemonCore):
     def _update_gauges(self) -> None:
         self.staging_info()
         self.metrics.observe_pools(self.runner.slots)
+        self.metrics.observe_cache(self.prefix_cache)
         self.metrics.rooms_waiting.set(len(self.rooms))
         self.metrics.requests_queued.set(self.scheduler.num_waiting)
 
@@ -157,6 +158,11 @@ class PrefillDaemon(DaemonCore):
             raise OverloadedError("prefill is draining or not started; retry on another prefill")
         if len(self.rooms) >= self.config.max_running_requests + self.config.max_queued_requests:
             raise OverloadedError(f"prefill holds {len(self.rooms)} rooms, its limit; retry later")
+
+    def busy_reason(self) -> str | None:
+        if len(self.rooms) or self.scheduler.num_waiting:
+            return f"{len(self.rooms)} rooms in flight"
+        return None
 
     def quarantine(self, seq) -> None:
         """Keep ``seq``'s pages out of the pool for good: a WRITE reading them could not be cancelled."""
@@ -179,4 +185,4 @@ class PrefillDaemon(DaemonCore):
                 "free_pages": self.free_pages(), "quarantined_pages": self.quarantined_pages,
                 "prefill_chunks": self.scheduler.num_chunks, **self.tp_info(), **self.staging_info(),
                 "kv_layout": layout_summary(self.bootstrap.layout, self.draft_fingerprint),
-                "rooms": len(self.rooms), "decodes": len(self.peers)}
+                "rooms": len(self.rooms), "decodes": len(self.peers), **self.cache_info()}

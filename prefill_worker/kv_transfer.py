@@ -72,6 +72,12 @@ class KvWriter:
             plan.validate(room.transfer, room.num_prompt_tokens)
         elif room.xfer_plan is not plan:  # not built yet, or built for a decode since re-registered
             room.xfer, room.xfer_plan = _indices(plan, room), plan
+        if room.transfer.local_prefill:  # the decode computes the prompt's rest itself: nothing to write
+            room.transition(RoomState.DONE)
+            self.metrics.local_prefill_rooms.inc()
+            await self.send(room.identity, wire.TransferResult(room=room.room, ok=True, error=None,
+                                                               **self._cached_field(peer, room)))
+            return 0.0
         slot = self.aux.acquire()
         self.peers.acquire(peer)
         staged = None
@@ -90,7 +96,8 @@ class KvWriter:
             else:
                 xfer = room.xfer.with_prefill_aux_slot(plan, slot)
                 if self.staging is not None:
-                    staged = self.staging.choose(plan, peer.staging, room.transfer, room.page_ids)
+                    staged = self.staging.choose(plan, peer.staging, room.transfer, room.page_ids,
+                                                 first_page=room.transfer.decode_prefix_len // plan.page_size)
                 notif = wire.encode(wire.Notification(room=room.room, decode_id=peer.decode_id, ok=True,
                                                       staged=staged is not None))
                 write = self._write if staged is None else self._write_staged
@@ -107,13 +114,20 @@ class KvWriter:
             self.peers.release(peer)
             self.aux.release(slot)
         room.transition(RoomState.DONE)
+        room.bytes_written = num_bytes
         self.metrics.transfer_bytes.inc(num_bytes)
+        self.metrics.room_bytes.observe(num_bytes)
         self.metrics.transfer_seconds.observe(elapsed)
         # Prompt logprobs go only to a decode that reads them (an older one would refuse the field).
         prompt = room.prompt_logprobs if room.has_decode_logprobs else None
         await self.send(room.identity, wire.TransferResult(room=room.room, ok=True, error=None, prompt_logprobs=prompt,
-                                                           staged=staged is not None))
+                                                           staged=staged is not None, **self._cached_field(peer, room)))
         return elapsed
+
+    @staticmethod
+    def _cached_field(peer: DecodePeer, room: Room) -> dict:
+        """``cached_tokens`` for a decode that reads it (an older one would refuse the field)."""
+        return {"cached_tokens": room.cached_tokens} if peer.reads_cached_tokens and room.cached_tokens else {}
 
     async def _await_transfer(self, room: Room, deadline: float) -> None:
         remaining = min(deadline, room.deadline) - time.monotonic()
@@ -190,7 +204,8 @@ def _indices(plan: geometry.TransferPlan, room: Room) -> geometry.RequestXfer:
     msg = room.transfer
     geometry.validate_transfer(plan, msg, prefill_num_prompt_tokens=room.num_prompt_tokens)
     return geometry.request_indices(plan, prefill_page_ids=room.page_ids, decode_page_ids=msg.page_ids,
-                                    prefill_aux_slot=0, decode_aux_slot=msg.aux_slot)
+                                    prefill_aux_slot=0, decode_aux_slot=msg.aux_slot,
+                                    first_page=msg.decode_prefix_len // plan.page_size)
 
 
 async def _settle(job: asyncio.Future, room: Room) -> None:

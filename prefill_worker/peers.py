@@ -57,6 +57,7 @@ class DecodePeer:
     # what unloads them when the peer goes (rank 0's ``agent_name`` is unloaded here, as for any peer)
     tp_agents: dict = field(default_factory=dict)
     staging: object = None  # the decode's wire.StagingInfo when it stages and this prefill does too
+    reads_cached_tokens: bool = False  # its Register said it reads TransferResult.cached_tokens
     on_release: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:

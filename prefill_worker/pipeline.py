@@ -92,9 +92,10 @@ class PrefillBackend(DaemonBackend):
         if inp.params.grammar is not None:  # the first token is sampled under it
             seq.grammar = await d.grammars.matcher_async(inp.params.grammar)
         started = time.monotonic()
-        d.runner.admit(seq, prompt_only=True)
+        d.runner.admit(seq, prompt_only=True, max_hit=_max_hit(seq))
         room = Room(room=room_id, request_id=inp.request_id, num_prompt_tokens=seq.num_prompt_tokens,
-                    page_ids=list(seq.pages), deadline=started + d.config.transfer_wait_timeout_s)
+                    page_ids=list(seq.pages), deadline=started + d.config.transfer_wait_timeout_s,
+                    cached_tokens=seq.cached_tokens)
         try:
             d.rooms.open(room)
         except DisaggError:
@@ -144,14 +145,20 @@ class PrefillBackend(DaemonBackend):
         if room.is_aborted:  # its decode gave it up before this request came: no forward for nothing
             await self.daemon.bootstrap.fail_room(room, room.error or "aborted", room.code)
             raise room.failure()
+        if room.transfer is not None and room.transfer.local_prefill:
+            return  # its decode holds the prompt but for a few tokens and computes them itself
         try:
             await self.daemon.scheduler.prefill(seq)
         except BaseException as exc:
-            if seq.num_cached == 0:
+            if seq.num_cached == seq.cached_tokens:
                 outcome.phase = "queued"  # no chunk of it ran: it was waiting for a prefill batch
             await self.daemon.bootstrap.fail_room(room, f"prefill failed: {exc}" if str(exc) else "prefill cancelled",
                                                   fail_code_of(exc, FailCode.PREFILL_FAILED))
             raise
+        d = self.daemon
+        d.metrics.prompt_tokens_computed.inc(seq.num_prompt_tokens - seq.cached_tokens)
+        d.metrics.prefix_hit_tokens.labels(side="prefill").inc(seq.cached_tokens)
+        d.runner.cache_tokens(seq, seq.num_prompt_tokens)  # its whole pages, for the prompts that follow
         room.first_token_id = seq.output_ids[0]
         room.first_token_logprob = seq.output_logprobs[0]
         room.first_token_top = tuple(seq.output_top_logprobs[0]) if seq.output_top_logprobs else ()
@@ -191,7 +198,7 @@ class PrefillBackend(DaemonBackend):
                **extra) -> GenerateEvent:
         """The prefill's answer. A decode that reads prompt logprobs (aux record v2) returns them
         itself, so this answer's list is then empty: sglang-router puts the two lists end to end."""
-        meta = {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": 1,
+        meta = {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": 1, "cached_tokens": seq.cached_tokens,
                 "e2e_latency": time.monotonic() - started, **extra}
         if inp.return_logprob:
             prompt = [] if has_decode_logprobs else (seq.input_logprobs or [])[inp.logprob_start_len:]
@@ -201,3 +208,12 @@ class PrefillBackend(DaemonBackend):
                              finished=True, finish_reason={"type": "length", "length": 1}, meta=meta,
                              top_logprobs=seq.output_top_logprobs[:1])
 
+
+
+def _max_hit(seq: Sequence) -> int:
+    """The most prompt tokens a prefix hit may cover: all but the last (whose logits give the first
+    token), and none from where the request's prompt logprobs start (their logits are computed)."""
+    limit = seq.num_prompt_tokens - 1
+    if seq.input_logprobs is not None:
+        limit = min(limit, max(seq.logprob_start_len - 1, 0))
+    return limit

@@ -93,7 +93,8 @@ class Registrar:
             await self._refuse(identity, msg, exc)
             return
         staging = self._staging_of(msg)
-        self.peers.install(DecodePeer(msg.decode_id, msg.agent_name, identity, owner, plan, lists, staging=staging))
+        self.peers.install(DecodePeer(msg.decode_id, msg.agent_name, identity, owner, plan, lists, staging=staging,
+                                      reads_cached_tokens=msg.reads_cached_tokens))
         await self._accept(identity, msg, plan, stream_runs(plan) if staging is not None else None)
 
     def _staging_of(self, msg: wire.Register) -> wire.StagingInfo | None:
@@ -115,7 +116,7 @@ class Registrar:
         await self.send(identity, wire.RegisterAck(
             prefill_id=self.prefill_id, accepted=True, error=None,
             written=[list(k) for k in plan.written], ignored=[list(k) for k in plan.ignored],
-            decode_only_spec_dec=plan.decode_only_spec_dec, staging_runs=staging_runs, abort_codes=True))
+            decode_only_spec_dec=plan.decode_only_spec_dec, staging_runs=staging_runs, abort_codes=True, prefix_writes=True))
 
     async def _plan_and_lists(self, owner: bytes, msg: wire.Register) -> tuple[TransferPlan, list[ListPair]]:
         refusal = self.peers.refuse_register(msg.decode_id, msg.agent_name, owner)
@@ -158,7 +159,7 @@ class Registrar:
                 self.tp_parts.add(owner, msg)
                 await self.send(identity, wire.RegisterAck(prefill_id=self.prefill_id, accepted=True, error=None,
                                                            written=[], ignored=[], decode_only_spec_dec=False,
-                                                           abort_codes=True))
+                                                           abort_codes=True, prefix_writes=True))
                 return
             parts = self.tp_parts.complete(owner, msg)
             plan = build_peer_plan(self.transport.layouts, parts, f"decode_id={msg.decode_id} agent={msg.agent_name}",
@@ -172,6 +173,7 @@ class Registrar:
             return
         transport, keep = self.transport, msg.agent_name
         self.peers.install(DecodePeer(msg.decode_id, msg.agent_name, identity, owner, plan, [], tp_agents=agents,
+                                      reads_cached_tokens=msg.reads_cached_tokens,
                                       on_release=lambda: transport.disconnect(agents, keep=keep, wait=False)))
         logger.info("decode_id=%s fed by %d WRITEs per room (prefill tp=%d page_size=%d, decode tp=%d "
                     "page_size=%d)", msg.decode_id, len(plan.tp.feeds), plan.tp.prefill_tp, plan.prefill.page_size,

@@ -36,7 +36,7 @@ class RoomState(enum.Enum):
 
 
 _TRANSITIONS: dict[RoomState, frozenset[RoomState]] = {
-    RoomState.WAITING: frozenset({RoomState.WRITING, RoomState.FAILED}),
+    RoomState.WAITING: frozenset({RoomState.WRITING, RoomState.DONE, RoomState.FAILED}),  # DONE: local prefill
     RoomState.WRITING: frozenset({RoomState.DONE, RoomState.FAILED}),
     RoomState.DONE: frozenset(),
     RoomState.FAILED: frozenset(),
@@ -56,6 +56,8 @@ class Room:
     first_token_logprob: float = 0.0
     first_token_top: tuple[tuple[int, float], ...] = ()  # its top logprobs, when the request asked
     prompt_logprobs: wire.PromptLogprobs | None = None  # when the request asked; sent in the TransferResult
+    cached_tokens: int = 0  # prompt tokens taken from this prefill's prefix cache (not recomputed)
+    bytes_written: int = 0  # KV and aux bytes the room's WRITE moved
     has_decode_logprobs: bool = False  # the decode reads both (aux record v2): it returns the prompt logprobs
     state: RoomState = RoomState.WAITING
     transfer: wire.Transfer | None = None  # the decode's request, once bound

@@ -111,16 +111,20 @@ class StagingSender:
         return self.crossover
 
     # -- per room (event loop) ---------------------------------------------------------------------
-    def choose(self, plan, staging: wire.StagingInfo | None, transfer: wire.Transfer, prefill_page_ids: list[int]
-               ) -> StagedRoom | None:
-        """The room's staged path, or None (direct; the reason is counted)."""
+    def choose(self, plan, staging: wire.StagingInfo | None, transfer: wire.Transfer, prefill_page_ids: list[int],
+               first_page: int = 0) -> StagedRoom | None:
+        """The room's staged path, or None (direct; the reason is counted). Pages below ``first_page``
+        are the decode's prefix hit: not written, so not in the stream either."""
         if staging is None or transfer.staging_slot < 0:
             return self._direct(DirectReason.STAGING_OFF)
         if transfer.staging_slot >= staging.num_slots:
             return self._direct(DirectReason.STAGING_OFF)  # not a slot the decode registered: ignore the offer
         if isinstance(self.crossover, StagingCosts) and staging.mem != ("VRAM" if self.buffer.is_cuda else "DRAM"):
             return self._direct(DirectReason.UNMEASURED_TRANSPORT)  # the costs were measured into the buffer's memory
-        segments = tuple(seg for g in plan.groups for seg in room_stream(g, prefill_page_ids, transfer.page_ids))
+        if first_page >= len(transfer.page_ids):
+            return self._direct(DirectReason.FEW_RUNS)  # the aux record alone
+        segments = tuple(seg for g in plan.groups
+                         for seg in room_stream(g, prefill_page_ids[first_page:], transfer.page_ids[first_page:]))
         nbytes = sum(s.num_runs * s.run_nbytes for s in segments)
         room_plan = plan_room(segments, merged_runs(segments), self.crossover_for(nbytes), self.chunk_nbytes,
                               staging.slot_nbytes, NUM_BUFFERS)

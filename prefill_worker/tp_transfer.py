@@ -77,6 +77,10 @@ class TpPeerPlan:
         the aux slot exists (page ids are checked per feed by ``feed_descs``)."""
         check_transfer_counts(transfer, prefill_num_prompt_tokens, page_size=self.decode.page_size,
                               num_aux_slots=self.decode.aux.num_slots)
+        if transfer.decode_prefix_len >= transfer.num_prompt_tokens and not transfer.local_prefill:
+            raise GeometryMismatchError(  # every feed must write something: its WRITE carries a notification
+                f"room {transfer.room}: decode_prefix_len {transfer.decode_prefix_len} covers the whole prompt; over "
+                f"TP feeds a decode holds at most the pages before the prompt's last token")
 
 
 def needs_feeds(prefill: Sequence[KvLayout], msg: wire.Register) -> bool:
@@ -207,7 +211,8 @@ class RankTransport:
 
     def _descs(self, plan: TpPeerPlan, feed, room, prefill_aux_slot: int) -> tuple[np.ndarray, np.ndarray]:
         transfer = room.transfer
-        src, dst = feed_descs(feed, room.num_prompt_tokens, room.page_ids, transfer.page_ids)
+        src, dst = feed_descs(feed, room.num_prompt_tokens, room.page_ids, transfer.page_ids,
+                              start=transfer.decode_prefix_len)
         if feed.prefill_rank == 0 and feed.decode_rank == 0:  # the aux record, last in the WRITE
             pa, da, n = plan.prefill.aux, plan.decode.aux, plan.aux_nbytes
             src = np.vstack([src, [(pa.addr + prefill_aux_slot * pa.item_len, n, pa.device)]]).astype(np.int64)

@@ -13,6 +13,9 @@ from hypothesis import settings
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Daemons started by tests keep no prefix cache unless a test turns it on (tests/integration/
+# test_prefix_cache.py): the page-accounting checks of the other suites count free pages exactly.
+os.environ.setdefault("KVFERRY_DISABLE_PREFIX_CACHE", "true")
 
 settings.register_profile("ci", max_examples=200, deadline=None)
 settings.register_profile("nightly", max_examples=10_000, deadline=None)

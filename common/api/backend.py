@@ -147,6 +147,8 @@ class DaemonView(Protocol):
 
     def server_info(self) -> dict: ...
 
+    def flush_cache(self) -> tuple[int, dict]: ...
+
 
 class DaemonBackend:
     """What the prefill and decode backends share: they read their identity and health from the
@@ -180,6 +182,10 @@ class DaemonBackend:
 
     def server_info(self) -> dict:
         return self.daemon.server_info()
+
+    def flush_cache(self) -> tuple[int, dict]:
+        """``/flush_cache``: (HTTP status, body) from the daemon's prefix cache."""
+        return self.daemon.flush_cache()
 
     def metrics_text(self) -> bytes:
         return self.daemon.metrics.render()

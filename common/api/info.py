@@ -102,8 +102,9 @@ def add_info_routes(app: FastAPI, backend: Backend, guard: Guard, timeout_s: flo
 
     @app.post("/flush_cache")
     async def flush_cache(request: Request) -> Response:
-        # No prefix cache is kept (cached_tokens is always 0): there is nothing to flush.
-        return _json({"message": "no prefix cache to flush"})
+        flush = getattr(backend, "flush_cache", None)  # a backend without a prefix cache has none
+        status, body = flush() if flush is not None else (200, {"message": "no prefix cache is kept: nothing to flush"})
+        return _json(body, status)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

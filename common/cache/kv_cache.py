@@ -123,6 +123,10 @@ class PageAllocator:
             self._refs[page] += 1
         return list(pages)
 
+    def holders(self, page: int) -> int:
+        """How many hold ``page`` (0: free). A prefix cache's page held by it alone has 1."""
+        return self._refs[page]
+
     def free(self, pages: list[int]) -> None:
         """Drop one hold on each of ``pages``; a page nobody holds goes back (joined with the free
         runs beside it). Checks every id first, so a bad call changes nothing."""

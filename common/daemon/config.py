@@ -59,6 +59,15 @@ class CommonConfig:
     staging_bytes: int = flag(-1, help="registered staging buffer for scattered rooms (gathered into one WRITE, "
                                        "scattered back on the decode): -1 = auto (512 MiB on CUDA, 0 on CPU, "
                                        "where copies cost more than descriptors); 0 = off, every room direct")
+    disable_prefix_cache: bool = flag(False, help="keep no prefix cache: every prompt computed (prefill) or "
+                                                  "received (decode) whole")
+    max_cached_tokens: int = flag(0, help="most tokens the prefix cache keeps (least recently used evicted "
+                                          "first); 0 = as many as the KV pool holds (evicted under pressure)")
+    kv_events_endpoint: str | None = flag(None, help="publish KV cache events (vLLM kv_events format) on this "
+                                                     "ZeroMQ PUB endpoint, e.g. tcp://127.0.0.1:5557")
+    kv_events_replay_endpoint: str | None = flag(None, help="with --kv-events-endpoint: a ROUTER endpoint that "
+                                                            "replays buffered event batches from a sequence number")
+    kv_events_topic: str = flag("", help="with --kv-events-endpoint: the topic frame of every event message")
 
     def __post_init__(self) -> None:
         require(self.page_size > 0, f"--page-size must be positive, got {self.page_size}")
@@ -77,6 +86,11 @@ class CommonConfig:
         require(self.max_queued_requests >= 0, "--max-queued-requests must be >= 0")
         require(self.max_request_bytes > 0, f"--max-request-bytes must be positive, got {self.max_request_bytes}")
         require(self.staging_bytes >= -1, f"--staging-bytes must be >= -1, got {self.staging_bytes}")
+        require(self.max_cached_tokens >= 0, f"--max-cached-tokens must be >= 0, got {self.max_cached_tokens}")
+        require(self.kv_events_replay_endpoint is None or self.kv_events_endpoint is not None,
+                "--kv-events-replay-endpoint needs --kv-events-endpoint")
+        require(self.kv_events_endpoint is None or not self.disable_prefix_cache,
+                "--kv-events-endpoint publishes the prefix cache's events: not with --disable-prefix-cache")
         for name in ("request_timeout_s", "drain_timeout_s", "heartbeat_interval_s", "xfer_timeout_s"):
             require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive")
 

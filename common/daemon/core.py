@@ -74,6 +74,54 @@ class DaemonCore:
         for slot in self.runner.slots:
             self.engine.register_tensor(slot.kv.buffer)
         self.engine.register_tensor(self.aux.buffer)
+        self._start_prefix_cache()
+
+    def _start_prefix_cache(self) -> None:
+        """The runner's prefix cache (none with --disable-prefix-cache) and its KV event publisher."""
+        c = self.config
+        self.kv_events = None
+        if c.disable_prefix_cache:
+            return
+        if c.kv_events_endpoint:
+            from kvferry.common.cache.kv_events import KvEventPublisher
+
+            self.kv_events = KvEventPublisher(c.kv_events_endpoint, replay_endpoint=c.kv_events_replay_endpoint,
+                                              topic=c.kv_events_topic)
+            self._tasks.append(asyncio.create_task(self.kv_events.run(), name="kv-events"))
+        self.runner.enable_prefix_cache(max_tokens=c.max_cached_tokens or None, events=self.kv_events,
+                                        medium="GPU" if self.device.type == "cuda" else "CPU")
+
+    @property
+    def prefix_cache(self):
+        """The runner's ``RadixCache``, or None (off, or before the model loaded)."""
+        runner = getattr(self, "runner", None)
+        return runner.prefix_cache if runner is not None else None
+
+    def busy_reason(self) -> str | None:
+        """Why the prefix cache may not be flushed now (requests in flight), or None. Per daemon."""
+        return None
+
+    def flush_cache(self) -> tuple[int, dict]:
+        """``/flush_cache``: empty the prefix cache (pages in use stay their requests'); refused (409)
+        while requests are in flight, as SGLang does."""
+        cache = self.prefix_cache
+        if cache is None:
+            return 200, {"message": "no prefix cache is kept (--disable-prefix-cache): nothing to flush"}
+        reason = self.busy_reason()
+        if reason is not None:
+            return 409, {"error": {"message": f"cache not flushed: {reason}; retry when idle", "code": 409}}
+        pages = cache.clear()
+        self.metrics.observe_cache(cache)
+        logger.info("prefix cache flushed: %d pages let go", pages)
+        return 200, {"message": "Cache flushed.", "pages": pages}
+
+    def cache_info(self) -> dict:
+        """``/server_info`` fields of the prefix cache."""
+        cache = self.prefix_cache
+        if cache is None:
+            return {"prefix_cache": None}
+        return {"prefix_cache": {"cached_pages": cache.num_pages, "evicted_pages": cache.num_evicted,
+                                 "max_pages": cache.max_pages, "kv_events": self.config.kv_events_endpoint}}
 
     @property
     def is_serving(self) -> bool:
@@ -176,6 +224,8 @@ class DaemonCore:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def close_core(self) -> None:
+        if getattr(self, "kv_events", None) is not None:
+            self.kv_events.close()
         if self.engine is not None:
             self.engine.close()
         self.model_executor.shutdown(wait=True)

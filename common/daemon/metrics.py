@@ -44,6 +44,18 @@ class Metrics:
                                          buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft_seconds = Histogram("kvferry_ttft_seconds", "request arrival to first token",
                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.room_bytes = Histogram("kvferry_room_bytes", "KV and aux bytes one room's WRITE moved",
+                                    buckets=tuple(float(1 << k) for k in range(10, 36, 2)), registry=r)
+        self.prefix_hit_tokens = Counter("kvferry_prefix_hit_tokens", "prompt tokens found in this side's prefix "
+                                         "cache: on the prefill, not recomputed; on the decode, not transferred",
+                                         ["side"], registry=r)
+        self.prompt_tokens_computed = Counter("kvferry_prompt_tokens_computed", "prompt tokens whose KV this "
+                                              "daemon computed", registry=r)
+        self.prefix_evicted_pages = Counter("kvferry_prefix_evicted_pages", "cached pages evicted (LRU, under "
+                                            "pool pressure or the --max-cached-tokens bound)", registry=r)
+        self.prefix_cached_pages = Gauge("kvferry_prefix_cached_pages", "pages the prefix cache holds", registry=r)
+        self.local_prefill_rooms = Counter("kvferry_local_prefill_rooms", "rooms whose decode computed the rest "
+                                           "of the prompt itself (--max-local-prefill-tokens)", registry=r)
         self.generated_tokens = Counter("kvferry_generated_tokens", "tokens generated", registry=r)
         self.spec_proposed = Counter("kvferry_spec_proposed_tokens", "draft tokens proposed", registry=r)
         self.spec_accepted = Counter("kvferry_spec_accepted_tokens", "draft tokens accepted", registry=r)
@@ -64,6 +76,16 @@ class Metrics:
             name = slot.kv.model_name
             self.pages_total.labels(model=name).set(slot.kv.num_pages)
             self.pages_in_use.labels(model=name).set(slot.kv.num_pages - slot.allocator.num_free)
+
+    def observe_cache(self, cache) -> None:
+        """The prefix cache's gauges (``RadixCache``, or None without one); evictions since last seen."""
+        if cache is None:
+            return
+        self.prefix_cached_pages.set(cache.num_pages)
+        seen = getattr(self, "_evicted_seen", 0)
+        if cache.num_evicted > seen:
+            self.prefix_evicted_pages.inc(cache.num_evicted - seen)
+        self._evicted_seen = cache.num_evicted
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

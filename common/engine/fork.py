@@ -41,8 +41,9 @@ def check_group(runner: ModelRunner, seq: Sequence, n: int) -> None:
     """Raise OverloadedError unless the pools hold ``seq`` and its ``n - 1`` forks now (checked at
     admission, so that a request is refused before its prompt is computed or moved)."""
     needed = pages_for_group(runner, seq, n)
+    spare = runner.prefix_cache.evictable_pages() if runner.prefix_cache is not None else 0
     for slot in runner.slots:
-        if slot.allocator.num_free < needed:
+        if slot.allocator.num_free + spare < needed:
             raise OverloadedError(f"request_id={seq.request_id}: n={n} completions need {needed} KV pages, "
                                   f"the {slot.kv.model_name} pool has {slot.allocator.num_free} free; retry later")
 
@@ -132,6 +133,7 @@ def fork_pages(runner: ModelRunner, parent: Sequence, children: list[Sequence]) 
     is short. Allocator work: call it on the thread that owns the allocators (the event loop)."""
     last = _last_prompt_page(runner, parent)
     needed = sum(runner.pages_for(c) - last for c in children)
+    runner.make_room(needed)  # cached prefixes nobody uses give way
     for slot in runner.slots:
         if slot.allocator.num_free < needed:
             raise OverloadedError(f"request_id={parent.request_id}: n={len(children) + 1} completions need "

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvferry.common.engine.admission import Admission
 from kvferry.common.engine.cuda_graph import StepGraphs
 from kvferry.common.engine.penalty_inputs import decode_adjust, prefill_adjust, record_accepted, verify_logits
-from kvferry.common.engine.sequence import Sequence, pages_needed
+from kvferry.common.engine.sequence import Sequence
 from kvferry.common.engine.spec import Verdict, verify_greedy_ids, verify_sampled
-from kvferry.common.errors import OverloadedError
 from kvferry.common.sampling.grammar import DraftMasks, mask_logits
 from kvferry.common.cache.kv_cache import KvCache, PageAllocator
 from kvferry.common.kernels.h2d import to_device
@@ -96,7 +96,7 @@ class PendingStep:
         return [[pair] for pair in attach([(int(t), lp) for t, lp in zip(ids, logprobs)], self.tops)]
 
 
-class ModelRunner:
+class ModelRunner(Admission):
     def __init__(self, target: ModelSlot, draft: ModelSlot | None = None, *, spec_k: int = 4):
         self.target = target
         self.draft = draft
@@ -105,64 +105,12 @@ class ModelRunner:
         self.sampler = Sampler()
         # penalties' token counts; the daemons set the tokenizer's EOS ids (what min_tokens masks)
         self.history = TokenHistory(target.model.config.vocab_size, target.kv.device, target.model.config.eos_token_ids)
+        self.prefix_cache = None  # a RadixCache once enable_prefix_cache (admission.py) ran
 
     def close(self) -> None:
         """Release what outlives the process's memory: the TP worker processes, if any."""
         for slot in self.slots:
             slot.close()
-
-    # -- pages ------------------------------------------------------------------------------
-    @property
-    def slots(self) -> list[ModelSlot]:
-        """The target, then the draft when there is one."""
-        return [s for s in (self.target, self.draft) if s is not None]
-
-    def free_pages(self) -> dict[str, int]:
-        """Free pages of each pool, by model name ("target", "draft")."""
-        return {s.kv.model_name: s.allocator.num_free for s in self.slots}
-
-    def pages_for(self, seq: Sequence, *, prompt_only: bool = False) -> int:
-        if prompt_only:
-            return pages_needed(seq.num_prompt_tokens, self.page_size)
-        # +spec_k+1: a verify forward writes k+1 positions past the last cached token.
-        return pages_needed(seq.max_total_tokens + self.spec_k + 1, self.page_size)
-
-    def can_admit(self, seq: Sequence, *, prompt_only: bool = False) -> bool:
-        n = self.pages_for(seq, prompt_only=prompt_only)
-        ok = self.target.allocator.num_free >= n
-        if self.draft is not None:
-            ok = ok and self.draft.allocator.num_free >= n
-        return ok
-
-    def admit(self, seq: Sequence, *, prompt_only: bool = False) -> None:
-        """Allocate every page the sequence can need (only the prompt's on a prefill worker);
-        raises OverloadedError when the pool is short."""
-        n = self.pages_for(seq, prompt_only=prompt_only)
-        if not self.can_admit(seq, prompt_only=prompt_only):
-            raise OverloadedError(
-                f"request_id={seq.request_id}: KV pool has {self.target.allocator.num_free} free pages, "
-                f"needs {n} (prompt {seq.num_prompt_tokens} + max_new_tokens {seq.params.max_new_tokens}); retry later")
-        seq.pages = self.target.allocator.allocate(n)
-        if self.draft is not None:
-            seq.draft_pages = self.draft.allocator.allocate(n)
-            if seq.draft_pages != seq.pages:
-                # The decode registers one page list per room for both models, so both pools must
-                # hand out the same ids; they move in lockstep, and this says so if they ever drift.
-                pages, draft_pages = seq.pages, seq.draft_pages
-                self.release(seq)
-                raise RuntimeError(f"request_id={seq.request_id}: target and draft KV allocators drifted apart "
-                                   f"(target pages {pages[:4]}..., draft pages {draft_pages[:4]}...)")
-
-    def release(self, seq: Sequence) -> None:
-        if seq.pages:
-            self.target.allocator.free(seq.pages)
-            seq.pages = []
-        if seq.draft_pages and self.draft is not None:
-            self.draft.allocator.free(seq.draft_pages)
-            seq.draft_pages = []
-        if seq.history_row is not None:
-            self.history.release(seq.history_row)
-            seq.history_row = None
 
     # -- prefill ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -211,8 +159,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill_draft(self, seqs: list[Sequence]) -> None:
-        """Fill the draft's KV for each prompt (decode-only speculative decoding does this locally)."""
-        chunks = [SeqChunk(s.prompt_ids, 0, s.draft_pages) for s in seqs]
+        """Fill the draft's KV for each prompt from ``draft_num_cached`` on (decode-only speculative
+        decoding does this locally)."""
+        seqs = [s for s in seqs if s.draft_num_cached < s.num_prompt_tokens]  # a cached prefix is filled
+        if not seqs:
+            return
+        chunks = [SeqChunk(s.prompt_ids[s.draft_num_cached:], s.draft_num_cached, s.draft_pages) for s in seqs]
         self.draft.forward(chunks)
         for s in seqs:
             s.draft_num_cached = s.num_prompt_tokens

@@ -62,6 +62,7 @@ class Sequence:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[int, float]]] | None = None
     num_cached: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from this side's prefix cache at admission
     draft_num_cached: int = 0
     num_proposed: int = 0
     num_accepted: int = 0

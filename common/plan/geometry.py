@@ -188,6 +188,18 @@ def check_transfer_counts(transfer: Transfer, prefill_num_prompt_tokens: int, *,
             f"{page_size}; expected {expected}")
     if not 0 <= transfer.aux_slot < num_aux_slots:
         raise GeometryMismatchError(f"{where}: aux_slot {transfer.aux_slot} outside [0, {num_aux_slots})")
+    check_prefix_len(transfer, page_size)
+
+
+def check_prefix_len(transfer: Transfer, decode_page_size: int) -> None:
+    """``decode_prefix_len`` (the prompt tokens the decode holds, not written) lies in ``[0, n]`` and
+    is a multiple of the decode's page size: the first page written is one the room owns alone, never
+    a cached (shared, read-only) page."""
+    p, n = transfer.decode_prefix_len, transfer.num_prompt_tokens
+    if not 0 <= p <= n or p % decode_page_size:
+        raise GeometryMismatchError(
+            f"room {transfer.room} from decode {transfer.decode_id}: decode_prefix_len {p} must be a multiple of "
+            f"the decode's page_size {decode_page_size} in [0, num_prompt_tokens={n}]")
 
 
 def _check_page_ids(page_ids: Sequence[int], num_pages: int, where: str) -> None:
@@ -234,7 +246,7 @@ class RequestXfer:
 
 
 def request_indices(plan: TransferPlan, *, prefill_page_ids: Sequence[int], decode_page_ids: Sequence[int],
-                    prefill_aux_slot: int, decode_aux_slot: int) -> RequestXfer:
+                    prefill_aux_slot: int, decode_aux_slot: int, first_page: int = 0) -> RequestXfer:
     """Index lists for one room: token page j of pair i maps prefill page ``prefill_page_ids[j]`` of
     the pair's prefill region to decode page ``decode_page_ids[j]`` of its decode region (list
     entries from ``ListOrder.grid``); the aux group also maps one aux slot to one, last.
@@ -242,12 +254,18 @@ def request_indices(plan: TransferPlan, *, prefill_page_ids: Sequence[int], deco
     Entries come in prefill address order (see the module docstring), so that NIXL merges every run
     that is adjacent on both sides. Invariant: the decode byte ranges selected are pairwise disjoint
     and lie inside their regions; the (prefill, decode) pairs do not depend on the order.
+
+    Prefix reuse (equal page sizes on both sides, as this plan has): token pages below ``first_page``
+    are held by the decode already (``decode_prefix_len / page_size``) and are not written; a room
+    whose every page is held writes its aux record alone.
     """
     if len(prefill_page_ids) != len(decode_page_ids):
         raise GeometryMismatchError(f"{len(prefill_page_ids)} prefill pages but {len(decode_page_ids)} "
                                     f"decode pages for one room")
-    prefill_ids = _page_array(prefill_page_ids, plan.num_prefill_pages, "prefill")
-    decode_ids = _page_array(decode_page_ids, plan.num_decode_pages, "decode")
+    if not 0 <= first_page <= len(decode_page_ids):
+        raise GeometryMismatchError(f"first page {first_page} outside the room's {len(decode_page_ids)} pages")
+    prefill_ids = _page_array(prefill_page_ids, plan.num_prefill_pages, "prefill")[first_page:]
+    decode_ids = _page_array(decode_page_ids, plan.num_decode_pages, "decode")[first_page:]
     for side, slot, aux in (("prefill", prefill_aux_slot, plan.prefill.aux),
                             ("decode", decode_aux_slot, plan.decode.aux)):
         if not 0 <= slot < aux.num_slots:

@@ -140,19 +140,34 @@ class Copy:
     nbytes: int
 
 
-def segments(num_tokens: int, src_page_size: int, dst_page_size: int) -> list[tuple[int, int]]:
-    """``[0, num_tokens)`` cut at every multiple of either page size: (first token, length) each."""
-    cuts = sorted({0, num_tokens} | set(range(src_page_size, num_tokens, src_page_size))
-                  | set(range(dst_page_size, num_tokens, dst_page_size)))
+def segments(num_tokens: int, src_page_size: int, dst_page_size: int, start: int = 0) -> list[tuple[int, int]]:
+    """``[start, num_tokens)`` cut at every multiple of either page size: (first token, length) each."""
+    if start >= num_tokens:
+        return []
+    def after(ps: int) -> range:  # the multiples of ps strictly inside (start, num_tokens)
+        return range((start // ps + 1) * ps, num_tokens, ps)
+    cuts = sorted({start, num_tokens} | set(after(src_page_size)) | set(after(dst_page_size)))
     return [(a, b - a) for a, b in zip(cuts, cuts[1:])]
 
 
 def copies(num_tokens: int, src: PageSide, src_pages: Sequence[int], dst: PageSide, dst_pages: Sequence[int],
-           heads: HeadRange) -> list[Copy]:
-    """The copies that move tokens ``[0, num_tokens)`` of ``heads`` from ``src_pages`` to ``dst_pages``
-    (page ids in token order). With equal page sizes every page, the last one too, moves whole: one
-    copy for all of ``heads`` (the tail of a last partial page lands in pages the room owns, past
-    its tokens). Otherwise one copy per head per segment."""
+           heads: HeadRange, start: int = 0) -> list[Copy]:
+    """The copies that move tokens ``[start, num_tokens)`` of ``heads`` from ``src_pages`` to
+    ``dst_pages`` (page ids in token order, from token 0). With equal page sizes every page, the
+    last one too, moves whole: one copy for all of ``heads`` (the tail of a last partial page lands
+    in pages the room owns, past its tokens). Otherwise one copy per head per segment.
+
+    Prefix reuse: ``start`` (the tokens the destination holds) is a multiple of the destination's
+    page size, so no copy lands in a destination page below it (those are cached and shared); on
+    the source it may fall inside a page, whose tail is then read from that row on::
+
+        src (64-token pages)  |      page 0 . . . . . . . . . . . . .|    page 1 ...
+        dst (16-token pages)  | p0 (held) | p1 (held) | p2 . . | p3 . |  p4 ...
+        start = 32                        ^ first copy: src page 0 row 32 -> dst page 2 row 0
+    """
+    if not 0 <= start <= num_tokens or start % dst.page_size:
+        raise GeometryMismatchError(f"start token {start} must be a multiple of the destination's page size "
+                                    f"{dst.page_size} in [0, {num_tokens}]")
     if heads.overlap(src.heads) != heads or heads.overlap(dst.heads) != heads:
         raise GeometryMismatchError(f"heads {heads.start}..{heads.stop - 1} are not all held by the source "
                                     f"({src.heads.start}..{src.heads.stop - 1}) and the destination "
@@ -164,10 +179,11 @@ def copies(num_tokens: int, src: PageSide, src_pages: Sequence[int], dst: PageSi
     _check_pages(num_tokens, dst.page_size, dst_pages, "destination")
     if src.page_size == dst.page_size:
         nbytes = heads.count * src.page_size * src.token_bytes
+        first = start // src.page_size
         return [Copy(s, src.offset(heads.start, 0), d, dst.offset(heads.start, 0), nbytes)
-                for s, d in zip(src_pages[:_pages(num_tokens, src.page_size)], dst_pages)]
+                for s, d in zip(src_pages[first:_pages(num_tokens, src.page_size)], dst_pages[first:])]
     out = []
-    for first, length in segments(num_tokens, src.page_size, dst.page_size):
+    for first, length in segments(num_tokens, src.page_size, dst.page_size, start):
         s_page, s_tok = divmod(first, src.page_size)
         d_page, d_tok = divmod(first, dst.page_size)
         for h in range(heads.start, heads.stop):

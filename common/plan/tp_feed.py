@@ -297,11 +297,11 @@ def check_room_descs(plan: TpPlan, max_room_tokens: int, limit: int = MAX_ROOM_D
 
 
 def feed_descs(feed: FeedPlan, num_tokens: int, prefill_page_ids: Sequence[int], decode_page_ids: Sequence[int],
-               *, merge: bool = True) -> tuple[np.ndarray, np.ndarray]:
+               *, merge: bool = True, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """The (prefill, decode) NIXL descriptors, int64 arrays [n, 3] of (addr, nbytes, device), that
-    move tokens ``[0, num_tokens)`` of the feed's heads of every pair: token t lies in page
-    ``prefill_page_ids[t // src_page_size]`` on the prefill, ``decode_page_ids[t // dst_page_size]``
-    on the decode. Rows come in prefill address order; with ``merge``, a row that starts where the
+    move tokens ``[start, num_tokens)`` (``start``: the decode's prefix hit, ``tp.copies``) of the
+    feed's heads of every pair: token t lies in page ``prefill_page_ids[t // src_page_size]`` on the
+    prefill, ``decode_page_ids[t // dst_page_size]`` on the decode. Rows come in prefill address order; with ``merge``, a row that starts where the
     previous one ends on both sides (same device) extends it, the most merging any order gives,
     since a feed reads each prefill byte at most once.
 
@@ -316,7 +316,7 @@ def feed_descs(feed: FeedPlan, num_tokens: int, prefill_page_ids: Sequence[int],
                         f"{where}: prefill")
     dst_ids = _page_ids(decode_page_ids, num_tokens, feed.dst_page_size, [p.dst for p in feed.pairs],
                         f"{where}: decode")
-    if num_tokens == 0:
+    if num_tokens == start:  # nothing (left) to move: the decode holds the whole prompt
         return _NO_DESCS.copy(), _NO_DESCS.copy()
     shapes: dict[tuple[PageSide, PageSide, HeadRange], np.ndarray] = {}  # one copy table per (sides, heads)
     src_rows, dst_rows = [], []
@@ -325,7 +325,7 @@ def feed_descs(feed: FeedPlan, num_tokens: int, prefill_page_ids: Sequence[int],
         d_side = PageSide(feed.dst_page_size, HeadRange(pair.dst.head_start, pair.dst.num_heads), pair.token_bytes)
         table = shapes.get((s_side, d_side, pair.heads))
         if table is None:
-            cs = copies(num_tokens, s_side, src_ids, d_side, dst_ids, pair.heads)
+            cs = copies(num_tokens, s_side, src_ids, d_side, dst_ids, pair.heads, start)
             table = np.array([(c.src_page, c.src_offset, c.dst_page, c.dst_offset, c.nbytes) for c in cs],
                              dtype=np.int64).reshape(-1, 5)
             shapes[(s_side, d_side, pair.heads)] = table

@@ -53,6 +53,13 @@ from kvferry.common.wire.checks import _build, _short
 #   1 (kvferry 0.6): Abort.code (default "": ABORTED), "cancelled" when the decode's client went away,
 #                    so that the prefill counts a cancel, not a failed transfer; sent only for a cancel,
 #                    and only to a prefill whose RegisterAck.abort_codes (default False) says it reads it.
+#   1 (kvferry 0.7): prefix reuse (all defaults: a peer that predates them moves whole rooms):
+#                    RegisterAck.prefix_writes (the prefill reads the two Transfer fields below),
+#                    Transfer.decode_prefix_len (the leading prompt tokens the decode holds: only the
+#                    rest is written) and Transfer.local_prefill (the decode computes the rest itself:
+#                    nothing is written), sent only to such a prefill; Register.reads_cached_tokens and
+#                    TransferResult.cached_tokens (the prompt tokens whose KV the prefill did not
+#                    recompute), sent only to a decode that says it reads them.
 PROTOCOL_VERSION = 1
 
 # A register frame carries two entries per layer per model; 1 MiB holds ~5,000 regions.
@@ -159,6 +166,7 @@ class Register(Message):
     draft_model: str = ""  # the draft's architecture fingerprint, "" without a draft
     staging: StagingInfo | None = None  # the decode's staging slots; None: it takes every room direct
     page_order: str = ""  # PAGE_ORDER; "" from a kvferry before it, whose pages were tokens-outermost
+    reads_cached_tokens: bool = False  # this decode reads TransferResult.cached_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +187,8 @@ class RegisterAck(Message):
     # the prefill reads Abort.code: a decode sends "cancelled" only to a prefill that says so (one that
     # predates it refuses the field as unknown, and the abort would be lost)
     abort_codes: bool = False
+    # the prefill reads Transfer.decode_prefix_len and Transfer.local_prefill (prefix reuse)
+    prefix_writes: bool = False
 
     @property
     def fail_code(self) -> FailCode:
@@ -200,6 +210,12 @@ class Transfer(Message):
     aux_slot: int
     num_prompt_tokens: int
     staging_slot: int = -1  # a decode staging slot held for this room (the prefill may stage into it); -1: none
+    # prefix reuse (only to a prefill whose RegisterAck.prefix_writes says it reads them):
+    # the leading prompt tokens whose KV the decode holds already, a multiple of the decode's page
+    # size: the prefill WRITEs tokens [decode_prefix_len, num_prompt_tokens) only (and the aux record)
+    decode_prefix_len: int = 0
+    # the decode computes the prompt's rest itself: nothing is written, the prefill's leg just ends
+    local_prefill: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +245,7 @@ class TransferResult(Message):
     code: str = ""  # a FailCode value on failure: what the decode does next depends on it, not on ``error``
     prompt_logprobs: PromptLogprobs | None = None
     staged: bool = False  # ok: the room's KV is in the offered staging slot, to scatter into the pages
+    cached_tokens: int = 0  # ok: prompt tokens the prefill took from its prefix cache (not recomputed)
 
     @property
     def fail_code(self) -> "FailCode":

@@ -152,9 +152,12 @@ def _rows(ids, base: int = 0, item: int = 1) -> np.ndarray:
     return np.array([(base + i * item, item, 0) for i in ids], dtype=np.int64).reshape(-1, 3)
 
 
-def _sim_feed_descs(feed, num_prompt_tokens, prefill_page_ids, decode_page_ids):
-    """Each feed's rows: every page of the room (a head slice of it, in the real plan)."""
-    return _rows(prefill_page_ids), _rows(decode_page_ids)
+PAGE_SIZE = 16  # only a prefix hit (start > 0, never in this sim yet) reads it
+
+def _sim_feed_descs(feed, num_prompt_tokens, prefill_page_ids, decode_page_ids, start=0):
+    """Each feed's rows: every page of the room from ``start`` (a head slice of it, in the real plan)."""
+    first = start // PAGE_SIZE if start else 0
+    return _rows(prefill_page_ids[first:]), _rows(decode_page_ids[first:])
 
 
 class _Xfer:
@@ -278,7 +281,9 @@ class PageRuleMachine(RuleBasedStateMachine):
                                       config=SimpleNamespace(request_timeout_s=1e6,
                                                              transfer_wait_timeout_s=TRANSFER_WAIT_S),
                                       scheduler=SimpleNamespace(prefill=self._forward),
-                                      runner=SimpleNamespace(release=self._prefill_free),
+                                      runner=SimpleNamespace(release=self._prefill_free,
+                                                             cache_tokens=lambda seq, num_tokens: 0),
+                                      metrics=self.metrics,
                                       quarantine=self._prefill_quarantine)
         self.backend = SimpleNamespace(daemon=self.daemon)
 
@@ -333,7 +338,8 @@ class PageRuleMachine(RuleBasedStateMachine):
         pages = self.palloc.allocate(NUM_ROOM_PAGES)
         self.p_owner.update({p: room_id for p in pages})
         seq = SimpleNamespace(room=room_id, pages=pages, output_ids=[7], output_logprobs=[-0.5],
-                              output_top_logprobs=None, input_logprobs=None, num_cached=0)
+                              output_top_logprobs=None, input_logprobs=None, num_cached=0,
+                              num_prompt_tokens=NUM_PROMPT_TOKENS, cached_tokens=0)
         room = Room(room=room_id, request_id=f"req-{room_id}", num_prompt_tokens=NUM_PROMPT_TOKENS, page_ids=pages,
                     deadline=CLOCK.now + TRANSFER_WAIT_S)
         self.p_rooms[room_id] = room

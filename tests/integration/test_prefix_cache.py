@@ -1,0 +1,115 @@
+"""Prefix reuse across the pair, through the real sglang-router: a conversation's later turns hit
+the prefill's cache (compute skipped) and the decode's (transfer skipped: only the suffix pages
+are written), with greedy tokens equal to the colocated engine's; local prefill on the decode;
+``/flush_cache``; and every page either free or held by a cache once the requests are done."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvferry.common.api.sampling_schema import sglang_params
+from kvferry.common.daemon.procs import http_json
+from tests.cluster import Cluster, ok, post
+
+ON = {"KVFERRY_DISABLE_PREFIX_CACHE": "false"}
+GREEDY = {"max_new_tokens": 8, "temperature": 0}
+SYSTEM = "You are the ferry's helpful assistant. Answer in one short sentence about the harbour. " * 3
+
+
+def _info(proc) -> dict:
+    status, info = http_json(proc.url + "/server_info", timeout_s=10)
+    assert status == 200, info
+    return info
+
+
+def _pages_accounted(procs, timeout_s: float = 10.0) -> None:
+    """Once idle, every page of every pool is free or held by the prefix cache alone."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        infos = [_info(p) for p in procs]
+        short = [(p.name, i["free_pages"], i["prefix_cache"]) for p, i in zip(procs, infos)
+                 if any(free + i["prefix_cache"]["cached_pages"] != _total(i) for free in i["free_pages"].values())]
+        if not short or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    assert short == []
+
+
+def _total(info: dict) -> int:
+    return info["max_total_tokens"] // info["page_size"]
+
+
+def _question(tok, i: int) -> list[int]:
+    return tok.encode(f" Question {i}: where does the ferry go at {7 + i} o'clock?")
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory, tiny_models):
+    """(prefill, decode, router) with the prefix cache on both sides, and a decode that prefills
+    locally what it holds but for 64 tokens, behind a second router."""
+    c = Cluster(tmp_path_factory.mktemp("prefix-cache") / "logs", *tiny_models)
+    try:
+        extra = ["--max-total-tokens", "4096"]
+        prefill = c.prefill(env=ON, extra=extra)
+        decode = c.decode(env=ON, extra=extra)
+        local = c.decode(env=ON, extra=extra + ["--max-local-prefill-tokens", "64"])
+        yield c, prefill, decode, c.router([prefill], [decode]), local, c.router([prefill], [local])
+    finally:
+        c.stop_all()
+
+
+def _conversation(router_url: str, tok, colocated) -> list[dict]:
+    """Three turns, each prompt the previous one, its answer and a new question; each answer is
+    checked against the colocated engine (no cache) token for token."""
+    history = tok.encode(SYSTEM)
+    metas = []
+    for i in range(3):
+        prompt = history + _question(tok, i)
+        out = ok(post(router_url + "/generate", {"input_ids": prompt, "sampling_params": GREEDY})).json()
+        ref = colocated(False).generate([prompt], sglang_params(GREEDY))[0]
+        assert out["output_ids"] == ref.output_ids, f"turn {i}"
+        metas.append(out["meta_info"])
+        history = prompt + out["output_ids"]
+    return metas
+
+
+def test_later_turns_hit_both_caches_and_equal_the_reference(pd, tok, colocated):
+    _, prefill, decode, router, _, _ = pd
+    metas = _conversation(router.url, tok, colocated)
+    assert metas[0]["cached_tokens"] == 0
+    for meta in metas[1:]:
+        # the prefill skipped the cached prefix; the decode held it (and more: the earlier answer)
+        assert meta["cached_tokens_prefill"] > 0 and meta["cached_tokens"] == meta["cached_tokens_prefill"]
+        assert meta["cached_tokens_decode"] > 0 and meta["local_prefill"] is False
+        assert meta["cached_tokens_decode"] % _info(decode)["page_size"] == 0
+    _pages_accounted([prefill, decode])
+
+
+def test_flush_cache_empties_it_and_the_next_prompt_misses(pd, tok, colocated):
+    _, prefill, decode, router, _, _ = pd
+    prompt = tok.encode(SYSTEM) + _question(tok, 9)
+    ok(post(router.url + "/generate", {"input_ids": prompt, "sampling_params": GREEDY}))
+    _pages_accounted([prefill, decode])
+    for proc in (prefill, decode):
+        answer = ok(post(proc.url + "/flush_cache", {}))
+        assert answer.json()["message"] == "Cache flushed."
+        info = _info(proc)
+        assert info["prefix_cache"]["cached_pages"] == 0
+        assert all(free == _total(info) for free in info["free_pages"].values())
+    out = ok(post(router.url + "/generate", {"input_ids": prompt, "sampling_params": GREEDY})).json()
+    assert out["meta_info"]["cached_tokens_prefill"] == 0 and out["meta_info"]["cached_tokens_decode"] == 0
+    ref = colocated(False).generate([prompt], sglang_params(GREEDY))[0]
+    assert out["output_ids"] == ref.output_ids
+
+
+def test_local_prefill_on_the_decode_equals_the_reference(pd, tok, colocated):
+    _, prefill, _, _, local, local_router = pd
+    metas = _conversation(local_router.url, tok, colocated)
+    assert metas[0]["local_prefill"] is False  # nothing cached yet: the prefill computed and wrote it
+    later = [m for m in metas[1:] if m["local_prefill"]]
+    assert later, metas  # each later turn adds fewer than 64 tokens past what the decode holds
+    for meta in later:
+        assert meta["cached_tokens"] == meta["cached_tokens_decode"] > 0
+    _pages_accounted([prefill, local])
