@@ -10,7 +10,10 @@ import time
 import pytest
 
 from kvferry.common.api.sampling_schema import sglang_params
-from kvferry.common.daemon.procs import http_json
+import msgpack
+import zmq
+
+from kvferry.common.daemon.procs import free_port, http_json
 from tests.cluster import Cluster, ok, post
 
 ON = {"KVFERRY_DISABLE_PREFIX_CACHE": "false"}
@@ -52,7 +55,9 @@ def pd(tmp_path_factory, tiny_models):
     c = Cluster(tmp_path_factory.mktemp("prefix-cache") / "logs", *tiny_models)
     try:
         extra = ["--max-total-tokens", "4096"]
-        prefill = c.prefill(env=ON, extra=extra)
+        events_port = free_port()
+        prefill = c.prefill(env=ON, extra=extra + ["--kv-events-endpoint", f"tcp://127.0.0.1:{events_port}"])
+        prefill.events_url = f"tcp://127.0.0.1:{events_port}"
         decode = c.decode(env=ON, extra=extra)
         local = c.decode(env=ON, extra=extra + ["--max-local-prefill-tokens", "64"])
         yield c, prefill, decode, c.router([prefill], [decode]), local, c.router([prefill], [local])
@@ -113,3 +118,34 @@ def test_local_prefill_on_the_decode_equals_the_reference(pd, tok, colocated):
     for meta in later:
         assert meta["cached_tokens"] == meta["cached_tokens_decode"] > 0
     _pages_accounted([prefill, local])
+
+
+def test_prefill_publishes_kv_events_of_what_it_caches(pd, tok):
+    """A subscriber written against vLLM's kv_events format sees BlockStored for the new prompt's pages."""
+    _, prefill, _, router, _, _ = pd
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(prefill.events_url)
+    try:
+        page_size = _info(prefill)["page_size"]
+        stored: list[list] = []
+        deadline = time.monotonic() + 30.0
+        for i in range(10):  # the first messages after connecting may be lost (PUB/SUB joining)
+            prompt = tok.encode(f"Event probe {i}: " + SYSTEM)
+            ok(post(router.url + "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}}))
+            while sub.poll(500) and time.monotonic() < deadline:
+                topic, seq, payload = sub.recv_multipart()
+                assert len(seq) == 8
+                ts, events, _rank = msgpack.unpackb(payload)
+                stored += [e for e in events if e[0] == "BlockStored"]
+            if any(e[3] == prompt[:len(e[3])] and len(e[3]) >= page_size for e in stored):
+                break
+            assert time.monotonic() < deadline, "no BlockStored for the probe prompts"
+        match = [e for e in stored if e[3] == prompt[:len(e[3])] and len(e[3]) >= page_size]
+        assert match, stored[:2]
+        _, hashes, _parent, tokens, block_size = match[-1][:5]
+        assert block_size == page_size and len(hashes) == len(tokens) // page_size
+    finally:
+        sub.close()
