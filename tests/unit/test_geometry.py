@@ -383,3 +383,26 @@ def test_stride_is_checked():
     with pytest.raises(GeometryMismatchError, match="every 2048 bytes ends at 0x10000000000000001, past the 64-bit"):
         check_layout(layout([dataclasses.replace(last, addr=last.addr + 1)]), "decode")
     assert page_major()[0].page_stride == 8 * ITEM and table()[0].page_stride == ITEM
+
+
+@pytest.mark.parametrize("first", [0, 1, 3, 4])
+def test_a_decode_prefix_hit_writes_only_the_pages_after_it(first):
+    """Prefix reuse on the equal-geometry lists: pages below ``first_page`` (the decode's cached,
+    shared ones) are neither read nor written; the aux record still goes, last."""
+    from tests.unit.geometry_cases import selected
+
+    prefill_ids, decode_ids = [4, 5, 6, 7], [3, 0, 1, 2]
+    whole = g.request_indices(PLAN, prefill_page_ids=prefill_ids, decode_page_ids=decode_ids, prefill_aux_slot=0,
+                              decode_aux_slot=1)
+    delta = g.request_indices(PLAN, prefill_page_ids=prefill_ids, decode_page_ids=decode_ids, prefill_aux_slot=0,
+                              decode_aux_slot=1, first_page=first)
+    tail = g.request_indices(PLAN, prefill_page_ids=prefill_ids[first:], decode_page_ids=decode_ids[first:],
+                             prefill_aux_slot=0, decode_aux_slot=1)
+    assert selected(PLAN, delta) == selected(PLAN, tail)
+    assert len(selected(PLAN, delta)) < len(selected(PLAN, whole)) or first == 0
+    page_bytes = sum(grp.page_nbytes for grp in PLAN.groups)
+    assert whole.num_bytes - delta.num_bytes == first * page_bytes
+    msg = dataclasses.replace(transfer(decode_ids, 64), decode_prefix_len=first * PLAN.page_size)
+    g.validate_transfer(PLAN, msg, prefill_num_prompt_tokens=64)
+    with pytest.raises(GeometryMismatchError, match="decode_prefix_len 8 must be a multiple"):
+        g.validate_transfer(PLAN, dataclasses.replace(msg, decode_prefix_len=8), prefill_num_prompt_tokens=64)
