@@ -42,11 +42,15 @@ class Admission:
     def can_admit(self, seq: Sequence, *, prompt_only: bool = False) -> bool:
         """Whether ``admit`` finds the pages now (counting what the prefix cache could give up)."""
         n = self.pages_for(seq, prompt_only=prompt_only)
-        spare = self.prefix_cache.evictable_pages() if self.prefix_cache is not None else 0
+        spare = self.reclaimable_pages()
         ok = self.target.allocator.num_free + spare >= n
         if self.draft is not None:
             ok = ok and self.draft.allocator.num_free + spare >= n
         return ok
+
+    def reclaimable_pages(self) -> int:
+        """Pages the prefix cache could give back now (cached, used by no request); 0 without one."""
+        return self.prefix_cache.evictable_pages() if self.prefix_cache is not None else 0
 
     def make_room(self, num_pages: int) -> None:
         """Evict cached prefixes until ``num_pages`` pages are free in every pool, if they can be."""

@@ -41,7 +41,7 @@ def check_group(runner: ModelRunner, seq: Sequence, n: int) -> None:
     """Raise OverloadedError unless the pools hold ``seq`` and its ``n - 1`` forks now (checked at
     admission, so that a request is refused before its prompt is computed or moved)."""
     needed = pages_for_group(runner, seq, n)
-    spare = runner.prefix_cache.evictable_pages() if runner.prefix_cache is not None else 0
+    spare = runner.reclaimable_pages()
     for slot in runner.slots:
         if slot.allocator.num_free + spare < needed:
             raise OverloadedError(f"request_id={seq.request_id}: n={n} completions need {needed} KV pages, "
