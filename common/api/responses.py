@@ -112,12 +112,15 @@ def matched_stop(finish_reason: dict[str, Any] | None) -> Any:
     return finish_reason.get("matched")
 
 
-def usage(outs: Sequence[ItemOutput]) -> dict[str, int]:
+def usage(outs: Sequence[ItemOutput]) -> dict:
     """OpenAI's usage: each prompt counted once, whatever its `n`; every completion's tokens."""
     prompt = sum(o.num_prompt_tokens for o in outs if o.completion_index == 0)
     completion = sum(o.num_completion_tokens for o in outs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    out: dict = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(int(o.meta.get("cached_tokens", 0)) for o in outs if o.completion_index == 0)
+    if cached:  # prompt tokens whose KV was not recomputed (the prefix cache's hit), as OpenAI names them
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
 
 
 def echo_text(tokenizer: TokenizerLike, item: PromptItem) -> str:

@@ -149,3 +149,12 @@ def test_prefill_publishes_kv_events_of_what_it_caches(pd, tok):
         assert block_size == page_size and len(hashes) == len(tokens) // page_size
     finally:
         sub.close()
+
+
+def test_openai_usage_names_the_cached_prompt_tokens(pd):
+    router = pd[3]
+    body = {"model": "m", "prompt": SYSTEM + " Where is the pier?", "max_tokens": 2, "temperature": 0}
+    first = ok(post(router.url + "/v1/completions", body)).json()["usage"]
+    again = ok(post(router.url + "/v1/completions", body)).json()["usage"]
+    assert first["prompt_tokens"] == again["prompt_tokens"]
+    assert 0 < again["prompt_tokens_details"]["cached_tokens"] < again["prompt_tokens"]
