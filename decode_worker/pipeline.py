@@ -98,7 +98,8 @@ class DecodeBackend(DaemonBackend):
         d.metrics.prefix_hit_tokens.labels(side="decode").inc(hit)
         outcome.phase = "kv_wait"
         if local:
-            writes_draft = await self._prefill_here(seq, inp, num_pages)
+            await self._prefill_here(seq, inp, num_pages)
+            writes_draft = False  # the batcher or the fork fills the draft's KV from its own hit
         else:
             try:
                 record, link, prompt = await d.receiver.fetch(
@@ -171,10 +172,9 @@ class DecodeBackend(DaemonBackend):
                 d.metrics.spec_proposed.inc(s.num_proposed)
                 d.metrics.spec_accepted.inc(s.num_accepted)
 
-    async def _prefill_here(self, seq: Sequence, inp: GenerateInput, num_pages: int) -> bool:
+    async def _prefill_here(self, seq: Sequence, inp: GenerateInput, num_pages: int) -> None:
         """Local prefill: the prompt's rest past this decode's hit is computed here, and the
-        prefill told to end its leg (nothing written). Returns whether the draft's KV is in place
-        (never: the batcher or the fork fills it from the draft's own hit)."""
+        prefill told to end its leg (nothing written)."""
         d = self.daemon
         b = inp.bootstrap
         await d.receiver.send_local(request_id=seq.request_id, host=b.host, port=b.port, room=b.room,
@@ -191,7 +191,6 @@ class DecodeBackend(DaemonBackend):
             raise
         d.metrics.local_prefill_rooms.inc()
         d.metrics.prompt_tokens_computed.inc(seq.num_prompt_tokens - seq.cached_tokens)
-        return False
 
     async def _fork(self, seq: Sequence, inp: GenerateInput) -> list[Sequence]:
         """``seq`` and, for ``n > 1``, its forks over the received prompt KV (common/engine/fork.py)."""
