@@ -152,7 +152,7 @@ def _rows(ids, base: int = 0, item: int = 1) -> np.ndarray:
     return np.array([(base + i * item, item, 0) for i in ids], dtype=np.int64).reshape(-1, 3)
 
 
-PAGE_SIZE = 16  # only a prefix hit (start > 0, never in this sim yet) reads it
+PAGE_SIZE = 16  # only a prefix hit (start > 0: the machine of test_page_rule_cached.py) reads it
 
 def _sim_feed_descs(feed, num_prompt_tokens, prefill_page_ids, decode_page_ids, start=0):
     """Each feed's rows: every page of the room from ``start`` (a head slice of it, in the real plan)."""
