@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
-#   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|chooser|staging|spec|e2e|xfer-threads|all]   (results land in $OUT, default ./gpu-out)
+#   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|chooser|staging|spec|e2e|multiturn|xfer-threads|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -60,7 +60,8 @@ if [[ $what == staging || $what == all ]]; then
     --triton-block "$sweep" 2>>"$out/staging.err" | tee -a "$out/staging.jsonl"
 fi
 m8b=/tmp/m8b
-if [[ $what == spec || $what == e2e || $what == e2e-churn || $what == engine || $what == xfer-threads || $what == all ]] \
+if [[ $what == spec || $what == e2e || $what == e2e-churn || $what == engine || $what == xfer-threads || $what == multiturn \
+    || $what == all ]] \
     && [[ ! -f $m8b/draft/config.json ]]; then
   timeout 200 python3 -m kvferry.common.cli make-tiny-model $m8b --preset llama-3.1-8b 2>&1 | tail -2
 fi
@@ -97,6 +98,18 @@ if [[ $what == e2e || $what == all ]]; then
   timeout ${E2E_TIMEOUT:-450} python3 bench/e2e.py --device cuda --model $m8b/target --draft $m8b/draft \
     --prompt-tokens ${E2E_PROMPTS:-1024,8192} --concurrency ${E2E_CONC:-1,16,64} --reps ${E2E_REPS:-3} \
     --max-total-tokens 150000 --max-wave-tokens 140000 --no-inprocess 2>"$out/e2e.err" | tee "$out/e2e.jsonl"
+fi
+if [[ $what == multiturn ]]; then
+  # issue 26: conversations through sglang-router (carry its wheel: device-wheels.sh sglang-router==0.3.2 orjson
+  # setproctitle), caches off and on (and the decode's local prefill with MT_SIDES=off,on,local), one side's
+  # daemons on the GPU at a time; the 8B preset's defaults (16 x 2,048 + 8 turns x (512 + 64)). First the tiny
+  # checkpoint in float32, where greedy answers with caches on must equal those with caches off
+  timeout 150 python3 bench/multiturn.py --device cuda --dtype float32 --preset cpu --sides off,on,local \
+    --local-prefill-tokens 128 2>>"$out/multiturn.err" | tee -a "$out/multiturn-tiny-fp32.jsonl"
+  timeout ${MT_TIMEOUT:-480} python3 bench/multiturn.py --device cuda --model $m8b/target --apart \
+    --sides ${MT_SIDES:-off,on} --local-prefill-tokens ${MT_LOCAL:-1024} --log-dir "$out/multiturn-logs" \
+    --prefill-args "${MT_PREFILL_ARGS:-}" --decode-args "${MT_DECODE_ARGS:-}" \
+    2>>"$out/multiturn.err" | tee -a "$out/multiturn.jsonl"
 fi
 if [[ $what == xfer-threads ]]; then
   # concurrent rooms: WRITEs in flight at once on the prefill, 2 against 8 (the GPU default since), same waves

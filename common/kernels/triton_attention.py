@@ -49,7 +49,10 @@ def _store_kv_kernel(k, v, k_cache, v_cache, pages, rows, stride_kt, stride_kh, 
         tl.store(v_cache + dst, v_row.to(v_cache.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# The page table's row stride is its width, the longest sequence's page count: a value Triton would
+# specialize on (divisible by 16 or not), compiling the kernel again the first time a batch's width
+# changes class; a prefix-cache hit changes the widths a prefill sees from one turn to the next.
+@triton.jit(do_not_specialize=["stride_pb", "num_splits"])
 def _decode_split_kernel(q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_lse, stride_qb, stride_qh,
                          stride_cp, stride_cr, stride_ch, stride_pb, scale_log2, window, num_splits,
                          GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -116,7 +119,7 @@ def _decode_merge_kernel(mid_o, mid_lse, o, stride_ob, stride_oh, num_splits, HE
     tl.store(o + b * stride_ob + head * stride_oh + d, out.to(o.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pb"])
 def _extend_kernel(q, o, k_cache, v_cache, page_table, q_starts, q_lens, prefix_lens, stride_qt, stride_qh,
                    stride_ot, stride_oh, stride_cp, stride_cr, stride_ch, stride_pb, scale_log2, window,
                    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,

@@ -52,3 +52,29 @@ def test_e2e_bench_prints_one_json_line_per_configuration():
         assert r["kv_transfer_ms_p50"] > 0  # every wave's WRITE showed up in the prefill's metrics
         assert r["tokens_per_s_colocated"] > 0 and r["tokens_per_s_disagg"] > 0
 
+
+
+def test_multiturn_bench_prints_one_json_line_per_turn_and_side():
+    records = run_bench("multiturn.py", "--conversations", "2", "--system-tokens", "64", "--turns", "3",
+                        "--user-tokens", "32", "--new-tokens", "4", "--sides", "off,on,local",
+                        "--local-prefill-tokens", "64")
+    turns = [r for r in records if r["turn"] != "all"]
+    assert [(r["turn"], r["side"]) for r in turns] == [(t, s) for t in (1, 2, 3) for s in ("off", "on", "local")]
+    by = {(r["turn"], r["side"]): r for r in turns}
+    for t in (1, 2, 3):
+        off = by[t, "off"]
+        assert off["prefill_hits"] == off["decode_hits"] == 0 and off["computed"] == off["prompt_tokens"]
+        for side in ("on", "local"):
+            r = by[t, side]
+            assert r["outputs_equal"] is True, (t, side)  # greedy answers equal the caches-off side's
+            assert r["prompt_tokens"] == off["prompt_tokens"]
+            if t > 1:  # the previous turn's prompt (prefill) and prompt + answer (decode) were held
+                assert r["prefill_hits"] > 0 and r["decode_hits"] > 0 and r["meta_cached_tokens"] > 0
+                assert r["computed"] + r["prefill_hits"] == r["prompt_tokens"]
+                assert r["ttft_p50_vs_off"] > 0
+        if t > 1:
+            assert 0 < by[t, "on"]["bytes_written"] < off["bytes_written"]
+            assert by[t, "local"]["bytes_written"] == 0 and by[t, "local"]["local_rooms"] == 2
+    summary = {r["side"]: r for r in records if r["turn"] == "all"}
+    assert summary.keys() == {"on", "local"} and all(s["outputs_equal"] for s in summary.values())
+    assert summary["on"]["computed"] < summary["on"]["computed_off"]
