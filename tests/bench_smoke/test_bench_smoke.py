@@ -78,3 +78,26 @@ def test_multiturn_bench_prints_one_json_line_per_turn_and_side():
     summary = {r["side"]: r for r in records if r["turn"] == "all"}
     assert summary.keys() == {"on", "local"} and all(s["outputs_equal"] for s in summary.values())
     assert summary["on"]["computed"] < summary["on"]["computed_off"]
+
+
+def test_router_policies_bench_prints_one_json_line_per_pair():
+    records = run_bench("router_policies.py", "--conversations", "2", "--turns", "2", "--system-tokens", "64",
+                        "--user-tokens", "32", "--new-tokens", "4", "--pairs", "round_robin:random,manual:manual")
+    assert [(r["prefill_policy"], r["decode_policy"]) for r in records] == [("round_robin", "random"),
+                                                                           ("manual", "manual")]
+    keys = {"prefill_hit_fraction", "decode_hit_fraction", "prefill_hit_bound", "decode_hit_bound",
+            "prefill_history_hit_fraction", "decode_history_hit_fraction", "kept_prefill", "kept_decode",
+            "requests_by_prefill", "requests_by_decode", "routes", "cache_aware_random_picks", "hw", "git"}
+    for r in records:
+        assert r["bench"] == "router_policies" and keys <= r.keys(), r
+        assert r["outputs_equal"] is True and r["cache_aware_random_picks"] == 0
+        assert sum(r["requests_by_prefill"]) == sum(r["requests_by_decode"]) == 2 * 2
+        assert r["shared_prefix_tokens"] == 64  # the system prompt, in whole 16-token pages
+        for side in ("prefill", "decode"):  # a hit never exceeds what the conversation's own daemon held
+            assert 0 <= r[f"{side}_hit_fraction"] <= r[f"{side}_hit_bound"] < 1
+    sticky = records[1]  # one routing key per conversation: each keeps its prefill and its decode
+    assert sticky["kept_prefill"] == sticky["kept_decode"] == 2
+    assert all(len(set(route)) == 1 for side in ("prefill", "decode") for route in sticky["routes"][side])
+    # the decode held each conversation's previous prompt and answer, the prefill its previous prompt
+    assert sticky["decode_history_hit_fraction"] == sticky["decode_history_hit_bound"] > 0
+    assert sticky["prefill_history_hit_fraction"] == sticky["prefill_history_hit_bound"] > 0
