@@ -100,6 +100,7 @@ class DecodeBackend(DaemonBackend):
         if local:
             await self._prefill_here(seq, inp, num_pages)
             writes_draft = False  # the batcher or the fork fills the draft's KV from its own hit
+            prompt = None  # taken only when no prompt logprobs are asked for (wants_prompt)
         else:
             try:
                 record, link, prompt = await d.receiver.fetch(

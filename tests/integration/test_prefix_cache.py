@@ -1,14 +1,17 @@
 """Prefix reuse across the pair, through the real sglang-router: a conversation's later turns hit
 the prefill's cache (compute skipped) and the decode's (transfer skipped: only the suffix pages
-are written), with greedy tokens equal to the colocated engine's; local prefill on the decode;
-``/flush_cache``; and every page either free or held by a cache once the requests are done."""
+are written), with greedy tokens equal to the colocated engine's; local prefill on the decode,
+through sglang-router and vllm-router; ``/flush_cache``; and every page either free or held by a
+cache once the requests are done."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
 
+from kvferry.common.api.logprobs import token_text
 from kvferry.common.api.sampling_schema import sglang_params
 import msgpack
 import zmq
@@ -158,3 +161,32 @@ def test_openai_usage_names_the_cached_prompt_tokens(pd):
     again = ok(post(router.url + "/v1/completions", body)).json()["usage"]
     assert first["prompt_tokens"] == again["prompt_tokens"]
     assert 0 < again["prompt_tokens_details"]["cached_tokens"] < again["prompt_tokens"]
+
+
+def _local_rooms(proc) -> float:
+    status, text = http_json(proc.url + "/metrics", timeout_s=10)
+    assert status == 200, text
+    return sum(float(v) for v in re.findall(r"^kvferry_local_prefill_rooms_total(?:\{[^}]*\})? (\S+)$", str(text), re.M))
+
+
+def test_local_prefill_through_vllm_router_equals_the_reference(pd, tok, colocated):
+    """vllm-router runs the prefill's leg to its end before it calls the decode, so the prefill has
+    computed (and cached) the prompt; the decode, holding all but a few tokens, computes those
+    itself and ends the waiting room without a WRITE. Same greedy tokens as the colocated engine."""
+    c, prefill, _, _, local, _ = pd
+    router = c.vllm_router([prefill], [local])
+    history = tok.encode("A vllm-router conversation. " + SYSTEM)
+    rooms = []
+    for i in range(3):
+        prompt = history + _question(tok, i)
+        ref = colocated(False).generate([prompt], sglang_params(GREEDY))[0]
+        before = _local_rooms(local)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": GREEDY["max_new_tokens"], "temperature": 0,
+                "logprobs": 1}
+        choice = ok(post(router.url + "/v1/completions", body)).json()["choices"][0]
+        assert choice["logprobs"]["tokens"] == [token_text(tok, t) for t in ref.output_ids], f"turn {i}"
+        assert choice["text"] == ref.text, f"turn {i}"
+        rooms.append(_local_rooms(local) - before)
+        history = prompt + ref.output_ids
+    assert rooms[0] == 0 and rooms[1:] == [1, 1], rooms
+    _pages_accounted([prefill, local])
