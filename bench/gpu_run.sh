@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
-#   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|chooser|staging|spec|e2e|multiturn|xfer-threads|all]   (results land in $OUT, default ./gpu-out)
+#   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|chooser|staging|spec|e2e|e2e-cache|multiturn|xfer-threads|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -61,7 +61,7 @@ if [[ $what == staging || $what == all ]]; then
 fi
 m8b=/tmp/m8b
 if [[ $what == spec || $what == e2e || $what == e2e-churn || $what == engine || $what == xfer-threads || $what == multiturn \
-    || $what == all ]] \
+    || $what == e2e-cache || $what == all ]] \
     && [[ ! -f $m8b/draft/config.json ]]; then
   timeout 200 python3 -m kvferry.common.cli make-tiny-model $m8b --preset llama-3.1-8b 2>&1 | tail -2
 fi
@@ -110,6 +110,16 @@ if [[ $what == multiturn ]]; then
     --sides ${MT_SIDES:-off,on} --local-prefill-tokens ${MT_LOCAL:-1024} --log-dir "$out/multiturn-logs" \
     --prefill-args "${MT_PREFILL_ARGS:-}" --decode-args "${MT_DECODE_ARGS:-}" \
     2>>"$out/multiturn.err" | tee -a "$out/multiturn.jsonl"
+fi
+if [[ $what == e2e-cache ]]; then
+  # issue 26: single-turn figures with the prefix cache on (the default) and off, same run: random prompts never hit,
+  # so this is the cache's own cost (match, insert, eviction on admission)
+  for side in ${E2E_SIDES:-on off}; do
+    args=""; [[ $side == off ]] && args="--disable-prefix-cache"
+    timeout ${E2E_TIMEOUT:-150} python3 bench/e2e.py --device cuda --model $m8b/target --prompt-tokens 1024 \
+      --concurrency ${E2E_CONC:-1,16} --reps ${E2E_REPS:-3} --no-inprocess --prefill-args "$args" --decode-args "$args" \
+      2>>"$out/e2e-cache.err" | sed "s/^{/{\"prefix_cache\": \"$side\", /" | tee -a "$out/e2e-cache.jsonl"
+  done
 fi
 if [[ $what == xfer-threads ]]; then
   # concurrent rooms: WRITEs in flight at once on the prefill, 2 against 8 (the GPU default since), same waves
