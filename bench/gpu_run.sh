@@ -117,7 +117,7 @@ if [[ $what == e2e-cache ]]; then
   for side in ${E2E_SIDES:-on off}; do
     args=""; [[ $side == off ]] && args="--disable-prefix-cache"
     timeout ${E2E_TIMEOUT:-150} python3 bench/e2e.py --device cuda --model $m8b/target --prompt-tokens 1024 \
-      --concurrency ${E2E_CONC:-1,16} --reps ${E2E_REPS:-3} --no-inprocess --prefill-args "$args" --decode-args "$args" \
+      --concurrency ${E2E_CONC:-1,16} --reps ${E2E_REPS:-3} --no-inprocess --prefill-args="$args" --decode-args="$args" \
       2>>"$out/e2e-cache.err" | sed "s/^{/{\"prefix_cache\": \"$side\", /" | tee -a "$out/e2e-cache.jsonl"
   done
 fi
