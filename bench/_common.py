@@ -1,4 +1,5 @@
-"""What every benchmark prints besides its figures: the git hash, the hardware, one JSON line."""
+"""What every benchmark prints besides its figures (the git hash, the hardware, one JSON line), and
+the small pieces several benchmarks share."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -53,3 +55,28 @@ def median(values: Sequence[float]) -> float:
 def emit(record: dict) -> None:
     """The benchmark's result: one JSON object on one stdout line."""
     print(json.dumps(record), flush=True)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two token lists share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def flush_cache(url: str, timeout_s: float = 60.0) -> None:
+    """``POST /flush_cache`` on a daemon until it answers 200 (409 while requests are still being
+    released); anything else, or no 200 by the deadline, ends the benchmark."""
+    from kvferry.common.daemon.procs import http_json
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, body = http_json(url + "/flush_cache", {}, timeout_s=30)
+        if status == 200:
+            return
+        if status != 409 or time.monotonic() > deadline:
+            raise SystemExit(f"{url}/flush_cache: HTTP {status}: {str(body)[:300]}")
+        time.sleep(0.2)

@@ -36,7 +36,6 @@ import argparse
 import http.client
 import json
 import random
-import re
 import statistics
 import sys
 import tempfile
@@ -46,8 +45,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import emit, git_hash, hardware  # noqa: E402
-from kvferry.common.daemon.procs import Proc, free_port, router_proc, worker_proc  # noqa: E402
+from bench._common import common_prefix, emit, flush_cache, git_hash, hardware  # noqa: E402
+from kvferry.common.daemon.procs import Proc, free_port, http_json, router_proc, worker_proc  # noqa: E402
 
 PRESETS = {  # conversations, system tokens, turns, user tokens per turn, new tokens per turn
     "cpu": dict(conversations=4, system_tokens=256, turns=4, user_tokens=64, new_tokens=16),
@@ -91,11 +90,9 @@ def stream(url: str, body: dict, timeout_s: float) -> tuple[float, float, dict]:
 
 
 def counters(url: str) -> dict[str, float]:
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request("GET", "/metrics")
-    text = conn.getresponse().read().decode()
-    conn.close()
+    status, text = http_json(url + "/metrics", timeout_s=30)
+    if status != 200:
+        raise SystemExit(f"{url}/metrics: HTTP {status}")
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line and not line.startswith("#")}
 
@@ -136,33 +133,16 @@ class Side:
 
     def flush(self) -> None:
         for proc in (self.prefill, self.decode):
-            host, port = proc.url.removeprefix("http://").split(":")
-            deadline = time.monotonic() + 60
-            while True:
-                conn = http.client.HTTPConnection(host, int(port), timeout=30)
-                conn.request("POST", "/flush_cache")
-                status = conn.getresponse().status
-                conn.close()
-                if status == 200 or time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)  # 409 while rooms of the warm-up wave are still being released
+            flush_cache(proc.url)  # 409 while rooms of the warm-up wave are still being released
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
             proc.stop(30)
 
 
-def lcp(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 def held(prompt: list[int], earlier: list[list[int]]) -> int:
     """The longest prefix of ``prompt`` that an earlier token list begins with."""
-    return max((lcp(prompt, e) for e in earlier), default=0)
+    return max((common_prefix(prompt, e) for e in earlier), default=0)
 
 
 def wave(pool, side: Side, prompts: list[list[int]], sampling: dict, timeout_s: float) -> dict:

@@ -47,7 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import emit, git_hash, hardware  # noqa: E402
+from bench._common import common_prefix, emit, flush_cache, git_hash, hardware  # noqa: E402
 from kvferry.common.daemon.procs import Proc, http_json, router_proc, worker_proc  # noqa: E402
 
 DEFAULT_PAIRS = ("cache_aware:round_robin,cache_aware:cache_aware,round_robin:random,round_robin:round_robin,"
@@ -69,18 +69,6 @@ def requests_served(proc: Proc) -> float:
                if line.startswith("kvferry_requests_total"))
 
 
-def flush(proc: Proc, timeout_s: float = 60.0) -> None:
-    """``POST /flush_cache`` until it answers 200 (409 while requests are still being released)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status, body = http_json(proc.url + "/flush_cache", {}, timeout_s=30)
-        if status == 200:
-            return
-        if status != 409 or time.monotonic() > deadline:
-            raise SystemExit(f"{proc.url}/flush_cache: HTTP {status}: {str(body)[:300]}")
-        time.sleep(0.2)
-
-
 def served_by(procs: list[Proc], before: list[float], timeout_s: float = 30.0) -> tuple[int, list[float]]:
     """Which of ``procs`` counted one more request than ``before`` (its counter moves when its
     leg ends, which for a prefill may be just after the client got its answer)."""
@@ -99,14 +87,6 @@ def served_by(procs: list[Proc], before: list[float], timeout_s: float = 30.0) -
 
 def page_floor(n: int, page: int) -> int:
     return n // page * page
-
-
-def lcp(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class Workload:
@@ -223,7 +203,7 @@ def main() -> None:
             warm_up(a, logs, prefills, decodes, sampling)
             for pair in pairs:
                 for p in prefills + decodes:
-                    flush(p)
+                    flush_cache(p.url)
                 extra = ["--prefill-policy", pair["prefill_policy"], "--decode-policy", pair["decode_policy"],
                          "--log-level", "debug", *a.router_args.split()]
                 if pair["assignment_mode"]:
@@ -307,7 +287,7 @@ def run_pair(a, router: Proc, prefills: list[Proc], decodes: list[Proc], w: Work
     # previous prompt, the decode the previous prompt and answer but the answer's last token (whose
     # KV is never computed); in whole pages, and at most all but the prompt's last token
     def bound(t: int, c: int, held: list[int]) -> int:
-        return page_floor(min(lcp(w.ids[t][c], held), len(w.ids[t][c]) - 1), page)
+        return page_floor(min(common_prefix(w.ids[t][c], held), len(w.ids[t][c]) - 1), page)
 
     bounds = {"prefill": {(t, c): bound(t, c, w.ids[t - 1][c]) for t, c in later},
               "decode": {(t, c): bound(t, c, w.ids[t - 1][c] + answers[t - 1][c][:-1]) for t, c in later}}
@@ -315,7 +295,7 @@ def run_pair(a, router: Proc, prefills: list[Proc], decodes: list[Proc], w: Work
             for side in ("prefill", "decode")}
     # the system prompt every conversation begins with, in whole pages: any daemon that served any
     # conversation holds it, so the hits past it are those a conversation's own history gave
-    shared = page_floor(min(lcp(w.ids[0][0], x) for x in w.ids[0]) if len(w.ids[0]) > 1 else 0, page)
+    shared = page_floor(min(common_prefix(w.ids[0][0], x) for x in w.ids[0]) if len(w.ids[0]) > 1 else 0, page)
     history_tokens = sum(len(w.ids[t][c]) - shared for t, c in later)
 
     def fraction(tokens: dict, past: int, total: int) -> float:

@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench._common import emit, git_hash, hardware  # noqa: E402
+from bench._common import common_prefix, emit, git_hash, hardware  # noqa: E402
 
 
 def tiny_dirs() -> tuple[str, str]:
@@ -85,7 +85,7 @@ def main() -> None:
             started = time.perf_counter()
             outs[name] = engines[name].generate(prompts, params)
             took[name] = time.perf_counter() - started
-        same = [_common_prefix(p.output_ids, q.output_ids) for p, q in zip(outs["plain"], outs["spec"])]
+        same = [common_prefix(p.output_ids, q.output_ids) for p, q in zip(outs["plain"], outs["spec"])]
         if dtype == "float32" and min(same) < a.new_tokens:
             raise SystemExit(f"repetition {rep}: speculative greedy output differs from plain greedy")
         if rep:
@@ -104,16 +104,6 @@ def main() -> None:
           "outputs_equal": min(agreed) == a.new_tokens,
           "common_prefix_fraction": round(sum(agreed) / (len(agreed) * a.new_tokens), 4),
           "model": Path(target).name, "device": a.device, "hw": hardware([a.device]), "git": git_hash()})
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two outputs share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 if __name__ == "__main__":
