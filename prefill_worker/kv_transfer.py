@@ -78,9 +78,22 @@ class KvWriter:
             await self.send(room.identity, wire.TransferResult(room=room.room, ok=True, error=None,
                                                                **self._cached_field(peer, room)))
             return 0.0
-        slot = self.aux.acquire()
-        self.peers.acquire(peer)
         staged = None
+        converted = not isinstance(plan, TpPeerPlan) and plan.conversion is not None
+        if converted:  # before the aux slot and the peer are held: this may wait for a staging slot
+            if self.staging is None:  # refused at registration; a guard, not a path
+                raise TransferError(f"room={room.room}: decode kv_dtype {plan.conversion.dst} needs conversion and "
+                                    f"this prefill stages nothing", code=FailCode.GEOMETRY)
+            staged = await self.staging.choose_converted(plan, peer.staging, room.transfer, room.page_ids,
+                                                         room.transfer.decode_prefix_len // plan.page_size, room)
+        job = None
+        try:
+            slot = self.aux.acquire()
+        except BaseException:
+            if staged is not None:
+                self.staging.finish(staged, None)  # nothing was posted: the staging slot is free again
+            raise
+        self.peers.acquire(peer)
         try:
             self.aux.write(slot, AuxRecord(room=room.room, first_token_id=room.first_token_id,
                                            first_token_logprob=room.first_token_logprob,
@@ -95,11 +108,11 @@ class KvWriter:
                                            slot, self.xfer_timeout_s)
             else:
                 xfer = room.xfer.with_prefill_aux_slot(plan, slot)
-                if self.staging is not None:
+                if self.staging is not None and not converted:
                     staged = self.staging.choose(plan, peer.staging, room.transfer, room.page_ids,
                                                  first_page=room.transfer.decode_prefix_len // plan.page_size)
                 notif = wire.encode(wire.Notification(room=room.room, decode_id=peer.decode_id, ok=True,
-                                                      staged=staged is not None))
+                                                      staged=staged is not None and staged.into_slot))
                 write = self._write if staged is None else self._write_staged
                 job = loop.run_in_executor(self.executor, write, list(peer.lists), xfer, notif, room, staged)
             try:
@@ -107,9 +120,12 @@ class KvWriter:
             finally:
                 if staged is not None:  # the job has returned: nothing of it touches the slot any more
                     self.staging.finish(staged, job.exception() if not job.cancelled() else None)
-            num_bytes = job.result() if isinstance(plan, TpPeerPlan) else xfer.num_bytes
+            num_bytes = (job.result() if isinstance(plan, TpPeerPlan)
+                         else staged.nbytes + plan.aux_nbytes if staged is not None else xfer.num_bytes)
             elapsed = time.perf_counter() - started
         finally:
+            if staged is not None and job is None:  # failed before the WRITE job started
+                self.staging.finish(staged, None)
             # only here, once the job has returned: its lists and the aux slot were in use until then
             self.peers.release(peer)
             self.aux.release(slot)
@@ -121,7 +137,8 @@ class KvWriter:
         # Prompt logprobs go only to a decode that reads them (an older one would refuse the field).
         prompt = room.prompt_logprobs if room.has_decode_logprobs else None
         await self.send(room.identity, wire.TransferResult(room=room.room, ok=True, error=None, prompt_logprobs=prompt,
-                                                           staged=staged is not None, **self._cached_field(peer, room)))
+                                                           staged=staged is not None and staged.into_slot,
+                                                           **self._cached_field(peer, room)))
         return elapsed
 
     @staticmethod

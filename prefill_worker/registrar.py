@@ -124,6 +124,11 @@ class Registrar:
             raise ProtocolError(refusal[0], code=refusal[1])
         peer_name = f"decode_id={msg.decode_id} agent={msg.agent_name}"
         plan = geometry.build_plan(self.layout, KvLayout.from_register(msg), peer=peer_name)
+        if plan.conversion is not None and not self.staging:
+            raise GeometryMismatchError(
+                f"{peer_name}: kv_dtype {plan.conversion.dst!r} differs from this prefill's {plan.conversion.src!r}; "
+                f"a room is converted while staged, and this prefill stages nothing: start it with --staging-bytes "
+                f"> 0 (and --staging-crossover-runs other than 0), or both sides with the same --kv-cache-dtype")
         self._check_draft(msg, plan)
         old = self.peers.get(msg.decode_id)
         if old is not None and old.agent_name == msg.agent_name:

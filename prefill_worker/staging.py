@@ -12,19 +12,25 @@ on the wire; the aux record and the notification (``staged=True``) go last, once
 DONE. It checks the room's abort flag before every post, like a direct WRITE; ``finish`` frees this
 side's slot after a DONE or a known cancel, and quarantines it when a WRITE could not be cancelled.
 
+A room for a decode whose pool holds another KV dtype (``common/plan/convert.py``) is always
+staged, whatever its size: ``choose_converted`` waits (bounded by the room's deadline) for one of
+this side's slots, and the gather converts while it copies. It goes into the decode's slot when the
+decode offered one the room fits, else from the chunk buffers straight into the decode's pages
+(one descriptor per run, ``StagedRoom.into_slot`` false): never from the prefill's pages, which
+hold the other dtype.
+
 The crossover comes from ``--staging-crossover-runs``, or from costs measured at start-up
-(``measure_costs``: a WRITE of many small descriptors against one of the same bytes, a tiny WRITE's
-whole cycle, between two agents of this process, and a gather of the pool's pages), logged with the
-crossover they give. The model (``common/plan/staging.py``: ``direct_s``, ``staged_s``) counts each
+(``staging_costs.py``: a WRITE of many small descriptors against one of the same bytes, a tiny
+WRITE's whole cycle, between two agents of this process, and a gather of the pool's pages), logged
+with the crossover they give. The model (``common/plan/staging.py``: ``direct_s``, ``staged_s``) counts each
 chunk's WRITE and both copies, so a room is staged only where that is faster than direct. The costs
 hold for decodes whose staging slots sit in this buffer's kind of memory; rooms to others go direct.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import statistics
-import threading
 import time
 from dataclasses import dataclass
 
@@ -33,11 +39,12 @@ import torch
 
 from kvferry.common.wire import messages as wire
 from kvferry.common.errors import FailCode, TransferError, UnsafeWriteError
-from kvferry.common.kernels.staging_copy import gather, pool_holding, row_index
-from kvferry.common.plan.staging import (Chunk, DirectReason, StagingCosts, StepOp, StreamSegment, TransferPath, copy_plan,
-                                 crossover_runs, pipeline_steps, plan_room, room_stream)
+from kvferry.common.kernels.staging_copy import gather, gather_convert, pool_holding, row_index
+from kvferry.common.plan.staging import (Chunk, DirectReason, StagingCosts, StepOp, StreamSegment, TransferPath, chunk_plan,
+                                 copy_plan, crossover_runs, pipeline_steps, plan_room, room_stream)
 from kvferry.common.wire.staging_slots import SlotRole, StagingSlot, StagingSlots
 from kvferry.common.transport.nixl import NixlEngine
+from kvferry.prefill_worker.staging_costs import log_costs, measure_costs
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +53,9 @@ NUM_BUFFERS = 2  # chunk buffers per staged room: one gathered while the other i
 
 @dataclass(eq=False)
 class StagedRoom:
-    """A room on the staged path: this side's slot, the chunks, and the decode slot's address."""
+    """A room on the staged path: this side's slot, the chunks, and the decode slot's address (-1:
+    a converted room WRITTEN from the chunk buffers into the decode's pages, no slot there).
+    ``src_dtype`` and ``scales`` (one fp32 tensor per segment) are set for a converted room."""
 
     slot: StagingSlot
     chunks: tuple[Chunk, ...]
@@ -55,6 +64,13 @@ class StagedRoom:
     decode_mem: str
     decode_device: int
     nbytes: int
+    src_dtype: torch.dtype | None = None
+    scales: tuple[torch.Tensor, ...] = ()
+
+    @property
+    def into_slot(self) -> bool:
+        """The decode scatters this room from its slot (its notification says ``staged``)."""
+        return self.decode_addr >= 0
 
 
 def stream_runs(plan) -> list[list[int]]:
@@ -82,6 +98,7 @@ class StagingSender:
         self.pools = pools
         self.crossover = crossover  # a fixed run count, or measured costs (the count then depends on the room)
         self.metrics = metrics
+        self._freed = asyncio.Event()  # set when a slot is given back: converted rooms wait for one
 
     @classmethod
     def build(cls, engine: NixlEngine, nbytes: int, chunk_nbytes: int, crossover: int, pools: list[torch.Tensor],
@@ -97,7 +114,7 @@ class StagingSender:
         costs: int | StagingCosts = crossover
         if crossover < 0:
             costs = measure_costs(engine, buffer, pools[0])
-            _log_costs(costs, chunk_nbytes, slots.buffer_nbytes)
+            log_costs(costs, chunk_nbytes, slots.buffer_nbytes)
         else:
             logger.info("staging: stage a room at or above %d descriptors (--staging-crossover-runs)", crossover)
         logger.info("staging slots role=prefill slots=%d chunk_bytes=%d device=%s", slots.num_slots, chunk_nbytes, device)
@@ -137,6 +154,48 @@ class StagingSender:
         return StagedRoom(slot, room_plan.chunks, segments, staging.addr + transfer.staging_slot * staging.slot_nbytes,
                           staging.mem, staging.device, nbytes)
 
+    async def choose_converted(self, plan, staging: wire.StagingInfo | None, transfer: wire.Transfer,
+                               prefill_page_ids: list[int], first_page: int, room) -> StagedRoom | None:
+        """A converted room's staged path (module docstring): None only when no page is written
+        (the aux record alone, direct). Waits for a free slot of this side until the room's deadline;
+        raises ``TransferError`` then, or the room's failure when it is aborted meanwhile."""
+        if first_page >= len(transfer.page_ids):
+            return None
+        segments = tuple(seg for g in plan.groups
+                         for seg in room_stream(g, prefill_page_ids[first_page:], transfer.page_ids[first_page:],
+                                                converted=True))
+        nbytes = sum(s.num_runs * s.run_nbytes for s in segments)
+        chunks = chunk_plan([s.run_nbytes for s in segments], [s.num_runs for s in segments], self.chunk_nbytes,
+                            NUM_BUFFERS)
+        if chunks is None:
+            raise TransferError(f"room={transfer.room}: a converted run of {max(s.run_nbytes for s in segments)} bytes "
+                                f"exceeds this prefill's {self.chunk_nbytes}-byte staging chunk; raise "
+                                f"--staging-chunk-bytes", code=FailCode.GEOMETRY)
+        while (slot := self.slots.acquire(transfer.room, NUM_BUFFERS * self.chunk_nbytes)) is None:
+            if room.is_aborted:
+                raise room.failure()
+            left = room.deadline - time.monotonic()
+            if left <= 0:
+                raise TransferError(f"room={transfer.room}: no staging slot of this prefill's {self.slots.num_slots} "
+                                    f"came free before the room's deadline (converted rooms are always staged; "
+                                    f"raise --staging-bytes)", code=FailCode.TIMEOUT)
+            self._freed.clear()
+            try:
+                await asyncio.wait_for(self._freed.wait(), min(left, 0.05))  # re-checks the abort flag meanwhile
+            except asyncio.TimeoutError:
+                pass
+        into_slot = (staging is not None and 0 <= transfer.staging_slot < staging.num_slots
+                     and nbytes <= staging.slot_nbytes)
+        self.metrics.staging_rooms.labels(path="staged", reason="" if into_slot else "converted_to_pages").inc()
+        device = self.buffer.device
+        scales = tuple(torch.tensor(s.scales, dtype=torch.float32, device=device) for s in segments)
+        src = getattr(torch, plan.conversion.src)
+        if into_slot:
+            return StagedRoom(slot, chunks, segments, staging.addr + transfer.staging_slot * staging.slot_nbytes,
+                              staging.mem, staging.device, nbytes, src, scales)
+        return StagedRoom(slot, chunks, segments, -1, plan.decode.regions[0].mem, segments[0].decode_device, nbytes,
+                          src, scales)
+
     def _direct(self, reason: DirectReason | None) -> None:
         self.metrics.staging_rooms.labels(path="direct", reason=reason.value if reason else "").inc()
         return None
@@ -150,6 +209,7 @@ class StagingSender:
             self.slots.write_done(slot)
         else:
             self.slots.cancelled(slot)
+        self._freed.set()
 
     # -- the WRITE (transfer executor) -------------------------------------------------------------
     def write(self, engine: NixlEngine, peer: str, staged: StagedRoom, aux_write, room, deadline: float) -> None:
@@ -172,8 +232,12 @@ class StagingSender:
                     chunk = staged.chunks[step.chunk]
                     if step.chunk in gathered:
                         gathered.pop(step.chunk).synchronize()  # this chunk's gather has finished (not the next's)
-                    src = [(chunk_base + chunk.buffer * self.chunk_nbytes, chunk.nbytes, self._device())]
-                    dst = [(staged.decode_addr + chunk.stream_offset, chunk.nbytes, staged.decode_device)]
+                    base = chunk_base + chunk.buffer * self.chunk_nbytes
+                    if staged.into_slot:
+                        src = [(base, chunk.nbytes, self._device())]
+                        dst = [(staged.decode_addr + chunk.stream_offset, chunk.nbytes, staged.decode_device)]
+                    else:
+                        src, dst = self._to_pages(staged, chunk, base)
                     handles[step.chunk] = self._post(engine, peer, src, dst, staged.decode_mem)
                 elif step.op is StepOp.WAIT:
                     local, remote, handle = handles.pop(step.chunk)
@@ -212,16 +276,38 @@ class StagingSender:
             engine.release_prepped(remote)
             raise
 
+    def _to_pages(self, staged: StagedRoom, chunk: Chunk, base: int) -> tuple[list, list]:
+        """A converted chunk's WRITE into the decode's pages: its runs back to back in the chunk
+        buffer, each to its decode page, runs that follow one another on both sides merged."""
+        src: list[list[int]] = []
+        dst: list[list[int]] = []
+        at, dev = base, self._device()
+        for part in chunk.parts:
+            seg = staged.segments[part.segment]
+            for addr in seg.decode_addrs[part.first_run:part.first_run + part.num_runs].tolist():
+                if dst and dst[-1][0] + dst[-1][1] == addr and dst[-1][2] == seg.decode_device:
+                    src[-1][1] += seg.run_nbytes
+                    dst[-1][1] += seg.run_nbytes
+                else:
+                    src.append([at, seg.run_nbytes, dev])
+                    dst.append([addr, seg.run_nbytes, seg.decode_device])
+                at += seg.run_nbytes
+        return [tuple(d) for d in src], [tuple(d) for d in dst]
+
     def _gather(self, staged: StagedRoom, chunk: Chunk) -> None:
         at = staged.slot.offset + chunk.buffer * self.chunk_nbytes
         for part in chunk.parts:
             seg = staged.segments[part.segment]
             addrs = seg.prefill_addrs[part.first_run:part.first_run + part.num_runs]
-            pool = self._pool_of(addrs, seg.run_nbytes)
+            pool = self._pool_of(addrs, seg.prefill_nbytes)
             size = part.num_runs * seg.run_nbytes
-            plan = copy_plan(addrs, seg.run_nbytes, pool.data_ptr(), self.buffer.data_ptr() + at,
+            plan = copy_plan(addrs, seg.prefill_nbytes, pool.data_ptr(), self.buffer.data_ptr() + at,
                              pool.numel() * pool.element_size())
-            gather(pool, self.buffer[at:at + size], plan, row_index(plan, pool.device))
+            if staged.src_dtype is None:
+                gather(pool, self.buffer[at:at + size], plan, row_index(plan, pool.device))
+            else:
+                gather_convert(pool, self.buffer[at:at + size], plan, row_index(plan, pool.device),
+                               src_dtype=staged.src_dtype, scales=staged.scales[part.segment])
             at += size
 
     def _pool_of(self, addrs: np.ndarray, nbytes: int) -> torch.Tensor:
@@ -233,129 +319,3 @@ class StagingSender:
 
     def _device(self) -> int:
         return (self.buffer.device.index or 0) if self.buffer.is_cuda else 0
-
-
-def measure_costs(engine: NixlEngine, buffer: torch.Tensor, pool: torch.Tensor, reps: int = 5) -> StagingCosts:
-    """This machine's costs for the chooser (start-up, a fraction of a second), over the transport a
-    decode on this host whose staging slots sit in the buffer's kind of memory uses: WRITEs into a
-    second agent of this process. Up to 256 descriptors of 4 KiB against one of the same bytes (per
-    descriptor, and per byte on the wire), a 64-byte WRITE prepared, posted, polled to DONE and
-    released ``4 * reps`` times (per WRITE: what each staged chunk pays), and a gather of up to
-    16 MiB from the pool in 64 KiB rows (a page block's size) against one row. A buffer too small
-    to measure gives costs that never stage (logged by the caller)."""
-    size = 4096
-    num = min(256, buffer.numel() * buffer.element_size() // size)
-    if num < 2:
-        return StagingCosts(per_descriptor_s=0.0, copy_s_per_byte=0.0)
-    probe = NixlEngine("staging-probe")
-    target = torch.empty(2 * num * size, dtype=torch.uint8, device=buffer.device)
-    stop = threading.Event()
-    poller = None
-    try:
-        probe.register_tensor(target)
-        name = engine.add_peer(probe.metadata())
-
-        def progress() -> None:  # the target's progress: a loopback WRITE completes while it polls
-            while not stop.is_set():
-                probe.get_notifs()
-                stop.wait(1e-4)
-
-        poller = threading.Thread(target=progress, name="staging-probe", daemon=True)
-        poller.start()
-        writes = _time_writes(engine, name, buffer, target, num, size, reps)
-        engine.remove_peer(name)
-        row = 64 << 10
-        rows = min(256, buffer.numel() * buffer.element_size() // row, pool.numel() * pool.element_size() // (2 * row))
-        if rows < 2:
-            return StagingCosts(per_descriptor_s=0.0, copy_s_per_byte=0.0)
-        copy_many = _time_gather(pool, buffer, rows, row, reps)
-        copy_one = _time_gather(pool, buffer, 1, row, reps)
-        per_byte = max(copy_many - copy_one, 0.0) / ((rows - 1) * row)
-        # gather + scatter: two passes over the bytes, both on the memory the WRITE uses
-        return StagingCosts(per_descriptor_s=writes.per_descriptor_s, copy_s_per_byte=2 * per_byte,
-                            copy_fixed_s=2 * copy_one, per_write_s=writes.per_write_s,
-                            wire_s_per_byte=writes.wire_s_per_byte, copies_share_wire=True)
-    finally:
-        stop.set()
-        if poller is not None:
-            poller.join(timeout=5)
-        probe.close()
-
-
-@dataclass(frozen=True, slots=True)
-class _WriteCosts:
-    per_descriptor_s: float
-    per_write_s: float
-    wire_s_per_byte: float
-
-
-def _time_writes(engine: NixlEngine, peer: str, buffer: torch.Tensor, target: torch.Tensor, num: int, size: int,
-                 reps: int) -> _WriteCosts:
-    """WRITE costs from ``buffer`` into ``target`` (registered by agent ``peer``): ``num`` blocks of
-    ``size`` (every other block of the target: nothing merges) against one descriptor of the same
-    bytes and against 64 bytes, prepared lists; then a 64-byte WRITE's whole cycle."""
-    mem = "VRAM" if buffer.is_cuda else "DRAM"
-    dev = (buffer.device.index or 0) if buffer.is_cuda else 0
-    src_base, dst_base = buffer.data_ptr(), target.data_ptr()
-    shapes = {"many": ([(src_base + i * size, size, dev) for i in range(num)],
-                       [(dst_base + 2 * i * size, size, dev) for i in range(num)]),
-              "one": ([(src_base, num * size, dev)], [(dst_base, num * size, dev)]),
-              "tiny": ([(src_base, 64, dev)], [(dst_base, 64, dev)])}
-    times = {}
-    for key, (src, dst) in shapes.items():
-        local, remote = engine.prep_local(src, mem), engine.prep_remote(peer, dst, mem)
-        index = list(range(len(src)))
-        best = float("inf")
-        for _ in range(reps):
-            start = time.perf_counter()
-            handle = engine.post_write(local, index, remote, index, None)
-            engine.wait(handle, 10.0)
-            engine.release(handle)
-            best = min(best, time.perf_counter() - start)
-        engine.release_prepped(local)
-        engine.release_prepped(remote)
-        times[key] = best
-    cycles = []
-    for _ in range(4 * reps):  # what StagingSender._post and the WAIT step do per chunk
-        start = time.perf_counter()
-        local, remote = engine.prep_local(shapes["tiny"][0], mem), engine.prep_remote(peer, shapes["tiny"][1], mem)
-        try:
-            handle = engine.post_write(local, [0], remote, [0], None)
-            engine.wait(handle, 10.0)
-            engine.release(handle)
-        finally:
-            engine.release_prepped(local)
-            engine.release_prepped(remote)
-        cycles.append(time.perf_counter() - start)
-    return _WriteCosts(per_descriptor_s=max(times["many"] - times["one"], 0.0) / (num - 1),
-                       per_write_s=statistics.median(cycles),
-                       wire_s_per_byte=max(times["one"] - times["tiny"], 0.0) / (num * size))
-
-
-def _log_costs(costs: StagingCosts, chunk_nbytes: int, buffer_nbytes: int) -> None:
-    if costs.per_descriptor_s <= 0:
-        logger.warning("staging: the %d-byte staging buffer is too small to measure costs in; staging off "
-                       "(raise --staging-bytes or set --staging-crossover-runs)", buffer_nbytes)
-    logger.info("staging costs measured at start-up: %.2f us per descriptor, %.1f us per WRITE, %.4f ns per byte on "
-                "the wire, %.4f ns per byte gathered + scattered, %.1f us per copy; with %d-byte chunks stage a room "
-                "at or above %d descriptors (1 MiB), %d (64 MiB), %d (1 GiB)",
-                costs.per_descriptor_s * 1e6, costs.per_write_s * 1e6, costs.wire_s_per_byte * 1e9,
-                costs.copy_s_per_byte * 1e9, costs.copy_fixed_s * 1e6, chunk_nbytes,
-                *(crossover_runs(costs, n, chunk_nbytes) for n in (1 << 20, 64 << 20, 1 << 30)))
-
-
-def _time_gather(pool: torch.Tensor, buffer: torch.Tensor, num: int, size: int, reps: int) -> float:
-    """Best time of gathering ``num`` rows of ``size`` bytes of ``pool`` (every other row) into ``buffer``."""
-    pool_nbytes = pool.numel() * pool.element_size()
-    rows = min(num, pool_nbytes // (2 * size))
-    addrs = pool.data_ptr() + 2 * size * np.arange(rows, dtype=np.int64)
-    plan = copy_plan(addrs, size, pool.data_ptr(), buffer.data_ptr(), pool_nbytes)
-    index = row_index(plan, pool.device)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        gather(pool, buffer[:rows * size], plan, index)
-        if pool.is_cuda:
-            torch.cuda.synchronize(pool.device)
-        best = min(best, time.perf_counter() - start)
-    return best

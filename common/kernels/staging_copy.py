@@ -11,6 +11,10 @@ integers, and run i is ``rows_per_run`` consecutive rows from row ``plan.rows[i]
 
 Rows never overlap (the runs of one room are distinct pages), so the scatter has no write conflicts
 and touches nothing outside the runs. Integer rows copy bytes exactly whatever the pool's dtype.
+
+``gather_convert`` gathers a room whose decode holds another KV dtype (``common/plan/convert.py``):
+the runs are gathered as they are into a temporary, then each member region's items are quantised
+with that region's scale (``to_e4m3``: the rounding every FP8 K/V store uses) into the slot.
 """
 
 from __future__ import annotations
@@ -74,6 +78,33 @@ def gather_reference(buffer: torch.Tensor, staging: torch.Tensor, plan: CopyPlan
 def scatter_reference(staging: torch.Tensor, buffer: torch.Tensor, plan: CopyPlan, index: torch.Tensor) -> None:
     """Run i of ``buffer`` = staging[i * run_nbytes: (i + 1) * run_nbytes] (torch ``index_copy_``)."""
     _buffer_rows(buffer, plan).index_copy_(0, index, _staging_rows(staging, plan))
+
+
+FP8_MAX = 448.0
+
+
+def to_e4m3(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """float8_e4m3fn of ``x / scale`` in fp32, saturated to ±448 (e4m3 has no infinity: a cast of
+    a larger value would give NaN). Every FP8 K/V write rounds this way."""
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def gather_convert(buffer: torch.Tensor, staging: torch.Tensor, plan: CopyPlan, index: torch.Tensor, *,
+                   src_dtype: torch.dtype, scales: torch.Tensor) -> None:
+    """Gather ``plan``'s runs of ``buffer`` (elements of ``src_dtype``) and write them into
+    ``staging`` as e4m3, run after run: run i of ``plan.run_nbytes`` source bytes becomes
+    ``plan.run_nbytes / elem`` bytes. A run holds ``len(scales)`` equal member items in turn,
+    member j quantised with ``scales[j]`` (fp32, on the buffer's device)."""
+    elem = torch.empty(0, dtype=src_dtype).element_size()
+    gathered = torch.empty(plan.num_runs * plan.run_nbytes, dtype=torch.uint8, device=buffer.device)
+    gather(buffer, gathered, plan, index)
+    values = gathered.view(src_dtype).view(plan.num_runs, len(scales), -1)
+    out_nbytes = plan.num_runs * plan.run_nbytes // elem
+    flat = staging.reshape(-1).view(torch.uint8)
+    if flat.numel() < out_nbytes:
+        raise ValueError(f"a staging slot of {flat.numel()} bytes cannot hold {plan.num_runs} converted runs "
+                         f"of {plan.run_nbytes // elem} bytes")
+    flat[:out_nbytes].view(torch.float8_e4m3fn).view_as(values).copy_(to_e4m3(values, scales.view(1, -1, 1)))
 
 
 @functools.cache

@@ -131,10 +131,11 @@ class Run:
     item_len: int
     num_pages: int
     page_stride: int
+    members: tuple[tuple[int, float], ...] = ()  # (item_len, scale) of each member region, in page order
 
     @classmethod
     def of(cls, r: Region) -> Run:
-        return cls(r.mem, r.device, r.addr, r.item_len, r.num_pages, r.page_stride)
+        return cls(r.mem, r.device, r.addr, r.item_len, r.num_pages, r.page_stride, ((r.item_len, r.scale),))
 
     def extended_by(self, r: Region) -> Run | None:
         """This run with ``r`` appended, if ``r``'s pages start where this run's end, page for page."""
@@ -142,7 +143,8 @@ class Run:
             return None
         if r.addr != self.addr + self.item_len or self.item_len + r.item_len > self.page_stride:
             return None
-        return Run(self.mem, self.device, self.addr, self.item_len + r.item_len, self.num_pages, self.page_stride)
+        return Run(self.mem, self.device, self.addr, self.item_len + r.item_len, self.num_pages, self.page_stride,
+                   self.members + ((r.item_len, r.scale),))
 
 
 def fuse_pairs(pairs: Sequence[tuple[Region, Region]]) -> tuple[tuple[Run, Run], ...]:
@@ -184,13 +186,13 @@ class DescGroup:
     decode_aux: AuxInfo | None = None
     aux_nbytes: int = 0  # bytes written into the decode's aux slot (the smaller slot size of the two sides)
     runs: tuple[tuple[Run, Run], ...] = field(init=False)  # the pairs fused (``fuse_pairs``)
-    page_nbytes: int = field(init=False)  # bytes of one token page over every pair
+    page_nbytes: int = field(init=False)  # bytes of one token page over every pair, as the decode holds them
     prefill_order: ListOrder = field(init=False)
     decode_order: ListOrder = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "runs", fuse_pairs(self.pairs))
-        object.__setattr__(self, "page_nbytes", sum(p.item_len for p, _ in self.pairs))
+        object.__setattr__(self, "page_nbytes", sum(d.item_len for _, d in self.pairs))
         object.__setattr__(self, "prefill_order", ListOrder.of([p for p, _ in self.runs]))
         object.__setattr__(self, "decode_order", ListOrder.of([d for _, d in self.runs]))
 

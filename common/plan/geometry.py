@@ -46,6 +46,7 @@ from kvferry.common.wire.messages import AuxInfo, Region, RegionKey, Transfer
 # imported from their own modules by whoever needs them: nothing is re-exported from here.
 from kvferry.common.plan.layout import Desc, KvLayout, check_layout, format_key, format_keys
 from kvferry.common.plan.desc_lists import DescGroup
+from kvferry.common.plan.convert import Conversion, check_scale, conversion
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,8 @@ class TransferPlan:
     written: tuple[RegionKey, ...]
     ignored: tuple[RegionKey, ...]
     decode_only_spec_dec: bool
+    # the decode's pool holds another dtype: every room is converted while staged (common/plan/convert.py)
+    conversion: Conversion | None = None
     # derived once here, read per room by request_indices
     num_decode_pages: int = field(init=False)  # pages every written decode region holds: ids lie below
     num_prefill_pages: int = field(init=False)
@@ -91,29 +94,36 @@ def build_plan(prefill: KvLayout, decode: KvLayout, *, peer: str = "") -> Transf
     try:
         check_layout(prefill, "prefill")
         check_layout(decode, "decode")
-        _check_compatible(prefill, decode)
-        pairs, ignored = _match_regions(prefill, decode)
+        convert = _check_compatible(prefill, decode)
+        pairs, ignored = _match_regions(prefill, decode, convert)
+        groups = _group(pairs, prefill.aux, decode.aux)
+        if convert is not None:
+            _check_converted_runs(groups)
     except GeometryMismatchError as exc:
         raise GeometryMismatchError(f"{exc} (decode peer {peer})" if peer else str(exc)) from None
-    return TransferPlan(prefill=prefill, decode=decode, groups=_group(pairs, prefill.aux, decode.aux),
+    return TransferPlan(prefill=prefill, decode=decode, groups=groups,
                         written=tuple(p.key for p, _ in pairs), ignored=ignored,
-                        decode_only_spec_dec=bool(ignored))
+                        decode_only_spec_dec=bool(ignored), conversion=convert)
 
 
-def _check_compatible(prefill: KvLayout, decode: KvLayout) -> None:
+def _check_compatible(prefill: KvLayout, decode: KvLayout) -> Conversion | None:
+    """Equal model, page size and TP size; the KV dtypes equal or a pair converted in transit
+    (returned; ``common/plan/convert.py`` refuses any other pair naming both)."""
     for name, label, fix in (
             ("model", "model fingerprint", "serve the same checkpoint on both sides"),
             ("page_size", "page_size", "start both sides with the same --page-size"),
-            ("kv_dtype", "kv_dtype", "start both sides with the same --dtype"),
             ("tp_size", "tp_size", "heterogeneous TP is not supported yet: use the same TP size")):
         p, d = getattr(prefill, name), getattr(decode, name)
         if p != d:
             raise GeometryMismatchError(f"{label} mismatch: prefill has {p!r}, decode has {d!r}; {fix}")
+    return conversion(prefill.kv_dtype, decode.kv_dtype)
 
 
-def _match_regions(prefill: KvLayout, decode: KvLayout
+def _match_regions(prefill: KvLayout, decode: KvLayout, convert: Conversion | None = None
                    ) -> tuple[list[tuple[Region, Region]], tuple[RegionKey, ...]]:
-    """Pair regions by key (rules 2–5); return pairs in prefill order and ignored decode keys."""
+    """Pair regions by key (rules 2–5); return pairs in prefill order and ignored decode keys.
+    Converted, a pair holds the same elements: the prefill's ``item_len`` is ``ratio`` times the
+    decode's, and the decode's scale is usable."""
     by_key = {d.key: d for d in decode.regions}
     prefill_keys = {p.key for p in prefill.regions}
     missing = [p.key for p in prefill.regions if p.key not in by_key]
@@ -133,14 +143,38 @@ def _match_regions(prefill: KvLayout, decode: KvLayout
                                     f"{format_keys(extra)}, while the prefill runs a draft model too; "
                                     f"use the same --draft-model on both sides, or none on the prefill")
     pairs = [(p, by_key[p.key]) for p in prefill.regions]
+    ratio = convert.ratio if convert is not None else 1
     for p, d in pairs:
-        for name in ("item_len", "head_start", "num_heads"):
+        if convert is not None:
+            check_scale(d.scale, f"decode region {format_key(d.key)}")
+            if p.item_len != ratio * d.item_len:
+                raise GeometryMismatchError(
+                    f"region {format_key(p.key)}: item_len mismatch: prefill has {p.item_len} bytes of "
+                    f"{convert.src}, decode has {d.item_len} bytes of {convert.dst} (expected {p.item_len // ratio}); "
+                    f"same model, --page-size and TP layout are needed on both sides")
+        for name in ("head_start", "num_heads") if convert is not None else ("item_len", "head_start", "num_heads"):
             pv, dv = getattr(p, name), getattr(d, name)
             if pv != dv:
                 raise GeometryMismatchError(
                     f"region {format_key(p.key)}: {name} mismatch: prefill has {pv}, decode has {dv}; "
                     f"same model, --dtype, --page-size and TP layout are needed on both sides")
     return pairs, tuple(extra)
+
+
+def _check_converted_runs(groups: Sequence[DescGroup]) -> None:
+    """A converted run's members hold equal items on each side (the convert of a run reshapes it
+    into [items, elements]); the pools' regions of one model always do."""
+    mems = {g.decode_mem for g in groups if g.pairs}
+    if len(mems) > 1:
+        raise GeometryMismatchError(f"the decode's KV regions lie in {sorted(mems)}; a converted room is written "
+                                    f"from one staging buffer into one memory kind")
+    for g in groups:
+        for p, d in g.runs:
+            for run in (p, d):
+                if len({n for n, _ in run.members}) > 1:
+                    raise GeometryMismatchError(
+                        f"regions of unequal page sizes ({sorted({n for n, _ in run.members})} bytes) share a page "
+                        f"block at {run.addr:#x}; a converted room needs equal ones")
 
 
 def _group(pairs: Sequence[tuple[Region, Region]], prefill_aux: AuxInfo, decode_aux: AuxInfo

@@ -128,22 +128,34 @@ class StreamSegment:
     decode_addrs: np.ndarray   # int64 [num_runs]
     prefill_device: int
     decode_device: int
+    # A converted room (``common/plan/convert.py``): the prefill's runs are ``prefill_run_nbytes`` long
+    # (``ratio`` times ``run_nbytes``, the stream's and the decode's length) and hold the items of
+    # ``len(scales)`` member regions in turn, item j converted with ``scales[j]``. 0 and (): as they are.
+    prefill_run_nbytes: int = 0
+    scales: tuple[float, ...] = ()
 
     @property
     def num_runs(self) -> int:
         return len(self.prefill_addrs)
 
+    @property
+    def prefill_nbytes(self) -> int:
+        """Bytes of one run on the prefill (what its gather reads)."""
+        return self.prefill_run_nbytes or self.run_nbytes
 
-def room_stream(group: DescGroup, prefill_page_ids: Sequence[int], decode_page_ids: Sequence[int]
-                ) -> tuple[StreamSegment, ...]:
+
+def room_stream(group: DescGroup, prefill_page_ids: Sequence[int], decode_page_ids: Sequence[int],
+                converted: bool = False) -> tuple[StreamSegment, ...]:
     """The room's runs in stream order (module docstring). Invariant: segment k's runs are exactly
     the pages ``prefill_page_ids``/``decode_page_ids`` of ``group.runs[k]``, in token order, so the
-    stream holds the bytes a direct WRITE of the room moves (the aux record apart), each once."""
+    stream holds the bytes a direct WRITE of the room moves (the aux record apart), each once, in
+    the decode's dtype (``converted``: the prefill's runs hold another, ``common/plan/convert.py``)."""
     if len(prefill_page_ids) != len(decode_page_ids):
         raise ValueError(f"{len(prefill_page_ids)} prefill pages against {len(decode_page_ids)} decode pages")
     p_ids, d_ids = np.asarray(prefill_page_ids, dtype=np.int64), np.asarray(decode_page_ids, dtype=np.int64)
     return tuple(
-        StreamSegment(p.item_len, p.addr + p_ids * p.page_stride, d.addr + d_ids * d.page_stride, p.device, d.device)
+        StreamSegment(d.item_len, p.addr + p_ids * p.page_stride, d.addr + d_ids * d.page_stride, p.device, d.device,
+                      *((p.item_len, tuple(scale for _, scale in d.members)) if converted else ()))
         for p, d in group.runs)
 
 

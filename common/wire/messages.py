@@ -102,6 +102,9 @@ class Region:
     head_start: int
     num_heads: int
     stride: int = 0
+    # An FP8 pool's dequantisation scale of this region (stored = saturate(x / scale)); 1.0 for any
+    # other dtype. A prefill converting a room into this pool's dtype divides by it (common/plan/convert.py).
+    scale: float = 1.0
 
     @property
     def key(self) -> RegionKey:
