@@ -44,7 +44,7 @@ from kvferry.common.errors import GeometryMismatchError
 from kvferry.common.wire.messages import AuxInfo, Region, RegionKey, Transfer
 # One side's table and its checks (kvferry.common.plan.layout) and the prepared lists (kvferry.common.plan.desc_lists),
 # imported from their own modules by whoever needs them: nothing is re-exported from here.
-from kvferry.common.plan.layout import Desc, KvLayout, check_layout, format_key, format_keys
+from kvferry.common.plan.layout import Desc, KvLayout, check_layout, check_same_forms, format_key, format_keys
 from kvferry.common.plan.desc_lists import DescGroup
 from kvferry.common.plan.convert import Conversion, check_scale, conversion
 
@@ -95,6 +95,7 @@ def build_plan(prefill: KvLayout, decode: KvLayout, *, peer: str = "") -> Transf
         check_layout(prefill, "prefill")
         check_layout(decode, "decode")
         convert = _check_compatible(prefill, decode)
+        check_same_forms(prefill, decode)
         pairs, ignored = _match_regions(prefill, decode, convert)
         groups = _group(pairs, prefill.aux, decode.aux)
         if convert is not None:

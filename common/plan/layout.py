@@ -15,7 +15,8 @@ from typing import Any
 
 from kvferry.common.errors import GeometryMismatchError
 from kvferry.common.wire.aux_record import AUX_RECORD_BYTES
-from kvferry.common.wire.messages import KV_KINDS, MEM_KINDS, MODEL_KINDS, AuxInfo, Region, RegionKey, Register
+from kvferry.common.wire.messages import (LATENT_KIND, MEM_KINDS, MODEL_KINDS, REGION_KINDS, AuxInfo, Region, RegionKey,
+                                         Register)
 
 ADDR_LIMIT = 1 << 64  # one past the last byte a 64-bit descriptor address can name
 Desc = tuple[int, int, int]  # one NIXL descriptor: (addr, nbytes, device)
@@ -77,7 +78,7 @@ def check_tp_rank(tp_size: int, tp_rank: int, side: str) -> None:
 _Rule = tuple[str, Callable[[Any], bool], str]  # (field, predicate, what the field must be)
 _REGION_RULES: tuple[_Rule, ...] = (
     ("model", lambda r: r.model in MODEL_KINDS, f"one of {MODEL_KINDS}"),
-    ("kind", lambda r: r.kind in KV_KINDS, f"one of {KV_KINDS}"),
+    ("kind", lambda r: r.kind in REGION_KINDS, f"one of {REGION_KINDS}"),
     ("mem", lambda r: r.mem in MEM_KINDS, f"one of {MEM_KINDS}"),
     ("layer", lambda r: r.layer >= 0, ">= 0"),
     ("device", lambda r: r.device >= 0, ">= 0"),
@@ -127,10 +128,43 @@ def check_layout(layout: KvLayout, side: str) -> None:
         if r.key in seen:
             raise GeometryMismatchError(f"{side}: region {format_key(r.key)} registered twice")
         seen.add(r.key)
+    for model in dict.fromkeys(r.model for r in layout.regions):
+        cache_form(layout, model, side)  # K and V, or an MLA latent: one form per model
     if has_aux(layout):
         _apply_rules(layout.aux, _AUX_RULES, f"{side} aux")
         _check_end(_Span.of_aux(layout.aux), f"{side} aux", "slots")
     _check_disjoint(layout, side)
+
+
+def cache_form(layout: KvLayout, model: str, side: str = "") -> str | None:
+    """How ``model`` ("target"/"draft") caches its KV in ``layout``: "kv" (K and V regions per
+    layer), "mla" (one latent region per layer, replicated: head_start 0, one head), None when
+    the layout has no region of it. Raises for a model that mixes the two or a latent region
+    that is not replicated."""
+    regions = [r for r in layout.regions if r.model == model]
+    latent = [r for r in regions if r.kind == LATENT_KIND]
+    if not latent:
+        return "kv" if regions else None
+    if len(latent) != len(regions):
+        raise GeometryMismatchError(f"{side}: {model} registers both MLA latent and K/V regions; a model caches "
+                                    f"one or the other")
+    for r in latent:
+        if (r.head_start, r.num_heads) != (0, 1):
+            raise GeometryMismatchError(f"{side} region {format_key(r.key)}: an MLA latent is whole on every rank "
+                                        f"(head_start 0, num_heads 1), got head_start {r.head_start}, num_heads "
+                                        f"{r.num_heads}")
+    return "mla"
+
+
+def check_same_forms(prefill: KvLayout, decode: KvLayout) -> None:
+    """Each model both sides hold caches in the same form (``cache_form``): an MLA prefill cannot
+    fill a decode of K and V, nor the reverse; refused naming both."""
+    for model in dict.fromkeys(r.model for r in prefill.regions):
+        p, d = cache_form(prefill, model, "prefill"), cache_form(decode, model, "decode")
+        if d is not None and p != d:
+            name = {"kv": "K and V per layer", "mla": "one MLA latent per layer"}
+            raise GeometryMismatchError(f"{model} KV form mismatch: prefill caches {name[p]}, decode caches "
+                                        f"{name[d]}; serve the same model on both sides")
 
 
 def has_aux(layout: KvLayout) -> bool:

@@ -10,7 +10,9 @@ them, and the addresses. Every refusal is a ``GeometryMismatchError`` naming bot
 Heads are counted per model: a draft model may have fewer KV heads than the target, so its regions
 may be fed by other prefill ranks than the target's. A feed holds every region key its pair of
 ranks moves heads of, target and draft alike, each ``RegionPair`` with its own heads; the decode
-rank's room is complete once every prefill rank in ``TpPlan.feeders`` has notified it. Decode
+rank's room is complete once every prefill rank in ``TpPlan.feeders`` has notified it. An MLA
+model's latent regions (``LATENT_KIND``: one per layer, whole on every rank) go whole to every
+decode rank, the layers' writers spread over the prefill ranks (``latent_writer``). Decode
 draft regions are ignored when the prefill has no draft (the decode runs speculative decoding on
 its own), as in ``kvferry.common.plan.geometry.build_plan``. Aux records are not part of this plan.
 """
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvferry.common.errors import GeometryMismatchError
-from kvferry.common.plan.layout import KvLayout, check_layout, format_key, format_keys
+from kvferry.common.plan.layout import KvLayout, cache_form, check_layout, check_same_forms, format_key, format_keys
 from kvferry.common.plan.tp import HeadRange, PageSide, check_tp, copies, feeds, num_copies, rank_heads
 from kvferry.common.wire.messages import Region, RegionKey
 
@@ -115,6 +117,7 @@ def build_tp_plan(prefill: Sequence[KvLayout], decode: Sequence[KvLayout]) -> Tp
         pv, dv = getattr(p0, name), getattr(d0, name)
         if pv != dv:
             raise GeometryMismatchError(f"{label} mismatch: prefill has {pv!r}, decode has {dv!r}; {fix}")
+    check_same_forms(p0, d0)
     written, ignored = _match_keys(p0, d0)
     heads: dict[str, int] = {}
     for model in dict.fromkeys(k[0] for k in written):
@@ -123,18 +126,33 @@ def build_tp_plan(prefill: Sequence[KvLayout], decode: Sequence[KvLayout]) -> Tp
     token_bytes = _token_bytes(prefill, decode, written)
     for side, layouts in (("prefill", prefill), ("decode", decode)):
         _check_written(layouts, written, side)
-    by_ranks: dict[tuple[int, int], dict[str, HeadRange]] = {}
+    by_ranks: dict[tuple[int, int], dict[RegionKey, HeadRange]] = {}
     for model, n in heads.items():
+        keys = [k for k in written if k[0] == model]
+        if cache_form(p0, model) == "mla":  # replicated: every decode rank needs every layer whole
+            for d in range(d_tp):
+                for i, k in enumerate(keys):
+                    by_ranks.setdefault((d, latent_writer(i, d, p_tp)), {})[k] = HeadRange(0, 1)
+            continue
         for f in feeds(n, p_tp, d_tp):
-            by_ranks.setdefault((f.decode_rank, f.prefill_rank), {})[model] = f.heads
+            for k in keys:
+                by_ranks.setdefault((f.decode_rank, f.prefill_rank), {})[k] = f.heads
     out = []
-    for (d, p), model_heads in sorted(by_ranks.items()):
+    for (d, p), key_heads in sorted(by_ranks.items()):
         src, dst = _by_key(prefill[p]), _by_key(decode[d])
-        pairs = tuple(RegionPair(src[k], dst[k], model_heads[k[0]], token_bytes[k])
-                      for k in written if k[0] in model_heads)
+        pairs = tuple(RegionPair(src[k], dst[k], key_heads[k], token_bytes[k]) for k in written if k in key_heads)
         out.append(FeedPlan(p, d, p0.page_size, d0.page_size, pairs))
     return TpPlan(prefill_tp=p_tp, decode_tp=d_tp, num_kv_heads=heads.get("target", 0),
                   draft_num_kv_heads=heads.get("draft", 0), feeds=tuple(out), written=written, ignored=ignored)
+
+
+def latent_writer(index: int, decode_rank: int, prefill_tp: int) -> int:
+    """The prefill rank that writes a model's ``index``-th latent region (MLA, every prefill rank
+    holds it whole) into ``decode_rank``: round robin over the layers, shifted by the decode rank,
+    so that each prefill rank writes a share of the layers to every decode rank (within one of
+    the others' share), and each layer's copies are spread over the prefill ranks alike, instead of
+    rank 0 sending everything."""
+    return (index + decode_rank) % prefill_tp
 
 
 def _by_key(layout: KvLayout) -> dict[RegionKey, Region]:
