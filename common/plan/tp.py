@@ -105,6 +105,15 @@ def feeds(num_kv_heads: int, prefill_tp: int, decode_tp: int) -> tuple[Feed, ...
     return tuple(out)
 
 
+def latent_writer(index: int, decode_rank: int, prefill_tp: int) -> int:
+    """The prefill rank that writes a model's ``index``-th latent region (MLA, every prefill rank
+    holds it whole) into ``decode_rank``: round robin over the layers, shifted by the decode rank,
+    so that each prefill rank writes a share of the layers to every decode rank (within one of
+    the others' share), and each layer's copies are spread over the prefill ranks alike, instead of
+    rank 0 sending everything."""
+    return (index + decode_rank) % prefill_tp
+
+
 def decode_feeders(feeds_: Sequence[Feed], decode_rank: int) -> tuple[int, ...]:
     """The prefill ranks whose notifications complete a room on ``decode_rank``."""
     return tuple(sorted({f.prefill_rank for f in feeds_ if f.decode_rank == decode_rank}))

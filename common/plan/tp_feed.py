@@ -26,7 +26,7 @@ import numpy as np
 
 from kvferry.common.errors import GeometryMismatchError
 from kvferry.common.plan.layout import KvLayout, cache_form, check_layout, check_same_forms, format_key, format_keys
-from kvferry.common.plan.tp import HeadRange, PageSide, check_tp, copies, feeds, num_copies, rank_heads
+from kvferry.common.plan.tp import HeadRange, PageSide, check_tp, copies, feeds, latent_writer, num_copies, rank_heads
 from kvferry.common.wire.messages import Region, RegionKey
 
 INT64_LIMIT = 1 << 63  # descriptors are int64: a region must end below this
@@ -144,15 +144,6 @@ def build_tp_plan(prefill: Sequence[KvLayout], decode: Sequence[KvLayout]) -> Tp
         out.append(FeedPlan(p, d, p0.page_size, d0.page_size, pairs))
     return TpPlan(prefill_tp=p_tp, decode_tp=d_tp, num_kv_heads=heads.get("target", 0),
                   draft_num_kv_heads=heads.get("draft", 0), feeds=tuple(out), written=written, ignored=ignored)
-
-
-def latent_writer(index: int, decode_rank: int, prefill_tp: int) -> int:
-    """The prefill rank that writes a model's ``index``-th latent region (MLA, every prefill rank
-    holds it whole) into ``decode_rank``: round robin over the layers, shifted by the decode rank,
-    so that each prefill rank writes a share of the layers to every decode rank (within one of
-    the others' share), and each layer's copies are spread over the prefill ranks alike, instead of
-    rank 0 sending everything."""
-    return (index + decode_rank) % prefill_tp
 
 
 def _by_key(layout: KvLayout) -> dict[RegionKey, Region]:
