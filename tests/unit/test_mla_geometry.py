@@ -17,8 +17,7 @@ from hypothesis import strategies as st
 from kvferry.common.errors import GeometryMismatchError
 from kvferry.common.plan import geometry
 from kvferry.common.plan.layout import KvLayout, cache_form, check_layout
-from kvferry.common.plan.tp import rank_heads
-from kvferry.common.plan.tp import latent_writer
+from kvferry.common.plan.tp import latent_writer, rank_heads
 from kvferry.common.plan.tp_feed import build_tp_plan, feed_descs
 from kvferry.common.wire.aux_record import AUX_RECORD_BYTES
 from kvferry.common.wire.messages import LATENT_KIND, AuxInfo, Region
