@@ -27,15 +27,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._common import emit, git_hash, hardware  # noqa: E402
 
 
-def ceilings(device) -> tuple[float, float]:
-    """(HBM GB/s from a 4 GiB copy, bf16 matmul TFLOP/s at 8192^3)."""
+def ceilings(device) -> tuple[float, float, float]:
+    """(HBM GB/s from a 4 GiB copy, bf16 matmul TFLOP/s at 8192^3, FP8 (e4m3, row-wise scales,
+    bf16 out) ``torch._scaled_mm`` TFLOP/s at 8192^3)."""
     import torch
 
     src = torch.empty(4 << 30, dtype=torch.uint8, device=device)
     dst, a = torch.empty_like(src), torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     copy_ms = timed(lambda: dst.copy_(src), 10)
     matmul_ms = timed(lambda: a @ a, 20)
-    return 2 * (4 << 30) / copy_ms / 1e6, 2 * 8192**3 / matmul_ms / 1e9
+    a8 = a.to(torch.float8_e4m3fn)
+    b8 = a8.t()  # column-major, as _scaled_mm wants its second operand
+    sa = torch.ones(8192, 1, device=device, dtype=torch.float32)
+    sb = torch.ones(1, 8192, device=device, dtype=torch.float32)
+    fp8_ms = timed(lambda: torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), 20)
+    return 2 * (4 << 30) / copy_ms / 1e6, 2 * 8192**3 / matmul_ms / 1e9, 2 * 8192**3 / fp8_ms / 1e9
 
 
 def timed(fn, iters: int) -> float:
@@ -172,7 +178,7 @@ def main() -> None:
     if not a.device.startswith("cuda") or not torch.cuda.is_available():
         raise SystemExit(f"bench/engine.py measures a CUDA device against its roofline; got --device {a.device}")
     torch.manual_seed(0)
-    bw, peak = ceilings(a.device)
+    bw, peak, fp8_peak = ceilings(a.device)
     cfg = ModelConfig.from_dir(a.model)
     elem_bytes = torch.empty(0, dtype=getattr(torch, a.dtype)).element_size()
     kv_token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem_bytes
@@ -184,7 +190,8 @@ def main() -> None:
     base = {"bench": "engine", "device": a.device, "dtype": a.dtype, "attention_backend": model.attn.name,
             "cuda_graph": bool(runner.target.graphs), "startup_s": round(time.perf_counter() - started, 1),
             "capture_s": round(sum(g.capture_s for g in runner.target.graphs), 2),
-            "hbm_gb_s": round(bw, 1), "matmul_tflops": round(peak, 1), "model": Path(a.model).name,
+            "hbm_gb_s": round(bw, 1), "matmul_tflops": round(peak, 1), "fp8_matmul_tflops": round(fp8_peak, 1),
+            "model": Path(a.model).name,
             "hw": hardware([a.device]), "git": git_hash()}
     if model.attn.name == "triton":
         for record in gemv_cases(model):
