@@ -59,3 +59,27 @@ def test_align_by_expert_blocks(num_tokens, num_experts, top_k, block_m):
         assert (expert == -1) == (not block)
     used = block_experts[block_experts >= 0].tolist()
     assert used == sorted(used)
+
+
+def test_tiny_moe_model_on_the_triton_backend_equals_torch(tmp_path):
+    """The whole ``tiny-moe`` model (its sparse layers through ``fused_moe``) on the triton backend
+    gives the torch backend's logits: a batched prefill, then a decode step."""
+    from kvferry.common.cache.kv_cache import KvCache
+    from kvferry.common.layers.attn_backend import TorchBackend, TritonBackend
+    from kvferry.common.models.llama import SeqChunk
+    from kvferry.common.models.loader import load_model
+    from kvferry.common.models.tiny import make_tiny_model
+
+    target, _ = make_tiny_model(tmp_path, seed=4, preset="tiny-moe")
+    model = load_model(target, dtype=torch.float32, device=DEVICE)
+    prompts, pages = [[11, 200, 37, 5, 480], [9, 9, 301]], [[0, 1], [2]]
+    logits = {}
+    for backend in (TorchBackend(), TritonBackend(torch.device(DEVICE), model.shard.kv_heads.count)):
+        model.attn = backend
+        kv = KvCache(model.config, 4, 8, torch.float32, DEVICE)
+        first = model.forward([SeqChunk(p, 0, pg) for p, pg in zip(prompts, pages)], kv)
+        step = model.forward([SeqChunk([int(row.argmax())], len(p), pg)
+                              for row, p, pg in zip(first, prompts, pages)], kv)
+        logits[backend.name] = (first, step)
+    for got, want in zip(logits["triton"], logits["torch"]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
