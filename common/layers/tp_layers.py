@@ -30,8 +30,9 @@ from kvferry.common.models.config import ModelConfig
 from kvferry.common.plan.tp import HeadRange, rank_heads
 
 
-def _moe_inter(c: ModelConfig) -> int:
-    return c.moe.moe_intermediate_size if c.moe is not None else 1
+def _splits_experts(c: ModelConfig, tp_size: int) -> bool:
+    """Whether ``tp_size`` divides every expert's intermediate size (always, for a dense model)."""
+    return c.moe is None or not c.moe.moe_intermediate_size % tp_size
 
 
 def valid_tp_sizes(c: ModelConfig) -> list[int]:
@@ -39,7 +40,7 @@ def valid_tp_sizes(c: ModelConfig) -> list[int]:
     size and the experts' intermediate size, and divide or are divided by the KV heads
     (``kvferry.common.plan.tp.check_tp``)."""
     return [t for t in range(1, c.num_attention_heads + 1)
-            if not c.num_attention_heads % t and not c.intermediate_size % t and not _moe_inter(c) % t
+            if not c.num_attention_heads % t and not c.intermediate_size % t and _splits_experts(c, t)
             and not (c.num_key_value_heads % t and t % c.num_key_value_heads)]
 
 
@@ -49,8 +50,8 @@ def tp_refusal(c: ModelConfig, tp_size: int) -> str:
         return f"{c.num_attention_heads} attention heads do not divide by {tp_size}"
     if c.intermediate_size % tp_size:
         return f"intermediate size {c.intermediate_size} does not divide by {tp_size}"
-    if _moe_inter(c) % tp_size:
-        return f"MoE intermediate size {_moe_inter(c)} does not divide by {tp_size}"
+    if not _splits_experts(c, tp_size):
+        return f"MoE intermediate size {c.moe.moe_intermediate_size} does not divide by {tp_size}"
     return f"{c.num_key_value_heads} KV heads and {tp_size} ranks: neither divides the other"
 
 
@@ -88,7 +89,7 @@ class TpShard:
         except GeometryMismatchError as exc:
             raise TpConfigError(str(exc)) from exc
         num_q, inter = c.num_attention_heads // tp_size, c.intermediate_size // tp_size
-        moe_inter = _moe_inter(c) // tp_size
+        moe_inter = c.moe.moe_intermediate_size // tp_size if c.moe is not None else 0
         return cls(tp_size, tp_rank, c.head_dim, HeadRange(tp_rank * num_q, num_q), kv_heads,
                    HeadRange(tp_rank * inter, inter),
                    HeadRange(tp_rank * moe_inter, moe_inter) if c.moe is not None else None)
