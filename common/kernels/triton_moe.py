@@ -34,7 +34,9 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     """
     flat = topk_ids.flatten()
     num_slots = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    # a scatter, not bincount: bincount on CUDA reads its maximum back to the host
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)  # slots grouped by expert

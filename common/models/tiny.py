@@ -270,7 +270,7 @@ def _tensor_specs(spec: TinySpec, num_layers: int) -> list[tuple[str, tuple[int,
             (p + "post_attention_layernorm.weight", (h,)),
         ]
         if spec.num_experts:
-            out += [(p + "self_attn.q_norm.weight", (spec.head_dim,)), (p + "self_attn.k_norm.weight", (spec.head_dim,))]
+            out += [(p + f"self_attn.{n}_norm.weight", (spec.head_dim,)) for n in ("q", "k")]
         if spec.num_experts and i not in spec.mlp_only_layers:
             out += _expert_specs(spec, p)
         else:

@@ -16,12 +16,13 @@ transformers = pytest.importorskip("transformers")
 
 from kvferry.common.cache.kv_cache import KvCache, PageAllocator  # noqa: E402
 from kvferry.common.errors import ModelLoadError  # noqa: E402
-from kvferry.common.layers.tp_layers import TpConfigError, TpShard  # noqa: E402
+from kvferry.common.layers.tp_layers import TpConfigError, TpShard, valid_tp_sizes  # noqa: E402
 from kvferry.common.models.config import ModelConfig  # noqa: E402
 from kvferry.common.models.llama import DecoderLayer, SeqChunk  # noqa: E402
 from kvferry.common.models.loader import load_model  # noqa: E402
 from kvferry.common.models.qwen3_moe import MoeDecoderLayer, Qwen3MoeForCausalLM  # noqa: E402
 from kvferry.common.models.tiny import make_tiny_model  # noqa: E402
+from kvferry.common.plan.tp import HeadRange  # noqa: E402
 from tests.tp_threads import PROMPTS, greedy_in_threads  # noqa: E402
 
 torch.set_num_threads(1)
@@ -177,3 +178,7 @@ def test_tp_size_must_divide_the_experts_intermediate_size(tiny_dir):
     config = ModelConfig.from_dict(_raw(tiny_dir, moe_intermediate_size=26), source="x/config.json")
     with pytest.raises(TpConfigError, match=r"MoE intermediate size 26 does not divide by 4.*valid sizes.*1, 2"):
         TpShard.of(config, 4, 0)
+    assert TpShard.of(config, 2, 1).moe_inter == HeadRange(13, 13)
+    # the rule binds MoE models only: a dense config keeps its sizes and holds no expert block
+    dense = ModelConfig.from_dict({**_raw(tiny_dir), "architectures": ["Qwen3ForCausalLM"]})
+    assert valid_tp_sizes(dense) == [1, 2, 4] and TpShard.of(dense, 4, 3).moe_inter is None
