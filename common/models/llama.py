@@ -179,6 +179,11 @@ class LlamaForCausalLM(nn.Module):
             out.update(layer.hf_tensor_map())
         return out
 
+    def unfuse(self, name: str, read) -> dict[str, torch.Tensor]:
+        """A checkpoint tensor that ``hf_tensor_map`` does not name, split into tensors it names
+        (``read()`` loads it); {} when ``name`` is no fused tensor this model knows (none here)."""
+        return {}
+
     @torch.inference_mode()
     def forward(
         self, chunks: list[SeqChunk], kv: KvCache, *, all_logits: bool = False, feed: TokenFeed | None = None

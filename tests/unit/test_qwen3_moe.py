@@ -182,3 +182,35 @@ def test_tp_size_must_divide_the_experts_intermediate_size(tiny_dir):
     # the rule binds MoE models only: a dense config keeps its sizes and holds no expert block
     dense = ModelConfig.from_dict({**_raw(tiny_dir), "architectures": ["Qwen3ForCausalLM"]})
     assert valid_tp_sizes(dense) == [1, 2, 4] and TpShard.of(dense, 4, 3).moe_inter is None
+
+
+def test_fused_experts_checkpoint_loads_the_same_weights(pair, tmp_path):
+    """save_pretrained(save_original_format=False) writes transformers 5's fused expert tensors
+    (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]): they load into
+    the same weights, at TP 2 too."""
+    from safetensors import safe_open
+
+    hf, ours, per_expert = pair
+    hf.save_pretrained(tmp_path, save_original_format=False)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert "model.layers.0.mlp.experts.gate_up_proj" in f.keys()
+    fused = load_model(tmp_path, dtype=torch.float32)
+    for a, b in zip(fused.state_dict().values(), ours.state_dict().values()):
+        assert torch.equal(a, b)
+    for rank in range(2):
+        want = load_model(per_expert, dtype=torch.float32, tp_size=2, tp_rank=rank)
+        got = load_model(tmp_path, dtype=torch.float32, tp_size=2, tp_rank=rank)
+        assert torch.equal(got.layers[3].moe.w13, want.layers[3].moe.w13)
+        assert torch.equal(got.layers[3].moe.w2, want.layers[3].moe.w2)
+
+
+def test_a_fused_experts_tensor_of_the_wrong_shape_names_it(pair, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    pair[0].save_pretrained(tmp_path, save_original_format=False)
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.2.mlp.experts.down_proj"
+    tensors[name] = tensors[name][:, :, :-1].contiguous()
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.2\.mlp\.experts\.0\.down_proj\.weight.*shape"):
+        load_model(tmp_path)
