@@ -50,7 +50,9 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         prefix, kind = match.groups()
         tensor = read()
         if tensor.dim() != 3 or (kind == "gate_up_proj" and tensor.shape[1] % 2):
-            expected = "[E, 2 * moe_intermediate_size, hidden_size]" if kind == "gate_up_proj" else "[E, hidden_size, I]"
+            inner = ("2 * moe_intermediate_size, hidden_size" if kind == "gate_up_proj"
+                     else "hidden_size, moe_intermediate_size")
+            expected = f"[num_experts, {inner}]"
             raise ModelLoadError(f"{self.config.source}: tensor '{name}' has shape {tuple(tensor.shape)}, "
                                  f"expected {expected}")
         if kind == "down_proj":
