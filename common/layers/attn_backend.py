@@ -10,7 +10,8 @@ picks triton on a CUDA device when Triton imports, else torch. Both expose one i
 
 The elementwise steps around attention go through the backend too (``add_norm``, ``rope_store``,
 ``silu_mul``, ``linear``): the torch compositions on the torch path, fused kernels
-(``common/kernels/triton_fused.py``) on the triton path.
+(``common/kernels/triton_fused.py``) on the triton path. So do the experts of a sparse MoE block
+(``fused_moe``: ``common/layers/moe.fused_moe_ref`` on torch, ``common/kernels/triton_moe.py`` on triton).
 
 A plan has ``positions`` [T], ``last_index`` [B] and ``query_lens`` (list); the rest is the
 backend's own. ``TritonPlan`` travels to the device as one int64 copy and can also be built from
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvferry.common.layers import attention, rope
+from kvferry.common.layers import attention, moe, rope
 from kvferry.common.kernels.h2d import to_device
 from kvferry.common.layers.norm import rms_norm
 
@@ -89,6 +90,10 @@ class TorchBackend:
     def attend(q, k, v, k_cache, v_cache, plan, window, scale) -> torch.Tensor:
         return attention.paged_attention(q, k_cache, v_cache, plan, window, scale)
 
+    @staticmethod
+    def fused_moe(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+        return moe.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+
 
 @dataclass(frozen=True)
 class TritonPlan:
@@ -143,10 +148,11 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, device: torch.device, num_kv_heads: int) -> None:
-        from kvferry.common.kernels import triton_attention, triton_fused  # import triton: only on this path
+        from kvferry.common.kernels import triton_attention, triton_fused, triton_moe  # import triton: only here
 
         self.kernels = triton_attention
         self.fused = triton_fused
+        self.moe = triton_moe
         self.use_gemv = False
         self.num_kv_heads = num_kv_heads
         # (a CPU device only under TRITON_INTERPRET=1, in tests)
@@ -190,6 +196,9 @@ class TritonBackend:
         if x.shape[0] == 1 and self.use_gemv:
             return self.fused.gemv(x.contiguous(), weight, bias)
         return torch.nn.functional.linear(x, weight, bias)
+
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+        return self.moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
 
     def attend(self, q, k, v, k_cache, v_cache, plan: TritonPlan, window, scale) -> torch.Tensor:
         """q, k (rotated), v: the new tokens [T, H, D]; k_cache, v_cache hold them already."""

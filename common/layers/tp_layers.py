@@ -9,7 +9,10 @@ Megatron-style, over ``tp_size`` ranks::
                              product is summed by one all_reduce over the TP group (the bias is
                              added by rank 0 only, so it is counted once)
     embed_tokens, lm_head,   replicated: every rank holds them whole (the simplest choice; the
-    norms                    vocabulary is not split, and only rank 0 computes logits)
+    norms, MoE router        vocabulary is not split, and only rank 0 computes logits)
+    MoE experts              each expert's intermediate dimension split like the dense MLP's (w13
+                             rows, w2 columns: ``moe_inter``), one all_reduce per MoE block; every
+                             rank holds every expert (``rank_experts``, where expert parallelism goes)
 
 Attention heads are split in equal blocks; KV heads follow ``kvferry.common.plan.tp.rank_heads`` (blocks,
 or one head replicated on ``tp_size / num_kv_heads`` consecutive ranks), so rank r's query heads
@@ -27,11 +30,17 @@ from kvferry.common.models.config import ModelConfig
 from kvferry.common.plan.tp import HeadRange, rank_heads
 
 
+def _splits_experts(c: ModelConfig, tp_size: int) -> bool:
+    """Whether ``tp_size`` divides every expert's intermediate size (always, for a dense model)."""
+    return c.moe is None or not c.moe.moe_intermediate_size % tp_size
+
+
 def valid_tp_sizes(c: ModelConfig) -> list[int]:
-    """The TP sizes a model can be sharded over: they divide the attention heads and the intermediate
-    size, and divide or are divided by the KV heads (``kvferry.common.plan.tp.check_tp``)."""
+    """The TP sizes a model can be sharded over: they divide the attention heads, the intermediate
+    size and the experts' intermediate size, and divide or are divided by the KV heads
+    (``kvferry.common.plan.tp.check_tp``)."""
     return [t for t in range(1, c.num_attention_heads + 1)
-            if not c.num_attention_heads % t and not c.intermediate_size % t
+            if not c.num_attention_heads % t and not c.intermediate_size % t and _splits_experts(c, t)
             and not (c.num_key_value_heads % t and t % c.num_key_value_heads)]
 
 
@@ -41,6 +50,8 @@ def tp_refusal(c: ModelConfig, tp_size: int) -> str:
         return f"{c.num_attention_heads} attention heads do not divide by {tp_size}"
     if c.intermediate_size % tp_size:
         return f"intermediate size {c.intermediate_size} does not divide by {tp_size}"
+    if not _splits_experts(c, tp_size):
+        return f"MoE intermediate size {c.moe.moe_intermediate_size} does not divide by {tp_size}"
     return f"{c.num_key_value_heads} KV heads and {tp_size} ranks: neither divides the other"
 
 
@@ -58,6 +69,7 @@ class TpShard:
     q_heads: HeadRange  # attention heads
     kv_heads: HeadRange  # KV heads (the heads of this rank's KV pool)
     inter: HeadRange  # rows [start, stop) of gate_proj and up_proj, columns of down_proj
+    moe_inter: HeadRange | None = None  # the same for every expert's gate/up/down (MoE models only)
 
     @classmethod
     def single(cls, config: ModelConfig) -> "TpShard":
@@ -77,8 +89,10 @@ class TpShard:
         except GeometryMismatchError as exc:
             raise TpConfigError(str(exc)) from exc
         num_q, inter = c.num_attention_heads // tp_size, c.intermediate_size // tp_size
+        moe_inter = c.moe.moe_intermediate_size // tp_size if c.moe is not None else 0
         return cls(tp_size, tp_rank, c.head_dim, HeadRange(tp_rank * num_q, num_q), kv_heads,
-                   HeadRange(tp_rank * inter, inter))
+                   HeadRange(tp_rank * inter, inter),
+                   HeadRange(tp_rank * moe_inter, moe_inter) if c.moe is not None else None)
 
     @property
     def is_sharded(self) -> bool:
@@ -96,6 +110,13 @@ class TpShard:
     def adds_row_bias(self) -> bool:
         """Whether this rank adds the bias of a row-parallel layer (rank 0 only: summed once)."""
         return self.tp_rank == 0
+
+
+def rank_experts(num_experts: int, shard: TpShard) -> HeadRange:
+    """The experts rank ``shard.tp_rank`` holds: all of them at every TP size (each split along its
+    intermediate dimension). The one place that decides it, so that expert parallelism (a block of
+    experts per rank) changes this function and the weights it sizes, not the callers."""
+    return HeadRange(0, num_experts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,13 +160,34 @@ def _heads(dim: int, heads: HeadRange, num_heads: int, head_dim: int) -> Slice:
 
 def layer_tensor_map(layer, config: ModelConfig, shard: TpShard) -> dict[str, TensorSlot]:
     """Hugging Face tensor name -> destination for one ``DecoderLayer`` holding ``shard``."""
+    return {**attention_tensor_map(layer, config, shard), **mlp_tensor_map(layer, config, shard)}
+
+
+def mlp_tensor_map(layer, config: ModelConfig, shard: TpShard) -> dict[str, TensorSlot]:
+    """The dense MLP's tensors of one ``DecoderLayer`` (gate/up column-parallel, down row-parallel)."""
+    c, p = config, f"model.layers.{layer.layer}.mlp."
+    inter = shard.inter.count
+    s_inter = Slice(0, shard.inter.start, inter, c.intermediate_size)
+    s_down = Slice(1, shard.inter.start, inter, c.intermediate_size)
+    out = {
+        p + "gate_proj.weight": TensorSlot(layer.gate_up_weight, 0, inter, s_inter),
+        p + "up_proj.weight": TensorSlot(layer.gate_up_weight, inter, inter, s_inter),
+        p + "down_proj.weight": TensorSlot(layer.down_weight, 0, c.hidden_size, s_down),
+    }
+    if layer.gate_up_bias is not None:
+        out[p + "gate_proj.bias"] = TensorSlot(layer.gate_up_bias, 0, inter, s_inter)
+        out[p + "up_proj.bias"] = TensorSlot(layer.gate_up_bias, inter, inter, s_inter)
+        out[p + "down_proj.bias"] = TensorSlot(layer.down_bias, 0, c.hidden_size)
+    return out
+
+
+def attention_tensor_map(layer, config: ModelConfig, shard: TpShard) -> dict[str, TensorSlot]:
+    """The attention's and the two norms' tensors of one ``DecoderLayer``."""
     c, p, d = config, f"model.layers.{layer.layer}.", shard.head_dim
-    q, kv, inter = shard.q_size, shard.kv_size, shard.inter.count
+    q, kv = shard.q_size, shard.kv_size
     sq = _heads(0, shard.q_heads, c.num_attention_heads, d)
     skv = _heads(0, shard.kv_heads, c.num_key_value_heads, d)
-    s_inter = Slice(0, shard.inter.start, inter, c.intermediate_size)
     s_o = _heads(1, shard.q_heads, c.num_attention_heads, d)
-    s_down = Slice(1, shard.inter.start, inter, c.intermediate_size)
     out = {
         p + "input_layernorm.weight": TensorSlot(layer.input_norm, 0, c.hidden_size),
         p + "self_attn.q_proj.weight": TensorSlot(layer.qkv_weight, 0, q, sq),
@@ -153,9 +195,6 @@ def layer_tensor_map(layer, config: ModelConfig, shard: TpShard) -> dict[str, Te
         p + "self_attn.v_proj.weight": TensorSlot(layer.qkv_weight, q + kv, kv, skv),
         p + "self_attn.o_proj.weight": TensorSlot(layer.o_weight, 0, c.hidden_size, s_o),
         p + "post_attention_layernorm.weight": TensorSlot(layer.post_norm, 0, c.hidden_size),
-        p + "mlp.gate_proj.weight": TensorSlot(layer.gate_up_weight, 0, inter, s_inter),
-        p + "mlp.up_proj.weight": TensorSlot(layer.gate_up_weight, inter, inter, s_inter),
-        p + "mlp.down_proj.weight": TensorSlot(layer.down_weight, 0, c.hidden_size, s_down),
     }
     if layer.qkv_bias is not None:
         out[p + "self_attn.q_proj.bias"] = TensorSlot(layer.qkv_bias, 0, q, sq)
@@ -166,8 +205,4 @@ def layer_tensor_map(layer, config: ModelConfig, shard: TpShard) -> dict[str, Te
     if layer.q_norm is not None:
         out[p + "self_attn.q_norm.weight"] = TensorSlot(layer.q_norm, 0, c.head_dim)
         out[p + "self_attn.k_norm.weight"] = TensorSlot(layer.k_norm, 0, c.head_dim)
-    if layer.gate_up_bias is not None:
-        out[p + "mlp.gate_proj.bias"] = TensorSlot(layer.gate_up_bias, 0, inter, s_inter)
-        out[p + "mlp.up_proj.bias"] = TensorSlot(layer.gate_up_bias, inter, inter, s_inter)
-        out[p + "mlp.down_proj.bias"] = TensorSlot(layer.down_bias, 0, c.hidden_size)
     return out

@@ -1,12 +1,14 @@
 """Model configuration parsed from a Hugging Face ``config.json`` (transformers 4 and 5 field names).
 
-Only the Llama family is accepted: Llama 2/3/3.1, Mistral, Qwen2/2.5 and Qwen3. Everything the
+Accepted: the Llama family (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3) and Qwen3-MoE (``MoeConfig``:
+its sparse blocks; its attention is Qwen3's). Everything the
 forward pass, the KV layout and the fingerprint need is read here, once; nothing else opens
 ``config.json``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -24,6 +26,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -37,6 +40,20 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 0
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The sparse MoE blocks of a Qwen3-MoE checkpoint: router softmax over ``num_experts``, the top
+    ``num_experts_per_tok`` experts (their weights renormalised to sum 1 when ``norm_topk_prob``), each
+    a SwiGLU MLP of ``moe_intermediate_size``. ``sparse_layers[i]`` says whether layer i is sparse; the
+    others are dense MLPs of ``ModelConfig.intermediate_size``."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[bool, ...]
 
 
 @dataclass(frozen=True)
@@ -69,6 +86,7 @@ class ModelConfig:
     torch_dtype: str
     sliding_windows: tuple[int | None, ...]
     source: str = "<dict>"
+    moe: MoeConfig | None = None  # None: every layer is a dense MLP
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -113,6 +131,8 @@ class ModelConfig:
             "rope_scaling": rope,
             "sliding_windows": list(self.sliding_windows),
         }
+        if self.moe is not None:  # dense fingerprints stay as they were
+            key["moe"] = dataclasses.asdict(self.moe)
         blob = json.dumps(key, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -180,13 +200,14 @@ def _parse(f: _Fields) -> ModelConfig:
         has_qkv_bias=family == "qwen2" or attention_bias,
         has_o_bias=family != "qwen2" and attention_bias,
         has_mlp_bias=family == "llama" and f.get("mlp_bias", bool, False),
-        has_qk_norm=family == "qwen3",
+        has_qk_norm=family in ("qwen3", "qwen3_moe"),
         has_tied_embeddings=f.get("tie_word_embeddings", bool, False),
         bos_token_id=f.get("bos_token_id", int, None),
         eos_token_ids=_eos_ids(f),
         torch_dtype=_dtype_name(f),
         sliding_windows=_sliding_windows(f, family, num_layers),
         source=f.source,
+        moe=_moe(f, num_layers) if family == "qwen3_moe" else None,
     )
 
 
@@ -252,7 +273,33 @@ def _dtype_name(f: _Fields) -> str:
     return name
 
 
+def _moe(f: _Fields, num_layers: int) -> MoeConfig:
+    # transformers 5 writes "num_local_experts"; the Hub's Qwen3-MoE checkpoints "num_experts".
+    num_experts = f.positive("num_experts" if f.raw.get("num_experts") is not None else "num_local_experts")
+    top_k = f.positive("num_experts_per_tok")
+    if top_k > num_experts:
+        raise f.error("num_experts_per_tok", f"is {top_k}, more than num_experts={num_experts}")
+    step = f.positive("decoder_sparse_step", 1)
+    dense = f.get("mlp_only_layers", list, [])
+    bad = [i for i in dense if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers]
+    if bad:
+        raise f.error("mlp_only_layers", f"holds {bad}, expected layer indices 0..{num_layers - 1}")
+    return MoeConfig(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=f.positive("moe_intermediate_size"),
+        norm_topk_prob=f.get("norm_topk_prob", bool, False),
+        # as transformers' Qwen3MoeDecoderLayer decides it
+        sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
+    )
+
+
 def _sliding_windows(f: _Fields, family: str, num_layers: int) -> tuple[int | None, ...]:
+    if family == "qwen3_moe":  # one window for every layer, when use_sliding_window is set
+        window = f.get("sliding_window", int, None) if f.raw.get("use_sliding_window") else None
+        if f.raw.get("use_sliding_window") and window is None:
+            raise f.error("sliding_window", "is missing while use_sliding_window is true")
+        return (window,) * num_layers
     if family == "mistral":
         window = f.get("sliding_window", int, None)
         return (window,) * num_layers

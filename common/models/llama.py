@@ -62,7 +62,7 @@ class DecoderLayer(nn.Module):
         self.shard = shard = shard or TpShard.single(config)
         self.reduce = None  # TP > 1: the all_reduce of the TP group, summing row-parallel outputs
         self.window = c.sliding_windows[layer]
-        q, kv, inter = shard.q_size, shard.kv_size, shard.inter.count  # this rank's part (all at TP 1)
+        q, kv = shard.q_size, shard.kv_size  # this rank's part (all at TP 1)
         self.input_norm = _param((c.hidden_size,), dtype, device)
         self.qkv_weight = _param((q + 2 * kv, c.hidden_size), dtype, device)
         self.qkv_bias = _param((q + 2 * kv,), dtype, device) if c.has_qkv_bias else None
@@ -71,6 +71,12 @@ class DecoderLayer(nn.Module):
         self.q_norm = _param((c.head_dim,), dtype, device) if c.has_qk_norm else None
         self.k_norm = _param((c.head_dim,), dtype, device) if c.has_qk_norm else None
         self.post_norm = _param((c.hidden_size,), dtype, device)
+        self._init_mlp(dtype, device)
+
+    def _init_mlp(self, dtype: torch.dtype, device: torch.device) -> None:
+        """The dense SwiGLU MLP's weights (a subclass with another MLP overrides this, ``_mlp`` and
+        ``hf_tensor_map``)."""
+        c, inter = self.config, self.shard.inter.count
         self.gate_up_weight = _param((2 * inter, c.hidden_size), dtype, device)
         self.gate_up_bias = _param((2 * inter,), dtype, device) if c.has_mlp_bias else None
         self.down_weight = _param((c.hidden_size, inter), dtype, device)
@@ -85,8 +91,11 @@ class DecoderLayer(nn.Module):
         eps = self.config.rms_norm_eps
         x, h = attn.add_norm(x, delta, self.input_norm, eps)
         x, h = attn.add_norm(x, self._attention(h, cos_sin, kv, plan, attn), self.post_norm, eps)
+        return x, self._mlp(h, attn)
+
+    def _mlp(self, h: torch.Tensor, attn) -> torch.Tensor:
         gate_up = attn.linear(h, self.gate_up_weight, self.gate_up_bias)
-        return x, self._row_parallel(attn.silu_mul(gate_up), self.down_weight, self.down_bias, attn)
+        return self._row_parallel(attn.silu_mul(gate_up), self.down_weight, self.down_bias, attn)
 
     def _row_parallel(self, x: torch.Tensor, weight, bias, attn) -> torch.Tensor:
         """x @ weight.T + bias; at TP > 1 the ranks' partial sums are added by one all_reduce (the
@@ -94,6 +103,10 @@ class DecoderLayer(nn.Module):
         if self.reduce is None:
             return attn.linear(x, weight, bias)
         return self.reduce(attn.linear(x, weight, bias if self.shard.adds_row_bias else None))
+
+    def _sum_ranks(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``partial`` (one all_reduce at TP > 1; itself at TP 1)."""
+        return partial if self.reduce is None else self.reduce(partial)
 
     def _attention(self, h: torch.Tensor, cos_sin, kv: KvCache, plan, attn) -> torch.Tensor:
         c, shard = self.config, self.shard
@@ -129,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
         self.device = device
         self.shard = shard = shard or TpShard.single(config)
         self.embed = _param((config.vocab_size, config.hidden_size), dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device, shard)
+        self.layers = nn.ModuleList(self._make_layer(i, dtype, device)
                                     for i in range(config.num_hidden_layers))
         self.norm = _param((config.hidden_size,), dtype, device)
         self.lm_head = self.embed if config.has_tied_embeddings else _param(
@@ -137,6 +150,10 @@ class LlamaForCausalLM(nn.Module):
         )
         self.inv_freq = rope.inv_frequencies(config).to(device)
         self.attn = make_backend("auto", device, shard.kv_heads.count)
+
+    def _make_layer(self, layer: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        """Decoder layer ``layer`` (an architecture with other layers overrides this)."""
+        return DecoderLayer(self.config, layer, dtype, device, self.shard)
 
     def set_attention_backend(self, name: str) -> None:
         """``auto``, ``torch`` or ``triton`` (CUDA only); see ``common/layers/attn_backend.py``."""
@@ -161,6 +178,11 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             out.update(layer.hf_tensor_map())
         return out
+
+    def unfuse(self, name: str, read) -> dict[str, torch.Tensor]:
+        """A checkpoint tensor that ``hf_tensor_map`` does not name, split into tensors it names
+        (``read()`` loads it); {} when ``name`` is no fused tensor this model knows (none here)."""
+        return {}
 
     @torch.inference_mode()
     def forward(

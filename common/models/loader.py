@@ -1,5 +1,6 @@
 """Load a Hugging Face checkpoint folder (safetensors, single or sharded) into the class ``registry.py``
-names for its architecture (``LlamaForCausalLM`` for every family served today)."""
+names for its architecture (``LlamaForCausalLM`` for the Llama family, ``Qwen3MoeForCausalLM``).
+A tensor the model's ``hf_tensor_map`` does not name may be a fused one it splits (``model.unfuse``)."""
 
 from __future__ import annotations
 
@@ -54,11 +55,10 @@ def load_model(
                     raise ModelLoadError(
                         f"{model_dir / INDEX_FILE}: maps tensor '{name}' to {path.name}, which lacks it"
                     )
-                if name not in slots:
+                filled = _load_tensor(f, name, model, slots, path)
+                if not filled:
                     ignored.append(name)
-                    continue
-                _copy(f.get_tensor(name), slots[name], name, path)
-                loaded.add(name)
+                loaded.update(filled)
     missing = sorted(set(slots) - loaded)
     if missing:
         where = model_dir / (INDEX_FILE if (model_dir / INDEX_FILE).is_file() else SINGLE_FILE)
@@ -93,6 +93,20 @@ def _shards(model_dir: Path) -> dict[Path, list[str] | None]:
     if not single.is_file():
         raise ModelLoadError(f"{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
     return {single: None}
+
+
+def _load_tensor(f, name: str, model, slots: dict[str, TensorSlot], path: Path) -> list[str]:
+    """Copy checkpoint tensor ``name`` of the open file ``f`` where it lands; returns the names of
+    ``slots`` it filled: itself, the parts ``model.unfuse`` splits it into, or none (unknown)."""
+    if name in slots:
+        _copy(f.get_tensor(name), slots[name], name, path)
+        return [name]
+    parts = model.unfuse(name, lambda: f.get_tensor(name))
+    for part, tensor in parts.items():
+        if part not in slots:
+            raise ModelLoadError(f"{path}: tensor '{name}' holds '{part}', which config.json does not imply")
+        _copy(tensor, slots[part], part, path)
+    return list(parts)
 
 
 def _copy(tensor: torch.Tensor, slot: TensorSlot, name: str, path: Path) -> None:

@@ -1,8 +1,8 @@
 """The model class of each served architecture, keyed by ``config.json``'s ``architectures``.
 
 A new architecture is one file in this package and one entry here; ``config.py``'s
-``SUPPORTED_ARCHITECTURES`` names its family, which decides biases and q/k norm. Every family served
-today is the Llama forward (``llama.py``).
+``SUPPORTED_ARCHITECTURES`` names its family, which decides biases and q/k norm. The Llama family is
+the Llama forward (``llama.py``); Qwen3-MoE is that forward with sparse MoE layers (``qwen3_moe.py``).
 """
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ from torch import nn
 
 from kvferry.common.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from kvferry.common.models.llama import LlamaForCausalLM
+from kvferry.common.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 assert set(MODELS) == set(SUPPORTED_ARCHITECTURES), "registry.py and config.py name different architectures"
 

@@ -19,7 +19,8 @@ has 8 attention and 8 KV heads in four layers, for tensor parallelism that split
 "tiny-vocab-66k" pads the vocabulary past 65,536 (as Llama-3's and Qwen's are) in a 16-wide, two-layer
 model: its last 512 lm_head rows dominate the logits, so every position's most likely tokens have
 ids that msgpack spends 5 bytes on (the size of a frame that carries them); the tokenizer stays the
-tiny one's, and those ids decode to nothing.
+tiny one's, and those ids decode to nothing. "tiny-moe" is a four-layer Qwen3-MoE (8 experts, top-2,
+layer 1 dense); "qwen3-30b-a3b" has Qwen3-30B-A3B's shapes (128 experts, top-8) in 8 layers.
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ class TinySpec:
     vocab_size: int = VOCAB_SIZE  # above the tokenizer's: padding rows (zero in lm_head), then top_rows
     top_rows: int = 0  # the last rows of a padded vocabulary: lm_head rows scaled by top_rows_scale
     top_rows_scale: float = 3.0
+    num_experts: int = 0  # > 0: a Qwen3-MoE checkpoint (q/k norm; sparse layers of SwiGLU experts)
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    mlp_only_layers: tuple[int, ...] = ()  # MoE: the layers that keep a dense MLP of intermediate_size
 
 
 presets: dict[str, TinySpec] = {
@@ -93,6 +98,16 @@ presets: dict[str, TinySpec] = {
         rope_theta=500000.0, max_position_embeddings=131072, dtype="bfloat16",
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192},
+    ),
+    # Qwen3-MoE for the CPU suite: 8 experts, top-2, layer 1 dense (mlp_only_layers)
+    "tiny-moe": TinySpec(hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                         late_scale=0.3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                         mlp_only_layers=(1,)),
+    # Qwen3-30B-A3B's shapes (128 experts, top-8) in 8 of its 48 layers, for the GPU
+    "qwen3-30b-a3b": TinySpec(
+        hidden_size=2048, num_layers=8, num_heads=32, num_kv_heads=4, head_dim=128, intermediate_size=6144,
+        rope_theta=1000000.0, max_position_embeddings=40960, dtype="bfloat16", num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768,
     ),
 }
 
@@ -185,8 +200,29 @@ def _write_side_files(folder: Path, spec: TinySpec, num_layers: int, tokenizer: 
 
 
 def _config_json(spec: TinySpec, num_layers: int, vocab_size: int, bos: int, eos: list[int]) -> dict:
-    # The fields and names transformers 5 writes for a LlamaConfig.
+    # The fields and names transformers 5 writes for a LlamaConfig (a Qwen3MoeConfig with experts).
     rope = {"rope_theta": spec.rope_theta, "rope_type": "default", **(spec.rope_scaling or {})}
+    return {**_llama_config_json(spec, num_layers, vocab_size, bos, eos, rope), **_moe_config_json(spec, num_layers)}
+
+
+def _moe_config_json(spec: TinySpec, num_layers: int) -> dict:
+    if not spec.num_experts:
+        return {}
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in spec.mlp_only_layers if i < num_layers],
+        "moe_intermediate_size": spec.moe_intermediate_size,
+        "norm_topk_prob": True,
+        "num_experts": spec.num_experts,
+        "num_experts_per_tok": spec.num_experts_per_tok,
+        "use_sliding_window": False,
+    }
+
+
+def _llama_config_json(spec: TinySpec, num_layers: int, vocab_size: int, bos: int, eos: list[int],
+                       rope: dict) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -232,11 +268,26 @@ def _tensor_specs(spec: TinySpec, num_layers: int) -> list[tuple[str, tuple[int,
             (p + "self_attn.v_proj.weight", (kv, h)),
             (p + "self_attn.o_proj.weight", (h, q)),
             (p + "post_attention_layernorm.weight", (h,)),
-            (p + "mlp.gate_proj.weight", (inter, h)),
-            (p + "mlp.up_proj.weight", (inter, h)),
-            (p + "mlp.down_proj.weight", (h, inter)),
         ]
+        if spec.num_experts:
+            out += [(p + f"self_attn.{n}_norm.weight", (spec.head_dim,)) for n in ("q", "k")]
+        if spec.num_experts and i not in spec.mlp_only_layers:
+            out += _expert_specs(spec, p)
+        else:
+            out += [(p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                    (p + "mlp.down_proj.weight", (h, inter))]
     return out + [("model.norm.weight", (h,)), ("lm_head.weight", (spec.vocab_size, h))]
+
+
+def _expert_specs(spec: TinySpec, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+    """A sparse layer's router and experts, named as the Hub's Qwen3-MoE checkpoints name them."""
+    h, inter = spec.hidden_size, spec.moe_intermediate_size
+    out = [(prefix + "mlp.gate.weight", (spec.num_experts, h))]
+    for e in range(spec.num_experts):
+        p = f"{prefix}mlp.experts.{e}."
+        out += [(p + "gate_proj.weight", (inter, h)), (p + "up_proj.weight", (inter, h)),
+                (p + "down_proj.weight", (h, inter))]
+    return out
 
 
 def _init_std(spec: TinySpec, name: str, shape: tuple[int, ...]) -> float | None:

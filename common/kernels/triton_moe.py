@@ -1,0 +1,124 @@
+"""Fused MoE for the CUDA path: a sparse block's experts as two grouped GEMMs over token slots
+sorted by expert. The reference is ``common/layers/moe.fused_moe_ref``.
+
+A token slot is ``t * k + j``: token t's j-th expert. Over T tokens and k experts each::
+
+    align_by_expert(topk_ids, E, BLOCK_M) -> sorted_slots [P], block_experts [P / BLOCK_M]
+        expert e's slots in consecutive blocks of BLOCK_M rows, its last block padded with the
+        sentinel T * k (masked off); block b's expert is block_experts[b] (-1: past the last block)
+    grouped GEMM  x[slot // k] @ w13[e].T           -> gate_up [T * k, 2I]
+    silu_mul                                        -> act [T * k, I]
+    grouped GEMM  act[slot] @ w2[e].T * weight[slot] -> [T * k, H] (fp32)
+    sum over the k slots of each token              -> [T, H]
+
+No host sync anywhere: the sort runs as torch ops on the device, and P is bounded by shapes alone
+(at most min(T * k, E) experts have a slot, each wasting under BLOCK_M rows of padding), so the
+grid is fixed and a CUDA graph can capture the whole block.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvferry.common.kernels.triton_fused import silu_mul
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (sorted_slots [P] int64, block_experts [P // block_m] int64).
+
+    Invariants: every slot in [0, T * k) appears exactly once in ``sorted_slots``; every other entry
+    is T * k; each block of ``block_m`` entries holds slots of the one expert ``block_experts[b]``
+    (ascending expert order, slot order within an expert), and a block with no slot has expert -1.
+    """
+    flat = topk_ids.flatten()
+    num_slots = flat.numel()
+    # a scatter, not bincount: bincount on CUDA reads its maximum back to the host
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)  # slots grouped by expert
+    experts = flat[order]
+    # a slot's row: its expert's first padded row + its rank among that expert's slots
+    rank = torch.arange(num_slots, device=flat.device) - (torch.cumsum(counts, 0) - counts)[experts]
+    rows = (padded_ends - padded)[experts] + rank
+    bound = triton.cdiv(num_slots + min(num_slots, num_experts) * (block_m - 1), block_m) * block_m
+    sorted_slots = torch.full((bound,), num_slots, dtype=torch.int64, device=flat.device)
+    sorted_slots[rows] = order
+    block_starts = torch.arange(0, bound, block_m, device=flat.device)
+    block_experts = torch.searchsorted(padded_ends, block_starts, right=True)
+    return sorted_slots, torch.where(block_experts < num_experts, block_experts, -1)
+
+
+@triton.jit
+def _grouped_gemm_kernel(a, b, c, sorted_slots, block_experts, weights, N, K, num_slots,
+                         stride_am, stride_be, stride_bn, stride_cm,
+                         TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PRECISION: tl.constexpr):
+    """c[slot, n] = a[slot // TOP_K] . b[expert, n] (* weights[slot]) for one block of BLOCK_M slots
+    and BLOCK_N columns (TOP_K 1: a row per slot)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_experts + pid_m)
+    slots = tl.load(sorted_slots + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    # a block past the last expert's (expert -1) holds only sentinels: every load and store is masked
+    has_rows = slots < tl.where(expert >= 0, num_slots, 0)
+    expert = tl.maximum(expert, 0).to(tl.int64)
+    a_rows = tl.where(has_rows, slots // TOP_K, 0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    has_cols = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a + a_rows[:, None] * stride_am + ks[None, :]
+    b_ptrs = b + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        in_k = ks < K - k0
+        a_tile = tl.load(a_ptrs, mask=has_rows[:, None] & in_k[None, :], other=0.0)
+        b_tile = tl.load(b_ptrs, mask=in_k[:, None] & has_cols[None, :], other=0.0)
+        acc = tl.dot(a_tile, b_tile, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if MUL_WEIGHT:
+        acc = acc * tl.load(weights + slots, mask=has_rows, other=0.0).to(tl.float32)[:, None]
+    c_ptrs = c + tl.where(has_rows, slots, 0).to(tl.int64)[:, None] * stride_cm + cols[None, :]
+    tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=has_rows[:, None] & has_cols[None, :])
+
+
+def _block_m(num_slots: int) -> int:
+    # decode batches have few slots per expert: small blocks waste less padding
+    return 16 if num_slots <= 512 else 64
+
+
+def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_slots: torch.Tensor,
+                  block_experts: torch.Tensor, block_m: int, top_k: int, weights: torch.Tensor | None) -> None:
+    """a [T * k / top_k, K] contiguous, b [E, N, K] contiguous, out [T * k, N]; ``weights`` [T * k] or None."""
+    n, k = b.shape[1], b.shape[2]
+    block_n, block_k = 64, 64 if k >= 64 else 32
+    grid = (block_experts.numel(), triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        a, b, out, sorted_slots, block_experts, weights if weights is not None else out, n, k, out.shape[0],
+        a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        TOP_K=top_k, MUL_WEIGHT=weights is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights and topk_ids [T, k] -> [T, H] in x's
+    dtype; as ``fused_moe_ref`` to within one rounding of the dtype (the down projection is weighted
+    in fp32 before it is rounded)."""
+    num_tokens, top_k = topk_ids.shape
+    num_slots = num_tokens * top_k
+    block_m = _block_m(num_slots)
+    sorted_slots, block_experts = align_by_expert(topk_ids, w13.shape[0], block_m)
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    gate_up = torch.empty(num_slots, w13.shape[1], dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, gate_up, sorted_slots, block_experts, block_m, top_k, None)
+    down = torch.empty(num_slots, w2.shape[1], dtype=torch.float32, device=x.device)
+    weights = topk_weights.flatten().contiguous()
+    _grouped_gemm(silu_mul(gate_up), w2, down, sorted_slots, block_experts, block_m, 1, weights)
+    return down.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
