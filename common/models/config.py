@@ -1,6 +1,7 @@
 """Model configuration parsed from a Hugging Face ``config.json`` (transformers 4 and 5 field names).
 
-Only the Llama family is accepted: Llama 2/3/3.1, Mistral, Qwen2/2.5 and Qwen3. Everything the
+Only the Llama family is accepted: Llama 2/3/3.1, Mistral, Qwen2/2.5 and Qwen3, with plain or FP8
+weights (``quantization_config``, parsed by ``quant_config.py``). Everything the
 forward pass, the KV layout and the fingerprint need is read here, once; nothing else opens
 ``config.json``.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvferry.common.errors import ModelLoadError
+from kvferry.common.models.quant_config import Fp8Scheme, parse_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,7 @@ class ModelConfig:
     torch_dtype: str
     sliding_windows: tuple[int | None, ...]
     source: str = "<dict>"
+    quantization: Fp8Scheme | None = None  # FP8 weights (``quant_config.py``); None: plain dtype weights
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -113,6 +116,8 @@ class ModelConfig:
             "rope_scaling": rope,
             "sliding_windows": list(self.sliding_windows),
         }
+        if self.quantization is not None:  # unquantized checkpoints keep the fingerprint they had
+            key["quantization"] = self.quantization.fingerprint_key()
         blob = json.dumps(key, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -187,6 +192,7 @@ def _parse(f: _Fields) -> ModelConfig:
         torch_dtype=_dtype_name(f),
         sliding_windows=_sliding_windows(f, family, num_layers),
         source=f.source,
+        quantization=parse_quantization(f.raw.get("quantization_config"), f.source),
     )
 
 
