@@ -27,10 +27,14 @@ def _make_tiny_model(argv: list[str]) -> int:
     parser.add_argument("dir", help="output folder; DIR/target and DIR/draft are written")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--preset", default="tiny", help="tiny (default) or a real shape such as llama-3.1-8b")
+    parser.add_argument("--quantize", choices=("fp8-channel", "fp8-block"), default=None,
+                        help="write FP8 decoder weights: fp8-channel (compressed-tensors, per-channel scales, "
+                             "dynamic per-token activations) or fp8-block (quant_method fp8, 128x128 block scales); "
+                             "default: unquantized")
     args = parser.parse_args(argv)
     from kvferry.common.models.tiny import make_tiny_model
 
-    paths = make_tiny_model(args.dir, seed=args.seed, preset=args.preset)
+    paths = make_tiny_model(args.dir, seed=args.seed, preset=args.preset, quantize=args.quantize)
     print(f"wrote {paths}")
     return 0
 

@@ -1,5 +1,7 @@
 """Load a Hugging Face checkpoint folder (safetensors, single or sharded) into the class ``registry.py``
-names for its architecture (``LlamaForCausalLM`` for every family served today)."""
+names for its architecture (``LlamaForCausalLM`` for every family served today). FP8 checkpoints
+(``quant_config.py``) keep their float8_e4m3fn weights as they are, one byte each, beside fp32
+scales; ``dtype`` is then that of everything else (norms, embeddings, lm_head, activations)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from kvferry.common.errors import ModelLoadError
 from kvferry.common.models.config import ModelConfig
 from kvferry.common.models.llama import LlamaForCausalLM
 from kvferry.common.models.registry import model_class
-from kvferry.common.layers.tp_layers import TensorSlot, TpShard
+from kvferry.common.layers.tp_layers import ScaleSlot, TensorSlot, TpShard
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +97,8 @@ def _shards(model_dir: Path) -> dict[Path, list[str] | None]:
     return {single: None}
 
 
-def _copy(tensor: torch.Tensor, slot: TensorSlot, name: str, path: Path) -> None:
-    expected = slot.checkpoint_shape()
-    if tuple(tensor.shape) != expected:
-        raise ModelLoadError(
-            f"{path}: tensor '{name}' has shape {tuple(tensor.shape)}, config.json implies {expected}"
-        )
-    slot.target.narrow(0, slot.row_start, slot.num_rows).copy_(slot.take(tensor))
+def _copy(tensor: torch.Tensor, slot: TensorSlot | ScaleSlot, name: str, path: Path) -> None:
+    problem = slot.problem(tensor)
+    if problem is not None:
+        raise ModelLoadError(f"{path}: tensor '{name}' {problem}")
+    slot.fill(tensor)
