@@ -75,8 +75,11 @@ def quantized_specs(specs: list[Spec], kind: str) -> list[Spec]:
     return out
 
 
-def element_bytes(name: str, dtype_bytes: int) -> int:
-    """Bytes per element of tensor ``name`` in a quantized checkpoint of ``dtype_bytes`` elements."""
+def element_bytes(name: str, dtype_bytes: int, kind: str | None) -> int:
+    """Bytes per element of tensor ``name`` in a checkpoint of ``dtype_bytes`` elements, quantized
+    as ``kind`` (None: not at all)."""
+    if kind is None:
+        return dtype_bytes
     if name.endswith(_LINEARS):
         return 1
     return 4 if name.endswith(("_scale", "_scale_inv")) else dtype_bytes
