@@ -69,11 +69,16 @@ def load_model(
     if unexpected:
         logger.warning("model=%s ignored %d unknown tensors, first %s", model_dir, len(unexpected), unexpected[0])
     logger.info(
-        "loaded model=%s arch=%s layers=%d dtype=%s device=%s fingerprint=%s tp_rank=%d tp_size=%d",
-        model_dir, config.architecture, config.num_hidden_layers, torch_dtype, device, config.fingerprint,
-        tp_rank, tp_size,
+        "loaded model=%s arch=%s layers=%d dtype=%s weights=%s device=%s fingerprint=%s tp_rank=%d tp_size=%d",
+        model_dir, config.architecture, config.num_hidden_layers, torch_dtype, _weights_label(config), device,
+        config.fingerprint, tp_rank, tp_size,
     )
     return model
+
+
+def _weights_label(config: ModelConfig) -> str:
+    q = config.quantization
+    return "plain" if q is None else f"fp8-{q.strategy.value} ({q.quant_method})"
 
 
 def _shards(model_dir: Path) -> dict[Path, list[str] | None]:

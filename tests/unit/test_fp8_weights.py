@@ -169,3 +169,20 @@ def test_fused_parts_must_agree_on_quantization():
 
     with pytest.raises(ModelLoadError, match=r"ignores some of the fused modules .*k_proj': False"):
         LlamaForCausalLM(config, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sharded_bf16_checkpoint_loads_the_same_fp8_weights(dirs, tmp_path, kind):
+    """Shards sized by the FP8 tensors' real bytes (1 per weight, 4 per scale) from a bf16 source,
+    as the 8B preset writes them."""
+    spec = dataclasses.replace(SMALL, dtype="bfloat16", max_shard_bytes=1 << 16)
+    target, _ = make_tiny_model(tmp_path, seed=3, preset=spec, quantize=kind)
+    index = json.loads((target / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 4
+    plain = load_model(make_tiny_model(tmp_path / "plain", seed=3, preset=spec)[0])
+    model = load_model(target)
+    assert model.dtype == torch.bfloat16 and model.layers[1].down_weight.weight.dtype == torch.float8_e4m3fn
+    for layer, source in zip(model.layers, plain.layers):
+        for name in LINEARS:
+            w, want = getattr(layer, name), getattr(source, name).float()
+            assert within_e4m3(w.dequantize(), want, w.expanded_scale().expand_as(want)), name
