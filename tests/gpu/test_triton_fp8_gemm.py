@@ -91,3 +91,19 @@ def test_block_linear_equals_reference(shape):
     else:
         want = fp8.reference_linear(x, w)
     torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="torch._scaled_mm needs a CUDA device (sm89+); the interpreter has none")
+@pytest.mark.parametrize("m", [1, 33])
+def test_scaled_mm_path_equals_reference(m):
+    """Per-channel weights on CUDA go through torch._scaled_mm with row-wise scales; it multiplies
+    the same e4m3 values and scales as the reference, so they differ by one bf16 rounding."""
+    q, scale = fp8.quantize_rows(torch.randn(256, 512) * 0.05)
+    w = fp8.Fp8Weight(256, 512, None, torch.device(DEVICE))
+    w.weight.copy_(q)
+    w.scale.copy_(scale)
+    x, bias = torch.randn(m, 512, device=DEVICE).bfloat16(), torch.randn(256, device=DEVICE).bfloat16()
+    got = fp8.fp8_linear(x, w, bias)
+    want = fp8.reference_linear(x, w, bias)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-7)

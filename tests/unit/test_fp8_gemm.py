@@ -10,6 +10,8 @@ s (v = x / s): |dequant(x) - x| <= max(2**-4 * |x|, 2**-10 * s).
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -100,11 +102,20 @@ def test_block_reference_is_dequantize_then_matmul():
     torch.testing.assert_close(fp8.reference_linear(x, w), x_deq @ w_deq.t(), rtol=1e-5, atol=1e-5)
 
 
+def _backends():
+    yield TorchBackend()
+    if importlib.util.find_spec("triton") is not None:  # on CPU only as the interpreter tests build it
+        from kvferry.common.layers.attn_backend import TritonBackend
+
+        yield TritonBackend(torch.device("cpu"), 1)
+
+
+@pytest.mark.parametrize("backend", list(_backends()), ids=lambda b: b.name)
 @pytest.mark.parametrize("make", [channel_weight, block_weight])
-def test_torch_backend_linear_dispatches_on_the_weight(make):
+def test_backend_linear_dispatches_on_the_weight(make, backend):
     w, _ = make(40, 136)
     x = torch.randn(2, 3, 136).to(torch.bfloat16)  # leading dims kept, x's dtype out
-    got = TorchBackend.linear(x, w, None)
+    got = backend.linear(x, w, None)
     assert got.shape == (2, 3, 40) and got.dtype == torch.bfloat16
     assert torch.equal(got, fp8.reference_linear(x, w))
     # and it is the FP8 product, close to (not equal to) the unquantized one

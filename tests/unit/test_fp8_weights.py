@@ -186,3 +186,12 @@ def test_sharded_bf16_checkpoint_loads_the_same_fp8_weights(dirs, tmp_path, kind
         for name in LINEARS:
             w, want = getattr(layer, name), getattr(source, name).float()
             assert within_e4m3(w.dequantize(), want, w.expanded_scale().expand_as(want)), name
+
+
+def test_make_tiny_model_command_writes_an_fp8_checkpoint(tmp_path):
+    from kvferry.common.cli import main
+
+    assert main(["make-tiny-model", str(tmp_path), "--quantize", "fp8-block"]) == 0
+    scheme = ModelConfig.from_dir(tmp_path / "target").quantization
+    assert (scheme.quant_method, scheme.strategy.value) == ("fp8", "block")
+    assert isinstance(load_model(tmp_path / "draft").layers[0].qkv_weight, Fp8Weight)
