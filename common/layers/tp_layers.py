@@ -174,7 +174,8 @@ class ScaleSlot:
         if s.start % block or (s.length % block and s.start + s.length != s.full):
             raise ModelLoadError(
                 f"{self.name}: this rank's columns [{s.start}, {s.start + s.length}) of {s.full} do not align to the "
-                f"{block}-column FP8 blocks; choose a --tp-size whose per-rank size of this dim is a multiple of {block}")
+                f"{block}-column FP8 blocks; choose a --tp-size whose per-rank size of this dim is a multiple of "
+                f"{block}")
 
     def _shapes(self) -> list[tuple[int, ...]]:
         block = self.target.block
@@ -196,7 +197,9 @@ class ScaleSlot:
             rows.copy_(values.expand(self.num_rows) if values.numel() == 1 else values[first:first + self.num_rows])
             return
         block_rows = torch.arange(first, first + self.num_rows) // block
-        cols = slice(s.start // block, -(-(s.start + s.length) // block)) if s is not None and s.dim == 1 else slice(None)
+        cols = slice(None)
+        if s is not None and s.dim == 1:  # this rank's 128-column groups (aligned: __post_init__)
+            cols = slice(s.start // block, -(-(s.start + s.length) // block))
         rows.copy_(tensor.float()[block_rows][:, cols])
 
 

@@ -23,7 +23,7 @@ from kvferry.common.layers.fp8 import linear_weight
 from kvferry.common.models.config import ModelConfig
 from kvferry.common.cache.kv_cache import KvCache
 from kvferry.common.layers.norm import rms_norm
-from kvferry.common.layers.tp_layers import TensorSlot, TpShard, layer_tensor_map
+from kvferry.common.layers.tp_layers import ScaleSlot, TensorSlot, TpShard, layer_tensor_map
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class DecoderLayer(nn.Module):
             return linear_weight(names, c.quantization, out_features, in_features, dtype, device)
 
         self.input_norm = _param((c.hidden_size,), dtype, device)
-        self.qkv_weight = weight(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], q + 2 * kv, c.hidden_size)
+        self.qkv_weight = weight([f"self_attn.{m}_proj" for m in "qkv"], q + 2 * kv, c.hidden_size)
         self.qkv_bias = _param((q + 2 * kv,), dtype, device) if c.has_qkv_bias else None
         self.o_weight = weight(["self_attn.o_proj"], c.hidden_size, q)
         self.o_bias = _param((c.hidden_size,), dtype, device) if c.has_o_bias else None
@@ -83,7 +83,7 @@ class DecoderLayer(nn.Module):
         self.down_weight = weight(["mlp.down_proj"], c.hidden_size, inter)
         self.down_bias = _param((c.hidden_size,), dtype, device) if c.has_mlp_bias else None
 
-    def hf_tensor_map(self) -> dict[str, TensorSlot]:
+    def hf_tensor_map(self) -> dict[str, TensorSlot | ScaleSlot]:
         return layer_tensor_map(self, self.config, self.shard)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos_sin, kv: KvCache, plan, attn):
@@ -156,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.reduce = all_reduce
 
-    def hf_tensor_map(self) -> dict[str, TensorSlot]:
+    def hf_tensor_map(self) -> dict[str, TensorSlot | ScaleSlot]:
         """Hugging Face tensor name -> destination. Tied checkpoints carry no ``lm_head.weight``."""
         c = self.config
         out = {

@@ -94,15 +94,18 @@ def _error(source: str, field: str, problem: str) -> ModelLoadError:
 def _compressed_tensors(raw: dict, source: str) -> Fp8Scheme:
     fmt = raw.get("format")
     if fmt not in CT_FORMATS:
-        raise _error(source, ".format", f"is {fmt!r} (quant_method 'compressed-tensors'); supported: {list(CT_FORMATS)} "
-                     "with float8 weights")
+        raise _error(source, ".format", f"is {fmt!r} (quant_method 'compressed-tensors'); supported: "
+                     f"{list(CT_FORMATS)} with float8 weights")
     if raw.get("kv_cache_scheme") is not None:
         raise _error(source, ".kv_cache_scheme", "is set; an FP8 KV cache is not supported")
     groups = raw.get("config_groups") or {}
-    if len(groups) != 1:
-        raise _error(source, ".config_groups", f"has {len(groups)} groups ({sorted(groups)}); exactly one is supported")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        raise _error(source, ".config_groups", f"is {groups!r}; exactly one group is supported")
     name, group = next(iter(groups.items()))
     where = f".config_groups.{name}"
+    tables = ("weights", "input_activations")
+    if not isinstance(group, dict) or not all(isinstance(group.get(k) or {}, dict) for k in tables):
+        raise _error(source, where, f"is {group!r}, expected a table with 'weights' and 'input_activations' tables")
     if group.get("targets") != ["Linear"]:
         raise _error(source, f"{where}.targets", f"is {group.get('targets')!r}; supported: ['Linear']")
     weights = group.get("weights") or {}

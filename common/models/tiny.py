@@ -147,7 +147,8 @@ def make_tiny_model(out_dir: str | Path, seed: int = 0, preset: str | TinySpec =
         tensors = tiny_fp8.quantize_stream(target_specs, tensors, quantize)
         target_specs = tiny_fp8.quantized_specs(target_specs, quantize)
     draft_specs = [(name, shape) for name, shape in target_specs if _in_draft(name, spec.draft_layers)]
-    sizes = {name: math.prod(shape) * tiny_fp8.element_bytes(name, dtype_bytes, quantize) for name, shape in target_specs}
+    sizes = {name: math.prod(shape) * tiny_fp8.element_bytes(name, dtype_bytes, quantize)
+             for name, shape in target_specs}
     # The draft's tensors are the target's (same names): keep them while the target streams out.
     kept: dict[str, torch.Tensor] = dict.fromkeys(name for name, _ in draft_specs)
     _write_shards(target_dir, target_specs, tensors, spec.max_shard_bytes, sizes, kept)
