@@ -29,8 +29,10 @@ def _group_quant_kernel(x, q, s, K, stride_x, stride_q, stride_s, GROUP: tl.cons
     cols = g * GROUP + tl.arange(0, GROUP)
     mask = cols < K
     v = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(v), 0), MIN_AMAX) / FP8_MAX
-    qv = tl.clamp(v / scale, -FP8_MAX, FP8_MAX)
+    # div_rn: IEEE-rounded division, as torch divides (Triton's "/" is approximate on CUDA), so
+    # scales and quantized values equal the reference's bit for bit.
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(v), 0), MIN_AMAX), FP8_MAX)
+    qv = tl.clamp(tl.div_rn(v, scale), -FP8_MAX, FP8_MAX)
     tl.store(q + row * stride_q + cols, qv.to(q.dtype.element_ty), mask=mask)
     tl.store(s + row * stride_s + g, scale)
 

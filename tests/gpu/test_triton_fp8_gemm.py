@@ -9,8 +9,10 @@ checked against the reference GEMM over the kernel's own quantized activations. 
 are checked against the torch path exactly.
 
 Tolerance of the GEMM: both sides multiply the same e4m3 values and the same fp32 scales; they
-differ only in fp32 summation order (and the final cast), so 1e-4 relative (fp32 out) or one
-rounding of bf16/fp16.
+differ in summation order (and the final cast), so 1e-4 (fp32 out) or one rounding of bf16/fp16.
+On CUDA the fp8 tensor-core MMA accumulates each 128-wide group with fewer than fp32's mantissa
+bits (about 14 on Hopper, the reason the kernel promotes to fp32 once per group), so fp32 outputs
+get 2**-10 there.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def test_block_gemm_equals_reference(shape, dtype):
     got = triton_fp8_gemm.w8a8_block_gemm(xq.to(DEVICE), xs.to(DEVICE), w.weight, w.scale, dtype, bias.to(DEVICE))
     x_deq = xq.float() * xs.repeat_interleave(128, dim=1)[:, :k]
     want = (x_deq @ w.dequantize().cpu().t() + bias.float()).to(dtype)
-    tol = 1e-4 if dtype == torch.float32 else 2**-7
+    tol = (1e-4 if INTERPRETED else 2**-10) if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(got.cpu().float(), want.float(), rtol=tol, atol=tol)
 
 
@@ -90,7 +92,8 @@ def test_block_linear_equals_reference(shape):
         want = (xq.float() * xs.repeat_interleave(128, dim=1)[:, :k]) @ w.dequantize().t()
     else:
         want = fp8.reference_linear(x, w)
-    torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-4, atol=1e-4)
+    tol = 1e-4 if INTERPRETED else 2**-10
+    torch.testing.assert_close(got.cpu(), want.cpu(), rtol=tol, atol=tol)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="torch._scaled_mm needs a CUDA device (sm89+); the interpreter has none")
