@@ -30,9 +30,13 @@ def _make_tiny_model(argv: list[str]) -> int:
 
     parser.add_argument("--preset", default="tiny", choices=list(presets),
                         help=f"one of: {', '.join(presets)} (default tiny; see common/models/tiny.py)")
+    parser.add_argument("--quantize", choices=("fp8-channel", "fp8-block"), default=None,
+                        help="write FP8 decoder weights: fp8-channel (compressed-tensors, per-channel scales, "
+                             "dynamic per-token activations) or fp8-block (quant_method fp8, 128x128 block scales); "
+                             "default: unquantized")
     args = parser.parse_args(argv)
 
-    paths = make_tiny_model(args.dir, seed=args.seed, preset=args.preset)
+    paths = make_tiny_model(args.dir, seed=args.seed, preset=args.preset, quantize=args.quantize)
     print(f"wrote {paths}")
     return 0
 

@@ -12,6 +12,8 @@ The elementwise steps around attention go through the backend too (``add_norm``,
 ``silu_mul``, ``linear``): the torch compositions on the torch path, fused kernels
 (``common/kernels/triton_fused.py``) on the triton path. So do the experts of a sparse MoE block
 (``fused_moe``: ``common/layers/moe.fused_moe_ref`` on torch, ``common/kernels/triton_moe.py`` on triton).
+``linear`` of an FP8 weight (``common/layers/fp8.py``) goes to ``fp8_linear`` on both, which picks its
+kernel by device.
 
 A plan has ``positions`` [T], ``last_index`` [B] and ``query_lens`` (list); the rest is the
 backend's own. ``TritonPlan`` travels to the device as one int64 copy and can also be built from
@@ -28,6 +30,7 @@ import torch
 
 from kvferry.common.layers import attention, moe, rope
 from kvferry.common.kernels.h2d import to_device
+from kvferry.common.layers.fp8 import Fp8Weight, fp8_linear
 from kvferry.common.layers.norm import rms_norm
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -84,6 +87,8 @@ class TorchBackend:
 
     @staticmethod
     def linear(x, weight, bias=None) -> torch.Tensor:
+        if isinstance(weight, Fp8Weight):
+            return fp8_linear(x, weight, bias)
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
@@ -193,6 +198,8 @@ class TritonBackend:
     def linear(self, x, weight, bias=None) -> torch.Tensor:
         # use_gemv: one row through triton_fused.gemv instead of cuBLAS. Off: on an H200 cuBLAS
         # streams the 8B projections at 1.3-4.1 TB/s, the GEMV at 0.9-3.3 (bench/engine.py "gemv").
+        if isinstance(weight, Fp8Weight):
+            return fp8_linear(x, weight, bias)
         if x.shape[0] == 1 and self.use_gemv:
             return self.fused.gemv(x.contiguous(), weight, bias)
         return torch.nn.functional.linear(x, weight, bias)

@@ -17,6 +17,9 @@ Megatron-style, over ``tp_size`` ranks::
 Attention heads are split in equal blocks; KV heads follow ``kvferry.common.plan.tp.rank_heads`` (blocks,
 or one head replicated on ``tp_size / num_kv_heads`` consecutive ranks), so rank r's query heads
 always read KV heads it holds. ``TpShard.single(config)`` is the whole model (TP 1).
+
+FP8 weights (``common/layers/fp8.py``) are sliced the same way, their scales with them
+(``ScaleSlot``): per-row scales follow the rows, block scales follow rows and 128-column groups.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvferry.common.errors import ConfigError, GeometryMismatchError
+from kvferry.common.errors import ConfigError, GeometryMismatchError, ModelLoadError
+from kvferry.common.layers.fp8 import FP8_DTYPE, Fp8Weight
 from kvferry.common.models.config import ModelConfig
 from kvferry.common.plan.tp import HeadRange, rank_heads
 
@@ -153,27 +157,110 @@ class TensorSlot:
             return tensor
         return tensor.narrow(self.source.dim, self.source.start, self.source.length)
 
+    def problem(self, tensor: torch.Tensor) -> str | None:
+        """Why the checkpoint ``tensor`` cannot fill this slot (None: it can)."""
+        if tuple(tensor.shape) != self.checkpoint_shape():
+            return f"has shape {tuple(tensor.shape)}, config.json implies {self.checkpoint_shape()}"
+        if (tensor.dtype == FP8_DTYPE) != (self.target.dtype == FP8_DTYPE):
+            return (f"has dtype {tensor.dtype} where config.json's quantization_config implies {self.target.dtype} "
+                    "(an FP8 tensor needs its module quantized, and a quantized module an FP8 tensor)")
+        return None
+
+    def fill(self, tensor: torch.Tensor) -> None:
+        self.target.narrow(0, self.row_start, self.num_rows).copy_(self.take(tensor))
+
+
+@dataclass(frozen=True)
+class ScaleSlot:
+    """Where the scale of an FP8 checkpoint weight lands: rows [row_start, row_start + num_rows) of
+    ``target.scale``, for the weight slice ``source`` of a [full_out, full_in] checkpoint weight.
+
+    Accepted checkpoint shapes: [] or [1] (per tensor: repeated over the part's rows), [full_out, 1]
+    or [full_out] (per channel), and for a block weight [ceil(full_out/B), ceil(full_in/B)] (each
+    block row repeated for its weight rows; a TP slice along ``in`` must start on a block boundary,
+    refused at construction with the sizes)."""
+
+    name: str
+    target: Fp8Weight
+    row_start: int
+    num_rows: int
+    source: Slice | None
+    full_out: int
+    full_in: int
+
+    def __post_init__(self) -> None:
+        s, block = self.source, self.target.block
+        if block is None or s is None or s.dim != 1:
+            return
+        if s.start % block or (s.length % block and s.start + s.length != s.full):
+            raise ModelLoadError(
+                f"{self.name}: this rank's columns [{s.start}, {s.start + s.length}) of {s.full} do not align to the "
+                f"{block}-column FP8 blocks; choose a --tp-size whose per-rank size of this dim is a multiple of "
+                f"{block}")
+
+    def _shapes(self) -> list[tuple[int, ...]]:
+        block = self.target.block
+        if block is not None:
+            return [(-(-self.full_out // block), -(-self.full_in // block))]
+        return [(), (1,), (self.full_out, 1), (self.full_out,)]
+
+    def problem(self, tensor: torch.Tensor) -> str | None:
+        if tuple(tensor.shape) not in self._shapes():
+            return f"has shape {tuple(tensor.shape)}; an FP8 scale of this weight has one of {self._shapes()}"
+        return None
+
+    def fill(self, tensor: torch.Tensor) -> None:
+        rows = self.target.scale.narrow(0, self.row_start, self.num_rows)
+        s, block = self.source, self.target.block
+        first = s.start if s is not None and s.dim == 0 else 0  # first checkpoint row of this part
+        if block is None:
+            values = tensor.float().reshape(-1)
+            rows.copy_(values.expand(self.num_rows) if values.numel() == 1 else values[first:first + self.num_rows])
+            return
+        block_rows = torch.arange(first, first + self.num_rows) // block
+        cols = slice(None)
+        if s is not None and s.dim == 1:  # this rank's 128-column groups (aligned: __post_init__)
+            cols = slice(s.start // block, -(-(s.start + s.length) // block))
+        rows.copy_(tensor.float()[block_rows][:, cols])
+
+
+def linear_slots(module: str, target, row_start: int, num_rows: int, source: Slice | None,
+                 scale_suffix: str) -> dict[str, TensorSlot | ScaleSlot]:
+    """The slots of one Hugging Face linear ``module`` landing in ``target`` (a plain weight, or an
+    ``Fp8Weight`` with its scale, named ``module.scale_suffix`` in the checkpoint)."""
+    if not isinstance(target, Fp8Weight):
+        return {module + ".weight": TensorSlot(target, row_start, num_rows, source)}
+    slot = TensorSlot(target.weight, row_start, num_rows, source)
+    full_out, full_in = slot.checkpoint_shape()
+    scale = ScaleSlot(f"{module}.{scale_suffix}", target, row_start, num_rows, source, full_out, full_in)
+    return {module + ".weight": slot, f"{module}.{scale_suffix}": scale}
+
 
 def _heads(dim: int, heads: HeadRange, num_heads: int, head_dim: int) -> Slice:
     return Slice(dim, heads.start * head_dim, heads.count * head_dim, num_heads * head_dim)
 
 
-def layer_tensor_map(layer, config: ModelConfig, shard: TpShard) -> dict[str, TensorSlot]:
+def layer_tensor_map(layer, config: ModelConfig, shard: TpShard) -> dict[str, TensorSlot | ScaleSlot]:
     """Hugging Face tensor name -> destination for one ``DecoderLayer`` holding ``shard``."""
     return {**attention_tensor_map(layer, config, shard), **mlp_tensor_map(layer, config, shard)}
 
 
-def mlp_tensor_map(layer, config: ModelConfig, shard: TpShard) -> dict[str, TensorSlot]:
-    """The dense MLP's tensors of one ``DecoderLayer`` (gate/up column-parallel, down row-parallel)."""
+def _scale_suffix(config: ModelConfig) -> str:
+    return config.quantization.scale_suffix if config.quantization is not None else ""
+
+
+def mlp_tensor_map(layer, config: ModelConfig, shard: TpShard) -> dict[str, TensorSlot | ScaleSlot]:
+    """The dense MLP's tensors of one ``DecoderLayer`` (gate/up column-parallel, down row-parallel;
+    FP8 weights with their scales)."""
     c, p = config, f"model.layers.{layer.layer}.mlp."
     inter = shard.inter.count
     s_inter = Slice(0, shard.inter.start, inter, c.intermediate_size)
     s_down = Slice(1, shard.inter.start, inter, c.intermediate_size)
-    out = {
-        p + "gate_proj.weight": TensorSlot(layer.gate_up_weight, 0, inter, s_inter),
-        p + "up_proj.weight": TensorSlot(layer.gate_up_weight, inter, inter, s_inter),
-        p + "down_proj.weight": TensorSlot(layer.down_weight, 0, c.hidden_size, s_down),
-    }
+    out: dict[str, TensorSlot | ScaleSlot] = {}
+    for module, target, row_start, num_rows, source in (
+            ("gate_proj", layer.gate_up_weight, 0, inter, s_inter), ("up_proj", layer.gate_up_weight, inter, inter, s_inter),
+            ("down_proj", layer.down_weight, 0, c.hidden_size, s_down)):
+        out.update(linear_slots(p + module, target, row_start, num_rows, source, _scale_suffix(c)))
     if layer.gate_up_bias is not None:
         out[p + "gate_proj.bias"] = TensorSlot(layer.gate_up_bias, 0, inter, s_inter)
         out[p + "up_proj.bias"] = TensorSlot(layer.gate_up_bias, inter, inter, s_inter)
@@ -181,21 +268,22 @@ def mlp_tensor_map(layer, config: ModelConfig, shard: TpShard) -> dict[str, Tens
     return out
 
 
-def attention_tensor_map(layer, config: ModelConfig, shard: TpShard) -> dict[str, TensorSlot]:
-    """The attention's and the two norms' tensors of one ``DecoderLayer``."""
+def attention_tensor_map(layer, config: ModelConfig, shard: TpShard) -> dict[str, TensorSlot | ScaleSlot]:
+    """The attention's and the two norms' tensors of one ``DecoderLayer`` (FP8 weights with their scales)."""
     c, p, d = config, f"model.layers.{layer.layer}.", shard.head_dim
     q, kv = shard.q_size, shard.kv_size
     sq = _heads(0, shard.q_heads, c.num_attention_heads, d)
     skv = _heads(0, shard.kv_heads, c.num_key_value_heads, d)
     s_o = _heads(1, shard.q_heads, c.num_attention_heads, d)
-    out = {
+    linears = [("self_attn.q_proj", layer.qkv_weight, 0, q, sq), ("self_attn.k_proj", layer.qkv_weight, q, kv, skv),
+               ("self_attn.v_proj", layer.qkv_weight, q + kv, kv, skv),
+               ("self_attn.o_proj", layer.o_weight, 0, c.hidden_size, s_o)]
+    out: dict[str, TensorSlot | ScaleSlot] = {
         p + "input_layernorm.weight": TensorSlot(layer.input_norm, 0, c.hidden_size),
-        p + "self_attn.q_proj.weight": TensorSlot(layer.qkv_weight, 0, q, sq),
-        p + "self_attn.k_proj.weight": TensorSlot(layer.qkv_weight, q, kv, skv),
-        p + "self_attn.v_proj.weight": TensorSlot(layer.qkv_weight, q + kv, kv, skv),
-        p + "self_attn.o_proj.weight": TensorSlot(layer.o_weight, 0, c.hidden_size, s_o),
         p + "post_attention_layernorm.weight": TensorSlot(layer.post_norm, 0, c.hidden_size),
     }
+    for module, target, row_start, num_rows, source in linears:
+        out.update(linear_slots(p + module, target, row_start, num_rows, source, _scale_suffix(c)))
     if layer.qkv_bias is not None:
         out[p + "self_attn.q_proj.bias"] = TensorSlot(layer.qkv_bias, 0, q, sq)
         out[p + "self_attn.k_proj.bias"] = TensorSlot(layer.qkv_bias, q, kv, skv)

@@ -1,7 +1,8 @@
 """Model configuration parsed from a Hugging Face ``config.json`` (transformers 4 and 5 field names).
 
 Accepted: the Llama family (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3) and Qwen3-MoE (``MoeConfig``:
-its sparse blocks; its attention is Qwen3's). Everything the
+its sparse blocks; its attention is Qwen3's), the dense ones with plain or FP8 weights
+(``quantization_config``, parsed by ``quant_config.py``). Everything the
 forward pass, the KV layout and the fingerprint need is read here, once; nothing else opens
 ``config.json``.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvferry.common.errors import ModelLoadError
+from kvferry.common.models.quant_config import Fp8Scheme, parse_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,7 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...]
     source: str = "<dict>"
     moe: MoeConfig | None = None  # None: every layer is a dense MLP
+    quantization: Fp8Scheme | None = None  # FP8 weights (``quant_config.py``); None: plain dtype weights
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -133,6 +136,8 @@ class ModelConfig:
         }
         if self.moe is not None:  # dense fingerprints stay as they were
             key["moe"] = dataclasses.asdict(self.moe)
+        if self.quantization is not None:  # unquantized checkpoints keep the fingerprint they had
+            key["quantization"] = self.quantization.fingerprint_key()
         blob = json.dumps(key, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -208,6 +213,7 @@ def _parse(f: _Fields) -> ModelConfig:
         sliding_windows=_sliding_windows(f, family, num_layers),
         source=f.source,
         moe=_moe(f, num_layers) if family == "qwen3_moe" else None,
+        quantization=_quantization(f, family),
     )
 
 
@@ -316,3 +322,13 @@ def _sliding_windows(f: _Fields, family: str, num_layers: int) -> tuple[int | No
     if "sliding_attention" in layer_types and window is None:
         raise f.error("sliding_window", "is missing while layer_types names sliding_attention layers")
     return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
+def _quantization(f, family: str) -> Fp8Scheme | None:
+    """The checkpoint's FP8 scheme, if any. A sparse MoE checkpoint in FP8 is refused by name: its
+    experts' weights are plain stacked tensors today (``common/layers/moe.py``)."""
+    scheme = parse_quantization(f.raw.get("quantization_config"), f.source)
+    if scheme is not None and family == "qwen3_moe":
+        raise ModelLoadError(f"{f.source}: quantization_config {scheme.quant_method!r} on a {family} checkpoint: "
+                             f"FP8 weights load for dense models only; serve the bf16 checkpoint of this MoE model")
+    return scheme

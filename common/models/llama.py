@@ -3,8 +3,9 @@
 One ``forward`` serves every phase: prefill (``start_pos`` 0), chunked prefill and spec-dec verify
 (several new tokens after a cached prefix) and batched decode (one new token per chunk). Linear
 layers run over all packed tokens at once; attention reads each chunk's pages (``common/layers/attention.py``).
-Weights are plain tensors filled by ``loader.load_model``: q/k/v and gate/up are stored fused, and
-``hf_tensor_map`` says where each Hugging Face tensor lands.
+Weights are plain tensors filled by ``loader.load_model`` (or, for an FP8 checkpoint, ``Fp8Weight``s
+of ``common/layers/fp8.py``, which ``attn.linear`` recognises): q/k/v and gate/up are stored fused,
+and ``hf_tensor_map`` says where each Hugging Face tensor lands.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from torch import nn
 
 from kvferry.common.layers import rope
 from kvferry.common.layers.attn_backend import make_backend
+from kvferry.common.layers.fp8 import linear_weight
 from kvferry.common.models.config import ModelConfig
 from kvferry.common.cache.kv_cache import KvCache
 from kvferry.common.layers.norm import rms_norm
-from kvferry.common.layers.tp_layers import TensorSlot, TpShard, layer_tensor_map
+from kvferry.common.layers.tp_layers import ScaleSlot, TensorSlot, TpShard, layer_tensor_map
 
 logger = logging.getLogger(__name__)
 
@@ -63,26 +65,35 @@ class DecoderLayer(nn.Module):
         self.reduce = None  # TP > 1: the all_reduce of the TP group, summing row-parallel outputs
         self.window = c.sliding_windows[layer]
         q, kv = shard.q_size, shard.kv_size  # this rank's part (all at TP 1)
+        weight = self._linear_weight
         self.input_norm = _param((c.hidden_size,), dtype, device)
-        self.qkv_weight = _param((q + 2 * kv, c.hidden_size), dtype, device)
+        self.qkv_weight = weight([f"self_attn.{m}_proj" for m in "qkv"], q + 2 * kv, c.hidden_size, dtype, device)
         self.qkv_bias = _param((q + 2 * kv,), dtype, device) if c.has_qkv_bias else None
-        self.o_weight = _param((c.hidden_size, q), dtype, device)
+        self.o_weight = weight(["self_attn.o_proj"], c.hidden_size, q, dtype, device)
         self.o_bias = _param((c.hidden_size,), dtype, device) if c.has_o_bias else None
         self.q_norm = _param((c.head_dim,), dtype, device) if c.has_qk_norm else None
         self.k_norm = _param((c.head_dim,), dtype, device) if c.has_qk_norm else None
         self.post_norm = _param((c.hidden_size,), dtype, device)
         self._init_mlp(dtype, device)
 
+    def _linear_weight(self, modules: list[str], out_features: int, in_features: int, dtype: torch.dtype,
+                       device: torch.device):
+        """The weight of the (fused) linear of ``modules`` of this layer: FP8 with its scales where the
+        checkpoint quantizes them (``common/layers/fp8.py``), else a plain tensor."""
+        names = [f"model.layers.{self.layer}.{m}" for m in modules]
+        return linear_weight(names, self.config.quantization, out_features, in_features, dtype, device)
+
     def _init_mlp(self, dtype: torch.dtype, device: torch.device) -> None:
         """The dense SwiGLU MLP's weights (a subclass with another MLP overrides this, ``_mlp`` and
         ``hf_tensor_map``)."""
         c, inter = self.config, self.shard.inter.count
-        self.gate_up_weight = _param((2 * inter, c.hidden_size), dtype, device)
+        self.gate_up_weight = self._linear_weight(["mlp.gate_proj", "mlp.up_proj"], 2 * inter, c.hidden_size,
+                                                  dtype, device)
         self.gate_up_bias = _param((2 * inter,), dtype, device) if c.has_mlp_bias else None
-        self.down_weight = _param((c.hidden_size, inter), dtype, device)
+        self.down_weight = self._linear_weight(["mlp.down_proj"], c.hidden_size, inter, dtype, device)
         self.down_bias = _param((c.hidden_size,), dtype, device) if c.has_mlp_bias else None
 
-    def hf_tensor_map(self) -> dict[str, TensorSlot]:
+    def hf_tensor_map(self) -> dict[str, TensorSlot | ScaleSlot]:
         return layer_tensor_map(self, self.config, self.shard)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos_sin, kv: KvCache, plan, attn):
@@ -166,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.reduce = all_reduce
 
-    def hf_tensor_map(self) -> dict[str, TensorSlot]:
+    def hf_tensor_map(self) -> dict[str, TensorSlot | ScaleSlot]:
         """Hugging Face tensor name -> destination. Tied checkpoints carry no ``lm_head.weight``."""
         c = self.config
         out = {

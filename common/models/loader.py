@@ -1,6 +1,8 @@
 """Load a Hugging Face checkpoint folder (safetensors, single or sharded) into the class ``registry.py``
 names for its architecture (``LlamaForCausalLM`` for the Llama family, ``Qwen3MoeForCausalLM``).
-A tensor the model's ``hf_tensor_map`` does not name may be a fused one it splits (``model.unfuse``)."""
+A tensor the model's ``hf_tensor_map`` does not name may be a fused one it splits (``model.unfuse``).
+FP8 checkpoints (``quant_config.py``) keep their float8_e4m3fn weights as they are, one byte each,
+beside fp32 scales; ``dtype`` is then that of everything else (norms, embeddings, lm_head, activations)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from kvferry.common.errors import ModelLoadError
 from kvferry.common.models.config import ModelConfig
 from kvferry.common.models.llama import LlamaForCausalLM
 from kvferry.common.models.registry import model_class
-from kvferry.common.layers.tp_layers import TensorSlot, TpShard
+from kvferry.common.layers.tp_layers import ScaleSlot, TensorSlot, TpShard
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +69,16 @@ def load_model(
     if unexpected:
         logger.warning("model=%s ignored %d unknown tensors, first %s", model_dir, len(unexpected), unexpected[0])
     logger.info(
-        "loaded model=%s arch=%s layers=%d dtype=%s device=%s fingerprint=%s tp_rank=%d tp_size=%d",
-        model_dir, config.architecture, config.num_hidden_layers, torch_dtype, device, config.fingerprint,
-        tp_rank, tp_size,
+        "loaded model=%s arch=%s layers=%d dtype=%s weights=%s device=%s fingerprint=%s tp_rank=%d tp_size=%d",
+        model_dir, config.architecture, config.num_hidden_layers, torch_dtype, _weights_label(config), device,
+        config.fingerprint, tp_rank, tp_size,
     )
     return model
+
+
+def _weights_label(config: ModelConfig) -> str:
+    q = config.quantization
+    return "plain" if q is None else f"fp8-{q.strategy.value} ({q.quant_method})"
 
 
 def _shards(model_dir: Path) -> dict[Path, list[str] | None]:
@@ -95,7 +102,7 @@ def _shards(model_dir: Path) -> dict[Path, list[str] | None]:
     return {single: None}
 
 
-def _load_tensor(f, name: str, model, slots: dict[str, TensorSlot], path: Path) -> list[str]:
+def _load_tensor(f, name: str, model, slots: dict[str, TensorSlot | ScaleSlot], path: Path) -> list[str]:
     """Copy checkpoint tensor ``name`` of the open file ``f`` where it lands; returns the names of
     ``slots`` it filled: itself, the parts ``model.unfuse`` splits it into, or none (unknown)."""
     if name in slots:
@@ -109,10 +116,8 @@ def _load_tensor(f, name: str, model, slots: dict[str, TensorSlot], path: Path) 
     return list(parts)
 
 
-def _copy(tensor: torch.Tensor, slot: TensorSlot, name: str, path: Path) -> None:
-    expected = slot.checkpoint_shape()
-    if tuple(tensor.shape) != expected:
-        raise ModelLoadError(
-            f"{path}: tensor '{name}' has shape {tuple(tensor.shape)}, config.json implies {expected}"
-        )
-    slot.target.narrow(0, slot.row_start, slot.num_rows).copy_(slot.take(tensor))
+def _copy(tensor: torch.Tensor, slot: TensorSlot | ScaleSlot, name: str, path: Path) -> None:
+    problem = slot.problem(tensor)
+    if problem is not None:
+        raise ModelLoadError(f"{path}: tensor '{name}' {problem}")
+    slot.fill(tensor)

@@ -36,6 +36,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from kvferry.common.models import tiny_fp8
 from kvferry.common.models.tiny_corpus import CORPUS
 
 logger = logging.getLogger(__name__)
@@ -136,9 +137,12 @@ def ensure_tiny_model(out_dir: str | Path, seed: int = 0) -> tuple[Path, Path]:
     return out_dir / "target", out_dir / "draft"
 
 
-def make_tiny_model(out_dir: str | Path, seed: int = 0, preset: str | TinySpec = "tiny") -> tuple[Path, Path]:
-    """Write ``out_dir/target`` and ``out_dir/draft``; returns both paths."""
+def make_tiny_model(out_dir: str | Path, seed: int = 0, preset: str | TinySpec = "tiny",
+                    quantize: str | None = None) -> tuple[Path, Path]:
+    """Write ``out_dir/target`` and ``out_dir/draft``; returns both paths. ``quantize``
+    ("fp8-channel", "fp8-block"; ``tiny_fp8.py``) writes the same weights' FP8 checkpoints."""
     spec = presets[preset] if isinstance(preset, str) else preset
+    tiny_fp8.check_quantize(quantize)
     if not 0 < spec.draft_layers <= spec.num_layers:
         raise ValueError(f"draft_layers is {spec.draft_layers}, expected 1..num_layers={spec.num_layers}")
     if spec.vocab_size < VOCAB_SIZE + spec.top_rows:
@@ -150,16 +154,21 @@ def make_tiny_model(out_dir: str | Path, seed: int = 0, preset: str | TinySpec =
     target_dir, draft_dir = Path(out_dir) / "target", Path(out_dir) / "draft"
     for folder, num_layers in ((target_dir, spec.num_layers), (draft_dir, spec.draft_layers)):
         folder.mkdir(parents=True, exist_ok=True)
-        _write_side_files(folder, spec, num_layers, tokenizer)
-    element_bytes = getattr(torch, spec.dtype).itemsize
+        _write_side_files(folder, spec, num_layers, tokenizer, quantize)
+    dtype_bytes = getattr(torch, spec.dtype).itemsize
     target_specs = _tensor_specs(spec, spec.num_layers)
-    draft_specs = _tensor_specs(spec, spec.draft_layers)
+    tensors = _generate(spec, target_specs, seed, _padded(_lm_head_row_scale(tokenizer), spec))
+    if quantize is not None:
+        tensors = tiny_fp8.quantize_stream(target_specs, tensors, quantize)
+        target_specs = tiny_fp8.quantized_specs(target_specs, quantize)
+    draft_specs = [(name, shape) for name, shape in target_specs if _in_draft(name, spec.draft_layers)]
+    sizes = {name: math.prod(shape) * tiny_fp8.element_bytes(name, dtype_bytes, quantize)
+             for name, shape in target_specs}
     # The draft's tensors are the target's (same names): keep them while the target streams out.
     kept: dict[str, torch.Tensor] = dict.fromkeys(name for name, _ in draft_specs)
-    tensors = _generate(spec, target_specs, seed, _padded(_lm_head_row_scale(tokenizer), spec))
-    _write_shards(target_dir, target_specs, tensors, spec.max_shard_bytes, element_bytes, kept)
+    _write_shards(target_dir, target_specs, tensors, spec.max_shard_bytes, sizes, kept)
     draft_tensors = iter([kept[name] for name, _ in draft_specs])
-    _write_shards(draft_dir, draft_specs, draft_tensors, spec.max_shard_bytes, element_bytes)
+    _write_shards(draft_dir, draft_specs, draft_tensors, spec.max_shard_bytes, sizes)
     logger.info("wrote tiny model seed=%d target=%s draft=%s", seed, target_dir, draft_dir)
     return target_dir, draft_dir
 
@@ -183,10 +192,18 @@ def train_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def _write_side_files(folder: Path, spec: TinySpec, num_layers: int, tokenizer: Tokenizer) -> None:
+def _in_draft(name: str, draft_layers: int) -> bool:
+    return not name.startswith("model.layers.") or int(name.split(".")[2]) < draft_layers
+
+
+def _write_side_files(folder: Path, spec: TinySpec, num_layers: int, tokenizer: Tokenizer,
+                      quantize: str | None) -> None:
     ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
     vocab_size = max(tokenizer.get_vocab_size(), spec.vocab_size)
-    _write_json(folder / "config.json", _config_json(spec, num_layers, vocab_size, ids[BOS], [ids[EOS], ids[EOT]]))
+    config = _config_json(spec, num_layers, vocab_size, ids[BOS], [ids[EOS], ids[EOT]])
+    if quantize is not None:
+        config["quantization_config"] = tiny_fp8.quantization_config(quantize)
+    _write_json(folder / "config.json", config)
     _write_json(folder / "generation_config.json", {"bos_token_id": ids[BOS], "eos_token_id": [ids[EOS], ids[EOT]]})
     _write_json(folder / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -350,17 +367,18 @@ def _write_shards(
     specs: list[tuple[str, tuple[int, ...]]],
     tensors: Iterator[torch.Tensor],
     max_shard_bytes: int,
-    element_bytes: int,
+    sizes: dict[str, int],
     kept: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Write ``model.safetensors``, or numbered shards plus an index past ``max_shard_bytes``.
 
     ``tensors`` is consumed lazily, one shard at a time; names already in ``kept`` get their tensor.
+    ``sizes`` holds each tensor's bytes.
     """
     groups: list[list[str]] = [[]]
     group_bytes = 0
-    for name, shape in specs:
-        num_bytes = math.prod(shape) * element_bytes
+    for name, _ in specs:
+        num_bytes = sizes[name]
         if groups[-1] and group_bytes + num_bytes > max_shard_bytes:
             groups.append([])
             group_bytes = 0
@@ -378,6 +396,6 @@ def _write_shards(
                 kept[name] = tensor
         save_file(shard, str(folder / file_name), metadata={"format": "pt"})
     if len(groups) > 1:
-        total = sum(math.prod(shape) * element_bytes for _, shape in specs)
+        total = sum(sizes[name] for name, _ in specs)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         _write_json(folder / "model.safetensors.index.json", index)

@@ -10,7 +10,8 @@ import torch
 from tests.cluster import cluster, tiny_models  # noqa: F401 (pytest fixtures)
 
 
-TRITON_TESTS = ("test_triton_attention", "test_triton_fused", "test_triton_staging", "test_triton_moe")
+TRITON_TESTS = ("test_triton_attention", "test_triton_fused", "test_triton_staging", "test_triton_moe",
+                "test_triton_fp8_gemm")
 
 
 def pytest_collection_modifyitems(config, items):
