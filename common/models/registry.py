@@ -1,8 +1,9 @@
 """The model class of each served architecture, keyed by ``config.json``'s ``architectures``.
 
 A new architecture is one file in this package and one entry here; ``config.py``'s
-``SUPPORTED_ARCHITECTURES`` names its family, which decides biases and q/k norm. Every family served
-today is the Llama forward (``llama.py``).
+``SUPPORTED_ARCHITECTURES`` names its family, which decides biases and q/k norm. The Llama family is
+``llama.py``; DeepSeek-V2/V3 (MLA + MoE, its own latent KV pool) is ``deepseek.py``. Each class
+builds the KV pool it reads with the classmethod ``make_kv_cache`` (``common/engine/factory.py``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from kvferry.common.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kvferry.common.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from kvferry.common.models.llama import LlamaForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {
@@ -17,6 +19,8 @@ MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 assert set(MODELS) == set(SUPPORTED_ARCHITECTURES), "registry.py and config.py name different architectures"
 

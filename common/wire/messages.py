@@ -71,6 +71,9 @@ MODEL_KINDS = ("target", "draft")
 # A register without it comes from a kvferry whose pages were tokens-outermost: refused, never mixed.
 PAGE_ORDER = "heads-outer"
 KV_KINDS = ("k", "v")
+# The one region per layer of an MLA pool (DeepSeek: latent + roped key per token, no V;
+# ``common/cache/mla_cache.py``). Not yet accepted in a Register (``common/plan/layout.py``).
+LATENT_KIND = "latent"
 MEM_KINDS = ("DRAM", "VRAM")
 U64_MAX = (1 << 64) - 1
 ROOM_MAX = (1 << 63) - 1  # sglang-router draws rooms below 2**63
