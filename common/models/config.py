@@ -261,12 +261,11 @@ def _rope(f: _Fields) -> tuple[float, RopeScaling | None]:
 
 def _yarn(f: _Fields, within: str) -> RopeScaling:
     # As transformers' _compute_yarn_parameters: a missing factor is max / original positions.
-    original = f.get("original_max_position_embeddings", int, None, within=within)
-    if original is None:
-        original = f.positive("max_position_embeddings")
+    max_positions = f.positive("max_position_embeddings", 4096)  # the default _parse uses
+    original = f.get("original_max_position_embeddings", int, None, within=within) or max_positions
     factor = f.get("factor", float, None, within=within)
     if factor is None:
-        factor = f.positive("max_position_embeddings") / original
+        factor = max_positions / original
     return RopeScaling(
         "yarn", factor, original_max_position_embeddings=original,
         beta_fast=f.get("beta_fast", float, 32.0, within=within),

@@ -20,6 +20,12 @@ has 8 attention and 8 KV heads in four layers, for tensor parallelism that split
 model: its last 512 lm_head rows dominate the logits, so every position's most likely tokens have
 ids that msgpack spends 5 bytes on (the size of a frame that carries them); the tokenizer stays the
 tiny one's, and those ids decode to nothing.
+
+DeepSeek presets (``tiny_deepseek.py``): "deepseek-v3-tiny" (q_lora, sigmoid router with
+``noaux_tc`` groups, yarn rope) and "deepseek-v2-tiny" (no q_lora as V2-Lite, softmax router with
+``group_limited_greedy``), three layers of which the first is dense, 8 routed experts, top-2, one
+shared; "deepseek-v2-lite" has DeepSeek-V2-Lite's layer shapes (hidden 2048, 16 heads, latent 512
++ rope 64, 64 routed + 2 shared experts of 1,408, top-6, yarn x40) in four layers, bfloat16.
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from kvferry.common.models import tiny_deepseek
 from kvferry.common.models.tiny_corpus import CORPUS
+from kvferry.common.models.tiny_deepseek import DeepseekShape
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +86,7 @@ class TinySpec:
     vocab_size: int = VOCAB_SIZE  # above the tokenizer's: padding rows (zero in lm_head), then top_rows
     top_rows: int = 0  # the last rows of a padded vocabulary: lm_head rows scaled by top_rows_scale
     top_rows_scale: float = 3.0
+    deepseek: DeepseekShape | None = None  # a DeepSeek-V2/V3 checkpoint (MLA + MoE; head_dim unused)
 
 
 presets: dict[str, TinySpec] = {
@@ -93,6 +102,28 @@ presets: dict[str, TinySpec] = {
         rope_theta=500000.0, max_position_embeddings=131072, dtype="bfloat16",
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192},
+    ),
+    "deepseek-v3-tiny": TinySpec(
+        hidden_size=64, num_layers=3, num_heads=4, intermediate_size=96, draft_layers=1, deepseek=DeepseekShape(),
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0,
+                      "beta_slow": 1.0, "original_max_position_embeddings": 1024},
+    ),
+    "deepseek-v2-tiny": TinySpec(
+        hidden_size=64, num_layers=3, num_heads=4, intermediate_size=96, draft_layers=1,
+        deepseek=DeepseekShape(version=2, q_lora_rank=None, topk_method="group_limited_greedy",
+                               routed_scaling_factor=2.0, norm_topk_prob=False),
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 0.707,
+                      "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 1024},
+    ),
+    "deepseek-v2-lite": TinySpec(
+        hidden_size=2048, num_layers=4, num_heads=16, intermediate_size=10944, draft_layers=1,
+        max_position_embeddings=163840, dtype="bfloat16",
+        deepseek=DeepseekShape(version=2, q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64,
+                               qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6,
+                               moe_intermediate_size=1408, n_shared_experts=2, topk_method="greedy", n_group=1,
+                               topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False),
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "mscale": 0.707, "mscale_all_dim": 0.707,
+                      "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 4096},
     ),
 }
 
@@ -187,7 +218,7 @@ def _write_side_files(folder: Path, spec: TinySpec, num_layers: int, tokenizer: 
 def _config_json(spec: TinySpec, num_layers: int, vocab_size: int, bos: int, eos: list[int]) -> dict:
     # The fields and names transformers 5 writes for a LlamaConfig.
     rope = {"rope_theta": spec.rope_theta, "rope_type": "default", **(spec.rope_scaling or {})}
-    return {
+    out = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "attention_bias": False,
@@ -212,6 +243,9 @@ def _config_json(spec: TinySpec, num_layers: int, vocab_size: int, bos: int, eos
         "use_cache": True,
         "vocab_size": vocab_size,
     }
+    if spec.deepseek is not None:
+        out.update(tiny_deepseek.config_fields(spec.deepseek, spec.num_heads))
+    return out
 
 
 def _write_json(path: Path, value: dict) -> None:
@@ -224,6 +258,9 @@ def _tensor_specs(spec: TinySpec, num_layers: int) -> list[tuple[str, tuple[int,
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     out = [("model.embed_tokens.weight", (spec.vocab_size, h))]
     for i in range(num_layers):
+        if spec.deepseek is not None:
+            out += tiny_deepseek.layer_tensors(spec.deepseek, i, h, inter, spec.num_heads)
+            continue
         p = f"model.layers.{i}."
         out += [
             (p + "input_layernorm.weight", (h,)),
@@ -245,6 +282,8 @@ def _init_std(spec: TinySpec, name: str, shape: tuple[int, ...]) -> float | None
         return None
     if name == "model.embed_tokens.weight":
         return 1.0
+    if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: small, so scores still decide
+        return 0.1
     if name == "lm_head.weight":
         return spec.logit_scale / math.sqrt(spec.hidden_size)
     std = 1.0 / math.sqrt(shape[1])  # unit-variance outputs for unit-RMS inputs
