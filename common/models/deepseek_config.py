@@ -63,25 +63,9 @@ class DeepseekSpec:
 def parse_deepseek(f: Any, architecture: str) -> DeepseekSpec:
     """``f`` is ``config._Fields``; raises its ModelLoadError naming the file and the field."""
     version = 3 if architecture == "DeepseekV3ForCausalLM" else 2
-    methods = V3_TOPK_METHODS if version == 3 else V2_TOPK_METHODS
-    topk_method = f.get("topk_method", str, methods[0])
-    if topk_method not in methods:
-        raise f.error("topk_method", f"is {topk_method!r}; {architecture} supports {list(methods)}")
-    num_experts = f.positive("n_routed_experts")
-    top_k = f.positive("num_experts_per_tok")
-    if top_k > num_experts:
-        raise f.error("num_experts_per_tok", f"is {top_k}, more than n_routed_experts={num_experts}")
-    is_grouped = topk_method != "greedy"
-    n_group = f.positive("n_group", 1) if is_grouped else 1
-    topk_group = f.positive("topk_group", 1) if is_grouped else 1
-    if num_experts % n_group or topk_group > n_group:
-        raise f.error("n_group", f"is {n_group} with topk_group={topk_group} and n_routed_experts={num_experts}; "
-                      "n_group must divide the experts and be >= topk_group")
-    if version == 3 and top_k > topk_group * (num_experts // n_group):
-        raise f.error("num_experts_per_tok", f"is {top_k}, more than the {topk_group} chosen groups of "
-                      f"{num_experts // n_group} experts hold")
-    if version == 3 and f.get("scoring_func", str, "sigmoid") != "sigmoid":
-        raise f.error("scoring_func", "is not 'sigmoid'; DeepseekV3ForCausalLM routes by sigmoid scores")
+    if f.raw.get("quantization_config") is not None:
+        raise f.error("quantization_config", f"is set ({f.raw['quantization_config'].get('quant_method', '?')}); "
+                      f"{architecture} loads unquantized weights only: convert the checkpoint to bfloat16 first")
     q_lora_rank = f.raw.get("q_lora_rank")
     if q_lora_rank is not None:
         q_lora_rank = f.positive("q_lora_rank")
@@ -97,15 +81,48 @@ def parse_deepseek(f: Any, architecture: str) -> DeepseekSpec:
         v_head_dim=f.positive("v_head_dim"),
         is_rope_interleaved=version == 2 or f.get("rope_interleave", bool, True),
         has_attention_bias=f.get("attention_bias", bool, False),
-        n_routed_experts=num_experts,
-        num_experts_per_tok=top_k,
         moe_intermediate_size=f.positive("moe_intermediate_size"),
-        n_shared_experts=f.get("n_shared_experts", int, 0),
-        first_k_dense_replace=f.get("first_k_dense_replace", int, 0),
+        n_shared_experts=_count(f, "n_shared_experts"),
+        first_k_dense_replace=_count(f, "first_k_dense_replace"),
         moe_layer_freq=f.positive("moe_layer_freq", 1),
-        topk_method=topk_method,
-        n_group=n_group,
-        topk_group=topk_group,
         routed_scaling_factor=f.get("routed_scaling_factor", float, 1.0),
         norm_topk_prob=f.get("norm_topk_prob", bool, version == 3),
+        **_router(f, architecture, version),
     )
+
+
+def _count(f: Any, field: str) -> int:
+    value = f.get(field, int, 0)
+    if value < 0:
+        raise f.error(field, f"is {value}, expected >= 0")
+    return value
+
+
+def _router(f: Any, architecture: str, version: int) -> dict[str, Any]:
+    """The expert counts and the top-k method with its groups, checked against each other."""
+    methods = V3_TOPK_METHODS if version == 3 else V2_TOPK_METHODS
+    topk_method = f.get("topk_method", str, methods[0])
+    if topk_method not in methods:
+        raise f.error("topk_method", f"is {topk_method!r}; {architecture} supports {list(methods)}")
+    scoring = f.get("scoring_func", str, "sigmoid" if version == 3 else "softmax")
+    if scoring != ("sigmoid" if version == 3 else "softmax"):
+        raise f.error("scoring_func", f"is {scoring!r}; {architecture} routes by "
+                      f"{'sigmoid' if version == 3 else 'softmax'} scores")
+    num_experts = f.positive("n_routed_experts")
+    top_k = f.positive("num_experts_per_tok")
+    if top_k > num_experts:
+        raise f.error("num_experts_per_tok", f"is {top_k}, more than n_routed_experts={num_experts}")
+    is_grouped = topk_method != "greedy"
+    n_group = f.positive("n_group", 1) if is_grouped else 1
+    topk_group = f.positive("topk_group", 1) if is_grouped else 1
+    if num_experts % n_group or topk_group > n_group:
+        raise f.error("n_group", f"is {n_group} with topk_group={topk_group} and n_routed_experts={num_experts}; "
+                      "n_group must divide the experts and be >= topk_group")
+    if version == 3 and num_experts // n_group < 2:
+        raise f.error("n_group", f"is {n_group}: {num_experts} experts leave fewer than the 2 per group that "
+                      "noaux_tc ranks groups by")
+    if top_k > topk_group * (num_experts // n_group):
+        raise f.error("num_experts_per_tok", f"is {top_k}, more than the {topk_group} chosen groups of "
+                      f"{num_experts // n_group} experts hold")
+    return {"topk_method": topk_method, "n_routed_experts": num_experts, "num_experts_per_tok": top_k,
+            "n_group": n_group, "topk_group": topk_group}
