@@ -268,3 +268,25 @@ def test_refusals_name_the_setting():
              "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}}
     with pytest.raises(ModelLoadError, match="yarn.*DeepSeek only.*LlamaForCausalLM"):
         ModelConfig.from_dict(llama)
+
+
+def test_v2_lite_preset_has_the_real_layer_shapes():
+    """The GPU-sized preset, parsed from its config.json and counted from its tensor list (no weights
+    written): DeepSeek-V2-Lite's attention and expert shapes, a 576-wide latent row."""
+    from kvferry.common.models.tiny import _config_json, _tensor_specs, presets
+
+    spec = presets["deepseek-v2-lite"]
+    config = ModelConfig.from_dict(_config_json(spec, spec.num_layers, 512, 0, [1, 4]))
+    s = config.deepseek
+    assert (config.architecture, config.hidden_size, config.num_attention_heads) == ("DeepseekV2ForCausalLM", 2048, 16)
+    assert (s.q_lora_rank, s.kv_lora_rank, s.qk_rope_head_dim, s.qk_nope_head_dim, s.v_head_dim) == (
+        None, 512, 64, 128, 128)
+    assert (s.n_routed_experts, s.n_shared_experts, s.num_experts_per_tok, s.moe_intermediate_size) == (64, 2, 6, 1408)
+    assert s.latent_width == 576 and s.first_k_dense_replace == 1 and s.topk_method == "greedy"
+    assert config.rope_scaling.factor == 40.0 and config.torch_dtype == "bfloat16"
+    shapes = dict(_tensor_specs(spec, spec.num_layers))
+    assert shapes["model.layers.1.self_attn.q_proj.weight"] == (16 * 192, 2048)
+    assert shapes["model.layers.1.self_attn.kv_b_proj.weight"] == (16 * 256, 512)
+    assert shapes["model.layers.1.mlp.experts.63.down_proj.weight"] == (2048, 1408)
+    assert shapes["model.layers.1.mlp.shared_experts.gate_proj.weight"] == (2816, 2048)
+    assert shapes["model.layers.0.mlp.gate_proj.weight"] == (10944, 2048)
