@@ -71,9 +71,11 @@ MODEL_KINDS = ("target", "draft")
 # A register without it comes from a kvferry whose pages were tokens-outermost: refused, never mixed.
 PAGE_ORDER = "heads-outer"
 KV_KINDS = ("k", "v")
-# The one region per layer of an MLA pool (DeepSeek: latent + roped key per token, no V;
-# ``common/cache/mla_cache.py``). Not yet accepted in a Register (``common/plan/layout.py``).
+# MLA (DeepSeek-V2/V3): one buffer per layer holding the compressed latent and the roped key part
+# (kv_lora_rank + qk_rope_head_dim values per token), replicated on every TP rank: one "head",
+# head_start 0. A kvferry before it refuses such a region by its kind; never mixed with K and V.
 LATENT_KIND = "latent"
+REGION_KINDS = KV_KINDS + (LATENT_KIND,)
 MEM_KINDS = ("DRAM", "VRAM")
 U64_MAX = (1 << 64) - 1
 ROOM_MAX = (1 << 63) - 1  # sglang-router draws rooms below 2**63
