@@ -154,7 +154,6 @@ class DeepseekForCausalLM(nn.Module):
             raise ValueError(f"{config.source}: {config.architecture} is not a DeepSeek-V2/V3 checkpoint")
         device = torch.device(device)
         self.config, self.dtype, self.device = config, dtype, device
-        self.shard = TpShard.single(config)
         self.embed = _param((config.vocab_size, config.hidden_size), dtype, device)
         self.layers = nn.ModuleList(DeepseekLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
         self.norm = _param((config.hidden_size,), dtype, device)

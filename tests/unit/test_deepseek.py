@@ -290,3 +290,14 @@ def test_v2_lite_preset_has_the_real_layer_shapes():
     assert shapes["model.layers.1.mlp.experts.63.down_proj.weight"] == (2048, 1408)
     assert shapes["model.layers.1.mlp.shared_experts.gate_proj.weight"] == (2816, 2048)
     assert shapes["model.layers.0.mlp.gate_proj.weight"] == (10944, 2048)
+
+
+def test_make_tiny_model_help_lists_every_preset(capsys):
+    from kvferry.common.cli import main
+    from kvferry.common.models.tiny import presets
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["make-tiny-model", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the list
+    assert all(name in text for name in presets) and "deepseek-v2-lite" in text
