@@ -301,3 +301,47 @@ def test_make_tiny_model_help_lists_every_preset(capsys):
     assert exit_info.value.code == 0
     text = "".join(capsys.readouterr().out.split())  # argparse wraps the list, at hyphens too
     assert all(name in text for name in presets) and "deepseek-v2-lite" in text
+
+
+def test_pool_sizing_counts_the_latent_row(pair):
+    """The daemons size the pool from kv_bytes_per_token: for MLA that is what a LatentCache takes."""
+    from kvferry.common.daemon.start import kv_bytes_per_token
+
+    _, ours = pair
+    kv = LatentCache(ours.config, 6, PAGE_SIZE, torch.bfloat16, "cpu")
+    assert kv_bytes_per_token([ours.config], 1, "bfloat16") == kv.num_bytes // (6 * PAGE_SIZE)
+    assert kv_bytes_per_token([ours.config, ours.config], 1, "bfloat16") == 2 * kv.num_bytes // (6 * PAGE_SIZE)
+
+
+# DeepSeek-V2-Lite's config.json as published (transformers 4 names: rope_scaling with "type", a
+# top-level rope_theta, no head_dim); V3's adds fp8 block quantization.
+V2_LITE_CONFIG = {
+    "architectures": ["DeepseekV2ForCausalLM"], "attention_bias": False, "bos_token_id": 100000,
+    "eos_token_id": 100001, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048,
+    "intermediate_size": 10944, "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v2",
+    "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2,
+    "norm_topk_prob": False, "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27,
+    "num_key_value_heads": 16, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06, "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax",
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "tie_word_embeddings": False, "topk_group": 1, "topk_method": "greedy", "torch_dtype": "bfloat16",
+    "v_head_dim": 128, "vocab_size": 102400,
+}
+
+
+def test_published_v2_lite_config_parses():
+    config = ModelConfig.from_dict(V2_LITE_CONFIG)
+    s = config.deepseek
+    assert (config.head_dim, s.latent_width, s.qk_head_dim, s.version) == (64, 576, 192, 2)
+    assert config.rope_scaling.rope_type == "yarn" and config.rope_scaling.factor == 40.0
+    assert config.rope_scaling.original_max_position_embeddings == 4096 and config.rope_theta == 10000.0
+    # softmax scale: 192 ** -0.5 times mscale(40, 0.707) ** 2, cos/sin unscaled (mscale == mscale_all_dim)
+    assert rope.attention_factor(config) == pytest.approx(1.0)
+    assert rope.yarn_softmax_scale(config, 1.0) == pytest.approx((0.1 * 0.707 * torch.log(torch.tensor(40.0)).item()
+                                                                  + 1) ** 2)
+    fp8 = V2_LITE_CONFIG | {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    with pytest.raises(ModelLoadError, match="quantization_config.*fp8.*bfloat16"):
+        ModelConfig.from_dict(fp8)
+    with pytest.raises(ModelLoadError, match="scoring_func.*'sigmoid'.*softmax"):
+        ModelConfig.from_dict(V2_LITE_CONFIG | {"scoring_func": "sigmoid"})
