@@ -66,6 +66,9 @@ def parse_deepseek(f: Any, architecture: str) -> DeepseekSpec:
     if f.raw.get("quantization_config") is not None:
         raise f.error("quantization_config", f"is set ({f.raw['quantization_config'].get('quant_method', '?')}); "
                       f"{architecture} loads unquantized weights only: convert the checkpoint to bfloat16 first")
+    if f.get("mlp_bias", bool, False):
+        raise f.error("mlp_bias", f"is true; {architecture} checkpoints carry no MLP biases and this model code "
+                      "reads none")
     q_lora_rank = f.raw.get("q_lora_rank")
     if q_lora_rank is not None:
         q_lora_rank = f.positive("q_lora_rank")

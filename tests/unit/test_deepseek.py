@@ -345,3 +345,5 @@ def test_published_v2_lite_config_parses():
         ModelConfig.from_dict(fp8)
     with pytest.raises(ModelLoadError, match="scoring_func.*'sigmoid'.*softmax"):
         ModelConfig.from_dict(V2_LITE_CONFIG | {"scoring_func": "sigmoid"})
+    with pytest.raises(ModelLoadError, match="mlp_bias"):
+        ModelConfig.from_dict(V2_LITE_CONFIG | {"mlp_bias": True})
