@@ -23,13 +23,13 @@ commands:
 
 
 def _make_tiny_model(argv: list[str]) -> int:
-    from kvferry.common.models.tiny import make_tiny_model, presets
-
     parser = argparse.ArgumentParser(prog="kvferry make-tiny-model")
     parser.add_argument("dir", help="output folder; DIR/target and DIR/draft are written")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--preset", default="tiny", choices=list(presets), metavar="PRESET",
-                        help=f"one of: {', '.join(presets)} (default: tiny)")
+    from kvferry.common.models.tiny import make_tiny_model, presets
+
+    parser.add_argument("--preset", default="tiny", choices=list(presets),
+                        help=f"one of: {', '.join(presets)} (default tiny; see common/models/tiny.py)")
     args = parser.parse_args(argv)
 
     paths = make_tiny_model(args.dir, seed=args.seed, preset=args.preset)
