@@ -159,6 +159,7 @@ def test_absorbed_attention_equals_the_expanded_form(pair):
     kv, alloc = _kv(ours)
     pages, backend = _pages(alloc, 10), ours.attn
     _, plan = backend.plan([SeqChunk([0] * 7, 0, pages)], PAGE_SIZE, torch.device("cpu"))
+    assert plan.chunk_pages is not None  # the per-chunk path
     prefill = layer(h[:7], ours.rotary, ours.rotary.cos_sin(plan.positions), kv.latent[1], plan, backend)
     decoded = []
     for pos in range(7, 10):  # beside a second one-token sequence, so the batch takes the padded path
@@ -211,30 +212,29 @@ def test_latent_pool_regions(pair, layout):
 
 def test_router_equals_transformers():
     """V2 greedy and group_limited_greedy, V3 noaux_tc: the same experts and weights per token."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
     torch.manual_seed(0)
     hidden, experts = 16, 8
     x = torch.randn(32, hidden)
-    cases = [
-        (transformers.DeepseekV2Config, dict(topk_method="greedy", routed_scaling_factor=1.5), "DeepseekV2TopkRouter"),
-        (transformers.DeepseekV2Config, dict(topk_method="group_limited_greedy", n_group=4, topk_group=2,
-                                             routed_scaling_factor=2.0), "DeepseekV2TopkRouter"),
-        (transformers.DeepseekV3Config, dict(n_group=4, topk_group=2, routed_scaling_factor=2.5), "DeepseekV3TopkRouter"),
-    ]
-    for config_cls, extra, router_name in cases:
+    v2 = (transformers.DeepseekV2Config, DeepseekV2TopkRouter, "DeepseekV2ForCausalLM")
+    v3 = (transformers.DeepseekV3Config, DeepseekV3TopkRouter, "DeepseekV3ForCausalLM")
+    cases = [(v2, dict(topk_method="greedy", routed_scaling_factor=1.5)),
+             (v2, dict(topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.0)),
+             (v3, dict(n_group=4, topk_group=2, routed_scaling_factor=2.5))]
+    for (config_cls, router_cls, architecture), extra in cases:
         hf_config = config_cls(hidden_size=hidden, n_routed_experts=experts, num_experts_per_tok=3,
                                num_attention_heads=2, num_key_value_heads=2, **extra)
-        module = getattr(transformers.models, hf_config.model_type)
-        router = getattr(module.modeling_deepseek_v2 if "V2" in router_name else module.modeling_deepseek_v3,
-                         router_name)(hf_config)
+        router = router_cls(hf_config)
+        bias = getattr(router, "e_score_correction_bias", None)
         with torch.no_grad():
             router.weight.normal_()
-            if hasattr(router, "e_score_correction_bias"):
-                router.e_score_correction_bias.normal_(std=0.1)
+            if bias is not None:
+                bias.normal_(std=0.1)
             _, ref_weights, ref_ids = router(x)
-        raw = hf_config.to_dict() | {"architectures": hf_config.architectures or [
-            "DeepseekV3ForCausalLM" if "V3" in router_name else "DeepseekV2ForCausalLM"]}
-        spec = ModelConfig.from_dict(raw).deepseek
-        weights, ids = route(x @ router.weight.T, spec, getattr(router, "e_score_correction_bias", None))
+        spec = ModelConfig.from_dict(hf_config.to_dict() | {"architectures": [architecture]}).deepseek
+        weights, ids = route(x @ router.weight.T, spec, bias)
         order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
         assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order)), extra
         assert torch.allclose(weights.gather(1, order), ref_weights.gather(1, ref_order), rtol=1e-5), extra
@@ -244,7 +244,8 @@ def test_yarn_matches_transformers():
     params = {"rope_type": "yarn", "factor": 40.0, "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32.0,
               "beta_slow": 1.0, "original_max_position_embeddings": 4096, "rope_theta": 10000.0}
     hf_config = transformers.DeepseekV2Config(qk_rope_head_dim=64, max_position_embeddings=163840,
-                                              rope_parameters=params, hidden_size=64, num_attention_heads=2, num_experts_per_tok=2,
+                                              rope_parameters=params, hidden_size=64, num_attention_heads=2,
+                                              num_experts_per_tok=2,
                                               num_key_value_heads=2)
     ref_freq, ref_factor = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["yarn"](hf_config)
     raw = hf_config.to_dict() | {"architectures": ["DeepseekV2ForCausalLM"]}
