@@ -72,9 +72,13 @@ def read_config(folder: Path, flag: str) -> ModelConfig:
 
 
 def kv_bytes_per_token(configs: list[ModelConfig], tp_size: int, dtype: str) -> int:
-    """KV bytes one token costs on rank 0: the target's KV heads of that rank, the draft's whole."""
+    """KV bytes one token costs on rank 0: the target's KV heads of that rank, the draft's whole; an
+    MLA model (DeepSeek) one latent row per layer, whole on every rank (``common/cache/mla_cache.py``)."""
     total = 0
     for i, c in enumerate(configs):
+        if c.deepseek is not None:
+            total += c.num_hidden_layers * c.deepseek.latent_width * DTYPE_BYTES[dtype]
+            continue
         heads = max(1, c.num_key_value_heads // tp_size) if i == 0 else c.num_key_value_heads
         total += c.num_hidden_layers * 2 * heads * c.head_dim * DTYPE_BYTES[dtype]
     return total

@@ -24,7 +24,9 @@ def build_slot(model_dir: str, *, model_name: str, device: str, dtype: str | Non
         model.set_attention_backend(attention_backend)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    kv = KvCache(model.config, num_pages, page_size, model.dtype, device, model_name=model_name, layout=kv_layout)
+    # The architecture picks its pool: K/V per layer (Llama family) or one latent per layer (DeepSeek MLA).
+    kv = type(model).make_kv_cache(model.config, num_pages, page_size, model.dtype, device, model_name=model_name,
+                                   layout=kv_layout)
     slot = ModelSlot(model, kv, PageAllocator(num_pages))
     if cuda_graph_max_bs > 0 and kv.device.type == "cuda" and model.attn.name == "triton":
         max_context = min(model.config.max_position_embeddings, num_pages * page_size)

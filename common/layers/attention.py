@@ -179,11 +179,11 @@ def paged_attention(
     window: int | None,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; k_cache, v_cache: [num_pages, page_size, Hkv, D] (new K/V already written)
-    -> [T, Hq, D]."""
+    """q: [T, Hq, D]; k_cache: [num_pages, page_size, Hkv, D], v_cache: [..., Hkv, Dv] (new K/V
+    already written; Dv may differ from D, as MLA's latent values do) -> [T, Hq, Dv]."""
     if plan.padded is not None:
         return _attend_padded(q, k_cache, v_cache, plan, window, scale)
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape[:-1] + v_cache.shape[-1:])
     offset = 0
     for i, pages in enumerate(plan.chunk_pages):
         num_new = plan.query_lens[i]
@@ -216,5 +216,5 @@ def _attend_padded(q, k_cache, v_cache, plan: BatchPlan, window, scale) -> torch
     k = _gather_keys(k_cache, flat_pages, num_chunks)  # [B, Hkv, max_kv, D]
     v = _gather_keys(v_cache, flat_pages, num_chunks)
     o = F.scaled_dot_product_attention(q_fold, k, v, attn_mask=_padded_mask(plan, window, group), scale=scale)
-    o = o.reshape(num_chunks, num_heads, index.max_query, head_dim).transpose(1, 2)  # [B, max_q, Hq, D]
+    o = o.reshape(num_chunks, num_heads, index.max_query, -1).transpose(1, 2)  # [B, max_q, Hq, Dv]
     return o[index.batch_idx, index.query_idx]

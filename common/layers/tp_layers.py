@@ -85,6 +85,9 @@ class TpShard:
         c = config
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise TpConfigError(f"--tp-size {tp_size} with rank {tp_rank}: need tp_size >= 1 and 0 <= rank < tp_size")
+        if c.deepseek is not None and tp_size > 1:
+            raise TpConfigError(f"--tp-size {tp_size}: {c.architecture} ({c.source}) runs at --tp-size 1 only "
+                                "(MLA and MoE sharding are not implemented); use --tp-size 1")
         if tp_size not in valid_tp_sizes(c):
             raise TpConfigError(f"--tp-size {tp_size}: {tp_refusal(c, tp_size)}; valid sizes for {c.source}: "
                                 f"{', '.join(map(str, valid_tp_sizes(c)))}")

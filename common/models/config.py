@@ -1,8 +1,9 @@
 """Model configuration parsed from a Hugging Face ``config.json`` (transformers 4 and 5 field names).
 
-Accepted: the Llama family (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3) and Qwen3-MoE (``MoeConfig``:
-its sparse blocks; its attention is Qwen3's), the dense ones with plain or FP8 weights
-(``quantization_config``, parsed by ``quant_config.py``). Everything the
+Accepted: the Llama family (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3), Qwen3-MoE (``MoeConfig``:
+its sparse blocks; its attention is Qwen3's) and DeepSeek-V2/V3 (whose MLA and MoE settings
+``deepseek_config.py`` reads into ``ModelConfig.deepseek``); the dense Llama family with plain or
+FP8 weights (``quantization_config``, parsed by ``quant_config.py``). Everything the
 forward pass, the KV layout and the fingerprint need is read here, once; nothing else opens
 ``config.json``.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvferry.common.errors import ModelLoadError
+from kvferry.common.models.deepseek_config import DeepseekSpec, parse_deepseek
 from kvferry.common.models.quant_config import Fp8Scheme, parse_quantization
 
 logger = logging.getLogger(__name__)
@@ -29,19 +31,29 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
-ROPE_TYPES = ("default", "linear", "llama3")
+DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. ``rope_type`` is "linear" (positions / factor) or "llama3" (Llama 3.1)."""
+    """RoPE frequency scaling. ``rope_type`` is "linear" (positions / factor), "llama3" (Llama 3.1)
+    or "yarn" (DeepSeek only; the fields from ``beta_fast`` on, None for the other types)."""
 
     rope_type: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 0
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +102,7 @@ class ModelConfig:
     source: str = "<dict>"
     moe: MoeConfig | None = None  # None: every layer is a dense MLP
     quantization: Fp8Scheme | None = None  # FP8 weights (``quant_config.py``); None: plain dtype weights
+    deepseek: DeepseekSpec | None = None  # MLA + MoE settings of a DeepSeek-V2/V3 checkpoint
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -121,7 +134,9 @@ class ModelConfig:
     @property
     def fingerprint(self) -> str:
         """16 hex digits over what fixes the KV layout and the numerics; both daemons compare it."""
-        rope = None if self.rope_scaling is None else vars(self.rope_scaling)
+        # None-valued fields (yarn's, on other types) are left out: older fingerprints stay as they were.
+        rope = None if self.rope_scaling is None else {
+            k: v for k, v in vars(self.rope_scaling).items() if v is not None}
         key = {
             "architecture": self.architecture,
             "num_hidden_layers": self.num_hidden_layers,
@@ -138,6 +153,8 @@ class ModelConfig:
             key["moe"] = dataclasses.asdict(self.moe)
         if self.quantization is not None:  # unquantized checkpoints keep the fingerprint they had
             key["quantization"] = self.quantization.fingerprint_key()
+        if self.deepseek is not None:
+            key["deepseek"] = vars(self.deepseek)
         blob = json.dumps(key, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -182,12 +199,17 @@ def _parse(f: _Fields) -> ModelConfig:
     kv_heads = f.positive("num_key_value_heads", heads)
     if heads % kv_heads:
         raise f.error("num_key_value_heads", f"is {kv_heads}, which does not divide num_attention_heads={heads}")
-    head_dim = f.positive("head_dim", hidden // heads)
+    deepseek = parse_deepseek(f, architecture) if family in DEEPSEEK_FAMILIES else None
+    # DeepSeek's head_dim is its rotary part (transformers writes it so; older files lack it).
+    head_dim = deepseek.qk_rope_head_dim if deepseek is not None else f.positive("head_dim", hidden // heads)
     if head_dim % 2:
         raise f.error("head_dim", f"is {head_dim}, expected an even number (rotary pairs)")
     num_layers = f.positive("num_hidden_layers")
     attention_bias = f.get("attention_bias", bool, False)
     theta, scaling = _rope(f)
+    if scaling is not None and scaling.rope_type == "yarn" and deepseek is None:
+        raise f.error("rope_parameters.rope_type", f"is 'yarn', which this model code supports for DeepSeek only, "
+                      f"not {architecture}")
     return ModelConfig(
         architecture=architecture,
         vocab_size=f.positive("vocab_size"),
@@ -214,6 +236,7 @@ def _parse(f: _Fields) -> ModelConfig:
         source=f.source,
         moe=_moe(f, num_layers) if family == "qwen3_moe" else None,
         quantization=_quantization(f, family),
+        deepseek=deepseek,
     )
 
 
@@ -245,6 +268,8 @@ def _rope(f: _Fields) -> tuple[float, RopeScaling | None]:
         raise f.error(f"{within}.partial_rotary_factor", "is not 1.0; partial rotary is not supported")
     if rope_type == "default":
         return theta, None
+    if rope_type == "yarn":
+        return theta, _yarn(f, within)
     factor = f.get("factor", float, within=within)
     if rope_type == "linear":
         return theta, RopeScaling("linear", factor)
@@ -258,6 +283,24 @@ def _rope(f: _Fields) -> tuple[float, RopeScaling | None]:
         low_freq_factor=f.get("low_freq_factor", float, within=within),
         high_freq_factor=f.get("high_freq_factor", float, within=within),
         original_max_position_embeddings=original,
+    )
+
+
+def _yarn(f: _Fields, within: str) -> RopeScaling:
+    # As transformers' _compute_yarn_parameters: a missing factor is max / original positions.
+    max_positions = f.positive("max_position_embeddings", 4096)  # the default _parse uses
+    original = f.get("original_max_position_embeddings", int, None, within=within) or max_positions
+    factor = f.get("factor", float, None, within=within)
+    if factor is None:
+        factor = max_positions / original
+    return RopeScaling(
+        "yarn", factor, original_max_position_embeddings=original,
+        beta_fast=f.get("beta_fast", float, 32.0, within=within),
+        beta_slow=f.get("beta_slow", float, 1.0, within=within),
+        mscale=f.get("mscale", float, None, within=within),
+        mscale_all_dim=f.get("mscale_all_dim", float, None, within=within),
+        attention_factor=f.get("attention_factor", float, None, within=within),
+        truncate=f.get("truncate", bool, True, within=within),
     )
 
 

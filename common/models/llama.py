@@ -229,24 +229,36 @@ class LlamaForCausalLM(nn.Module):
 
     def check(self, chunks: list[SeqChunk], kv: KvCache) -> None:
         """Raise ValueError for chunks this model and cache cannot run."""
-        if not chunks:
-            raise ValueError("forward needs at least one chunk")
-        if kv.config.num_hidden_layers != self.config.num_hidden_layers:
-            raise ValueError(
-                f"KV cache has {kv.config.num_hidden_layers} layers, model has {self.config.num_hidden_layers}"
-            )
-        for i, c in enumerate(chunks):
-            num_tokens = c.start_pos + len(c.token_ids)
-            if not c.token_ids or c.start_pos < 0:
-                raise ValueError(f"chunk {i}: needs >= 1 new token and start_pos >= 0, got {len(c.token_ids)}, "
-                                 f"{c.start_pos}")
-            if len(c.page_ids) * kv.page_size < num_tokens:
-                raise ValueError(f"chunk {i}: {len(c.page_ids)} pages of {kv.page_size} tokens cannot hold "
-                                 f"{num_tokens} tokens")
-            needed = c.page_ids[: -(-num_tokens // kv.page_size)]
-            if min(needed) < 0 or max(needed) >= kv.num_pages:
-                raise ValueError(f"chunk {i}: page ids {min(needed)}..{max(needed)} outside the pool of "
-                                 f"{kv.num_pages} pages")
-            if num_tokens > self.config.max_position_embeddings:
-                raise ValueError(f"chunk {i}: {num_tokens} tokens exceed max_position_embeddings="
-                                 f"{self.config.max_position_embeddings}")
+        check_chunks(self.config, chunks, kv)
+
+    @classmethod
+    def make_kv_cache(cls, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
+                      device: torch.device | str, *, model_name: str = "target", layout: str = "page-major") -> KvCache:
+        """The KV pool this architecture reads: K and V per layer (``common/cache/kv_cache.py``)."""
+        return KvCache(config, num_pages, page_size, dtype, device, model_name=model_name, layout=layout)
+
+
+def check_chunks(config: ModelConfig, chunks: list[SeqChunk], kv) -> None:
+    """Raise ValueError for chunks a model of ``config`` cannot run over ``kv`` (any pool with
+    ``config``, ``page_size`` and ``num_pages``)."""
+    if not chunks:
+        raise ValueError("forward needs at least one chunk")
+    if kv.config.num_hidden_layers != config.num_hidden_layers:
+        raise ValueError(
+            f"KV cache has {kv.config.num_hidden_layers} layers, model has {config.num_hidden_layers}"
+        )
+    for i, c in enumerate(chunks):
+        num_tokens = c.start_pos + len(c.token_ids)
+        if not c.token_ids or c.start_pos < 0:
+            raise ValueError(f"chunk {i}: needs >= 1 new token and start_pos >= 0, got {len(c.token_ids)}, "
+                             f"{c.start_pos}")
+        if len(c.page_ids) * kv.page_size < num_tokens:
+            raise ValueError(f"chunk {i}: {len(c.page_ids)} pages of {kv.page_size} tokens cannot hold "
+                             f"{num_tokens} tokens")
+        needed = c.page_ids[: -(-num_tokens // kv.page_size)]
+        if min(needed) < 0 or max(needed) >= kv.num_pages:
+            raise ValueError(f"chunk {i}: page ids {min(needed)}..{max(needed)} outside the pool of "
+                             f"{kv.num_pages} pages")
+        if num_tokens > config.max_position_embeddings:
+            raise ValueError(f"chunk {i}: {num_tokens} tokens exceed max_position_embeddings="
+                             f"{config.max_position_embeddings}")

@@ -1,8 +1,9 @@
 """Load a Hugging Face checkpoint folder (safetensors, single or sharded) into the class ``registry.py``
-names for its architecture (``LlamaForCausalLM`` for the Llama family, ``Qwen3MoeForCausalLM``).
-A tensor the model's ``hf_tensor_map`` does not name may be a fused one it splits (``model.unfuse``).
-FP8 checkpoints (``quant_config.py``) keep their float8_e4m3fn weights as they are, one byte each,
-beside fp32 scales; ``dtype`` is then that of everything else (norms, embeddings, lm_head, activations)."""
+names for its architecture (``LlamaForCausalLM`` for the Llama family, ``Qwen3MoeForCausalLM``,
+``DeepseekForCausalLM`` for DeepSeek-V2/V3). A tensor the model's ``hf_tensor_map`` does not name
+may be a fused one it splits (``model.unfuse``). FP8 checkpoints (``quant_config.py``) keep their
+float8_e4m3fn weights as they are, one byte each, beside fp32 scales; ``dtype`` is then that of
+everything else (norms, embeddings, lm_head, activations)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from kvferry.common.errors import ModelLoadError
 from kvferry.common.models.config import ModelConfig
-from kvferry.common.models.llama import LlamaForCausalLM
 from kvferry.common.models.registry import model_class
 from kvferry.common.layers.tp_layers import ScaleSlot, TensorSlot, TpShard
 
@@ -39,7 +40,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 def load_model(
     model_dir: str | Path, *, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu",
     tp_size: int = 1, tp_rank: int = 0,
-) -> LlamaForCausalLM:
+) -> nn.Module:
     """Read ``config.json`` and the safetensors of ``model_dir``; ``dtype`` None keeps the checkpoint's.
     With ``tp_size`` > 1 only rank ``tp_rank``'s part of each sharded tensor is kept (``common/layers/tp_layers.py``)."""
     model_dir = Path(model_dir)

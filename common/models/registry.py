@@ -2,7 +2,9 @@
 
 A new architecture is one file in this package and one entry here; ``config.py``'s
 ``SUPPORTED_ARCHITECTURES`` names its family, which decides biases and q/k norm. The Llama family is
-the Llama forward (``llama.py``); Qwen3-MoE is that forward with sparse MoE layers (``qwen3_moe.py``).
+the Llama forward (``llama.py``); Qwen3-MoE is that forward with sparse MoE layers (``qwen3_moe.py``);
+DeepSeek-V2/V3 (MLA + MoE, its own latent KV pool) is ``deepseek.py``. Each class builds the KV pool
+it reads with the classmethod ``make_kv_cache`` (``common/engine/factory.py``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from kvferry.common.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kvferry.common.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from kvferry.common.models.llama import LlamaForCausalLM
 from kvferry.common.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -19,6 +22,8 @@ MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 assert set(MODELS) == set(SUPPORTED_ARCHITECTURES), "registry.py and config.py name different architectures"
 

@@ -20,7 +20,14 @@ has 8 attention and 8 KV heads in four layers, for tensor parallelism that split
 model: its last 512 lm_head rows dominate the logits, so every position's most likely tokens have
 ids that msgpack spends 5 bytes on (the size of a frame that carries them); the tokenizer stays the
 tiny one's, and those ids decode to nothing. "tiny-moe" is a four-layer Qwen3-MoE (8 experts, top-2,
-layer 1 dense); "qwen3-30b-a3b" has Qwen3-30B-A3B's shapes (128 experts, top-8) in 8 layers.
+layer 1 dense); "qwen3-30b-a3b" has Qwen3-30B-A3B's shapes (128 experts, top-8) in 8 layers
+(``tiny_moe.py``).
+
+DeepSeek presets (``tiny_deepseek.py``): "deepseek-v3-tiny" (q_lora, sigmoid router with
+``noaux_tc`` groups, yarn rope) and "deepseek-v2-tiny" (no q_lora as V2-Lite, softmax router with
+``group_limited_greedy``), three layers of which the first is dense, 8 routed experts, top-2, one
+shared; "deepseek-v2-lite" has DeepSeek-V2-Lite's layer shapes (hidden 2048, 16 heads, latent 512
++ rope 64, 64 routed + 2 shared experts of 1,408, top-6, yarn x40) in four layers, bfloat16.
 """
 
 from __future__ import annotations
@@ -36,8 +43,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from kvferry.common.models import tiny_fp8
+from kvferry.common.models import tiny_deepseek, tiny_fp8, tiny_moe
 from kvferry.common.models.tiny_corpus import CORPUS
+from kvferry.common.models.tiny_deepseek import DeepseekShape
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +92,7 @@ class TinySpec:
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 64
     mlp_only_layers: tuple[int, ...] = ()  # MoE: the layers that keep a dense MLP of intermediate_size
+    deepseek: DeepseekShape | None = None  # a DeepSeek-V2/V3 checkpoint (MLA + MoE; head_dim unused)
 
 
 presets: dict[str, TinySpec] = {
@@ -110,6 +119,7 @@ presets: dict[str, TinySpec] = {
         rope_theta=1000000.0, max_position_embeddings=40960, dtype="bfloat16", num_experts=128,
         num_experts_per_tok=8, moe_intermediate_size=768,
     ),
+    **tiny_deepseek.presets(TinySpec),
 }
 
 
@@ -219,23 +229,10 @@ def _write_side_files(folder: Path, spec: TinySpec, num_layers: int, tokenizer: 
 def _config_json(spec: TinySpec, num_layers: int, vocab_size: int, bos: int, eos: list[int]) -> dict:
     # The fields and names transformers 5 writes for a LlamaConfig (a Qwen3MoeConfig with experts).
     rope = {"rope_theta": spec.rope_theta, "rope_type": "default", **(spec.rope_scaling or {})}
-    return {**_llama_config_json(spec, num_layers, vocab_size, bos, eos, rope), **_moe_config_json(spec, num_layers)}
-
-
-def _moe_config_json(spec: TinySpec, num_layers: int) -> dict:
-    if not spec.num_experts:
-        return {}
-    return {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [i for i in spec.mlp_only_layers if i < num_layers],
-        "moe_intermediate_size": spec.moe_intermediate_size,
-        "norm_topk_prob": True,
-        "num_experts": spec.num_experts,
-        "num_experts_per_tok": spec.num_experts_per_tok,
-        "use_sliding_window": False,
-    }
+    out = _llama_config_json(spec, num_layers, vocab_size, bos, eos, rope) | tiny_moe.config_fields(spec, num_layers)
+    if spec.deepseek is not None:
+        out.update(tiny_deepseek.config_fields(spec.deepseek, spec.num_heads))
+    return out
 
 
 def _llama_config_json(spec: TinySpec, num_layers: int, vocab_size: int, bos: int, eos: list[int],
@@ -277,6 +274,9 @@ def _tensor_specs(spec: TinySpec, num_layers: int) -> list[tuple[str, tuple[int,
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     out = [("model.embed_tokens.weight", (spec.vocab_size, h))]
     for i in range(num_layers):
+        if spec.deepseek is not None:
+            out += tiny_deepseek.layer_tensors(spec.deepseek, i, h, inter, spec.num_heads)
+            continue
         p = f"model.layers.{i}."
         out += [
             (p + "input_layernorm.weight", (h,)),
@@ -289,22 +289,11 @@ def _tensor_specs(spec: TinySpec, num_layers: int) -> list[tuple[str, tuple[int,
         if spec.num_experts:
             out += [(p + f"self_attn.{n}_norm.weight", (spec.head_dim,)) for n in ("q", "k")]
         if spec.num_experts and i not in spec.mlp_only_layers:
-            out += _expert_specs(spec, p)
+            out += tiny_moe.expert_specs(spec, p)
         else:
             out += [(p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
                     (p + "mlp.down_proj.weight", (h, inter))]
     return out + [("model.norm.weight", (h,)), ("lm_head.weight", (spec.vocab_size, h))]
-
-
-def _expert_specs(spec: TinySpec, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
-    """A sparse layer's router and experts, named as the Hub's Qwen3-MoE checkpoints name them."""
-    h, inter = spec.hidden_size, spec.moe_intermediate_size
-    out = [(prefix + "mlp.gate.weight", (spec.num_experts, h))]
-    for e in range(spec.num_experts):
-        p = f"{prefix}mlp.experts.{e}."
-        out += [(p + "gate_proj.weight", (inter, h)), (p + "up_proj.weight", (inter, h)),
-                (p + "down_proj.weight", (h, inter))]
-    return out
 
 
 def _init_std(spec: TinySpec, name: str, shape: tuple[int, ...]) -> float | None:
@@ -313,6 +302,8 @@ def _init_std(spec: TinySpec, name: str, shape: tuple[int, ...]) -> float | None
         return None
     if name == "model.embed_tokens.weight":
         return 1.0
+    if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: small, so scores still decide
+        return 0.1
     if name == "lm_head.weight":
         return spec.logit_scale / math.sqrt(spec.hidden_size)
     std = 1.0 / math.sqrt(shape[1])  # unit-variance outputs for unit-RMS inputs

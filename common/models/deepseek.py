@@ -1,0 +1,225 @@
+"""DeepSeek-V2/V3 decoder: multi-head latent attention over the latent cache, and MoE layers.
+
+One class serves both (``DeepseekV2ForCausalLM`` and ``DeepseekV3ForCausalLM`` are it); the
+switches are ``ModelConfig.deepseek`` (``deepseek_config.py``). Attention is ``common/layers/mla.py``
+(absorbed form in every phase, one code path), the cache ``common/cache/mla_cache.py``
+(``make_kv_cache``). The MLP of layer i is dense (``intermediate_size``) for the first
+``first_k_dense_replace`` layers, else routed experts plus ``n_shared_experts`` shared ones:
+
+    V2: softmax scores; top-k over all experts ("greedy") or within the ``topk_group`` groups with
+        the best single expert ("group_limited_greedy"); normalised when ``norm_topk_prob`` (and
+        top-k > 1, as DeepSeek's reference code; transformers 5 ignores the flag for V2, and
+        every released V2 sets it false), else times ``routed_scaling_factor``.
+    V3: sigmoid scores; the choice adds ``e_score_correction_bias`` and keeps the ``topk_group``
+        groups with the best two-expert sums ("noaux_tc"); weights are the unbiased scores,
+        normalised when ``norm_topk_prob``, then times ``routed_scaling_factor``.
+
+Experts are stacked, ``w13`` [E, 2I, H] (gate rows, then up rows) and ``w2`` [E, H, I], and run one
+expert at a time in torch: the reference a fused MoE kernel replaces. Torch attention only, TP 1.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvferry.common.cache.mla_cache import LatentCache
+from kvferry.common.layers.attn_backend import TorchBackend, resolve_backend
+from kvferry.common.layers.mla import LatentRope, MlaAttention, _param
+from kvferry.common.layers.norm import rms_norm
+from kvferry.common.layers.tp_layers import TensorSlot, TpShard
+from kvferry.common.models.config import ModelConfig
+from kvferry.common.models.deepseek_config import DeepseekSpec
+from kvferry.common.models.llama import SeqChunk, TokenFeed, check_chunks
+
+logger = logging.getLogger(__name__)
+
+
+def route(logits: torch.Tensor, spec: DeepseekSpec, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] fp32 -> (weights [T, k] fp32, expert ids [T, k]), as the module docstring says."""
+    num_tokens, num_experts = logits.shape
+    is_v3 = spec.version == 3
+    scores = logits.sigmoid() if is_v3 else logits.softmax(dim=-1, dtype=torch.float32)
+    choice = scores + bias if is_v3 else scores
+    if spec.topk_method != "greedy":
+        grouped = choice.view(num_tokens, spec.n_group, -1)
+        group_rank = grouped.topk(2, dim=-1)[0].sum(dim=-1) if is_v3 else grouped.max(dim=-1).values
+        chosen = group_rank.topk(spec.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_rank).scatter_(1, chosen, 1).bool()
+        keep = keep.repeat_interleave(num_experts // spec.n_group, dim=1)
+        choice = choice.masked_fill(~keep, float("-inf") if is_v3 else 0.0)
+    ids = choice.topk(spec.num_experts_per_tok, dim=-1, sorted=False)[1]
+    weights = (scores if is_v3 else choice).gather(1, ids)
+    normalise = spec.norm_topk_prob and (is_v3 or spec.num_experts_per_tok > 1)
+    if normalise:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if is_v3 or not normalise:
+        weights = weights * spec.routed_scaling_factor
+    return weights, ids
+
+
+class DenseMlp(nn.Module):
+    """SwiGLU with fused gate/up rows: a dense layer's MLP, or the shared experts."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.inter = inter
+        self.gate_up_weight = _param((2 * inter, hidden), dtype, device)
+        self.down_weight = _param((hidden, inter), dtype, device)
+
+    def hf_tensor_map(self, prefix: str) -> dict[str, TensorSlot]:
+        return {prefix + "gate_proj.weight": TensorSlot(self.gate_up_weight, 0, self.inter),
+                prefix + "up_proj.weight": TensorSlot(self.gate_up_weight, self.inter, self.inter),
+                prefix + "down_proj.weight": TensorSlot(self.down_weight, 0, self.down_weight.shape[0])}
+
+    def forward(self, h: torch.Tensor, attn) -> torch.Tensor:
+        return attn.linear(attn.silu_mul(attn.linear(h, self.gate_up_weight)), self.down_weight)
+
+
+class MoeBlock(nn.Module):
+    """Router (fp32, as transformers keeps it), stacked routed experts and the shared experts."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        s, hidden = config.deepseek, config.hidden_size
+        self.spec, self.inter = s, s.moe_intermediate_size
+        self.gate_weight = _param((s.n_routed_experts, hidden), torch.float32, device)
+        self.score_bias = _param((s.n_routed_experts,), torch.float32, device) if s.version == 3 else None
+        self.w13 = _param((s.n_routed_experts, 2 * self.inter, hidden), dtype, device)  # [E, 2I, H]
+        self.w2 = _param((s.n_routed_experts, hidden, self.inter), dtype, device)  # [E, H, I]
+        shared = s.n_shared_experts * s.moe_intermediate_size
+        self.shared = DenseMlp(hidden, shared, dtype, device) if shared else None
+
+    def hf_tensor_map(self, prefix: str) -> dict[str, TensorSlot]:
+        out = {prefix + "gate.weight": TensorSlot(self.gate_weight, 0, self.spec.n_routed_experts)}
+        if self.score_bias is not None:
+            out[prefix + "gate.e_score_correction_bias"] = TensorSlot(self.score_bias, 0, self.spec.n_routed_experts)
+        for e in range(self.spec.n_routed_experts):
+            p = f"{prefix}experts.{e}."
+            out[p + "gate_proj.weight"] = TensorSlot(self.w13[e], 0, self.inter)
+            out[p + "up_proj.weight"] = TensorSlot(self.w13[e], self.inter, self.inter)
+            out[p + "down_proj.weight"] = TensorSlot(self.w2[e], 0, self.w2.shape[1])
+        if self.shared is not None:
+            out.update(self.shared.hf_tensor_map(prefix + "shared_experts."))
+        return out
+
+    def forward(self, h: torch.Tensor, attn) -> torch.Tensor:
+        """h [T, hidden] -> [T, hidden]: each token's k experts, weighted, plus the shared experts."""
+        weights, ids = route(F.linear(h.float(), self.gate_weight), self.spec, self.score_bias)
+        out = torch.zeros_like(h)
+        for expert in ids.unique().tolist():  # one host sync per layer: the reference path
+            tokens, slots = (ids == expert).nonzero(as_tuple=True)
+            y = attn.linear(attn.silu_mul(attn.linear(h[tokens], self.w13[expert])), self.w2[expert])
+            out.index_add_(0, tokens, (y * weights[tokens, slots, None]).to(out.dtype))
+        return out if self.shared is None else out + self.shared(h, attn)
+
+
+class DeepseekLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.layer, self.eps = layer, config.rms_norm_eps
+        self.input_norm = _param((config.hidden_size,), dtype, device)
+        self.post_norm = _param((config.hidden_size,), dtype, device)
+        self.self_attn = MlaAttention(config, layer, dtype, device)
+        self.mlp = (MoeBlock(config, dtype, device) if config.deepseek.is_moe_layer(layer)
+                    else DenseMlp(config.hidden_size, config.intermediate_size, dtype, device))
+
+    def hf_tensor_map(self) -> dict[str, TensorSlot]:
+        p, hidden = f"model.layers.{self.layer}.", self.input_norm.shape[0]
+        out = {p + "input_layernorm.weight": TensorSlot(self.input_norm, 0, hidden),
+               p + "post_attention_layernorm.weight": TensorSlot(self.post_norm, 0, hidden)}
+        out.update(self.self_attn.hf_tensor_map(p))
+        out.update(self.mlp.hf_tensor_map(p + "mlp."))
+        return out
+
+    def forward(self, x, delta, rotary: LatentRope, cos_sin, kv: LatentCache, plan, attn):
+        """As the Llama layer: (x + delta, this layer's output); writes this layer's latent rows."""
+        x, h = attn.add_norm(x, delta, self.input_norm, self.eps)
+        out = self.self_attn(h, rotary, cos_sin, kv.latent[self.layer], plan, attn)
+        x, h = attn.add_norm(x, out, self.post_norm, self.eps)
+        return x, self.mlp(h, attn)
+
+
+class DeepseekForCausalLM(nn.Module):
+    """Embedding, DeepSeek layers, final norm and lm_head; ``forward`` as ``LlamaForCausalLM``'s."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 shard: TpShard | None = None) -> None:
+        super().__init__()
+        """``shard``: TP 1 only (``TpShard.of`` refuses more for DeepSeek); taken for the loader's call."""
+        if config.deepseek is None:
+            raise ValueError(f"{config.source}: {config.architecture} is not a DeepSeek-V2/V3 checkpoint")
+        device = torch.device(device)
+        self.config, self.dtype, self.device = config, dtype, device
+        self.embed = _param((config.vocab_size, config.hidden_size), dtype, device)
+        self.layers = nn.ModuleList(DeepseekLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.norm = _param((config.hidden_size,), dtype, device)
+        self.lm_head = self.embed if config.has_tied_embeddings else _param(
+            (config.vocab_size, config.hidden_size), dtype, device)
+        self.rotary = LatentRope(config, dtype, device)
+        self.attn = TorchBackend()
+
+    @classmethod
+    def make_kv_cache(cls, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
+                      device: torch.device | str, *, model_name: str = "target",
+                      layout: str = "page-major") -> LatentCache:
+        """The pool MLA reads: one latent buffer per layer (``common/cache/mla_cache.py``)."""
+        return LatentCache(config, num_pages, page_size, dtype, device, model_name=model_name, layout=layout)
+
+    def set_attention_backend(self, name: str) -> None:
+        """MLA runs on the torch path: ``auto`` and ``torch`` take it, ``triton`` is refused."""
+        if resolve_backend(name, self.device) == "triton" and name == "triton":
+            raise ValueError(f"--attention-backend triton: {self.config.architecture} (MLA) runs on the torch "
+                             "attention path only; use --attention-backend torch or auto")
+        self.attn = TorchBackend()
+
+    def hf_tensor_map(self) -> dict[str, TensorSlot]:
+        """Hugging Face tensor name -> destination. Tied checkpoints carry no ``lm_head.weight``."""
+        c = self.config
+        out = {"model.embed_tokens.weight": TensorSlot(self.embed, 0, c.vocab_size),
+               "model.norm.weight": TensorSlot(self.norm, 0, c.hidden_size)}
+        if not c.has_tied_embeddings:
+            out["lm_head.weight"] = TensorSlot(self.lm_head, 0, c.vocab_size)
+        for layer in self.layers:
+            out.update(layer.hf_tensor_map())
+        return out
+
+    def unfuse(self, name: str, read) -> dict[str, torch.Tensor]:
+        """Tensors ``hf_tensor_map`` does not name are not fused ones this model splits: {} (the
+        loader ignores them, as the Hub's checkpoints' rotary caches)."""
+        return {}
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[SeqChunk], kv: LatentCache, *, all_logits: bool = False,
+                feed: TokenFeed | None = None) -> torch.Tensor | list[torch.Tensor]:
+        """New tokens of ``chunks`` -> fp32 logits ([num_chunks, vocab], or with ``all_logits`` one
+        [len(token_ids), vocab] per chunk); writes their latent rows into ``kv``."""
+        self.check(chunks, kv)
+        token_ids, plan = self.attn.plan(chunks, kv.page_size, self.device)
+        if feed is not None:
+            token_ids = feed.apply(token_ids)
+        return self.run(token_ids, plan, kv, all_logits=all_logits)
+
+    def run(self, token_ids: torch.Tensor, plan, kv: LatentCache, *, all_logits: bool = False):
+        x, delta = F.embedding(token_ids, self.embed), None  # [T, hidden]
+        cos_sin = self.rotary.cos_sin(plan.positions)
+        for layer in self.layers:
+            x, delta = layer(x, delta, self.rotary, cos_sin, kv, plan, self.attn)
+        x = x + delta
+        if not all_logits:
+            x = x.index_select(0, plan.last_index)
+        logits = self.attn.linear(rms_norm(x, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        return list(logits.split(plan.query_lens)) if all_logits else logits
+
+    def check(self, chunks: list[SeqChunk], kv: LatentCache) -> None:
+        """Raise ValueError for chunks this model and cache cannot run."""
+        if not isinstance(kv, LatentCache):
+            raise ValueError(f"{self.config.architecture} reads a LatentCache, got {type(kv).__name__}; build the "
+                             "pool with make_kv_cache")
+        check_chunks(self.config, chunks, kv)
+
+
+DeepseekV2ForCausalLM = DeepseekV3ForCausalLM = DeepseekForCausalLM
