@@ -30,6 +30,9 @@ class Metrics:
                                        "WRITE into them (or from them) may still land", registry=r)
         self.pages_in_use = Gauge("kvferry_pages_in_use", "KV pages allocated", ["model"], registry=r)
         self.pages_total = Gauge("kvferry_pages_total", "KV pages in the pool", ["model"], registry=r)
+        self.kv_pool_info = Gauge("kvferry_kv_pool_info", "1 for each KV pool, labelled with its dtype "
+                                  "(--kv-cache-dtype: the model's, or float8_e4m3fn)", ["model", "kv_dtype"],
+                                  registry=r)
         self.rooms_waiting = Gauge("kvferry_rooms_waiting", "rooms waiting for their peer", registry=r)
         self.requests_running = Gauge("kvferry_requests_running", "requests being served", registry=r)
         self.requests_queued = Gauge("kvferry_requests_queued", "requests admitted but waiting", registry=r)
@@ -75,6 +78,7 @@ class Metrics:
         for slot in slots:
             name = slot.kv.model_name
             self.pages_total.labels(model=name).set(slot.kv.num_pages)
+            self.kv_pool_info.labels(model=name, kv_dtype=slot.kv.kv_dtype).set(1)
             self.pages_in_use.labels(model=name).set(slot.kv.num_pages - slot.allocator.num_free)
 
     def observe_cache(self, cache) -> None:

@@ -104,7 +104,7 @@ def _check_compatible(prefill: KvLayout, decode: KvLayout) -> None:
     for name, label, fix in (
             ("model", "model fingerprint", "serve the same checkpoint on both sides"),
             ("page_size", "page_size", "start both sides with the same --page-size"),
-            ("kv_dtype", "kv_dtype", "start both sides with the same --dtype"),
+            ("kv_dtype", "kv_dtype", "start both sides with the same --dtype and --kv-cache-dtype"),
             ("tp_size", "tp_size", "heterogeneous TP is not supported yet: use the same TP size")):
         p, d = getattr(prefill, name), getattr(decode, name)
         if p != d:

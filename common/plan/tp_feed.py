@@ -110,7 +110,7 @@ def build_tp_plan(prefill: Sequence[KvLayout], decode: Sequence[KvLayout]) -> Tp
     d_tp = _check_side(decode, "decode")
     p0, d0 = prefill[0], decode[0]
     for name, label, fix in (("model", "model fingerprint", "serve the same checkpoint on both sides"),
-                             ("kv_dtype", "kv_dtype", "start both sides with the same --dtype")):
+                             ("kv_dtype", "kv_dtype", "start both sides with the same --dtype and --kv-cache-dtype")):
         pv, dv = getattr(p0, name), getattr(d0, name)
         if pv != dv:
             raise GeometryMismatchError(f"{label} mismatch: prefill has {pv!r}, decode has {dv!r}; {fix}")
