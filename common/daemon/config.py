@@ -42,7 +42,7 @@ class CommonConfig:
                                help="KV pool dtype: auto = the model's (--dtype); fp8_e4m3 stores K/V as float8 "
                                     "e4m3 with per-layer scales (the checkpoint's k_scale/v_scale, else 1.0): "
                                     "half the bytes of bf16 per token, about 2x the tokens at the same memory, "
-                                    "at some accuracy; the peer must use the same"),
+                                    "at some accuracy; the peer must use the same")
     kv_layout: str = flag("page-major", choices=KV_LAYOUTS,
                           help="KV pool layout: page-major keeps one page of every layer in one block (one "
                                "NIXL descriptor per page), layer-major one block per layer; the peer may differ")
