@@ -73,12 +73,16 @@ class Metrics:
         if result != "cached":
             self.grammar_compile_seconds.observe(seconds)
 
+    def observe_kv_dtypes(self, slots) -> None:
+        """Once the pools exist: each pool's dtype (fixed for the daemon's life)."""
+        for slot in slots:
+            self.kv_pool_info.labels(model=slot.kv.model_name, kv_dtype=slot.kv.kv_dtype).set(1)
+
     def observe_pools(self, slots) -> None:
         """Set the page gauges from ``ModelRunner.slots`` (each with ``kv`` and ``allocator``)."""
         for slot in slots:
             name = slot.kv.model_name
             self.pages_total.labels(model=name).set(slot.kv.num_pages)
-            self.kv_pool_info.labels(model=name, kv_dtype=slot.kv.kv_dtype).set(1)
             self.pages_in_use.labels(model=name).set(slot.kv.num_pages - slot.allocator.num_free)
 
     def observe_cache(self, cache) -> None:
