@@ -4,10 +4,6 @@ Three kernels, each checked against the torch path (``common/layers/attention.py
 
 - ``store_kv``: token t's K/V [Hkv, D] goes to row ``rows[t]`` of page ``pages[t]``; a negative
   page skips the token (padding rows of a CUDA graph bucket).
-
-An FP8 (e4m3) pool is quantized in the store (times 1 / scale, clamped to +-448, cast) and
-dequantized in registers right after each page load (times scale, cast to q's dtype), as
-``common/kernels/kv_quant.py`` does in torch; ``k_scale``/``v_scale`` are the layer's scales.
 - ``decode_attention``: one query token per sequence, at position ``kv_lens[b] - 1``. Split-K: each
   (sequence, KV head, split) program scores its share of the context for all the query heads of
   its KV head (GQA folded into the tile's rows), then a second kernel merges the splits by their
@@ -16,6 +12,10 @@ dequantized in registers right after each page load (times scale, cast to q's dt
 - ``extend_attention``: several query tokens per sequence after ``prefix_lens[b]`` cached ones,
   causal over prefix + themselves (chunked prefill, spec-dec verify, plain prefill when the prefix
   is 0). Their K/V must already be stored in the pages.
+
+An FP8 (e4m3) pool is quantized in the store (times 1 / scale, clamped to +-448, cast) and
+dequantized in registers right after each page load (times scale, cast to q's dtype), as
+``common/kernels/kv_quant.py`` does in torch; ``k_scale``/``v_scale`` are the layer's scales.
 
 A cache is a ``[num_pages, page_size, Hkv, D]`` view of the pool; both ``--kv-layout`` values give
 such a view (only the page stride differs), so the kernels take strides and never copy. Offsets are
