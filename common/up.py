@@ -21,6 +21,7 @@ from pathlib import Path
 
 from kvferry.common.errors import ConfigError, ModelLoadError
 from kvferry.common.daemon.procs import Proc, free_port
+from kvferry.common.kernels.kv_quant import KV_CACHE_DTYPES
 from kvferry.common.up_model import SMOLLM2_NAME, Served, resolve
 
 POLL_S = 0.2
@@ -45,6 +46,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--decode-tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks of the decode (its --tp-size; may differ from --prefill-tp; "
                         "the draft runs unsharded on rank 0)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="both daemons' --kv-cache-dtype: auto (the model's dtype) or fp8_e4m3 (half the KV "
+                        "bytes of bf16, at some accuracy; docs/deployment.md 'FP8 KV cache')")
     p.add_argument("--host", default="127.0.0.1", help="bind address of all three (default: loopback only)")
     p.add_argument("--prefill-port", type=int, default=30000)
     p.add_argument("--bootstrap-port", type=int, default=8998, help="the prefill's ZeroMQ bootstrap port")
@@ -109,6 +113,9 @@ def build_procs(args: argparse.Namespace, served: Served, log_dir: Path) -> list
     name = ["--served-model-name", args.served_model_name or served.name]
     prefill += name
     decode += name
+    if args.kv_cache_dtype != "auto":
+        prefill += ["--kv-cache-dtype", args.kv_cache_dtype]
+        decode += ["--kv-cache-dtype", args.kv_cache_dtype]
     if draft is not None:
         decode += ["--draft-model", str(draft)]
     # The router's Prometheus listener defaults to 0.0.0.0:29000; keep it on our host and a free port.

@@ -57,7 +57,7 @@ class PrefillDaemon(DaemonCore):
         torch.set_num_threads(max(1, torch.get_num_threads()))
         self.probe = MetadataProbe(timeout_s=c.register_timeout_s)
         self.probe.start()  # its child imports NIXL while the model loads
-        await self.load_model(spec_k=0, attention_backend=c.attention_backend,
+        await self.load_model(spec_k=0, attention_backend=c.attention_backend, kv_cache_dtype=c.kv_cache_dtype,
                               disable_cuda_graph=True)  # a prefill runs no decode steps
         if not await asyncio.get_running_loop().run_in_executor(self.model_executor, self.probe.wait_ready, 120.0):
             logger.warning("the NIXL metadata probe did not start within 120s; the first registration will wait")

@@ -39,7 +39,7 @@ import torch
 
 from kvferry.common.wire import messages as wire
 from kvferry.common.errors import FailCode, TransferError, UnsafeWriteError
-from kvferry.common.kernels.staging_copy import gather, gather_convert, pool_holding, row_index
+from kvferry.common.kernels.staging_copy import gather, gather_convert, inverse_scales, pool_holding, row_index
 from kvferry.common.plan.staging import (Chunk, DirectReason, StagingCosts, StepOp, StreamSegment, TransferPath, chunk_plan,
                                  copy_plan, crossover_runs, pipeline_steps, plan_room, room_stream)
 from kvferry.common.wire.staging_slots import SlotRole, StagingSlot, StagingSlots
@@ -55,7 +55,8 @@ NUM_BUFFERS = 2  # chunk buffers per staged room: one gathered while the other i
 class StagedRoom:
     """A room on the staged path: this side's slot, the chunks, and the decode slot's address (-1:
     a converted room WRITTEN from the chunk buffers into the decode's pages, no slot there).
-    ``src_dtype`` and ``scales`` (one fp32 tensor per segment) are set for a converted room."""
+    ``src_dtype`` and ``scales`` (per segment, the fp32 reciprocals of its member regions' scales)
+    are set for a converted room."""
 
     slot: StagingSlot
     chunks: tuple[Chunk, ...]
@@ -188,7 +189,7 @@ class StagingSender:
                      and nbytes <= staging.slot_nbytes)
         self.metrics.staging_rooms.labels(path="staged", reason="" if into_slot else "converted_to_pages").inc()
         device = self.buffer.device
-        scales = tuple(torch.tensor(s.scales, dtype=torch.float32, device=device) for s in segments)
+        scales = tuple(inverse_scales(s.scales, device) for s in segments)
         src = getattr(torch, plan.conversion.src)
         if into_slot:
             return StagedRoom(slot, chunks, segments, staging.addr + transfer.staging_slot * staging.slot_nbytes,
@@ -307,7 +308,7 @@ class StagingSender:
                 gather(pool, self.buffer[at:at + size], plan, row_index(plan, pool.device))
             else:
                 gather_convert(pool, self.buffer[at:at + size], plan, row_index(plan, pool.device),
-                               src_dtype=staged.src_dtype, scales=staged.scales[part.segment])
+                               src_dtype=staged.src_dtype, inv_scales=staged.scales[part.segment])
             at += size
 
     def _pool_of(self, addrs: np.ndarray, nbytes: int) -> torch.Tensor:

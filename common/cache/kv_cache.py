@@ -29,9 +29,12 @@ from __future__ import annotations
 import bisect
 import logging
 
+import math
+
 import torch
 
 from kvferry.common.errors import DisaggError, OverloadedError
+from kvferry.common.kernels.kv_quant import is_quantized
 from kvferry.common.models.config import ModelConfig
 from kvferry.common.wire.messages import MODEL_KINDS, Region
 
@@ -192,7 +195,12 @@ class PageAllocator:
 
 
 class KvCache:
-    """K and V pages of every layer of one model ("target" or "draft") on one device."""
+    """K and V pages of every layer of one model ("target" or "draft") on one device.
+
+    ``dtype`` is the pool's: the model dtype, or ``torch.float8_e4m3fn`` (``--kv-cache-dtype
+    fp8_e4m3``), whose pages hold each layer's K and V divided by its per-tensor scale
+    (``k_scales[layer]``, ``v_scales[layer]``; ``common/kernels/kv_quant.py``). A pool of another
+    dtype has every scale 1.0."""
 
     def __init__(
         self,
@@ -205,8 +213,11 @@ class KvCache:
         layout: str = "page-major",
         head_start: int = 0,
         num_kv_heads: int | None = None,
+        k_scales: tuple[float, ...] | None = None,
+        v_scales: tuple[float, ...] | None = None,
     ) -> None:
-        """``head_start``/``num_kv_heads``: the KV heads this pool holds (a TP rank's; default all)."""
+        """``head_start``/``num_kv_heads``: the KV heads this pool holds (a TP rank's; default all).
+        ``k_scales``/``v_scales``: one scale per layer for an FP8 pool (default all 1.0)."""
         if model_name not in MODEL_KINDS:
             raise ValueError(f"model_name is {model_name!r}, expected one of {MODEL_KINDS}")
         if layout not in KV_LAYOUTS:
@@ -222,6 +233,8 @@ class KvCache:
         self.layout = layout
         self.head_start = head_start
         self.num_kv_heads = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
+        self.k_scales = _scales(k_scales, "k_scales", config.num_hidden_layers, dtype)
+        self.v_scales = _scales(v_scales, "v_scales", config.num_hidden_layers, dtype)
         num_layers, page_shape = config.num_hidden_layers, (self.num_kv_heads, page_size, config.head_dim)
         is_page_major = layout == "page-major"
         shape = (num_pages, num_layers, 2) if is_page_major else (num_layers, 2, num_pages)
@@ -232,8 +245,8 @@ class KvCache:
         self.k = [views[layer, 0] for layer in range(num_layers)]  # each [num_pages, page_size, Hkv, D], strided
         self.v = [views[layer, 1] for layer in range(num_layers)]
         logger.info(
-            "KV cache model=%s layout=%s layers=%d pages=%d page_size=%d bytes=%d device=%s",
-            model_name, layout, num_layers, num_pages, page_size, self.num_bytes, self.device,
+            "KV cache model=%s kv_dtype=%s layout=%s layers=%d pages=%d page_size=%d bytes=%d device=%s",
+            model_name, self.kv_dtype, layout, num_layers, num_pages, page_size, self.num_bytes, self.device,
         )
 
     @property
@@ -286,7 +299,8 @@ class KvCache:
         stride = 0 if self.page_stride_bytes == self.page_bytes else self.page_stride_bytes
         out = []
         for layer in range(self.config.num_hidden_layers):
-            for kind, tensor in (("k", self.k[layer]), ("v", self.v[layer])):
+            for kind, tensor, scale in (("k", self.k[layer], self.k_scales[layer]),
+                                        ("v", self.v[layer], self.v_scales[layer])):
                 out.append(
                     Region(
                         model=self.model_name,
@@ -300,6 +314,22 @@ class KvCache:
                         head_start=self.head_start,
                         num_heads=self.num_kv_heads,
                         stride=stride,
+                        scale=scale,  # a prefill converting a room into this pool quantises with it
                     )
                 )
         return out
+
+
+def _scales(values: tuple[float, ...] | None, name: str, num_layers: int, dtype: torch.dtype) -> tuple[float, ...]:
+    """One positive finite scale per layer; only an FP8 pool may have scales other than 1.0."""
+    if values is None:
+        return (1.0,) * num_layers
+    values = tuple(float(x) for x in values)
+    if len(values) != num_layers:
+        raise ValueError(f"{name} has {len(values)} values, the model has {num_layers} layers")
+    bad = [(i, x) for i, x in enumerate(values) if not (math.isfinite(x) and x > 0)]
+    if bad:
+        raise ValueError(f"{name}: layer {bad[0][0]} has scale {bad[0][1]}, expected a finite value > 0")
+    if not is_quantized(dtype) and any(x != 1.0 for x in values):
+        raise ValueError(f"{name} other than 1.0 need an FP8 pool, this pool is {dtype}")
+    return values

@@ -70,6 +70,7 @@ class DaemonCore:
         self.max_context_tokens = min(self.runner.target.model.config.max_position_embeddings, c.max_total_tokens)
         # Aux slots live beside the target KV so that KV and aux travel in one WRITE (one list per side).
         self.aux = AuxSlots(c.max_running_requests + c.max_queued_requests, device=str(self.device))
+        self.metrics.observe_kv_dtypes(self.runner.slots)
         self.engine = NixlEngine(self.role)
         for slot in self.runner.slots:
             self.engine.register_tensor(slot.kv.buffer)

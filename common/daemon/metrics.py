@@ -30,6 +30,9 @@ class Metrics:
                                        "WRITE into them (or from them) may still land", registry=r)
         self.pages_in_use = Gauge("kvferry_pages_in_use", "KV pages allocated", ["model"], registry=r)
         self.pages_total = Gauge("kvferry_pages_total", "KV pages in the pool", ["model"], registry=r)
+        self.kv_pool_info = Gauge("kvferry_kv_pool_info", "1 for each KV pool, labelled with its dtype "
+                                  "(--kv-cache-dtype: the model's, or float8_e4m3fn)", ["model", "kv_dtype"],
+                                  registry=r)
         self.rooms_waiting = Gauge("kvferry_rooms_waiting", "rooms waiting for their peer", registry=r)
         self.requests_running = Gauge("kvferry_requests_running", "requests being served", registry=r)
         self.requests_queued = Gauge("kvferry_requests_queued", "requests admitted but waiting", registry=r)
@@ -69,6 +72,11 @@ class Metrics:
         self.grammars.labels(result=result).inc()
         if result != "cached":
             self.grammar_compile_seconds.observe(seconds)
+
+    def observe_kv_dtypes(self, slots) -> None:
+        """Once the pools exist: each pool's dtype (fixed for the daemon's life)."""
+        for slot in slots:
+            self.kv_pool_info.labels(model=slot.kv.model_name, kv_dtype=slot.kv.kv_dtype).set(1)
 
     def observe_pools(self, slots) -> None:
         """Set the page gauges from ``ModelRunner.slots`` (each with ``kv`` and ``allocator``)."""

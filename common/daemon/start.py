@@ -31,7 +31,7 @@ CUDA_KV_FRACTION = 0.4
 CPU_KV_FRACTION = 0.1
 CPU_KV_BYTES_CAP = 512 << 20
 AUTO_TOKENS_CAP = 65536
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
 
 def checkpoint_folder(value: str, flag: str, dtype: str) -> Path:
@@ -73,7 +73,8 @@ def read_config(folder: Path, flag: str) -> ModelConfig:
 
 def kv_bytes_per_token(configs: list[ModelConfig], tp_size: int, dtype: str) -> int:
     """KV bytes one token costs on rank 0: the target's KV heads of that rank, the draft's whole; an
-    MLA model (DeepSeek) one latent row per layer, whole on every rank (``common/cache/mla_cache.py``)."""
+    MLA model (DeepSeek) one latent row per layer, whole on every rank (``common/cache/mla_cache.py``);
+    ``dtype`` is the pool's (``CommonConfig.kv_torch_dtype_name``)."""
     total = 0
     for i, c in enumerate(configs):
         if c.deepseek is not None:
@@ -113,14 +114,14 @@ def _mem_available() -> int:
 
 
 def auto_tokens(config: CommonConfig, target: Path, configs: list[ModelConfig]) -> int:
-    per_token = kv_bytes_per_token(configs, config.tp_size, config.torch_dtype_name)
+    per_token = kv_bytes_per_token(configs, config.tp_size, config.kv_torch_dtype_name)
     budget = free_kv_bytes(config, target, configs[0].torch_dtype)
     tokens = min(budget // per_token, AUTO_TOKENS_CAP) // config.page_size * config.page_size
     if tokens < config.page_size:
         raise ConfigError(f"--max-total-tokens auto: {budget} bytes free for KV hold no page of {config.page_size} "
                           f"tokens at {per_token} bytes per token; pass --max-total-tokens N")
-    logger.info("max_total_tokens auto: %d tokens (%d bytes per token, %.2f GiB of KV per model)",
-                tokens, per_token, tokens * per_token / (1 << 30))
+    logger.info("max_total_tokens auto: %d tokens (%d bytes per token of kv_dtype=%s, %.2f GiB of KV per model)",
+                tokens, per_token, config.kv_torch_dtype_name, tokens * per_token / (1 << 30))
     return tokens
 
 

@@ -19,8 +19,9 @@ class ColocatedServer:
     name, drain_timeout_s, role = "colocated-bench", 1.0, "colocated"
 
     def __init__(self, target: str, draft: str | None, *, device: str = "cpu", max_total_tokens: int = 65536,
-                 port: int = 0, host: str = "127.0.0.1"):
+                 port: int = 0, host: str = "127.0.0.1", kv_cache_dtype: str = "auto"):
         self.target, self.draft, self.device, self.max_total_tokens = target, draft, device, max_total_tokens
+        self.kv_cache_dtype = kv_cache_dtype
         self.host, self.port = host, port
         self.model_name, self.model_path = Path(target).name, target
 
@@ -34,7 +35,8 @@ class ColocatedServer:
         from kvferry.common.engine.prefill_scheduler import PrefillScheduler
 
         self.executor = ThreadPoolExecutor(1)
-        self.runner = build_runner(self.target, self.draft, device=self.device, max_total_tokens=self.max_total_tokens)
+        self.runner = build_runner(self.target, self.draft, device=self.device, max_total_tokens=self.max_total_tokens,
+                                   kv_cache_dtype=self.kv_cache_dtype)
         self.tokenizer = Tokenizer.from_dir(self.target)
         self.runner.history.eos_token_ids = tuple(self.tokenizer.eos_token_ids)  # min_tokens masks them
         self.max_context_tokens = self.runner.target.model.config.max_position_embeddings
@@ -124,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from kvferry.common.daemon.lifecycle import run
+    from kvferry.common.kernels.kv_quant import KV_CACHE_DTYPES
 
     ap = argparse.ArgumentParser(prog="python -m kvferry.common.engine.colocated_server")
     ap.add_argument("--model", required=True)
@@ -131,9 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-total-tokens", type=int, default=65536)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     a = ap.parse_args(argv)
     return run(ColocatedServer(a.model, a.draft_model, device=a.device, max_total_tokens=a.max_total_tokens,
-                               port=a.port))
+                               port=a.port, kv_cache_dtype=a.kv_cache_dtype))
 
 
 if __name__ == "__main__":

@@ -80,13 +80,14 @@ class TpSpec:
     timeout_s: float = 120.0  # start-up, each collective, close
     num_threads: int = 0  # torch threads per worker (0: torch's default)
     agent_prefix: str = ""  # non-empty: each worker registers its KV pool with a NIXL agent of its own
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: every rank's pool (its scales from the checkpoint)
 
     def worker_argv(self, rank: int, init_method: str, agent_endpoint: str = "") -> list[str]:
         argv = [sys.executable, "-m", "kvferry.common.engine.tp_worker", "--rank", str(rank), "--tp-size",
                 str(self.tp_size), "--init-method", init_method, "--model", self.model_dir, "--device", self.device,
                 "--page-size", str(self.page_size), "--num-pages", str(self.num_pages), "--kv-layout",
                 self.kv_layout, "--attention-backend", self.attention_backend, "--timeout-s", str(self.timeout_s),
-                "--num-threads", str(self.num_threads)]
+                "--num-threads", str(self.num_threads), "--kv-cache-dtype", self.kv_cache_dtype]
         if agent_endpoint:
             argv += ["--agent-endpoint", agent_endpoint, "--agent-prefix", self.agent_prefix]
         return argv + (["--dtype", self.dtype] if self.dtype else [])

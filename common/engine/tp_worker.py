@@ -23,7 +23,9 @@ import torch
 from kvferry.common.daemon import log
 from kvferry.common.engine.tp_comm import TpComm, open_store, parse_init_method, rank_device
 from kvferry.common.engine.tp_step import HEADER_BYTES, StepHeader, StepKind, decode_forward
-from kvferry.common.cache.kv_cache import KV_LAYOUTS, KvCache
+from kvferry.common.cache.kv_cache import KV_LAYOUTS
+from kvferry.common.engine.factory import build_kv_cache
+from kvferry.common.kernels.kv_quant import KV_CACHE_DTYPES
 from kvferry.common.models.loader import load_model
 from kvferry.common.transport.rank_agent import RankAgentServer
 
@@ -43,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, required=True)
     p.add_argument("--num-pages", type=int, required=True)
     p.add_argument("--kv-layout", default="page-major", choices=KV_LAYOUTS)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--num-threads", type=int, default=0)
@@ -100,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         model.set_attention_backend(args.attention_backend)
         model.attach_tp(comm.all_reduce)
         heads = model.shard.kv_heads
-        kv = KvCache(model.config, args.num_pages, args.page_size, model.dtype, device, layout=args.kv_layout,
-                     head_start=heads.start, num_kv_heads=heads.count)
+        kv = build_kv_cache(model, args.model, args.kv_cache_dtype, args.num_pages, args.page_size, device,
+                            layout=args.kv_layout, head_start=heads.start, num_kv_heads=heads.count)
         agent = None
         if args.agent_endpoint:  # this rank's KV pool, registered with its own NIXL agent
             agent = RankAgentServer(rank, args.agent_endpoint, args.agent_prefix, kv.buffer)

@@ -14,7 +14,8 @@ and touches nothing outside the runs. Integer rows copy bytes exactly whatever t
 
 ``gather_convert`` gathers a room whose decode holds another KV dtype (``common/plan/convert.py``):
 the runs are gathered as they are into a temporary, then each member region's items are quantised
-with that region's scale (``to_e4m3``: the rounding every FP8 K/V store uses) into the slot.
+with that region's scale (``to_e4m3``: ``kv_quant.quantize``'s rounding, every FP8 K/V store's)
+into the slot.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 
 import torch
 
+from kvferry.common.kernels.kv_quant import FP8_E4M3_MAX
 from kvferry.common.plan.staging import CopyPlan
 
 logger = logging.getLogger(__name__)
@@ -80,31 +82,35 @@ def scatter_reference(staging: torch.Tensor, buffer: torch.Tensor, plan: CopyPla
     _buffer_rows(buffer, plan).index_copy_(0, index, _staging_rows(staging, plan))
 
 
-FP8_MAX = 448.0
+def inverse_scales(scales, device) -> torch.Tensor:
+    """fp32 ``1 / scale`` of each scale, the reciprocal taken in float64 as ``kv_quant.quantize``
+    takes it (a Python float), so that a converted room rounds exactly as the decode's own store."""
+    return (1.0 / torch.tensor(scales, dtype=torch.float64)).to(device=device, dtype=torch.float32)
 
 
-def to_e4m3(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
-    """float8_e4m3fn of ``x / scale`` in fp32, saturated to ±448 (e4m3 has no infinity: a cast of
-    a larger value would give NaN). Every FP8 K/V write rounds this way."""
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+def to_e4m3(x: torch.Tensor, inv_scale: torch.Tensor | float) -> torch.Tensor:
+    """float8_e4m3fn of ``x * inv_scale`` in fp32, saturated to ±448 (e4m3 has no infinity: a cast
+    of a larger value would give NaN): ``kv_quant.quantize``, every FP8 K/V store's rounding, with
+    the reciprocal of the scale given (one per member region, broadcast)."""
+    return (x.float() * inv_scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def gather_convert(buffer: torch.Tensor, staging: torch.Tensor, plan: CopyPlan, index: torch.Tensor, *,
-                   src_dtype: torch.dtype, scales: torch.Tensor) -> None:
+                   src_dtype: torch.dtype, inv_scales: torch.Tensor) -> None:
     """Gather ``plan``'s runs of ``buffer`` (elements of ``src_dtype``) and write them into
     ``staging`` as e4m3, run after run: run i of ``plan.run_nbytes`` source bytes becomes
-    ``plan.run_nbytes / elem`` bytes. A run holds ``len(scales)`` equal member items in turn,
-    member j quantised with ``scales[j]`` (fp32, on the buffer's device)."""
+    ``plan.run_nbytes / elem`` bytes. A run holds ``len(inv_scales)`` equal member items in turn,
+    member j quantised with ``inv_scales[j]`` (``inverse_scales``, on the buffer's device)."""
     elem = torch.empty(0, dtype=src_dtype).element_size()
     gathered = torch.empty(plan.num_runs * plan.run_nbytes, dtype=torch.uint8, device=buffer.device)
     gather(buffer, gathered, plan, index)
-    values = gathered.view(src_dtype).view(plan.num_runs, len(scales), -1)
+    values = gathered.view(src_dtype).view(plan.num_runs, len(inv_scales), -1)
     out_nbytes = plan.num_runs * plan.run_nbytes // elem
     flat = staging.reshape(-1).view(torch.uint8)
     if flat.numel() < out_nbytes:
         raise ValueError(f"a staging slot of {flat.numel()} bytes cannot hold {plan.num_runs} converted runs "
                          f"of {plan.run_nbytes // elem} bytes")
-    flat[:out_nbytes].view(torch.float8_e4m3fn).view_as(values).copy_(to_e4m3(values, scales.view(1, -1, 1)))
+    flat[:out_nbytes].view(torch.float8_e4m3fn).view_as(values).copy_(to_e4m3(values, inv_scales.view(1, -1, 1)))
 
 
 @functools.cache

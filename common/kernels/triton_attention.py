@@ -13,6 +13,10 @@ Three kernels, each checked against the torch path (``common/layers/attention.py
   causal over prefix + themselves (chunked prefill, spec-dec verify, plain prefill when the prefix
   is 0). Their K/V must already be stored in the pages.
 
+An FP8 (e4m3) pool is quantized in the store (times 1 / scale, clamped to +-448, cast) and
+dequantized in registers right after each page load (times scale, cast to q's dtype), as
+``common/kernels/kv_quant.py`` does in torch; ``k_scale``/``v_scale`` are the layer's scales.
+
 A cache is a ``[num_pages, page_size, Hkv, D]`` view of the pool; both ``--kv-layout`` values give
 such a view (only the page stride differs), so the kernels take strides and never copy. Offsets are
 int64: a page-major 8B pool is far over 2**31 elements. SGLang's Triton backend
@@ -26,15 +30,34 @@ import torch
 import triton
 import triton.language as tl
 
+from kvferry.common.kernels.kv_quant import FP8_E4M3_MAX, is_quantized
+
 # A finite "minus infinity" for running maxima: exp(m_old - m_new) stays 0 or 1, never NaN.
 _NEG = tl.constexpr(-1.0e30)
 _LOG2E = 1.4426950408889634
+FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
+
+
+@triton.jit
+def quantize_tile(x, inv_scale, out_ty: tl.constexpr, QUANT: tl.constexpr):
+    """x as the pool stores it: saturate(x * inv_scale) for an FP8 pool (QUANT), else a plain cast."""
+    if QUANT:
+        x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -FP8_MAX), FP8_MAX)
+    return x.to(out_ty)
+
+
+@triton.jit
+def _dequantize(tile, scale, out_ty: tl.constexpr, QUANT: tl.constexpr):
+    """A tile loaded from the pool as attention sees it (FP8: times its scale, in out_ty)."""
+    if QUANT:
+        tile = (tile.to(tl.float32) * scale).to(out_ty)
+    return tile
 
 
 @triton.jit
 def _store_kv_kernel(k, v, k_cache, v_cache, pages, rows, stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_cp, stride_cr, stride_ch, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     stride_cp, stride_cr, stride_ch, k_inv_scale, v_inv_scale, NUM_HEADS: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
     t = tl.program_id(0)
     page = tl.load(pages + t).to(tl.int64)
     if page >= 0:
@@ -45,8 +68,8 @@ def _store_kv_kernel(k, v, k_cache, v_cache, pages, rows, stride_kt, stride_kh, 
         dst = page * stride_cp + row * stride_cr + h[:, None] * stride_ch + d[None, :]
         k_row = tl.load(k + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
         v_row = tl.load(v + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-        tl.store(k_cache + dst, k_row.to(k_cache.dtype.element_ty), mask=mask)
-        tl.store(v_cache + dst, v_row.to(v_cache.dtype.element_ty), mask=mask)
+        tl.store(k_cache + dst, quantize_tile(k_row, k_inv_scale, k_cache.dtype.element_ty, QUANT), mask=mask)
+        tl.store(v_cache + dst, quantize_tile(v_row, v_inv_scale, v_cache.dtype.element_ty, QUANT), mask=mask)
 
 
 # The page table's row stride is its width, the longest sequence's page count: a value Triton would
@@ -55,9 +78,9 @@ def _store_kv_kernel(k, v, k_cache, v_cache, pages, rows, stride_kt, stride_kh, 
 @triton.jit(do_not_specialize=["stride_pb", "num_splits"])
 def _decode_split_kernel(q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_lse, stride_qb, stride_qh,
                          stride_cp, stride_cr, stride_ch, stride_pb, scale_log2, window, num_splits,
-                         GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         k_scale, v_scale, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                         BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_len = tl.load(kv_lens + b).to(tl.int32)
     split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
@@ -79,14 +102,16 @@ def _decode_split_kernel(q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_ls
         page = tl.load(page_table + b * stride_pb + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
         offs = page * stride_cp + (n % PAGE_SIZE).to(tl.int64) * stride_cr + kv_head * stride_ch
         kv_mask = n_mask[:, None] & (d[None, :] < HEAD_DIM)
-        k_tile = tl.load(k_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k_tile = _dequantize(tl.load(k_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0), k_scale,
+                             q_tile.dtype, QUANT)
         s = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_tile = tl.load(v_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v_tile = _dequantize(tl.load(v_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0), v_scale,
+                             q_tile.dtype, QUANT)
         acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=PRECISION)
         m_i = m_new
     has_keys = l_i > 0
@@ -122,8 +147,9 @@ def _decode_merge_kernel(mid_o, mid_lse, o, stride_ob, stride_oh, num_splits, HE
 @triton.jit(do_not_specialize=["stride_pb"])
 def _extend_kernel(q, o, k_cache, v_cache, page_table, q_starts, q_lens, prefix_lens, stride_qt, stride_qh,
                    stride_ot, stride_oh, stride_cp, stride_cr, stride_ch, stride_pb, scale_log2, window,
-                   GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                   k_scale, v_scale, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+                   QUANT: tl.constexpr):
     b, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_head = head // GROUP
     q_len = tl.load(q_lens + b).to(tl.int32)
@@ -151,7 +177,8 @@ def _extend_kernel(q, o, k_cache, v_cache, page_table, q_starts, q_lens, prefix_
         page = tl.load(page_table + b * stride_pb + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
         offs = page * stride_cp + (n % PAGE_SIZE).to(tl.int64) * stride_cr + kv_head * stride_ch
         kv_mask = n_mask[:, None] & (d[None, :] < HEAD_DIM)
-        k_tile = tl.load(k_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k_tile = _dequantize(tl.load(k_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0), k_scale,
+                             q_tile.dtype, QUANT)
         s = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION) * scale_log2
         allowed = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
         if window > 0:
@@ -161,7 +188,8 @@ def _extend_kernel(q, o, k_cache, v_cache, page_table, q_starts, q_lens, prefix_
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_tile = tl.load(v_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v_tile = _dequantize(tl.load(v_cache + offs[:, None] + d[None, :], mask=kv_mask, other=0.0), v_scale,
+                             q_tile.dtype, QUANT)
         acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -170,7 +198,8 @@ def _extend_kernel(q, o, k_cache, v_cache, page_table, q_starts, q_lens, prefix_
 
 
 def _precision(dtype: torch.dtype) -> str:
-    # fp32 caches are the exact reference path: no tf32 rounding inside tl.dot
+    # fp32 models are the exact reference path: no tf32 rounding inside tl.dot (q's dtype decides:
+    # an FP8 pool is dequantized to it before each dot)
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
@@ -179,17 +208,19 @@ def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             pages: torch.Tensor, rows: torch.Tensor) -> None:
+             pages: torch.Tensor, rows: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """k, v: [T, Hkv, D] (any row stride, last dim contiguous) into k_cache, v_cache
-    [num_pages, page_size, Hkv, D]; pages, rows: [T] int (page < 0: skip)."""
+    [num_pages, page_size, Hkv, D]; pages, rows: [T] int (page < 0: skip); an FP8 pool stores them
+    quantized by ``k_scale``/``v_scale``."""
     _check_caches(k_cache, v_cache)
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, pages, rows, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), 1.0 / k_scale, 1.0 / v_scale, NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        QUANT=is_quantized(k_cache.dtype))
 
 
 def num_decode_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
@@ -199,9 +230,11 @@ def num_decode_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                     kv_lens: torch.Tensor, scale: float, window: int | None, num_splits: int) -> torch.Tensor:
+                     kv_lens: torch.Tensor, scale: float, window: int | None, num_splits: int,
+                     k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """q: [B, Hq, D] (the token at position kv_lens[b] - 1, K/V already stored); page_table:
-    [B, max_pages] int; kv_lens: [B] int (0: padding row, output 0) -> [B, Hq, D] in q's dtype."""
+    [B, max_pages] int; kv_lens: [B] int (0: padding row, output 0) -> [B, Hq, D] in q's dtype.
+    ``scale``: the softmax scale; ``k_scale``/``v_scale``: an FP8 pool's."""
     _check_caches(k_cache, v_cache)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -212,9 +245,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_lse, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), scale * _LOG2E,
-        window or 0, num_splits, GROUP=group, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
+        window or 0, num_splits, k_scale, v_scale, GROUP=group, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=32 if block_d > 128 else 64,
-        PRECISION=_precision(k_cache.dtype), num_warps=4, num_stages=2)
+        PRECISION=_precision(q.dtype), QUANT=is_quantized(k_cache.dtype), num_warps=4, num_stages=2)
     out = torch.empty_like(q)
     _decode_merge_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d)
@@ -223,9 +256,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      q_starts: torch.Tensor, q_lens: torch.Tensor, prefix_lens: torch.Tensor, max_query: int,
-                     scale: float, window: int | None) -> torch.Tensor:
+                     scale: float, window: int | None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """q: [T, Hq, D] packed, sequence b's rows at [q_starts[b], + q_lens[b]) and positions
-    prefix_lens[b] + i (their K/V already stored) -> [T, Hq, D]."""
+    prefix_lens[b] + i (their K/V already stored) -> [T, Hq, D]; ``k_scale``/``v_scale``: an FP8 pool's."""
     _check_caches(k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -238,7 +271,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _extend_kernel[(batch, num_heads, triton.cdiv(max_query, block_m))](
         q, out, k_cache, v_cache, page_table, q_starts, q_lens, prefix_lens, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
-        scale * _LOG2E, window or 0, GROUP=num_heads // num_kv_heads, PAGE_SIZE=k_cache.shape[1],
+        scale * _LOG2E, window or 0, k_scale, v_scale, GROUP=num_heads // num_kv_heads, PAGE_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=_precision(q.dtype),
-        num_warps=8 if block_m == 128 else 4, num_stages=2)
+        QUANT=is_quantized(k_cache.dtype), num_warps=8 if block_m == 128 else 4, num_stages=2)
     return out

@@ -4,7 +4,8 @@
   rounds it) and RMSNorm of the sum (fp32 statistics, cast, then the weight), as
   ``llama.rms_norm`` computes it;
 - ``rope_store``: rotary embedding of q and k (the cos/sin rows of ``rope.cos_sin``) and the
-  store of the rotated k and of v into their pages, in one pass over a token's heads;
+  store of the rotated k and of v into their pages, in one pass over a token's heads (quantized
+  by the layer's scales into an FP8 pool, as ``triton_attention.store_kv``);
 - ``silu_mul``: ``silu(gate) * up`` of the fused gate-up projection.
 
 Each matches its torch composition to within one rounding of the model dtype (``tests/gpu``).
@@ -15,6 +16,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kvferry.common.kernels.kv_quant import is_quantized
+from kvferry.common.kernels.triton_attention import quantize_tile
 
 
 @triton.jit
@@ -62,9 +66,10 @@ def _rotate(x_ptr, stride_h, cos, sin, NUM_HEADS: tl.constexpr, HALF: tl.constex
 
 @triton.jit
 def _rope_store_kernel(q, k, v, q_out, cos, sin, k_cache, v_cache, pages, rows, stride_qt, stride_qh, stride_kt,
-                       stride_kh, stride_vt, stride_vh, stride_cp, stride_cr, stride_ch,
+                       stride_kh, stride_vt, stride_vh, stride_cp, stride_cr, stride_ch, k_inv_scale, v_inv_scale,
                        NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                       BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                       QUANT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cos_t, sin_t = cos + t * 2 * HALF, sin + t * 2 * HALF
     q_lo, q_hi, q_mask = _rotate(q + t * stride_qt, stride_qh, cos_t, sin_t, NUM_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF)
@@ -86,18 +91,21 @@ def _rope_store_kernel(q, k, v, q_out, cos, sin, k_cache, v_cache, pages, rows, 
     if page >= 0:
         row = tl.load(rows + t).to(tl.int64)
         dst = page * stride_cp + row * stride_cr + hk[:, None] * stride_ch + j[None, :]
-        tl.store(k_cache + dst, k_lo.to(k_cache.dtype.element_ty), mask=k_mask)
-        tl.store(k_cache + dst + HALF, k_hi.to(k_cache.dtype.element_ty), mask=k_mask)
+        cache_ty = k_cache.dtype.element_ty
+        tl.store(k_cache + dst, quantize_tile(k_lo, k_inv_scale, cache_ty, QUANT), mask=k_mask)
+        tl.store(k_cache + dst + HALF, quantize_tile(k_hi, k_inv_scale, cache_ty, QUANT), mask=k_mask)
         for part in range(2):
             src = v + t * stride_vt + hk[:, None] * stride_vh + part * HALF + j[None, :]
-            tl.store(v_cache + dst + part * HALF, tl.load(src, mask=k_mask).to(v_cache.dtype.element_ty), mask=k_mask)
+            v_part = quantize_tile(tl.load(src, mask=k_mask), v_inv_scale, v_cache.dtype.element_ty, QUANT)
+            tl.store(v_cache + dst + part * HALF, v_part, mask=k_mask)
 
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+               k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
+               k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """q [T, Hq, D], k, v [T, Hkv, D] (row-strided views of qkv are fine); cos, sin [T, 1, D] ->
     rotated q [T, Hq, D] (contiguous); k is rotated in place; k and v stored at (pages[t], rows[t]),
-    page < 0 skipped."""
+    page < 0 skipped (an FP8 pool: quantized by ``k_scale``/``v_scale``)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -106,9 +114,10 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
     half = head_dim // 2
     _rope_store_kernel[(num_tokens,)](
         q, k, v, q_out, cos, sin, k_cache, v_cache, pages, rows, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), NUM_Q_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_QH=triton.next_power_of_2(num_heads),
-        BLOCK_KH=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
+        v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), 1.0 / k_scale,
+        1.0 / v_scale, NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
+        BLOCK_QH=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(half), QUANT=is_quantized(k_cache.dtype), num_warps=4)
     return q_out
 
 

@@ -5,8 +5,12 @@
 picks triton on a CUDA device when Triton imports, else torch. Both expose one interface::
 
     token_ids, plan = backend.plan(chunks, page_size, device)   # host -> device, once per forward
-    backend.store(k_cache, v_cache, k, v, plan)                  # per layer
-    out = backend.attend(q, k_cache, v_cache, plan, window, scale)
+    backend.store(k_cache, v_cache, k, v, plan, k_scale, v_scale)           # per layer
+    out = backend.attend(q, k, v, k_cache, v_cache, plan, window, scale, k_scale, v_scale)
+
+``k_scale``/``v_scale`` (default 1.0) are the layer's FP8 scales (``KvCache.k_scales``): an FP8
+pool stores K/V quantized and every read dequantizes (``common/kernels/kv_quant.py``); a pool of
+the model dtype ignores them.
 
 The elementwise steps around attention go through the backend too (``add_norm``, ``rope_store``,
 ``silu_mul``, ``linear``): the torch compositions on the torch path, fused kernels
@@ -31,6 +35,7 @@ import torch
 from kvferry.common.layers import attention, moe, rope
 from kvferry.common.kernels.h2d import to_device
 from kvferry.common.layers.fp8 import Fp8Weight, fp8_linear
+from kvferry.common.kernels.kv_quant import round_trip
 from kvferry.common.layers.norm import rms_norm
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -67,12 +72,13 @@ class TorchBackend:
         return token_ids, plan
 
     @staticmethod
-    def store(k_cache, v_cache, k, v, plan) -> None:
-        attention.write_kv(k_cache, v_cache, k, v, plan)
+    def store(k_cache, v_cache, k, v, plan, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        attention.write_kv(k_cache, v_cache, k, v, plan, k_scale, v_scale)
 
-    def rope_store(self, q, k, v, cos_sin, k_cache, v_cache, plan) -> torch.Tensor:
+    def rope_store(self, q, k, v, cos_sin, k_cache, v_cache, plan, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> torch.Tensor:
         cos, sin = cos_sin
-        self.store(k_cache, v_cache, rope.apply_rotary(k, cos, sin), v, plan)
+        self.store(k_cache, v_cache, rope.apply_rotary(k, cos, sin), v, plan, k_scale, v_scale)
         return rope.apply_rotary(q, cos, sin)
 
     @staticmethod
@@ -92,8 +98,9 @@ class TorchBackend:
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
-    def attend(q, k, v, k_cache, v_cache, plan, window, scale) -> torch.Tensor:
-        return attention.paged_attention(q, k_cache, v_cache, plan, window, scale)
+    def attend(q, k, v, k_cache, v_cache, plan, window, scale, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> torch.Tensor:
+        return attention.paged_attention(q, k_cache, v_cache, plan, window, scale, k_scale, v_scale)
 
     @staticmethod
     def fused_moe(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
@@ -182,12 +189,14 @@ class TritonBackend:
             is_dense_prefill=max(query_lens) > DENSE_PREFILL_MIN_TOKENS and all(c.start_pos == 0 for c in chunks))
         return per_token[0], plan
 
-    def store(self, k_cache, v_cache, k, v, plan: TritonPlan) -> None:
-        self.kernels.store_kv(k_cache, v_cache, k, v, plan.write_pages, plan.write_rows)
+    def store(self, k_cache, v_cache, k, v, plan: TritonPlan, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        self.kernels.store_kv(k_cache, v_cache, k, v, plan.write_pages, plan.write_rows, k_scale, v_scale)
 
-    def rope_store(self, q, k, v, cos_sin, k_cache, v_cache, plan: TritonPlan) -> torch.Tensor:
+    def rope_store(self, q, k, v, cos_sin, k_cache, v_cache, plan: TritonPlan, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> torch.Tensor:
         cos, sin = cos_sin
-        return self.fused.rope_store(q, k, v, cos, sin, k_cache, v_cache, plan.write_pages, plan.write_rows)
+        return self.fused.rope_store(q, k, v, cos, sin, k_cache, v_cache, plan.write_pages, plan.write_rows,
+                                     k_scale, v_scale)
 
     def add_norm(self, x, delta, weight, eps):
         return self.fused.add_rms_norm(x, delta, weight, eps)
@@ -207,19 +216,23 @@ class TritonBackend:
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
         return self.moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
 
-    def attend(self, q, k, v, k_cache, v_cache, plan: TritonPlan, window, scale) -> torch.Tensor:
+    def attend(self, q, k, v, k_cache, v_cache, plan: TritonPlan, window, scale, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> torch.Tensor:
         """q, k (rotated), v: the new tokens [T, H, D]; k_cache, v_cache hold them already."""
         if plan.is_dense_prefill and window is None:
+            # the new K/V as the pool holds them, so that a later read of these pages agrees
+            k, v = round_trip(k, k_scale, k_cache.dtype), round_trip(v, v_scale, v_cache.dtype)
             return _dense_prefill(q, k, v, plan.query_lens, scale)
         if plan.max_query == 1:
             return self.kernels.decode_attention(q, k_cache, v_cache, plan.page_table, plan.kv_lens, scale, window,
-                                                 plan.num_splits)
+                                                 plan.num_splits, k_scale, v_scale)
         return self.kernels.extend_attention(q, k_cache, v_cache, plan.page_table, plan.q_starts, plan.q_lens,
-                                             plan.prefix_lens, plan.max_query, scale, window)
+                                             plan.prefix_lens, plan.max_query, scale, window, k_scale, v_scale)
 
 
 def _dense_prefill(q, k, v, query_lens: list[int], scale: float) -> torch.Tensor:
-    """Causal SDPA per prompt over its own q, k, v rows ([T, H, D] views)."""
+    """Causal SDPA per prompt over its own q, k, v rows ([T, H, D] views; an FP8 pool's K/V already
+    quantized and dequantized by the caller)."""
     out = torch.empty_like(q)
     start = 0
     for num in query_lens:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvferry.common.cache.mla_cache import LatentCache
+from kvferry.common.errors import ConfigError
 from kvferry.common.layers.attn_backend import TorchBackend, resolve_backend
 from kvferry.common.layers.mla import LatentRope, MlaAttention, _param
 from kvferry.common.layers.norm import rms_norm
@@ -164,9 +165,13 @@ class DeepseekForCausalLM(nn.Module):
 
     @classmethod
     def make_kv_cache(cls, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
-                      device: torch.device | str, *, model_name: str = "target",
-                      layout: str = "page-major") -> LatentCache:
-        """The pool MLA reads: one latent buffer per layer (``common/cache/mla_cache.py``)."""
+                      device: torch.device | str, *, model_name: str = "target", layout: str = "page-major",
+                      k_scales=None, v_scales=None) -> LatentCache:
+        """The pool MLA reads: one latent buffer per layer (``common/cache/mla_cache.py``). An FP8
+        latent pool is refused (``--kv-cache-dtype auto`` only, for now)."""
+        if dtype == torch.float8_e4m3fn:
+            raise ConfigError(f"--kv-cache-dtype fp8_e4m3: {config.architecture} keeps an MLA latent pool, which is "
+                              f"stored in the model dtype only so far; use --kv-cache-dtype auto")
         return LatentCache(config, num_pages, page_size, dtype, device, model_name=model_name, layout=layout)
 
     def set_attention_backend(self, name: str) -> None:

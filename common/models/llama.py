@@ -131,8 +131,9 @@ class DecoderLayer(nn.Module):
             q = rms_norm(q, self.q_norm, c.rms_norm_eps)
             k = rms_norm(k, self.k_norm, c.rms_norm_eps)
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]  # [num_pages, page_size, Hkv, D]
-        q = attn.rope_store(q, k, v, cos_sin, k_cache, v_cache, plan)  # rotates q and k, stores k and v
-        out = attn.attend(q, k, v, k_cache, v_cache, plan, self.window, c.head_dim**-0.5)
+        k_scale, v_scale = kv.k_scales[self.layer], kv.v_scales[self.layer]  # FP8 pool's; else 1.0
+        q = attn.rope_store(q, k, v, cos_sin, k_cache, v_cache, plan, k_scale, v_scale)  # rotates q, k; stores k, v
+        out = attn.attend(q, k, v, k_cache, v_cache, plan, self.window, c.head_dim**-0.5, k_scale, v_scale)
         return self._row_parallel(out.reshape(num_tokens, shard.q_size), self.o_weight, self.o_bias, attn)
 
 
@@ -233,9 +234,10 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def make_kv_cache(cls, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
-                      device: torch.device | str, *, model_name: str = "target", layout: str = "page-major") -> KvCache:
-        """The KV pool this architecture reads: K and V per layer (``common/cache/kv_cache.py``)."""
-        return KvCache(config, num_pages, page_size, dtype, device, model_name=model_name, layout=layout)
+                      device: torch.device | str, **pool_options) -> KvCache:
+        """The KV pool this architecture reads: K and V per layer (``common/cache/kv_cache.py``;
+        ``pool_options`` are its model_name, layout, head_start, num_kv_heads, k_scales, v_scales)."""
+        return KvCache(config, num_pages, page_size, dtype, device, **pool_options)
 
 
 def check_chunks(config: ModelConfig, chunks: list[SeqChunk], kv) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -25,8 +26,8 @@ logger = logging.getLogger(__name__)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# Tensors some checkpoints carry that the model recomputes.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Tensors some checkpoints carry that the model recomputes, or that ``read_kv_scales`` reads.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "self_attn.k_scale", "self_attn.v_scale")
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -80,6 +81,27 @@ def load_model(
 def _weights_label(config: ModelConfig) -> str:
     q = config.quantization
     return "plain" if q is None else f"fp8-{q.strategy.value} ({q.quant_method})"
+
+
+def read_kv_scales(model_dir: str | Path, num_layers: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The FP8 KV scales of every layer, ``(k_scales, v_scales)``: the one-element tensors
+    ``model.layers.{i}.self_attn.k_scale`` / ``v_scale`` of the checkpoint (as vLLM reads them: stored
+    = x / scale), 1.0 for a layer without one. Raises ModelLoadError for a scale that is not one
+    positive finite number."""
+    model_dir = Path(model_dir)
+    wanted = {f"model.layers.{i}.self_attn.{kind}_scale": (kind, i) for i in range(num_layers) for kind in "kv"}
+    scales = {"k": [1.0] * num_layers, "v": [1.0] * num_layers}
+    for path, names in _shards(model_dir).items():
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in set(names if names is not None else f.keys()) & wanted.keys():
+                tensor = f.get_tensor(name)
+                value = float(tensor.float().reshape(-1)[0]) if tensor.numel() == 1 else float("nan")
+                if not (math.isfinite(value) and value > 0):
+                    raise ModelLoadError(f"{path}: '{name}' must be one positive finite number, got shape "
+                                         f"{tuple(tensor.shape)} values {tensor.flatten()[:4].tolist()}")
+                kind, layer = wanted[name]
+                scales[kind][layer] = value
+    return tuple(scales["k"]), tuple(scales["v"])
 
 
 def _shards(model_dir: Path) -> dict[Path, list[str] | None]:

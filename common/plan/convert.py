@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 from kvferry.common.errors import GeometryMismatchError
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # torch dtype names as pools report them (``KvCache.kv_dtype``) -> bytes per element
 ELEM_NBYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 # (prefill dtype, decode dtype) pairs converted in transit

@@ -12,6 +12,7 @@ closes, dies, or sees a worker die."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
 
 from kvferry.common.engine.colocated import ColocatedEngine
 from kvferry.common.engine.factory import build_runner, check_tp_options
@@ -342,3 +344,30 @@ def test_colocated_engine_features_on_rank0(tp_runners):
             ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
         assert tp2.input_logprobs[1:] == pytest.approx([float(ref[j - 1, ids[j]]) for j in range(1, len(ids))],
                                                        abs=1e-4)
+
+
+def test_fp8_kv_at_tp2_equals_tp1(tmp_path):
+    """--kv-cache-dtype fp8_e4m3 at TP 2: every rank builds an FP8 pool with the checkpoint's scales
+    (K/V scaled into e4m3's coarse subnormal range, where FP8 changes this model's greedy tokens), so
+    output equals the TP-1 FP8 engine's and not the full-precision pool's."""
+    target = tmp_path / "scaled"
+    shutil.copytree(tiny_model_dirs()[0], target)
+    tensors = load_file(str(target / "model.safetensors"))
+    for i in range(ModelConfig.from_dir(target).num_hidden_layers):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(128.0)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(96.0)
+    save_file(tensors, str(target / "model.safetensors"))
+    torch.set_num_threads(1)
+
+    def greedy(tp_size: int, kv_cache_dtype: str) -> list[list[int]]:
+        runner = build_runner(str(target), page_size=PAGE_SIZE, max_total_tokens=4096, dtype="float32",
+                              tp_size=tp_size, tp_num_threads=1, kv_cache_dtype=kv_cache_dtype)
+        try:
+            assert runner.target.kv.kv_dtype == ("float32" if kv_cache_dtype == "auto" else "float8_e4m3fn")
+            return _generate(runner, PROMPTS)
+        finally:
+            runner.close()
+
+    tp1 = greedy(1, "fp8_e4m3")
+    assert greedy(2, "fp8_e4m3") == tp1
+    assert greedy(1, "auto") != tp1
