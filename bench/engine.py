@@ -1,7 +1,7 @@
 """Engine speed on one device against its own roofline, measured in the same run.
 
     python bench/engine.py --model DIR [--batches 1,8,32,64,128] [--contexts 1024,8192]
-        [--prefill 1024,8192,32768] [--attention-backend auto] [--disable-cuda-graph]
+        [--prefill 1024,8192,32768] [--attention-backend auto] [--disable-cuda-graph] [--kv-cache-dtype fp8_e4m3]
 
 Decode: ``batch`` sequences whose ``context_tokens`` are already in the KV pool (pages allocated,
 contents left as they are: the cost of a step does not depend on them) run ``--steps`` plain greedy
@@ -11,8 +11,10 @@ device, before step N's tokens are read: ``step_ms_overlap``). The roofline is t
 bytes a step must read (weights, without the embedding table, plus the context's K/V) over the
 HBM bandwidth of a large device-to-device copy (bytes read + written per second). Prefill: one
 prompt through ``ModelRunner.prefill``; TFLOP/s (2 x weights x tokens + causal attention) against
-a large bf16 matmul. One JSON line per configuration; combinations whose KV does not fit are
-skipped with a line saying so.
+a large bf16 matmul, or for an FP8 checkpoint against an FP8 ``torch._scaled_mm`` of the same size
+(both measured every run: ``matmul_tflops``, ``fp8_matmul_tflops``). FP8 weights count one byte
+per element plus their fp32 scales, an FP8 KV pool one byte per element. One JSON line per
+configuration; combinations whose KV does not fit are skipped with a line saying so.
 """
 
 from __future__ import annotations
@@ -154,6 +156,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--kv-budget-gib", type=float, default=80.0, help="KV pool size")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"),
+                    help="the KV pool's dtype (fp8_e4m3: one byte per element, the roofline counts it so)")
     return ap.parse_args()
 
 
@@ -180,25 +184,32 @@ def main() -> None:
     torch.manual_seed(0)
     bw, peak, fp8_peak = ceilings(a.device)
     cfg = ModelConfig.from_dir(a.model)
-    elem_bytes = torch.empty(0, dtype=getattr(torch, a.dtype)).element_size()
+    elem_bytes = 1 if a.kv_cache_dtype == "fp8_e4m3" else torch.empty(0, dtype=getattr(torch, a.dtype)).element_size()
     kv_token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem_bytes
     max_tokens = int(a.kv_budget_gib * 2**30 // kv_token_bytes)
     started = time.perf_counter()
     runner = build_runner(a.model, device=a.device, dtype=a.dtype, max_total_tokens=max_tokens,
-                          attention_backend=a.attention_backend, disable_cuda_graph=a.disable_cuda_graph)
+                          attention_backend=a.attention_backend, disable_cuda_graph=a.disable_cuda_graph,
+                          kv_cache_dtype=a.kv_cache_dtype)
     model = runner.target.model
-    base = {"bench": "engine", "device": a.device, "dtype": a.dtype, "attention_backend": model.attn.name,
+    weight_format = "bf16" if model.config.quantization is None else f"fp8-{model.config.quantization.strategy.value}"
+    base = {"bench": "engine", "device": a.device, "dtype": a.dtype, "weights": weight_format,
+            "kv_cache_dtype": runner.target.kv.kv_dtype, "attention_backend": model.attn.name,
             "cuda_graph": bool(runner.target.graphs), "startup_s": round(time.perf_counter() - started, 1),
             "capture_s": round(sum(g.capture_s for g in runner.target.graphs), 2),
             "hbm_gb_s": round(bw, 1), "matmul_tflops": round(peak, 1), "fp8_matmul_tflops": round(fp8_peak, 1),
             "model": Path(a.model).name,
             "hw": hardware([a.device]), "git": git_hash()}
-    if model.attn.name == "triton":
+    plain = model.config.quantization is None  # the Triton GEMV reads bf16 weights
+    if model.attn.name == "triton" and plain:
         for record in gemv_cases(model):
             emit({**base, **record})
-    weights = [p for name, p in model.named_parameters() if name != "embed" or model.config.has_tied_embeddings]
+    # FP8 linears keep their e4m3 weight and fp32 scales as buffers (common/layers/fp8.py): the bytes a step reads
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    weights = [p for name, p in tensors if name != "embed" or model.config.has_tied_embeddings]
     weight_bytes = sum(p.numel() * p.element_size() for p in weights)
-    num_params = sum(p.numel() for p in weights)
+    num_params = sum(p.numel() for name, p in tensors
+                     if not name.endswith(".scale") and (name != "embed" or model.config.has_tied_embeddings))
     for context in map(int, a.contexts.split(",")):
         for batch in map(int, a.batches.split(",")):
             if batch * (context + a.steps + 24) > max_tokens:
@@ -206,10 +217,12 @@ def main() -> None:
                       "skipped": f"needs {batch * context} KV tokens, the pool holds {max_tokens}"})
                 continue
             emit({**base, **decode_case(runner, a, batch, context, weight_bytes, kv_token_bytes, bw)})
-    if model.attn.name == "triton" and runner.target.graphs:
+    if model.attn.name == "triton" and runner.target.graphs and plain:
         with_gemv(runner, a, base, weight_bytes, kv_token_bytes, bw)
     for tokens in (map(int, a.prefill.split(",")) if a.prefill else []):
-        emit({**base, **prefill_case(runner, tokens, num_params, model.config, peak)})
+        # against the peak of the GEMMs the weights run on: FP8 for FP8 checkpoints
+        emit({**base, **prefill_case(runner, tokens, num_params, model.config,
+                                     peak if model.config.quantization is None else fp8_peak)})
 
 
 if __name__ == "__main__":

@@ -70,13 +70,13 @@ LAYOUTS = ("contiguous", "fragmented", "churned")  # where the decode's pages ar
 logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL logs INFO to stdout, where the JSON goes
 
 
-def kv_pool(num_layers: int, num_pages: int, device: str, layout: str) -> KvCache:
+def kv_pool(num_layers: int, num_pages: int, device: str, layout: str, dtype: str = "bfloat16") -> KvCache:
     config = ModelConfig.from_dict({**LLAMA3_8B, "num_hidden_layers": num_layers})
-    return KvCache(config, num_pages, PAGE_SIZE, torch.bfloat16, device, layout=layout)
+    return KvCache(config, num_pages, PAGE_SIZE, getattr(torch, dtype), device, layout=layout)
 
 
 def kv_layout(kv: KvCache, aux: AuxSlots) -> KvLayout:
-    return KvLayout(model="llama-3-8b", page_size=PAGE_SIZE, kv_dtype="bfloat16", tp_size=1, tp_rank=0,
+    return KvLayout(model="llama-3-8b", page_size=PAGE_SIZE, kv_dtype=kv.kv_dtype, tp_size=1, tp_rank=0,
                     regions=tuple(kv.regions()), aux=aux.info())
 
 
@@ -86,12 +86,13 @@ def digest(kv: KvCache, page_ids: list[int]) -> str:
     return hashlib.blake2b(pages.cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
 
 
-def decode_main(conn, num_layers: int, num_pages: int, device: str, num_threads: int, layout: str) -> None:
+def decode_main(conn, num_layers: int, num_pages: int, device: str, num_threads: int, layout: str,
+                kv_dtype: str = "bfloat16") -> None:
     """The decode process: register a pool, aux slots and a staging slot as large as the largest room,
     send metadata, poll until told to exit."""
     torch.set_num_threads(1)
     engine = NixlEngine("bench-decode", num_threads=num_threads)
-    pool, aux = kv_pool(num_layers, num_pages, device, layout), AuxSlots(4, device=device)  # aux beside the KV
+    pool, aux = kv_pool(num_layers, num_pages, device, layout, kv_dtype), AuxSlots(4, device=device)  # aux beside KV
     engine.register_tensor(pool.buffer)
     engine.register_tensor(aux.buffer)
     staging = DecodeStaging(engine, pool.buffer, pool.buffer.numel() * pool.buffer.element_size() // POOL_FACTOR)
@@ -154,7 +155,7 @@ class Prefill:
     def __init__(self, engine: NixlEngine, conn, args, num_pages: int, devices: list[str]) -> None:
         self.engine, self.conn, self.devices = engine, conn, devices
         # both stay registered for the whole run; aux beside the KV, as the daemons place it
-        self.kv = kv_pool(args.layers, num_pages, devices[0], args.kv_layout)
+        self.kv = kv_pool(args.layers, num_pages, devices[0], args.kv_layout, args.kv_dtype)
         self.aux = AuxSlots(4, device=devices[0])
         self.kv.buffer.view(torch.uint8).random_(0, 256)
         engine.register_tensor(self.kv.buffer)
@@ -301,7 +302,8 @@ class Prefill:
                                    f"count_merged_descs says {num_descs}")
             kv_s = median([t for _, t in times[layout]])
             record = {"bench": "transfer", "device": device, "layout": layout, "kv_layout": args.kv_layout,
-                      "decode_kv_layout": args.decode_kv_layout, "tokens": tokens, "bytes": nbytes,
+                      "decode_kv_layout": args.decode_kv_layout, "kv_dtype": args.kv_dtype, "tokens": tokens,
+                      "bytes": nbytes,
                       "descriptors": num_descs, "raw_descriptors": nixl_counts["raw"],
                       "raw_nixl_gbps": round(nbytes / raw_s / 1e9, 3),
                       "kvferry_gbps": round(nbytes / kv_s / 1e9, 3),
@@ -329,6 +331,8 @@ def main() -> None:
     ap.add_argument("--kv-layout", choices=KV_LAYOUTS, default="page-major", help="KV pool layout of both sides")
     ap.add_argument("--decode-kv-layout", choices=KV_LAYOUTS, help="the decode's layout (default: --kv-layout)")
     ap.add_argument("--num-threads", type=int, default=0, help="NIXL UCX backend threads")
+    ap.add_argument("--kv-dtype", choices=("bfloat16", "float8_e4m3fn"), default="bfloat16",
+                    help="both pools' dtype (float8_e4m3fn: an FP8 room, half the bytes of bf16's)")
     ap.add_argument("--staging-chunk-bytes", type=int, default=32 << 20,
                     help="staged line: one WRITE of a staged room (the prefill daemon's default)")
     ap.add_argument("--staging-crossover-runs", type=int, default=-1,
@@ -364,7 +368,8 @@ def main() -> None:
     mp_ctx = mp.get_context("spawn")
     conn, child_conn = mp_ctx.Pipe()
     child = mp_ctx.Process(target=decode_main, daemon=True, args=(
-        child_conn, args.layers, POOL_FACTOR * max_pages, decode_dev, args.num_threads, args.decode_kv_layout))
+        child_conn, args.layers, POOL_FACTOR * max_pages, decode_dev, args.num_threads, args.decode_kv_layout,
+        args.kv_dtype))
     child.start()
     engine = NixlEngine("bench-prefill", num_threads=args.num_threads, capture_telemetry=True)
     try:
