@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
-#   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|chooser|staging|spec|e2e|e2e-cache|multiturn|xfer-threads|all]   (results land in $OUT, default ./gpu-out)
+#   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|chooser|staging|spec|e2e|e2e-cache|multiturn|xfer-threads|
+#                          fp8-a|fp8-b|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -127,5 +128,58 @@ if [[ $what == xfer-threads ]]; then
     timeout 150 python3 bench/e2e.py --device cuda --model $m8b/target --prompt-tokens 1024 --concurrency 16 \
       --reps 5 --max-total-tokens 40000 --no-inprocess --prefill-args "--xfer-threads $n" \
       2>>"$out/xfer-threads.err" | tee -a "$out/xfer-threads.jsonl"
+  done
+fi
+# issue 28: FP8 on the 8B preset, in two calls (each under the device's 10-minute limit; a fresh machine each time,
+# so each builds its checkpoints: the FP8 ones from the same seed as /tmp/m8b, in parallel with it).
+# fp8-a: the FP8 kernel and graph tests, then bench/engine.py for bf16, FP8 weights (per channel) and FP8 weights +
+# FP8 KV side by side, each run measuring its own rooflines (HBM copy, bf16 matmul, FP8 _scaled_mm at 8192^3), and
+# an FP8 room against a bf16 one in bench/transfer.py. fp8-b: 128x128-block FP8 in bench/engine.py, and a
+# converting pair (bf16 prefill -> FP8 decode) against an FP8 -> FP8 pair in bench/e2e.py.
+fp8c=/tmp/m8b-fp8c fp8b=/tmp/m8b-fp8b
+fp8_build() {  # /tmp/m8b and the FP8 checkpoints named, all in parallel
+  local q pids=()
+  if [[ ! -f $m8b/draft/config.json ]]; then
+    ( start=$(date +%s); timeout 300 python3 -m kvferry.common.cli make-tiny-model $m8b --preset llama-3.1-8b 2>&1 \
+        | tail -1; echo "built bf16 in $(( $(date +%s) - start )) s" ) &
+    pids+=($!)
+  fi
+  for q in "$@"; do
+    [[ -f /tmp/m8b-fp8${q:0:1}/target/config.json ]] && continue
+    ( start=$(date +%s); timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/m8b-fp8${q:0:1} \
+        --preset llama-3.1-8b --quantize fp8-$q 2>&1 | tail -1; echo "built fp8-$q in $(( $(date +%s) - start )) s" ) &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+}
+fp8_engine() {  # label, then bench/engine.py arguments
+  local label=$1; shift
+  timeout ${ENGINE_TIMEOUT:-200} python3 bench/engine.py --batches ${FP8_BATCHES:-1,8,64,128} \
+    --contexts ${FP8_CONTEXTS:-1024,8192} --prefill ${FP8_PREFILL:-1024,8192,32768} "$@" 2>>"$out/fp8-engine.err" \
+    | sed "s/^{/{\"variant\": \"$label\", /" | tee -a "$out/fp8-engine.jsonl"
+}
+if [[ $what == fp8-a ]]; then
+  fp8_build channel &
+  build=$!
+  timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_triton_fp8_gemm.py \
+    tests/gpu/test_triton_fp8_kv.py tests/gpu/test_engine_graphs.py tests/unit/test_fp8_gemm.py 2>&1 \
+    | tee "$out/fp8-tests.txt" | tail -8
+  wait $build
+  fp8_engine bf16 --model $m8b/target
+  fp8_engine fp8-channel --model $fp8c/target
+  fp8_engine fp8-channel+fp8-kv --model $fp8c/target --kv-cache-dtype fp8_e4m3
+  for dt in bfloat16 float8_e4m3fn; do
+    timeout 100 python3 bench/transfer.py --device cuda --tokens 4096,16384 --iters 10 --kv-dtype $dt \
+      2>>"$out/fp8-transfer.err" | tee -a "$out/fp8-transfer.jsonl"
+  done
+fi
+if [[ $what == fp8-b ]]; then
+  fp8_build block
+  fp8_engine fp8-block --model $fp8b/target --batches 1,64 --contexts 1024 --prefill 8192
+  for pair in "convert:" "fp8:--kv-cache-dtype fp8_e4m3"; do
+    timeout ${E2E_TIMEOUT:-150} python3 bench/e2e.py --device cuda --model $m8b/target --prompt-tokens 1024,8192 \
+      --concurrency 1,16 --reps ${E2E_REPS:-3} --max-total-tokens 150000 --no-inprocess \
+      --prefill-args="${pair#*:}" --decode-args="--kv-cache-dtype fp8_e4m3" 2>>"$out/fp8-e2e.err" \
+      | sed "s/^{/{\"pair\": \"${pair%%:*}\", /" | tee -a "$out/fp8-e2e.jsonl"
   done
 fi
