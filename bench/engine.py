@@ -9,10 +9,12 @@ decode steps through ``ModelRunner.decode`` (forward, sampling, the host sync: `
 as many overlapped, as the decode daemon runs them (``launch_decode`` of step N+1, fed on the
 device, before step N's tokens are read: ``step_ms_overlap``). The roofline is the
 bytes a step must read (weights, without the embedding table, plus the context's K/V) over the
-HBM bandwidth of a large device-to-device copy (bytes read + written per second). Prefill: one
-prompt through ``ModelRunner.prefill``; TFLOP/s (2 x weights x tokens + causal attention) against
-a large bf16 matmul. One JSON line per configuration; combinations whose KV does not fit are
-skipped with a line saying so.
+HBM bandwidth of a large device-to-device copy (bytes read + written per second); for a MoE model
+the weights are the dense ones plus, per sparse layer, the experts a batch touches in expectation
+(``bench/_roofline.py``; the rows name the count and its source). Prefill: one prompt through
+``ModelRunner.prefill``; TFLOP/s (2 x weights each token multiplies through x tokens + causal
+attention) against a large bf16 matmul. One JSON line per configuration; combinations whose KV
+does not fit are skipped with a line saying so.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emit, git_hash, hardware  # noqa: E402
+from bench._roofline import (WeightBytes, active_params_per_token, decode_roofline_ms,  # noqa: E402
+                            moe_decode_fields, split_weights)
 
 
 def ceilings(device) -> tuple[float, float, float]:
@@ -69,7 +73,7 @@ def sequences(runner, batch: int, context: int, new_tokens: int):
     return seqs
 
 
-def decode_case(runner, a, batch: int, context: int, weight_bytes: int, kv_token_bytes: int, bw: float) -> dict:
+def decode_case(runner, a, batch: int, context: int, weights: WeightBytes, kv_token_bytes: int, bw: float) -> dict:
     seqs = sequences(runner, batch, context, a.steps + 8)
     for s in seqs:
         s.num_cached, s.output_ids = context, [11]
@@ -83,9 +87,10 @@ def decode_case(runner, a, batch: int, context: int, weight_bytes: int, kv_token
     overlap_ms = overlapped_ms(runner, seqs, a.steps)
     for s in seqs:
         runner.release(s)
-    roofline_ms = (weight_bytes + batch * (context + a.steps) * kv_token_bytes) / bw / 1e6
+    roofline_ms = decode_roofline_ms(weights, batch, batch * (context + a.steps) * kv_token_bytes, bw)
     return {"mode": "decode", "batch": batch, "context_tokens": context, "step_ms": round(step_ms, 3),
-            "roofline_ms": round(roofline_ms, 3), "ratio_vs_roofline": round(step_ms / roofline_ms, 3),
+            "roofline_ms": round(roofline_ms, 3), **moe_decode_fields(weights, batch),
+            "ratio_vs_roofline": round(step_ms / roofline_ms, 3),
             "tokens_per_s": round(batch * 1e3 / step_ms, 1), "step_ms_overlap": round(overlap_ms, 3),
             "ratio_overlap_vs_roofline": round(overlap_ms / roofline_ms, 3),
             "tokens_per_s_overlap": round(batch * 1e3 / overlap_ms, 1)}
@@ -105,6 +110,7 @@ def overlapped_ms(runner, seqs, steps: int) -> float:
 
 
 def prefill_case(runner, tokens: int, num_params: int, cfg, peak: float) -> dict:
+    """``num_params``: the parameters each token multiplies through (a MoE token: its top-k experts)."""
     import torch
 
     times = []
@@ -124,14 +130,17 @@ def prefill_case(runner, tokens: int, num_params: int, cfg, peak: float) -> dict
 
 
 def gemv_cases(model) -> list[dict]:
-    """One row through each projection of layer 0: cuBLAS (F.linear) against the Triton GEMV."""
+    """One row through each projection of the first layer that has it (a MoE model's dense MLP may
+    sit past layer 0, or nowhere: then no MLP rows): cuBLAS (F.linear) against the Triton GEMV."""
     import torch
 
     from kvferry.common.kernels import triton_fused
 
-    layer, out = model.layers[0], []
+    out = []
     for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
-        weight = getattr(layer, name)
+        weight = next((w for w in (getattr(layer, name, None) for layer in model.layers) if w is not None), None)
+        if weight is None:
+            continue
         x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
         nbytes = weight.numel() * weight.element_size()
         cublas_ms = timed(lambda: torch.nn.functional.linear(x, weight), 50)
@@ -157,14 +166,14 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def with_gemv(runner, a, base: dict, weight_bytes: int, kv_token_bytes: int, bw: float) -> None:
+def with_gemv(runner, a, base: dict, weights: WeightBytes, kv_token_bytes: int, bw: float) -> None:
     """Batch 1 again with the Triton GEMV for every one-row projection (graphs recaptured)."""
     model = runner.target.model
     model.attn.use_gemv = True
     for graphs in runner.target.graphs:
         graphs.capture()
     for context in map(int, a.contexts.split(",")):
-        emit({**base, "gemv": True, **decode_case(runner, a, 1, context, weight_bytes, kv_token_bytes, bw)})
+        emit({**base, "gemv": True, **decode_case(runner, a, 1, context, weights, kv_token_bytes, bw)})
     model.attn.use_gemv = False
 
 
@@ -196,20 +205,21 @@ def main() -> None:
     if model.attn.name == "triton":
         for record in gemv_cases(model):
             emit({**base, **record})
-    weights = [p for name, p in model.named_parameters() if name != "embed" or model.config.has_tied_embeddings]
-    weight_bytes = sum(p.numel() * p.element_size() for p in weights)
-    num_params = sum(p.numel() for p in weights)
+    moe = model.config.moe
+    weights = split_weights([(name, p.numel(), p.element_size()) for name, p in model.named_parameters()
+                             if name != "embed" or model.config.has_tied_embeddings],
+                            moe.num_experts if moe else 0, moe.num_experts_per_tok if moe else 0)
     for context in map(int, a.contexts.split(",")):
         for batch in map(int, a.batches.split(",")):
             if batch * (context + a.steps + 24) > max_tokens:
                 emit({**base, "mode": "decode", "batch": batch, "context_tokens": context,
                       "skipped": f"needs {batch * context} KV tokens, the pool holds {max_tokens}"})
                 continue
-            emit({**base, **decode_case(runner, a, batch, context, weight_bytes, kv_token_bytes, bw)})
+            emit({**base, **decode_case(runner, a, batch, context, weights, kv_token_bytes, bw)})
     if model.attn.name == "triton" and runner.target.graphs:
-        with_gemv(runner, a, base, weight_bytes, kv_token_bytes, bw)
+        with_gemv(runner, a, base, weights, kv_token_bytes, bw)
     for tokens in (map(int, a.prefill.split(",")) if a.prefill else []):
-        emit({**base, **prefill_case(runner, tokens, num_params, model.config, peak)})
+        emit({**base, **prefill_case(runner, tokens, active_params_per_token(weights), model.config, peak)})
 
 
 if __name__ == "__main__":
