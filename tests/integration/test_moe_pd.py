@@ -14,6 +14,7 @@ and answers through the real vllm-router too.
 from __future__ import annotations
 
 import random
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -26,6 +27,9 @@ LENGTHS = [1, 17, 64, 300]
 MAX_NEW = 6
 SAMPLING = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
 PREFIX_CACHE_ON = {"KVFERRY_DISABLE_PREFIX_CACHE": "false"}
+# what the prefill logs when a decode registers (prefill_worker/registrar.py)
+REGISTERED = re.compile(r"registered decode_id=\S+ peer=\S+: (\d+) regions written, (\d+) ignored, "
+                        r"decode_only_spec_dec=(\w+)")
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -104,6 +108,10 @@ def test_moe_pair_through_router_equals_colocated(tmp_path, moe_model, reference
         assert [o["output_ids"] for o in outs] == reference
         # the draft proposed tokens on the decode (the one-token prompt's sequence too: MAX_NEW > 1)
         assert all(("spec_num_proposed" in o["meta_info"]) == draft for o in outs), [o["meta_info"] for o in outs]
+        # the prefill wrote the target's regions and ignored the draft's (by key) at each registration
+        registrations = REGISTERED.findall(prefill.log_path.read_text(errors="replace"))
+        assert registrations and all((int(num_ignored) > 0, spec_dec) == (draft, str(draft))
+                                     for _, num_ignored, spec_dec in registrations), registrations
         for proc, tp in ((prefill, prefill_tp), (decode, decode_tp)):
             status, info = http_json(proc.url + "/server_info", timeout_s=10)
             assert (status, info["tp_size"], len(info["tp_ranks"])) == (200, tp, tp), info
