@@ -9,12 +9,14 @@ decode steps through ``ModelRunner.decode`` (forward, sampling, the host sync: `
 as many overlapped, as the decode daemon runs them (``launch_decode`` of step N+1, fed on the
 device, before step N's tokens are read: ``step_ms_overlap``). The roofline is the
 bytes a step must read (weights, without the embedding table, plus the context's K/V) over the
-HBM bandwidth of a large device-to-device copy (bytes read + written per second). Prefill: one
-prompt through ``ModelRunner.prefill``; TFLOP/s (2 x weights x tokens + causal attention) against
-a large bf16 matmul, or for an FP8 checkpoint against an FP8 ``torch._scaled_mm`` of the same size
-(both measured every run: ``matmul_tflops``, ``fp8_matmul_tflops``). FP8 weights count one byte
-per element plus their fp32 scales, an FP8 KV pool one byte per element. One JSON line per
-configuration; combinations whose KV does not fit are skipped with a line saying so.
+HBM bandwidth of a large device-to-device copy (bytes read + written per second); for a MoE model
+the weights are the dense ones plus, per sparse layer, the experts a batch touches in expectation
+(``bench/_roofline.py``; the rows name the count and its source). Prefill: one prompt through
+``ModelRunner.prefill``; TFLOP/s (2 x weights each token multiplies through x tokens + causal
+attention) against a large bf16 matmul, or for an FP8 checkpoint against an FP8 ``torch._scaled_mm``
+of the same size (both measured every run: ``matmul_tflops``, ``fp8_matmul_tflops``). FP8 weights
+count one byte per element plus their fp32 scales, an FP8 KV pool one byte per element. One JSON
+line per configuration; combinations whose KV does not fit are skipped with a line saying so.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emit, git_hash, hardware  # noqa: E402
+from bench._roofline import (WeightBytes, active_params_per_token, decode_roofline_ms,  # noqa: E402
+                            moe_decode_fields, split_weights)
 
 
 def ceilings(device) -> tuple[float, float, float]:
@@ -71,7 +75,7 @@ def sequences(runner, batch: int, context: int, new_tokens: int):
     return seqs
 
 
-def decode_case(runner, a, batch: int, context: int, weight_bytes: int, kv_token_bytes: int, bw: float) -> dict:
+def decode_case(runner, a, batch: int, context: int, weights: WeightBytes, kv_token_bytes: int, bw: float) -> dict:
     seqs = sequences(runner, batch, context, a.steps + 8)
     for s in seqs:
         s.num_cached, s.output_ids = context, [11]
@@ -85,9 +89,10 @@ def decode_case(runner, a, batch: int, context: int, weight_bytes: int, kv_token
     overlap_ms = overlapped_ms(runner, seqs, a.steps)
     for s in seqs:
         runner.release(s)
-    roofline_ms = (weight_bytes + batch * (context + a.steps) * kv_token_bytes) / bw / 1e6
+    roofline_ms = decode_roofline_ms(weights, batch, batch * (context + a.steps) * kv_token_bytes, bw)
     return {"mode": "decode", "batch": batch, "context_tokens": context, "step_ms": round(step_ms, 3),
-            "roofline_ms": round(roofline_ms, 3), "ratio_vs_roofline": round(step_ms / roofline_ms, 3),
+            "roofline_ms": round(roofline_ms, 3), **moe_decode_fields(weights, batch),
+            "ratio_vs_roofline": round(step_ms / roofline_ms, 3),
             "tokens_per_s": round(batch * 1e3 / step_ms, 1), "step_ms_overlap": round(overlap_ms, 3),
             "ratio_overlap_vs_roofline": round(overlap_ms / roofline_ms, 3),
             "tokens_per_s_overlap": round(batch * 1e3 / overlap_ms, 1)}
@@ -107,6 +112,7 @@ def overlapped_ms(runner, seqs, steps: int) -> float:
 
 
 def prefill_case(runner, tokens: int, num_params: int, cfg, peak: float) -> dict:
+    """``num_params``: the parameters each token multiplies through (a MoE token: its top-k experts)."""
     import torch
 
     times = []
@@ -126,14 +132,17 @@ def prefill_case(runner, tokens: int, num_params: int, cfg, peak: float) -> dict
 
 
 def gemv_cases(model) -> list[dict]:
-    """One row through each projection of layer 0: cuBLAS (F.linear) against the Triton GEMV."""
+    """One row through each projection of the first layer that has it (a MoE model's dense MLP may
+    sit past layer 0, or nowhere: then no MLP rows): cuBLAS (F.linear) against the Triton GEMV."""
     import torch
 
     from kvferry.common.kernels import triton_fused
 
-    layer, out = model.layers[0], []
+    out = []
     for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
-        weight = getattr(layer, name)
+        weight = next((w for w in (getattr(layer, name, None) for layer in model.layers) if w is not None), None)
+        if weight is None:
+            continue
         x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
         nbytes = weight.numel() * weight.element_size()
         cublas_ms = timed(lambda: torch.nn.functional.linear(x, weight), 50)
@@ -161,14 +170,14 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def with_gemv(runner, a, base: dict, weight_bytes: int, kv_token_bytes: int, bw: float) -> None:
+def with_gemv(runner, a, base: dict, weights: WeightBytes, kv_token_bytes: int, bw: float) -> None:
     """Batch 1 again with the Triton GEMV for every one-row projection (graphs recaptured)."""
     model = runner.target.model
     model.attn.use_gemv = True
     for graphs in runner.target.graphs:
         graphs.capture()
     for context in map(int, a.contexts.split(",")):
-        emit({**base, "gemv": True, **decode_case(runner, a, 1, context, weight_bytes, kv_token_bytes, bw)})
+        emit({**base, "gemv": True, **decode_case(runner, a, 1, context, weights, kv_token_bytes, bw)})
     model.attn.use_gemv = False
 
 
@@ -204,24 +213,24 @@ def main() -> None:
     if model.attn.name == "triton" and plain:
         for record in gemv_cases(model):
             emit({**base, **record})
+    moe = model.config.moe
     # FP8 linears keep their e4m3 weight and fp32 scales as buffers (common/layers/fp8.py): the bytes a step reads
     tensors = [*model.named_parameters(), *model.named_buffers()]
-    weights = [p for name, p in tensors if name != "embed" or model.config.has_tied_embeddings]
-    weight_bytes = sum(p.numel() * p.element_size() for p in weights)
-    num_params = sum(p.numel() for name, p in tensors
-                     if not name.endswith(".scale") and (name != "embed" or model.config.has_tied_embeddings))
+    weights = split_weights([(name, p.numel(), p.element_size()) for name, p in tensors
+                             if name != "embed" or model.config.has_tied_embeddings],
+                            moe.num_experts if moe else 0, moe.num_experts_per_tok if moe else 0)
     for context in map(int, a.contexts.split(",")):
         for batch in map(int, a.batches.split(",")):
             if batch * (context + a.steps + 24) > max_tokens:
                 emit({**base, "mode": "decode", "batch": batch, "context_tokens": context,
                       "skipped": f"needs {batch * context} KV tokens, the pool holds {max_tokens}"})
                 continue
-            emit({**base, **decode_case(runner, a, batch, context, weight_bytes, kv_token_bytes, bw)})
+            emit({**base, **decode_case(runner, a, batch, context, weights, kv_token_bytes, bw)})
     if model.attn.name == "triton" and runner.target.graphs and plain:
-        with_gemv(runner, a, base, weight_bytes, kv_token_bytes, bw)
+        with_gemv(runner, a, base, weights, kv_token_bytes, bw)
     for tokens in (map(int, a.prefill.split(",")) if a.prefill else []):
         # against the peak of the GEMMs the weights run on: FP8 for FP8 checkpoints
-        emit({**base, **prefill_case(runner, tokens, num_params, model.config,
+        emit({**base, **prefill_case(runner, tokens, active_params_per_token(weights), model.config,
                                      peak if model.config.quantization is None else fp8_peak)})
 
 
