@@ -1,7 +1,8 @@
 """W8A8 block-FP8 GEMM for the CUDA path (DeepSeek-V3 / Qwen3-FP8 checkpoints).
 
 - ``per_token_group_quant``: x [M, K] -> e4m3 [M, K] and fp32 scales [M, ceil(K/G)], one per token
-  per G = 128 columns, ``amax / 448`` (clamped away from 0);
+  per G = 128 columns, ``amax / 448`` (clamped away from 0); ``per_token_quant``: one scale per
+  token (the per-tensor and per-channel checkpoints' activations, before ``torch._scaled_mm``);
 - ``w8a8_block_gemm``: out[m, n] = sum over K groups g of scale_a[m, g] * scale_b[n, g] *
   (a[m, g-cols] . b[n, g-cols]), the e4m3 products accumulated in fp32 on the tensor cores. The
   weight scales are row-expanded block scales [N, ceil(K/128)] (``common/layers/fp8.py`` says why),
@@ -46,6 +47,39 @@ def per_token_group_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tens
     if num_rows:
         _group_quant_kernel[(num_rows, num_groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), GROUP=group,
                                                     FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX)
+    return q, s
+
+
+@triton.jit
+def _token_quant_kernel(x, q, s, K, stride_x, stride_q, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
+                        MIN_AMAX: tl.constexpr):
+    """One row per program: its amax over K in BLOCK chunks, then the row quantized with it."""
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, K, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        v = tl.load(x + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    scale = tl.div_rn(tl.maximum(tl.max(amax, 0), MIN_AMAX), FP8_MAX)
+    for start in range(0, K, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < K
+        v = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        qv = tl.clamp(tl.div_rn(v, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q + row * stride_q + cols, qv.to(q.dtype.element_ty), mask=mask)
+    tl.store(s + row, scale)
+
+
+def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (unit column stride) -> (e4m3 [M, K], fp32 [M, 1]): ``fp8.per_token_quant`` in one
+    kernel (the torch composition is about nine launches per linear, most of an FP8 decode step's
+    overhead at batch 1 on the H200: bench/RESULTS.md)."""
+    num_rows, k = x.shape
+    q = torch.empty((num_rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
+    if num_rows:
+        _token_quant_kernel[(num_rows,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK=1024, FP8_MAX=FP8_MAX,
+                                         MIN_AMAX=MIN_AMAX)
     return q, s
 
 

@@ -155,8 +155,10 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
         out = triton_fp8_gemm.w8a8_block_linear(flat, w.weight, w.scale, w.block, bias)
         return out.reshape(*x.shape[:-1], w.shape[0])
     if w.block is None and _can_scaled_mm(x, w):
+        from kvferry.common.kernels import triton_fp8_gemm  # imports triton: only on CUDA
+
         flat = x.reshape(-1, x.shape[-1])
-        xq, xs = per_token_quant(flat)
+        xq, xs = triton_fp8_gemm.per_token_quant(flat if flat.stride(-1) == 1 else flat.contiguous())
         out = torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale[None, :], out_dtype=torch.bfloat16)
         out = out if bias is None else out + bias
         return out.reshape(*x.shape[:-1], w.shape[0])

@@ -67,6 +67,22 @@ def test_per_token_group_quant(shape):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("shape", [(1, 64), (3, 1000), (5, 4096), (2, 14336)])
+def test_per_token_quant(shape):
+    torch.manual_seed(1)
+    x = (torch.randn(shape, device=DEVICE) * 3).to(torch.float32 if INTERPRETED else torch.bfloat16)
+    x[0, 0] = 0.0
+    got, got_scale = triton_fp8_gemm.per_token_quant(x)
+    want, want_scale = fp8.per_token_quant(x)
+    assert torch.equal(got_scale, want_scale)
+    got, want = got.cpu().float(), want.cpu().float()
+    if INTERPRETED:
+        exact = (x.float() / want_scale).clamp(-448, 448).cpu()
+        assert ((got == want) | _interpreter_cast_ok(got, want, exact)).all()
+    else:
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16 if INTERPRETED else torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_block_gemm_equals_reference(shape, dtype):
