@@ -3,12 +3,14 @@ whose pools are ``LatentCache``s (one latent region per layer), through the real
 vllm-router once), equals the colocated engine token for token, with every page of both daemons
 back afterwards.
 
-Cases: 16-token pages on both sides (the direct plan); 16 -> 64 and 64 -> 16 (the per-rank feed
-plan of ``tp_feed``, which a page-size change takes even at TP 1); a decode-only dense draft (the
-default tiny Llama's, same tokenizer and vocabulary) beside the MLA target, whose K/V regions the
-prefill ignores by key and whose prompt KV the decode fills itself; the prefix cache on (a second
-turn hits on both sides and equals the cold answer); and a DeepSeek decode registering with a Llama
-prefill, refused naming both fingerprints while both daemons keep serving.
+Cases: 16-token pages on both sides (the direct plan), also with staged rooms; 16 -> 64 and
+64 -> 16 (the per-rank feed plan of ``tp_feed``, which a page-size change takes even at TP 1); a
+decode-only dense draft (the default tiny Llama's, same tokenizer and vocabulary) beside the MLA
+target, whose K/V regions the prefill ignores by key and whose prompt KV the decode fills itself;
+the preset's DeepSeek draft on both sides (its latent region written too); the prefix cache on (a
+second turn hits on both sides and equals the cold answer), at equal and different page sizes; n > 1
+(the decode forks latent pages); vllm-router; and a DeepSeek on one side with a Llama on the other,
+refused at registration naming both cache forms and fingerprints while both daemons keep serving.
 """
 
 from __future__ import annotations
@@ -142,6 +144,33 @@ def test_mla_pair_with_decode_only_dense_draft(tmp_path, mla_model, tiny_models,
         layout = _latent_summary(decode)
         assert layout["draft"]["regions"] == 2 * layout["draft"]["layers"] and layout["target"]["regions"] == 3
         assert _latent_summary(prefill)["draft"] is None
+        registered = f"3 regions written, {layout['draft']['regions']} ignored, decode_only_spec_dec=True"
+        assert registered in prefill.log_path.read_text(), prefill.tail()
+        assert_pages_return([prefill, decode], before)
+    finally:
+        cluster.stop_all()
+
+
+def test_mla_pair_with_mla_draft_on_both_sides(tmp_path, mla_model, reference):
+    """Both daemons run the preset's one-layer DeepSeek draft: the prefill writes the draft's latent
+    region too (matched by key like the target's), nothing is ignored, and greedy output is the
+    target's with draft tokens proposed."""
+    cluster = Cluster(tmp_path / "logs", *mla_model)
+    try:
+        prefill = cluster.prefill(draft=True, extra=EXTRA, start=False)
+        decode = cluster.decode(draft=True, extra=EXTRA, start=False)
+        for p in (prefill, decode):
+            p.start()
+        for p in (prefill, decode):
+            p.wait_ready(180)
+        router = cluster.router([prefill], [decode])
+        before = {p.name: free_pages(p) for p in (prefill, decode)}
+        proposed = _metric(decode, "kvferry_spec_proposed_tokens_total")
+        assert [_generate(router.url, ids)["output_ids"] for ids in _prompts()] == reference
+        assert _metric(decode, "kvferry_spec_proposed_tokens_total") > proposed
+        for proc in (prefill, decode):
+            assert _latent_summary(proc)["draft"]["regions"] == 1  # one latent region of one layer
+        assert "4 regions written, 0 ignored, decode_only_spec_dec=False" in prefill.log_path.read_text()
         assert_pages_return([prefill, decode], before)
     finally:
         cluster.stop_all()
@@ -175,22 +204,40 @@ def test_mla_prefix_cache_second_turn_hits_both_sides(tmp_path, mla_model, engin
         cluster.stop_all()
 
 
-def test_mla_pair_through_vllm_router(tmp_path, mla_model, engine):
-    from kvferry.common.api.sampling_schema import openai_params
-
-    cluster = Cluster(tmp_path / "logs", *mla_model)
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, mla_model):
+    """(cluster, prefill, decode, free pages at the start): 16-token pages, no prefix cache."""
+    cluster = Cluster(tmp_path_factory.mktemp("mla-pair") / "logs", *mla_model)
     try:
         prefill, decode = _start(cluster, [], [])
-        router = cluster.vllm_router([prefill], [decode])
-        before = {p.name: free_pages(p) for p in (prefill, decode)}
-        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
-        ref = engine.generate([PROMPT], openai_params(body, chat=False))[0]
-        out = ok(post(router.url + "/v1/completions", body)).json()
-        assert out["choices"][0]["text"] == ref.text
-        assert out["usage"]["completion_tokens"] == len(ref.output_ids)
-        assert_pages_return([prefill, decode], before)
+        yield cluster, prefill, decode, {p.name: free_pages(p) for p in (prefill, decode)}
     finally:
         cluster.stop_all()
+
+
+def test_mla_pair_through_vllm_router(pair, engine):
+    from kvferry.common.api.sampling_schema import openai_params
+
+    cluster, prefill, decode, before = pair
+    router = cluster.vllm_router([prefill], [decode])
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    ref = engine.generate([PROMPT], openai_params(body, chat=False))[0]
+    out = ok(post(router.url + "/v1/completions", body)).json()
+    assert out["choices"][0]["text"] == ref.text
+    assert out["usage"]["completion_tokens"] == len(ref.output_ids)
+    assert_pages_return([prefill, decode], before)
+
+
+def test_mla_pair_forks_n_completions(pair, reference):
+    """n = 3 on a 17-token prompt: the decode forks the transferred latent pages, copying the
+    shared partial page for each child (``LatentCache.copy_page``); every child decodes the
+    reference, and every page, shared ones included, comes back."""
+    cluster, prefill, decode, before = pair
+    router = cluster.router([prefill], [decode])
+    body = {"input_ids": _prompts()[1], "sampling_params": {**_greedy(), "n": 3}}
+    outs = ok(post(router.url + "/generate", body)).json()
+    assert [o["output_ids"] for o in outs] == [reference[1]] * 3
+    assert_pages_return([prefill, decode], before)
 
 
 @pytest.mark.parametrize("mla_side", ["decode", "prefill"])
