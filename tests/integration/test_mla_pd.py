@@ -129,13 +129,15 @@ def test_mla_pair_through_router_equals_colocated(tmp_path, mla_model, reference
         cluster.stop_all()
 
 
-def test_mla_pair_with_decode_only_dense_draft(tmp_path, mla_model, tiny_models, reference):
+@pytest.mark.parametrize("decode_page", [16, 64], ids=["pages16to16", "pages16to64"])
+def test_mla_pair_with_decode_only_dense_draft(tmp_path, mla_model, tiny_models, reference, decode_page):
     """The decode runs the tiny Llama draft (K/V regions) beside the DeepSeek target (latent
-    regions); the prefill writes the latent, ignores the draft's regions by key, and the decode
-    prefills the draft itself: greedy output is the target's, with draft tokens proposed."""
+    regions); the prefill writes the latent, ignores the draft's regions by key (in the direct
+    plan and in the feed plan of a page-size change), and the decode prefills the draft itself:
+    greedy output is the target's, with draft tokens proposed."""
     cluster = Cluster(tmp_path / "logs", mla_model[0], tiny_models[1])
     try:
-        prefill, decode = _start(cluster, [], [], draft=True)
+        prefill, decode = _start(cluster, [], ["--page-size", str(decode_page)], draft=True)
         router = cluster.router([prefill], [decode])
         before = {p.name: free_pages(p) for p in (prefill, decode)}
         proposed = _metric(decode, "kvferry_spec_proposed_tokens_total")
