@@ -8,14 +8,15 @@ from kvferry.common.engine.tp_comm import rank_device
 from kvferry.common.engine.tp_group import TpGroup, TpSpec
 from kvferry.common.errors import ConfigError
 from kvferry.common.models.config import ModelConfig
-from kvferry.common.cache.kv_cache import KvCache, PageAllocator
+from kvferry.common.cache.kv_cache import PageAllocator
+from kvferry.common.cache.pool import KvPool
 from kvferry.common.kernels.kv_quant import is_quantized, pool_dtype
 from kvferry.common.models.loader import load_model, read_kv_scales
 from kvferry.common.layers.tp_layers import TpConfigError, TpShard
 
 
 def build_kv_cache(model, model_dir: str, kv_cache_dtype: str, num_pages: int, page_size: int, device,
-                   **pool_options) -> KvCache:
+                   **pool_options) -> KvPool:
     """``model``'s KV pool in ``kv_cache_dtype`` (``--kv-cache-dtype``: auto = the model dtype); an
     FP8 pool takes its per-layer scales from ``model_dir``'s checkpoint (1.0 where it has none).
     ``pool_options``: ``KvCache``'s model_name, layout, head_start, num_kv_heads (the model class's

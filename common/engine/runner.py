@@ -18,7 +18,8 @@ from kvferry.common.engine.penalty_inputs import decode_adjust, prefill_adjust, 
 from kvferry.common.engine.sequence import Sequence
 from kvferry.common.engine.spec import Verdict, verify_greedy_ids, verify_sampled
 from kvferry.common.sampling.grammar import DraftMasks, mask_logits
-from kvferry.common.cache.kv_cache import KvCache, PageAllocator
+from kvferry.common.cache.kv_cache import PageAllocator
+from kvferry.common.cache.pool import KvPool
 from kvferry.common.kernels.h2d import to_device
 from kvferry.common.models.llama import SeqChunk, TokenFeed
 from kvferry.common.sampling.penalties import TokenHistory
@@ -35,7 +36,7 @@ class ModelSlot:
     ``tp_group.TpGroup``) runs every KV-changing step on the other ranks too."""
 
     model: object  # kvferry.common.models.llama model: forward(chunks, kv, all_logits=False)
-    kv: KvCache
+    kv: KvPool  # KvCache (K/V per layer) or LatentCache (MLA), as the model class picked
     allocator: PageAllocator
     graphs: list[StepGraphs] = field(default_factory=list)  # decode (q = 1), then verify (q = k + 1)
     tp: object | None = None  # TpGroup: forward(model, kv, chunks, ...), copy_page(src, dst), close()

@@ -24,6 +24,7 @@ from kvferry.common.daemon import log
 from kvferry.common.engine.tp_comm import TpComm, open_store, parse_init_method, rank_device
 from kvferry.common.engine.tp_step import HEADER_BYTES, StepHeader, StepKind, decode_forward
 from kvferry.common.cache.kv_cache import KV_LAYOUTS
+from kvferry.common.cache.pool import KvPool
 from kvferry.common.engine.factory import build_kv_cache
 from kvferry.common.kernels.kv_quant import KV_CACHE_DTYPES
 from kvferry.common.models.loader import load_model
@@ -71,7 +72,7 @@ def read_header(fd: int, parent_pid: int, poll_s: float = _POLL_S) -> StepHeader
     return StepHeader.decode(data)
 
 
-def serve(fd: int, comm: TpComm, model, kv: KvCache, parent_pid: int) -> int:
+def serve(fd: int, comm: TpComm, model, kv: KvPool, parent_pid: int) -> int:
     """Run rank 0's steps until CLOSE or end of file; returns the number of steps run."""
     num_steps = 0
     while True:

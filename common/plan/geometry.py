@@ -94,8 +94,8 @@ def build_plan(prefill: KvLayout, decode: KvLayout, *, peer: str = "") -> Transf
     try:
         check_layout(prefill, "prefill")
         check_layout(decode, "decode")
-        convert = _check_compatible(prefill, decode)
         check_same_forms(prefill, decode)
+        convert = _check_compatible(prefill, decode)
         pairs, ignored = _match_regions(prefill, decode, convert)
         groups = _group(pairs, prefill.aux, decode.aux)
         if convert is not None:

@@ -158,13 +158,16 @@ def cache_form(layout: KvLayout, model: str, side: str = "") -> str | None:
 
 def check_same_forms(prefill: KvLayout, decode: KvLayout) -> None:
     """Each model both sides hold caches in the same form (``cache_form``): an MLA prefill cannot
-    fill a decode of K and V, nor the reverse; refused naming both."""
+    fill a decode of K and V, nor the reverse; refused naming both forms and both fingerprints.
+    The planners check this before the fingerprints, so that an operator pairing a DeepSeek with
+    a Llama reads why the two can never meet, not only that two hashes differ."""
     for model in dict.fromkeys(r.model for r in prefill.regions):
         p, d = cache_form(prefill, model, "prefill"), cache_form(decode, model, "decode")
         if d is not None and p != d:
             name = {"kv": "K and V per layer", "mla": "one MLA latent per layer"}
             raise GeometryMismatchError(f"{model} KV form mismatch: prefill caches {name[p]}, decode caches "
-                                        f"{name[d]}; serve the same model on both sides")
+                                        f"{name[d]}; serve the same model on both sides (model fingerprint: "
+                                        f"prefill {prefill.model!r}, decode {decode.model!r})")
 
 
 def has_aux(layout: KvLayout) -> bool:

@@ -111,13 +111,13 @@ def build_tp_plan(prefill: Sequence[KvLayout], decode: Sequence[KvLayout]) -> Tp
     p_tp = _check_side(prefill, "prefill")
     d_tp = _check_side(decode, "decode")
     p0, d0 = prefill[0], decode[0]
+    check_same_forms(p0, d0)
     for name, label, fix in (("model", "model fingerprint", "serve the same checkpoint on both sides"),
                              ("kv_dtype", "kv_dtype", "start both sides with the same --kv-cache-dtype and --dtype "
                               "(a room is converted between KV dtypes only between equal TP sizes)")):
         pv, dv = getattr(p0, name), getattr(d0, name)
         if pv != dv:
             raise GeometryMismatchError(f"{label} mismatch: prefill has {pv!r}, decode has {dv!r}; {fix}")
-    check_same_forms(p0, d0)
     written, ignored = _match_keys(p0, d0)
     heads: dict[str, int] = {}
     for model in dict.fromkeys(k[0] for k in written):

@@ -148,6 +148,19 @@ def test_a_kv_side_against_an_mla_side_is_refused_naming_both_forms(mla_side):
         build_tp_plan([pair[0]], [pair[1]])
 
 
+def test_a_dense_model_against_an_mla_model_is_refused_by_form_before_fingerprint():
+    """Two different checkpoints (as a Llama decode against a DeepSeek prefill): the refusal names
+    both forms and both fingerprints, in both planners."""
+    mla = side(1, 16, 2, num_pages=4)[0]
+    dense = replace(_dense(mla), model="llama-fingerprint")
+    want = (r"prefill caches one MLA latent per layer, decode caches K and V per layer; .*fingerprint: "
+            rf"prefill '{mla.model}', decode 'llama-fingerprint'")
+    with pytest.raises(GeometryMismatchError, match=want):
+        geometry.build_plan(mla, dense)
+    with pytest.raises(GeometryMismatchError, match=want):
+        build_tp_plan([mla], [dense])
+
+
 def test_a_latent_region_must_be_whole_and_never_mixed_with_kv():
     lay = side(2, 16, 2)[1]
     sharded = replace(lay, regions=(replace(lay.regions[0], head_start=1),) + lay.regions[1:])
