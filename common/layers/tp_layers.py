@@ -83,7 +83,7 @@ class TpShard:
     q_heads: HeadRange  # attention heads
     kv_heads: HeadRange  # KV heads (the heads of this rank's KV pool)
     inter: HeadRange  # rows [start, stop) of gate_proj and up_proj, columns of down_proj
-    moe_inter: HeadRange | None = None  # the same for every expert's gate/up/down (MoE models only)
+    moe_inter: HeadRange | None = None  # the same for every routed expert (Qwen3-MoE, DeepSeek; None: dense)
 
     @classmethod
     def single(cls, config: ModelConfig) -> "TpShard":

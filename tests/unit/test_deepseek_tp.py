@@ -7,9 +7,14 @@ refusals name the valid TP sizes."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from kvferry.common.cache.mla_cache import LatentCache
 from kvferry.common.engine.colocated import ColocatedEngine
@@ -47,6 +52,32 @@ def test_prefill_logits_close_to_tp1(model_dir, tp_size):
     for prompt, got, ref in zip(PROMPTS, prefill_logits_in_threads(model_dir, tp_size), reference):
         assert got.shape == ref.shape == (len(prompt), ref.shape[1])
         assert float((got - ref).abs().max() / ref.abs().max()) <= REL_TOL, f"prompt of {len(prompt)} tokens"
+
+
+def _with_attention_bias(model_dir: str, out: Path) -> str:
+    """A copy of the checkpoint with ``attention_bias``: random q_a / kv_a / o_proj biases."""
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config["attention_bias"] = True
+    (out / "config.json").write_text(json.dumps(config))
+    tensors = load_file(out / "model.safetensors")
+    gen = torch.Generator().manual_seed(4)
+    for name, weight in list(tensors.items()):
+        if name.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight", "o_proj.weight")):
+            bias = torch.randn(weight.shape[0], generator=gen) * 0.5
+            tensors[name.removesuffix("weight") + "bias"] = bias.to(weight.dtype)
+    save_file(tensors, out / "model.safetensors")
+    return str(out)
+
+
+def test_o_proj_bias_is_added_once(model_dir, tmp_path):
+    """Row-parallel o_proj: rank 0 alone adds its bias (every rank adding it would count it TP times)."""
+    biased = _with_attention_bias(model_dir, tmp_path / "biased")
+    assert load_model(biased).config.deepseek.has_attention_bias
+    reference = prefill_logits_in_threads(biased, 1)
+    assert not torch.allclose(reference[1], prefill_logits_in_threads(model_dir, 1)[1])  # the biases count
+    for got, ref in zip(prefill_logits_in_threads(biased, 2), reference):
+        assert float((got - ref).abs().max() / ref.abs().max()) <= REL_TOL
 
 
 def test_tp2_engine_decodes_like_tp1(model_dir):
