@@ -14,13 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from kvferry.common.cache.mla_cache import LatentCache
 from kvferry.common.engine.colocated import ColocatedEngine
 from kvferry.common.engine.factory import build_runner
 from kvferry.common.layers.attn_backend import TorchBackend
-from kvferry.common.layers.tp_layers import TpConfigError
+from kvferry.common.layers.tp_layers import TpConfigError, TpShard, valid_tp_sizes
+from kvferry.common.models.config import ModelConfig
 from kvferry.common.models.deepseek import MoeBlock, route
 from kvferry.common.models.loader import load_model
 from kvferry.common.models.tiny import make_tiny_model
@@ -167,3 +170,35 @@ def test_refusals_name_the_valid_sizes(model_dir):
     assert (model.shard.kv_heads.start, model.shard.kv_heads.count) == (0, 1)  # the latent, on every rank
     with pytest.raises(ValueError, match="head_start 2, num_kv_heads 2"):
         type(model).make_kv_cache(model.config, 8, 16, torch.float32, "cpu", head_start=2, num_kv_heads=2)
+
+
+def _covers(blocks, full: int) -> bool:
+    """Whether the ranks' blocks, in rank order, tile [0, full) exactly."""
+    return [(b.start, b.stop) for b in blocks] == [(i * full // len(blocks), (i + 1) * full // len(blocks))
+                                                   for i in range(len(blocks))]
+
+
+@settings(max_examples=150, deadline=None)
+@given(tp_size=st.integers(1, 8), sizes=st.tuples(*[st.integers(1, 6)] * 3), num_shared=st.integers(0, 3),
+       offsets=st.tuples(*[st.sampled_from([0, 0, 1])] * 3))
+def test_valid_sizes_tile_every_sharded_dim(tp_size, sizes, num_shared, offsets):
+    """A valid TP size tiles the heads and every intermediate dim exactly, the latent on every
+    rank; any other is refused with the valid sizes listed. (Dims are multiples of ``tp_size``,
+    some plus one, so both sides are drawn often.)"""
+    heads, inter, moe_inter = (tp_size * n + extra for n, extra in zip(sizes, offsets))
+    raw = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64, "vocab_size": 97, "num_hidden_layers": 2,
+           "num_attention_heads": heads, "num_key_value_heads": heads, "intermediate_size": inter,
+           "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+           "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": moe_inter,
+           "n_shared_experts": num_shared, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1}
+    config = ModelConfig.from_dict(raw)
+    valid = valid_tp_sizes(config)
+    if tp_size not in valid:
+        with pytest.raises(TpConfigError, match=f"--tp-size {tp_size}: .*: {', '.join(map(str, valid))}$"):
+            TpShard.of(config, tp_size, 0)
+        return
+    shards = [TpShard.of(config, tp_size, r) for r in range(tp_size)]
+    assert _covers([s.q_heads for s in shards], heads) and _covers([s.inter for s in shards], inter)
+    assert _covers([s.moe_inter for s in shards], moe_inter)
+    assert _covers([s.block(num_shared * moe_inter) for s in shards], num_shared * moe_inter)
+    assert all((s.kv_heads.start, s.kv_heads.count) == (0, 1) for s in shards)
