@@ -15,8 +15,9 @@ switches are ``ModelConfig.deepseek`` (``deepseek_config.py``). Attention is ``c
         normalised when ``norm_topk_prob``, then times ``routed_scaling_factor``.
 
 Routed experts are stacked, ``w13`` [E, 2I, H] (gate rows, then up rows) and ``w2`` [E, H, I], and
-run through the backend's ``fused_moe`` (``common/layers/moe.py``'s layout, the Triton kernel's on
-CUDA) with DeepSeek's own routing above; the shared experts are one dense SwiGLU. Torch attention.
+run through the backend's ``fused_moe`` (``common/layers/moe.py``'s layout: ``fused_moe_ref`` on the
+torch backend these models run today, ``common/kernels/triton_moe.py`` on a Triton one) with
+DeepSeek's own routing above; the shared experts are one dense SwiGLU.
 
 Tensor parallelism (``TpShard``): attention heads split as ``common/layers/mla.py`` says (the latent
 replicated, so every rank's ``LatentCache`` holds all of it), every expert's intermediate dim and
