@@ -1,6 +1,7 @@
 """Tensor-parallel ranks as threads of one process, for tests of the sharded model alone (no worker
-processes): each rank loads its shard (``common/layers/tp_layers.py``) and a KV pool of its KV heads,
-and their all_reduce is a barrier and a sum in rank order. The process engine
+processes): each rank loads its shard (``common/layers/tp_layers.py``) and the KV pool its model
+class builds for its KV heads (``make_kv_cache``: a dense pool of them, or DeepSeek's whole latent
+pool), and their all_reduce is a barrier and a sum in rank order. The process engine
 (``common/engine/tp_group.py``) runs the same model code with gloo or NCCL instead."""
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kvferry.common.cache.kv_cache import KvCache
 from kvferry.common.models.llama import SeqChunk
 from kvferry.common.models.loader import load_model
 
@@ -46,8 +46,8 @@ def _ranks(model_dir: str, tp_size: int, device: str, backend: str):
         if tp_size > 1:
             model.attach_tp(reduce.of(rank))
         heads = model.shard.kv_heads
-        kv = KvCache(model.config, NUM_PAGES, PAGE_SIZE, model.dtype, device, head_start=heads.start,
-                     num_kv_heads=heads.count)
+        kv = type(model).make_kv_cache(model.config, NUM_PAGES, PAGE_SIZE, model.dtype, device,
+                                       head_start=heads.start, num_kv_heads=heads.count)
         out.append((model, kv))
     return out
 
@@ -67,3 +67,12 @@ def greedy_in_threads(model_dir: str, tp_size: int, *, device: str = "cpu", back
             for t, b in zip(tokens, best):
                 t.append(b)
     return [t[len(p):] for t, p in zip(tokens, PROMPTS)]
+
+
+def prefill_logits_in_threads(model_dir: str, tp_size: int, *, device: str = "cpu",
+                              backend: str = "torch") -> list[torch.Tensor]:
+    """Rank 0's logits of every token of ``PROMPTS`` (one batched prefill) at ``tp_size``."""
+    ranks = _ranks(model_dir, tp_size, device, backend)
+    chunks = [SeqChunk(list(p), 0, list(range(i * 32, (i + 1) * 32))) for i, p in enumerate(PROMPTS)]
+    with ThreadPoolExecutor(tp_size) as pool:
+        return list(pool.map(lambda rank: rank[0].forward(chunks, rank[1], all_logits=True), ranks))[0]

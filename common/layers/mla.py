@@ -13,6 +13,12 @@ so every phase (prefill, chunked extend, verify, decode) is one MQA over the lat
 width ``L + R`` and value width ``L``, run by the torch paged attention (``attention.py``). The
 expanded form (k = [W_UK c | k_pe], v = W_UV c per head, what transformers computes) gives the same
 numbers up to rounding (``tests/unit/test_deepseek.py``).
+
+Under tensor parallelism (``shard``) a rank holds its block of heads: their rows of q_proj (or
+q_b_proj) and kv_b_proj and their columns of o_proj, whose output is this rank's partial sum (the
+decoder layer adds the ranks' with one all_reduce; o_proj's bias on rank 0 only). q_a_proj,
+kv_a_proj_with_mqa and their norms are replicated: every rank computes the same latent rows and
+its cache holds all of them.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from torch import nn
 
 from kvferry.common.layers import attention, rope
 from kvferry.common.layers.norm import rms_norm
-from kvferry.common.layers.tp_layers import TensorSlot
+from kvferry.common.layers.tp_layers import TensorSlot, TpShard, head_slice
 from kvferry.common.models.config import ModelConfig
 
 
@@ -60,11 +66,13 @@ class LatentRope:
 class MlaAttention(nn.Module):
     """One layer's MLA weights (Hugging Face names in ``hf_tensor_map``) and its forward."""
 
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device,
+                 shard: TpShard | None = None) -> None:
         super().__init__()
         c, s = config, config.deepseek
         self.config, self.spec, self.layer = config, s, layer
-        heads, hidden = c.num_attention_heads, c.hidden_size
+        self.shard = shard = shard or TpShard.single(config)
+        heads, hidden = shard.q_heads.count, c.hidden_size  # this rank's heads (all at TP 1)
         bias = s.has_attention_bias
         if s.q_lora_rank is None:
             self.q_weight = _param((heads * s.qk_head_dim, hidden), dtype, device)
@@ -82,25 +90,30 @@ class MlaAttention(nn.Module):
         self.scale = rope.yarn_softmax_scale(config, s.qk_head_dim ** -0.5)
 
     def hf_tensor_map(self, prefix: str) -> dict[str, TensorSlot]:
-        """Hugging Face name (under ``prefix`` + "self_attn.") -> destination (TP 1: whole tensors)."""
-        p = prefix + "self_attn."
-        names = {"kv_a_proj_with_mqa.weight": self.kv_a_weight, "kv_a_layernorm.weight": self.kv_a_norm,
-                 "kv_b_proj.weight": self.kv_b_weight, "o_proj.weight": self.o_weight}
-        if self.spec.q_lora_rank is None:
-            names["q_proj.weight"] = self.q_weight
-        else:
-            names.update({"q_a_proj.weight": self.q_a_weight, "q_a_layernorm.weight": self.q_a_norm,
-                          "q_b_proj.weight": self.q_b_weight})
-        if self.spec.has_attention_bias:
+        """Hugging Face name (under ``prefix`` + "self_attn.") -> destination: this rank's heads of
+        q_proj / q_b_proj and kv_b_proj (rows) and of o_proj (columns), everything else whole."""
+        p, s, heads, num_heads = prefix + "self_attn.", self.spec, self.shard.q_heads, self.config.num_attention_heads
+        names = {"kv_a_proj_with_mqa.weight": self.kv_a_weight, "kv_a_layernorm.weight": self.kv_a_norm}
+        if s.q_lora_rank is not None:
+            names.update({"q_a_proj.weight": self.q_a_weight, "q_a_layernorm.weight": self.q_a_norm})
+        if s.has_attention_bias:
             names.update({"kv_a_proj_with_mqa.bias": self.kv_a_bias, "o_proj.bias": self.o_bias})
-            if self.spec.q_lora_rank is not None:
+            if s.q_lora_rank is not None:
                 names["q_a_proj.bias"] = self.q_a_bias
-        return {p + name: TensorSlot(tensor, 0, tensor.shape[0]) for name, tensor in names.items()}
+        out = {p + name: TensorSlot(tensor, 0, tensor.shape[0]) for name, tensor in names.items()}
+        q_name, q_weight = ("q_proj", self.q_weight) if s.q_lora_rank is None else ("q_b_proj", self.q_b_weight)
+        kv_b_dim = s.qk_nope_head_dim + s.v_head_dim
+        for name, weight, source in (
+                (q_name, q_weight, head_slice(0, heads, num_heads, s.qk_head_dim)),
+                ("kv_b_proj", self.kv_b_weight, head_slice(0, heads, num_heads, kv_b_dim)),
+                ("o_proj", self.o_weight, head_slice(1, heads, num_heads, s.v_head_dim))):
+            out[f"{p}{name}.weight"] = TensorSlot(weight, 0, weight.shape[0], source)
+        return out
 
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, L] and W_UV [H, v, L]: views of kv_b_proj."""
         s = self.spec
-        kv_b = self.kv_b_weight.view(self.config.num_attention_heads, s.qk_nope_head_dim + s.v_head_dim, -1)
+        kv_b = self.kv_b_weight.view(self.shard.q_heads.count, s.qk_nope_head_dim + s.v_head_dim, -1)
         return kv_b[:, :s.qk_nope_head_dim], kv_b[:, s.qk_nope_head_dim:]
 
     def project(self, h: torch.Tensor, rotary: LatentRope, cos_sin, attn) -> tuple[torch.Tensor, ...]:
@@ -128,4 +141,4 @@ class MlaAttention(nn.Module):
         keys = cache[:, :, None, :]  # [num_pages, page_size, 1, L + R]: one head every query head reads
         out = attention.paged_attention(q, keys, keys[..., :self.spec.kv_lora_rank], plan, None, self.scale)
         out = torch.einsum("thl,hvl->thv", out, w_uv).reshape(num_tokens, -1)  # [T, H * v]
-        return attn.linear(out, self.o_weight, self.o_bias)
+        return attn.linear(out, self.o_weight, self.o_bias if self.shard.adds_row_bias else None)

@@ -10,6 +10,10 @@ Megatron-style, over ``tp_size`` ranks::
                              added by rank 0 only, so it is counted once)
     embed_tokens, lm_head,   replicated: every rank holds them whole (the simplest choice; the
     norms, MoE router        vocabulary is not split, and only rank 0 computes logits)
+    MLA (DeepSeek)           q_proj / q_b_proj and kv_b_proj rows of this rank's heads, o_proj
+                             their columns (row-parallel); q_a / kv_a projections and norms
+                             replicated, so every rank computes the same latent and its pool holds
+                             all of it (``kv_heads`` is the one latent "head" on every rank)
     MoE experts              each expert's intermediate dimension split like the dense MLP's (w13
                              rows, w2 columns: ``moe_inter``), one all_reduce per MoE block; every
                              rank holds every expert (``rank_experts``, where expert parallelism goes)
@@ -34,29 +38,35 @@ from kvferry.common.models.config import ModelConfig
 from kvferry.common.plan.tp import HeadRange, rank_heads
 
 
-def _splits_experts(c: ModelConfig, tp_size: int) -> bool:
-    """Whether ``tp_size`` divides every expert's intermediate size (always, for a dense model)."""
-    return c.moe is None or not c.moe.moe_intermediate_size % tp_size
+def experts_inter(c: ModelConfig) -> int | None:
+    """Every routed expert's intermediate size (Qwen3-MoE's or DeepSeek's), None for a dense model."""
+    if c.moe is not None:
+        return c.moe.moe_intermediate_size
+    return c.deepseek.moe_intermediate_size if c.deepseek is not None else None
 
 
 def valid_tp_sizes(c: ModelConfig) -> list[int]:
-    """The TP sizes a model can be sharded over: they divide the attention heads, the intermediate
-    size and the experts' intermediate size, and divide or are divided by the KV heads
-    (``kvferry.common.plan.tp.check_tp``)."""
-    return [t for t in range(1, c.num_attention_heads + 1)
-            if not c.num_attention_heads % t and not c.intermediate_size % t and _splits_experts(c, t)
-            and not (c.num_key_value_heads % t and t % c.num_key_value_heads)]
+    """The TP sizes a model can be sharded over: those ``tp_refusal`` has nothing against."""
+    return [t for t in range(1, c.num_attention_heads + 1) if tp_refusal(c, t) is None]
 
 
-def tp_refusal(c: ModelConfig, tp_size: int) -> str:
-    """Why ``tp_size`` does not fit: the first rule it breaks, with the model's numbers."""
+def tp_refusal(c: ModelConfig, tp_size: int) -> str | None:
+    """Why ``tp_size`` does not fit (the first rule it breaks, with the model's numbers), or None.
+
+    ``tp_size`` must divide the attention heads, the intermediate size and the experts'
+    intermediate size (so also DeepSeek's shared experts', ``n_shared_experts`` times it), and
+    divide or be divided by the KV heads (``kvferry.common.plan.tp.check_tp``). DeepSeek's latent
+    is one head every rank holds whole, so its KV heads set no rule."""
     if c.num_attention_heads % tp_size:
         return f"{c.num_attention_heads} attention heads do not divide by {tp_size}"
     if c.intermediate_size % tp_size:
         return f"intermediate size {c.intermediate_size} does not divide by {tp_size}"
-    if not _splits_experts(c, tp_size):
-        return f"MoE intermediate size {c.moe.moe_intermediate_size} does not divide by {tp_size}"
-    return f"{c.num_key_value_heads} KV heads and {tp_size} ranks: neither divides the other"
+    moe_inter = experts_inter(c)
+    if moe_inter is not None and moe_inter % tp_size:
+        return f"MoE intermediate size {moe_inter} does not divide by {tp_size}"
+    if c.deepseek is None and c.num_key_value_heads % tp_size and tp_size % c.num_key_value_heads:
+        return f"{c.num_key_value_heads} KV heads and {tp_size} ranks: neither divides the other"
+    return None
 
 
 class TpConfigError(ConfigError, ValueError):
@@ -73,7 +83,7 @@ class TpShard:
     q_heads: HeadRange  # attention heads
     kv_heads: HeadRange  # KV heads (the heads of this rank's KV pool)
     inter: HeadRange  # rows [start, stop) of gate_proj and up_proj, columns of down_proj
-    moe_inter: HeadRange | None = None  # the same for every expert's gate/up/down (MoE models only)
+    moe_inter: HeadRange | None = None  # the same for every routed expert (Qwen3-MoE, DeepSeek; None: dense)
 
     @classmethod
     def single(cls, config: ModelConfig) -> "TpShard":
@@ -85,21 +95,23 @@ class TpShard:
         c = config
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise TpConfigError(f"--tp-size {tp_size} with rank {tp_rank}: need tp_size >= 1 and 0 <= rank < tp_size")
-        if c.deepseek is not None and tp_size > 1:
-            raise TpConfigError(f"--tp-size {tp_size}: {c.architecture} ({c.source}) runs at --tp-size 1 only "
-                                "(MLA and MoE sharding are not implemented); use --tp-size 1")
-        if tp_size not in valid_tp_sizes(c):
-            raise TpConfigError(f"--tp-size {tp_size}: {tp_refusal(c, tp_size)}; valid sizes for {c.source}: "
+        refusal = tp_refusal(c, tp_size)
+        if refusal is not None:
+            raise TpConfigError(f"--tp-size {tp_size}: {refusal}; valid sizes for {c.architecture} ({c.source}): "
                                 f"{', '.join(map(str, valid_tp_sizes(c)))}")
+        num_kv_heads = 1 if c.deepseek is not None else c.num_key_value_heads  # MLA: one latent, replicated
         try:
-            kv_heads = rank_heads(c.num_key_value_heads, tp_size, tp_rank, side=f"--tp-size {tp_size}")
+            kv_heads = rank_heads(num_kv_heads, tp_size, tp_rank, side=f"--tp-size {tp_size}")
         except GeometryMismatchError as exc:
             raise TpConfigError(str(exc)) from exc
-        num_q, inter = c.num_attention_heads // tp_size, c.intermediate_size // tp_size
-        moe_inter = c.moe.moe_intermediate_size // tp_size if c.moe is not None else 0
-        return cls(tp_size, tp_rank, c.head_dim, HeadRange(tp_rank * num_q, num_q), kv_heads,
-                   HeadRange(tp_rank * inter, inter),
-                   HeadRange(tp_rank * moe_inter, moe_inter) if c.moe is not None else None)
+        moe_inter = experts_inter(c)
+        return cls(tp_size, tp_rank, c.head_dim, _block(c.num_attention_heads, tp_size, tp_rank), kv_heads,
+                   _block(c.intermediate_size, tp_size, tp_rank),
+                   _block(moe_inter, tp_size, tp_rank) if moe_inter is not None else None)
+
+    def block(self, full: int) -> HeadRange:
+        """This rank's block of a dim of ``full`` elements (e.g. DeepSeek's shared experts' intermediate)."""
+        return _block(full, self.tp_size, self.tp_rank)
 
     @property
     def is_sharded(self) -> bool:
@@ -117,6 +129,13 @@ class TpShard:
     def adds_row_bias(self) -> bool:
         """Whether this rank adds the bias of a row-parallel layer (rank 0 only: summed once)."""
         return self.tp_rank == 0
+
+
+def _block(full: int, tp_size: int, tp_rank: int) -> HeadRange:
+    """Rank ``tp_rank``'s block when ``full`` elements split in ``tp_size`` equal blocks (``full``
+    divides by ``tp_size``: ``tp_refusal``)."""
+    part = full // tp_size
+    return HeadRange(tp_rank * part, part)
 
 
 def rank_experts(num_experts: int, shard: TpShard) -> HeadRange:
@@ -239,7 +258,7 @@ def linear_slots(module: str, target, row_start: int, num_rows: int, source: Sli
     return {module + ".weight": slot, f"{module}.{scale_suffix}": scale}
 
 
-def _heads(dim: int, heads: HeadRange, num_heads: int, head_dim: int) -> Slice:
+def head_slice(dim: int, heads: HeadRange, num_heads: int, head_dim: int) -> Slice:
     return Slice(dim, heads.start * head_dim, heads.count * head_dim, num_heads * head_dim)
 
 
@@ -275,9 +294,9 @@ def attention_tensor_map(layer, config: ModelConfig, shard: TpShard) -> dict[str
     """The attention's and the two norms' tensors of one ``DecoderLayer`` (FP8 weights with their scales)."""
     c, p, d = config, f"model.layers.{layer.layer}.", shard.head_dim
     q, kv = shard.q_size, shard.kv_size
-    sq = _heads(0, shard.q_heads, c.num_attention_heads, d)
-    skv = _heads(0, shard.kv_heads, c.num_key_value_heads, d)
-    s_o = _heads(1, shard.q_heads, c.num_attention_heads, d)
+    sq = head_slice(0, shard.q_heads, c.num_attention_heads, d)
+    skv = head_slice(0, shard.kv_heads, c.num_key_value_heads, d)
+    s_o = head_slice(1, shard.q_heads, c.num_attention_heads, d)
     linears = [("self_attn.q_proj", layer.qkv_weight, 0, q, sq), ("self_attn.k_proj", layer.qkv_weight, q, kv, skv),
                ("self_attn.v_proj", layer.qkv_weight, q + kv, kv, skv),
                ("self_attn.o_proj", layer.o_weight, 0, c.hidden_size, s_o)]

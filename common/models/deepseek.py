@@ -14,8 +14,16 @@ switches are ``ModelConfig.deepseek`` (``deepseek_config.py``). Attention is ``c
         groups with the best two-expert sums ("noaux_tc"); weights are the unbiased scores,
         normalised when ``norm_topk_prob``, then times ``routed_scaling_factor``.
 
-Experts are stacked, ``w13`` [E, 2I, H] (gate rows, then up rows) and ``w2`` [E, H, I], and run one
-expert at a time in torch: the reference a fused MoE kernel replaces. Torch attention only, TP 1.
+Routed experts are stacked, ``w13`` [E, 2I, H] (gate rows, then up rows) and ``w2`` [E, H, I], and
+run through the backend's ``fused_moe`` (``common/layers/moe.py``'s layout: ``fused_moe_ref`` on the
+torch backend these models run today, ``common/kernels/triton_moe.py`` on a Triton one) with
+DeepSeek's own routing above; the shared experts are one dense SwiGLU.
+
+Tensor parallelism (``TpShard``): attention heads split as ``common/layers/mla.py`` says (the latent
+replicated, so every rank's ``LatentCache`` holds all of it), every expert's intermediate dim and
+the shared experts' split as Qwen3-MoE's (``rank_experts``: every rank holds every expert), the
+dense layers' MLP as Llama's; one all_reduce per attention and per MLP/MoE block. Only rank 0
+computes logits.
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ from kvferry.common.errors import ConfigError
 from kvferry.common.layers.attn_backend import TorchBackend, resolve_backend
 from kvferry.common.layers.mla import LatentRope, MlaAttention, _param
 from kvferry.common.layers.norm import rms_norm
-from kvferry.common.layers.tp_layers import TensorSlot, TpShard
+from kvferry.common.layers.tp_layers import Slice, TensorSlot, TpShard, rank_experts
+from kvferry.common.plan.tp import HeadRange
 from kvferry.common.models.config import ModelConfig
 from kvferry.common.models.deepseek_config import DeepseekSpec
 from kvferry.common.models.llama import SeqChunk, TokenFeed, check_chunks
@@ -63,70 +72,78 @@ def route(logits: torch.Tensor, spec: DeepseekSpec, bias: torch.Tensor | None) -
 
 
 class DenseMlp(nn.Module):
-    """SwiGLU with fused gate/up rows: a dense layer's MLP, or the shared experts."""
+    """SwiGLU with fused gate/up rows: a dense layer's MLP, or the shared experts. Holds the block
+    ``part`` of the ``full`` intermediate size (gate/up rows, down columns): ``forward`` returns this
+    rank's partial sum."""
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, hidden: int, full: int, part: HeadRange, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.inter = inter
-        self.gate_up_weight = _param((2 * inter, hidden), dtype, device)
-        self.down_weight = _param((hidden, inter), dtype, device)
+        self.full, self.part = full, part
+        self.gate_up_weight = _param((2 * part.count, hidden), dtype, device)
+        self.down_weight = _param((hidden, part.count), dtype, device)
 
     def hf_tensor_map(self, prefix: str) -> dict[str, TensorSlot]:
-        return {prefix + "gate_proj.weight": TensorSlot(self.gate_up_weight, 0, self.inter),
-                prefix + "up_proj.weight": TensorSlot(self.gate_up_weight, self.inter, self.inter),
-                prefix + "down_proj.weight": TensorSlot(self.down_weight, 0, self.down_weight.shape[0])}
+        n, rows = self.part.count, Slice(0, self.part.start, self.part.count, self.full)
+        return {prefix + "gate_proj.weight": TensorSlot(self.gate_up_weight, 0, n, rows),
+                prefix + "up_proj.weight": TensorSlot(self.gate_up_weight, n, n, rows),
+                prefix + "down_proj.weight": TensorSlot(self.down_weight, 0, self.down_weight.shape[0],
+                                                        Slice(1, self.part.start, n, self.full))}
 
     def forward(self, h: torch.Tensor, attn) -> torch.Tensor:
         return attn.linear(attn.silu_mul(attn.linear(h, self.gate_up_weight)), self.down_weight)
 
 
 class MoeBlock(nn.Module):
-    """Router (fp32, as transformers keeps it), stacked routed experts and the shared experts."""
+    """Router (fp32, as transformers keeps it; replicated), the routed experts ``rank_experts`` names
+    with this rank's block of their intermediate dim (``shard.moe_inter``), stacked, and the shared
+    experts' block. ``forward`` returns this rank's partial sum."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, shard: TpShard) -> None:
         super().__init__()
-        s, hidden = config.deepseek, config.hidden_size
-        self.spec, self.inter = s, s.moe_intermediate_size
+        s, hidden, inter = config.deepseek, config.hidden_size, shard.moe_inter.count
+        self.spec, self.shard = s, shard
+        self.experts = rank_experts(s.n_routed_experts, shard)
         self.gate_weight = _param((s.n_routed_experts, hidden), torch.float32, device)
         self.score_bias = _param((s.n_routed_experts,), torch.float32, device) if s.version == 3 else None
-        self.w13 = _param((s.n_routed_experts, 2 * self.inter, hidden), dtype, device)  # [E, 2I, H]
-        self.w2 = _param((s.n_routed_experts, hidden, self.inter), dtype, device)  # [E, H, I]
+        self.w13 = _param((self.experts.count, 2 * inter, hidden), dtype, device)  # [E, 2I, H]: gate; up
+        self.w2 = _param((self.experts.count, hidden, inter), dtype, device)  # [E, H, I]
         shared = s.n_shared_experts * s.moe_intermediate_size
-        self.shared = DenseMlp(hidden, shared, dtype, device) if shared else None
+        self.shared = DenseMlp(hidden, shared, shard.block(shared), dtype, device) if shared else None
 
     def hf_tensor_map(self, prefix: str) -> dict[str, TensorSlot]:
-        out = {prefix + "gate.weight": TensorSlot(self.gate_weight, 0, self.spec.n_routed_experts)}
+        num_experts, full, part = self.spec.n_routed_experts, self.spec.moe_intermediate_size, self.shard.moe_inter
+        rows, cols = Slice(0, part.start, part.count, full), Slice(1, part.start, part.count, full)
+        out = {prefix + "gate.weight": TensorSlot(self.gate_weight, 0, num_experts)}
         if self.score_bias is not None:
-            out[prefix + "gate.e_score_correction_bias"] = TensorSlot(self.score_bias, 0, self.spec.n_routed_experts)
-        for e in range(self.spec.n_routed_experts):
-            p = f"{prefix}experts.{e}."
-            out[p + "gate_proj.weight"] = TensorSlot(self.w13[e], 0, self.inter)
-            out[p + "up_proj.weight"] = TensorSlot(self.w13[e], self.inter, self.inter)
-            out[p + "down_proj.weight"] = TensorSlot(self.w2[e], 0, self.w2.shape[1])
+            out[prefix + "gate.e_score_correction_bias"] = TensorSlot(self.score_bias, 0, num_experts)
+        for local, expert in enumerate(range(self.experts.start, self.experts.stop)):
+            p = f"{prefix}experts.{expert}."
+            out[p + "gate_proj.weight"] = TensorSlot(self.w13[local], 0, part.count, rows)
+            out[p + "up_proj.weight"] = TensorSlot(self.w13[local], part.count, part.count, rows)
+            out[p + "down_proj.weight"] = TensorSlot(self.w2[local], 0, self.w2.shape[1], cols)
         if self.shared is not None:
             out.update(self.shared.hf_tensor_map(prefix + "shared_experts."))
         return out
 
     def forward(self, h: torch.Tensor, attn) -> torch.Tensor:
         """h [T, hidden] -> [T, hidden]: each token's k experts, weighted, plus the shared experts."""
-        weights, ids = route(F.linear(h.float(), self.gate_weight), self.spec, self.score_bias)
-        out = torch.zeros_like(h)
-        for expert in ids.unique().tolist():  # one host sync per layer: the reference path
-            tokens, slots = (ids == expert).nonzero(as_tuple=True)
-            y = attn.linear(attn.silu_mul(attn.linear(h[tokens], self.w13[expert])), self.w2[expert])
-            out.index_add_(0, tokens, (y * weights[tokens, slots, None]).to(out.dtype))
+        weights, ids = route(F.linear(h.float(), self.gate_weight), self.spec, self.score_bias)  # [T, k] each
+        # ids index w13/w2 directly: this rank holds every expert (rank_experts)
+        out = attn.fused_moe(h, self.w13, self.w2, weights, ids)
         return out if self.shared is None else out + self.shared(h, attn)
 
 
 class DeepseekLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device,
+                 shard: TpShard) -> None:
         super().__init__()
         self.layer, self.eps = layer, config.rms_norm_eps
+        self.reduce = None  # TP > 1: the TP group's all_reduce, summing the ranks' partial outputs
         self.input_norm = _param((config.hidden_size,), dtype, device)
         self.post_norm = _param((config.hidden_size,), dtype, device)
-        self.self_attn = MlaAttention(config, layer, dtype, device)
-        self.mlp = (MoeBlock(config, dtype, device) if config.deepseek.is_moe_layer(layer)
-                    else DenseMlp(config.hidden_size, config.intermediate_size, dtype, device))
+        self.self_attn = MlaAttention(config, layer, dtype, device, shard)
+        self.mlp = (MoeBlock(config, dtype, device, shard) if config.deepseek.is_moe_layer(layer)
+                    else DenseMlp(config.hidden_size, config.intermediate_size, shard.inter, dtype, device))
 
     def hf_tensor_map(self) -> dict[str, TensorSlot]:
         p, hidden = f"model.layers.{self.layer}.", self.input_norm.shape[0]
@@ -139,9 +156,13 @@ class DeepseekLayer(nn.Module):
     def forward(self, x, delta, rotary: LatentRope, cos_sin, kv: LatentCache, plan, attn):
         """As the Llama layer: (x + delta, this layer's output); writes this layer's latent rows."""
         x, h = attn.add_norm(x, delta, self.input_norm, self.eps)
-        out = self.self_attn(h, rotary, cos_sin, kv.latent[self.layer], plan, attn)
+        out = self._sum_ranks(self.self_attn(h, rotary, cos_sin, kv.latent[self.layer], plan, attn))
         x, h = attn.add_norm(x, out, self.post_norm, self.eps)
-        return x, self.mlp(h, attn)
+        return x, self._sum_ranks(self.mlp(h, attn))
+
+    def _sum_ranks(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``partial`` (one all_reduce at TP > 1; itself at TP 1)."""
+        return partial if self.reduce is None else self.reduce(partial)
 
 
 class DeepseekForCausalLM(nn.Module):
@@ -149,14 +170,16 @@ class DeepseekForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
                  shard: TpShard | None = None) -> None:
+        """``shard``: this rank's heads and intermediate blocks (None: the whole model, TP 1)."""
         super().__init__()
-        """``shard``: TP 1 only (``TpShard.of`` refuses more for DeepSeek); taken for the loader's call."""
         if config.deepseek is None:
             raise ValueError(f"{config.source}: {config.architecture} is not a DeepSeek-V2/V3 checkpoint")
         device = torch.device(device)
         self.config, self.dtype, self.device = config, dtype, device
+        self.shard = shard = shard or TpShard.single(config)
         self.embed = _param((config.vocab_size, config.hidden_size), dtype, device)
-        self.layers = nn.ModuleList(DeepseekLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DeepseekLayer(config, i, dtype, device, shard)
+                                    for i in range(config.num_hidden_layers))
         self.norm = _param((config.hidden_size,), dtype, device)
         self.lm_head = self.embed if config.has_tied_embeddings else _param(
             (config.vocab_size, config.hidden_size), dtype, device)
@@ -166,13 +189,26 @@ class DeepseekForCausalLM(nn.Module):
     @classmethod
     def make_kv_cache(cls, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
                       device: torch.device | str, *, model_name: str = "target", layout: str = "page-major",
-                      k_scales=None, v_scales=None) -> LatentCache:
-        """The pool MLA reads: one latent buffer per layer (``common/cache/mla_cache.py``). An FP8
-        latent pool is refused (``--kv-cache-dtype auto`` only, for now)."""
+                      k_scales=None, v_scales=None, head_start: int = 0, num_kv_heads: int = 1) -> LatentCache:
+        """The pool MLA reads: one latent buffer per layer (``common/cache/mla_cache.py``), the same
+        whole pool on every TP rank: ``head_start``/``num_kv_heads`` are a rank's ``shard.kv_heads``,
+        which for MLA is always the one latent "head" (0, 1). An FP8 latent pool is refused
+        (``--kv-cache-dtype auto`` only, for now)."""
+        if (head_start, num_kv_heads) != (0, 1):
+            raise ValueError(f"{config.architecture}: a latent pool holds the one replicated latent head on every "
+                             f"TP rank (head_start 0, num_kv_heads 1), got head_start {head_start}, num_kv_heads "
+                             f"{num_kv_heads}; pass the rank's shard.kv_heads")
         if dtype == torch.float8_e4m3fn:
             raise ConfigError(f"--kv-cache-dtype fp8_e4m3: {config.architecture} keeps an MLA latent pool, which is "
                               f"stored in the model dtype only so far; use --kv-cache-dtype auto")
         return LatentCache(config, num_pages, page_size, dtype, device, model_name=model_name, layout=layout)
+
+    def attach_tp(self, all_reduce) -> None:
+        """Sum the ranks' attention and MLP outputs with ``all_reduce(tensor) -> tensor`` (TP > 1 only)."""
+        if not self.shard.is_sharded:
+            raise ValueError("attach_tp: this model is not sharded (tp_size 1 runs no collective)")
+        for layer in self.layers:
+            layer.reduce = all_reduce
 
     def set_attention_backend(self, name: str) -> None:
         """MLA runs on the torch path: ``auto`` and ``torch`` take it, ``triton`` is refused."""
@@ -213,6 +249,8 @@ class DeepseekForCausalLM(nn.Module):
         cos_sin = self.rotary.cos_sin(plan.positions)
         for layer in self.layers:
             x, delta = layer(x, delta, self.rotary, cos_sin, kv, plan, self.attn)
+        if self.shard.tp_rank > 0:
+            return None  # the latent rows are written; rank 0 alone computes logits
         x = x + delta
         if not all_logits:
             x = x.index_select(0, plan.last_index)

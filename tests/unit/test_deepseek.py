@@ -260,8 +260,11 @@ def test_refusals_name_the_setting():
     raw = transformers.DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, n_group=4,
                                           topk_group=2).to_dict()
     config = ModelConfig.from_dict(raw | {"architectures": ["DeepseekV3ForCausalLM"]})
-    with pytest.raises(TpConfigError, match="DeepseekV3ForCausalLM.*--tp-size 1"):
-        TpShard.of(config, 2, 0)
+    with pytest.raises(TpConfigError, match=r"--tp-size 3: 4 attention heads .* DeepseekV3ForCausalLM .*: 1, 2, 4$"):
+        TpShard.of(config, 3, 0)
+    narrow = ModelConfig.from_dict(raw | {"architectures": ["DeepseekV3ForCausalLM"], "moe_intermediate_size": 6})
+    with pytest.raises(TpConfigError, match=r"--tp-size 4: MoE intermediate size 6 does not divide by 4.*: 1, 2$"):
+        TpShard.of(narrow, 4, 0)
     with pytest.raises(ModelLoadError, match="topk_method.*'greedy'.*noaux_tc"):
         ModelConfig.from_dict(raw | {"architectures": ["DeepseekV3ForCausalLM"], "topk_method": "greedy"})
     llama = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96, "vocab_size": 97,
