@@ -14,8 +14,12 @@ switches are ``ModelConfig.deepseek`` (``deepseek_config.py``). Attention is ``c
         groups with the best two-expert sums ("noaux_tc"); weights are the unbiased scores,
         normalised when ``norm_topk_prob``, then times ``routed_scaling_factor``.
 
-Experts are stacked, ``w13`` [E, 2I, H] (gate rows, then up rows) and ``w2`` [E, H, I], and run one
-expert at a time in torch: the reference a fused MoE kernel replaces. Torch attention only, TP 1.
+Experts are stacked, ``w13`` [E, 2I, H] (gate rows, then up rows) and ``w2`` [E, H, I], and run
+through the backend's ``fused_moe`` (``moe.fused_moe_ref`` on torch, ``triton_moe`` on triton). The
+router makes no host sync (no ``.item()``, ``nonzero`` or boolean indexing: groups are masked with
+``masked_fill``), so on the triton backend a decode step runs on the device only and is captured in
+a CUDA graph (``common/engine/cuda_graph.py``), as Llama's. Attention on either backend
+(``--attention-backend``, ``auto`` picks triton on CUDA); TP 1.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from torch import nn
 
 from kvferry.common.cache.mla_cache import LatentCache
 from kvferry.common.errors import ConfigError
-from kvferry.common.layers.attn_backend import TorchBackend, resolve_backend
+from kvferry.common.layers.attn_backend import make_backend
 from kvferry.common.layers.mla import LatentRope, MlaAttention, _param
 from kvferry.common.layers.norm import rms_norm
 from kvferry.common.layers.tp_layers import TensorSlot, TpShard
@@ -110,11 +114,7 @@ class MoeBlock(nn.Module):
     def forward(self, h: torch.Tensor, attn) -> torch.Tensor:
         """h [T, hidden] -> [T, hidden]: each token's k experts, weighted, plus the shared experts."""
         weights, ids = route(F.linear(h.float(), self.gate_weight), self.spec, self.score_bias)
-        out = torch.zeros_like(h)
-        for expert in ids.unique().tolist():  # one host sync per layer: the reference path
-            tokens, slots = (ids == expert).nonzero(as_tuple=True)
-            y = attn.linear(attn.silu_mul(attn.linear(h[tokens], self.w13[expert])), self.w2[expert])
-            out.index_add_(0, tokens, (y * weights[tokens, slots, None]).to(out.dtype))
+        out = attn.fused_moe(h, self.w13, self.w2, weights, ids)
         return out if self.shared is None else out + self.shared(h, attn)
 
 
@@ -161,7 +161,7 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head = self.embed if config.has_tied_embeddings else _param(
             (config.vocab_size, config.hidden_size), dtype, device)
         self.rotary = LatentRope(config, dtype, device)
-        self.attn = TorchBackend()
+        self.attn = make_backend("auto", device, LatentCache.num_kv_heads)
 
     @classmethod
     def make_kv_cache(cls, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
@@ -175,11 +175,9 @@ class DeepseekForCausalLM(nn.Module):
         return LatentCache(config, num_pages, page_size, dtype, device, model_name=model_name, layout=layout)
 
     def set_attention_backend(self, name: str) -> None:
-        """MLA runs on the torch path: ``auto`` and ``torch`` take it, ``triton`` is refused."""
-        if resolve_backend(name, self.device) == "triton" and name == "triton":
-            raise ValueError(f"--attention-backend triton: {self.config.architecture} (MLA) runs on the torch "
-                             "attention path only; use --attention-backend torch or auto")
-        self.attn = TorchBackend()
+        """``auto``, ``torch`` or ``triton`` (CUDA only); the triton backend's decode splits are sized
+        for the latent's one head (``LatentCache.num_kv_heads``)."""
+        self.attn = make_backend(name, self.device, LatentCache.num_kv_heads)
 
     def hf_tensor_map(self) -> dict[str, TensorSlot]:
         """Hugging Face tensor name -> destination. Tied checkpoints carry no ``lm_head.weight``."""
