@@ -7,7 +7,8 @@ kernels' 16-head tile, padding sequences (kv_len 0 in decode, q_len 0 in extend)
 rows (page -1). Under ``TRITON_INTERPRET=1`` the small shapes run on CPU (fp32 and fp16); on CUDA
 also DeepSeek's real ones (kv_lora_rank 512, rope 64, 16 and 128 heads, contexts to 4k, bf16).
 Tolerances: fp32 2e-5 (ieee dots, another summation order), fp16 5e-3, bf16 2e-2 (P is rounded to
-the dtype before P @ c; outputs are O(1)).
+the dtype before P @ c; outputs are O(1)). The tiny DeepSeek runs whole on the triton backend, eagerly
+and over a CUDA graph bucket's static plan with a padding row, against the torch backend.
 """
 
 from __future__ import annotations
@@ -207,3 +208,42 @@ def test_tiny_deepseek_on_the_triton_backend_equals_torch(tmp_path, preset):
     for got, want in zip(logits, want_logits):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(buffer, want_buffer, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens_per_seq", [1, 4])
+def test_tiny_deepseek_graph_bucket_with_padding_rows_equals_eager(tmp_path, tokens_per_seq):
+    """What a CUDA graph replays, run eagerly: a bucket of 4 over ``cuda_graph``'s static plan, 3
+    sequences and a padding one (page -1, kv_len 0, q 0), decode (q = 1) or verify (q = 4), gives the
+    torch backend's logits for the 3 and stores the rows that backend stores, nothing for the padding."""
+    import numpy as np
+
+    from kvferry.common.engine.cuda_graph import graph_inputs, static_plan
+    from kvferry.common.layers.attn_backend import TritonBackend
+    from kvferry.common.models.llama import SeqChunk
+    from kvferry.common.models.loader import load_model
+    from kvferry.common.models.tiny import make_tiny_model
+
+    target, _ = make_tiny_model(tmp_path, seed=5, preset="deepseek-v3-tiny")
+    model = load_model(target, dtype=torch.float32, device=DEVICE)
+    kv = type(model).make_kv_cache(model.config, 12, 4, torch.float32, DEVICE)
+    prompts = [[11, 200, 37, 5, 480], [9, 9, 301, 44, 17, 250, 3, 8, 90], [70, 71, 72]]
+    pages = [[6, 1, 4], [0, 5, 2, 8], [9, 3]]
+    model.forward([SeqChunk(p, 0, pg) for p, pg in zip(prompts, pages)], kv)
+    before = kv.buffer.clone()
+    step = [SeqChunk([7, 8, 9, 10][:tokens_per_seq], len(p), pg) for p, pg in zip(prompts, pages)]
+    batch, is_verify = 4, tokens_per_seq > 1
+    token_inputs, seq_inputs, table = graph_inputs(step, kv.page_size, batch)
+    page_table = np.zeros((batch, table.shape[1]), np.int64)
+    page_table[:len(step)] = table
+    last_index = torch.arange(1, batch + 1, device=DEVICE) * tokens_per_seq - 1
+    model.attn = TritonBackend(torch.device(DEVICE), 1)
+    token_ids, plan = static_plan(*(torch.from_numpy(a).to(DEVICE) for a in (token_inputs, seq_inputs, page_table)),
+                                  last_index, tokens_per_seq, model.attn.num_splits(batch))
+    got = model.run(token_ids, plan, kv, all_logits=is_verify)
+    stored = kv.buffer.clone()
+    kv.buffer.copy_(before)
+    model.attn = TorchBackend()
+    want = model.forward(step, kv, all_logits=is_verify)
+    for got_rows, want_rows in zip(got[:len(step)], want):
+        torch.testing.assert_close(got_rows, want_rows, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(stored, kv.buffer, rtol=1e-5, atol=1e-5)
