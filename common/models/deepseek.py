@@ -53,8 +53,8 @@ def route(logits: torch.Tensor, spec: DeepseekSpec, bias: torch.Tensor | None) -
         grouped = choice.view(num_tokens, spec.n_group, -1)
         group_rank = grouped.topk(2, dim=-1)[0].sum(dim=-1) if is_v3 else grouped.max(dim=-1).values
         chosen = group_rank.topk(spec.topk_group, dim=-1, sorted=False)[1]
-        keep = torch.zeros_like(group_rank).scatter_(1, chosen, 1).bool()
-        keep = keep.repeat_interleave(num_experts // spec.n_group, dim=1)
+        keep = torch.zeros_like(group_rank).scatter_(1, chosen, 1).bool()  # [T, n_group]
+        keep = keep[:, :, None].expand(-1, -1, num_experts // spec.n_group).reshape(num_tokens, num_experts)
         choice = choice.masked_fill(~keep, float("-inf") if is_v3 else 0.0)
     ids = choice.topk(spec.num_experts_per_tok, dim=-1, sorted=False)[1]
     weights = (scores if is_v3 else choice).gather(1, ids)
