@@ -13,6 +13,8 @@ A step with n sequences copies its inputs into the first rows (the rest are padd
 stores nothing, kv_len 0 and q 0 attend to nothing), replays the smallest bucket that holds n, and
 returns the first n sequences' logits of that bucket. Larger batches and other shapes run eagerly. Only the Triton backend is captured: it never syncs the host and reads
 pages through the static table (the torch path builds index tensors of data-dependent shapes).
+Every architecture's ``run`` takes the bucket's ``static_plan``: Llama's family, Qwen3-MoE and
+DeepSeek (MLA through ``triton_mla``, its MoE through ``fused_moe``, a router without host syncs).
 Follows nano-vllm's ``ModelRunner.capture_cudagraph``.
 """
 
@@ -63,14 +65,9 @@ class StepGraphs:
 
     def _forward(self, batch: int):
         q = self.tokens_per_seq
-        per_token = self.token_inputs[:batch * q].t().contiguous()  # [4, T]: the kernels want unit strides
-        per_seq = self.seq_inputs[:batch].t().contiguous()  # [4, batch]
-        plan = TritonPlan(
-            positions=per_token[1], write_pages=per_token[2], write_rows=per_token[3],
-            last_index=self.last_index[:batch], kv_lens=per_seq[0], q_starts=per_seq[1], q_lens=per_seq[2],
-            prefix_lens=per_seq[3], page_table=self.page_table[:batch], query_lens=[q] * batch, max_query=q,
-            num_splits=self.model.attn.num_splits(batch))
-        return self.model.run(per_token[0], plan, self.kv, all_logits=q > 1)
+        token_ids, plan = static_plan(self.token_inputs[:batch * q], self.seq_inputs[:batch], self.page_table[:batch],
+                                      self.last_index[:batch], q, self.model.attn.num_splits(batch))
+        return self.model.run(token_ids, plan, self.kv, all_logits=q > 1)
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -109,6 +106,20 @@ class StepGraphs:
             self.token_inputs[:, 0].index_copy_(0, feed.rows, feed.values)
         self.graphs[batch].replay()
         return self.outputs[batch][:num]
+
+
+def static_plan(token_inputs: torch.Tensor, seq_inputs: torch.Tensor, page_table: torch.Tensor,
+                last_index: torch.Tensor, tokens_per_seq: int, num_splits: int) -> tuple[torch.Tensor, TritonPlan]:
+    """(token ids [T], TritonPlan) of one bucket over its static buffers: token_inputs [T, 4],
+    seq_inputs [batch, 4], page_table [batch, max_pages], last_index [batch] (``graph_inputs``' rows)."""
+    per_token = token_inputs.t().contiguous()  # [4, T]: the kernels want unit strides
+    per_seq = seq_inputs.t().contiguous()  # [4, batch]
+    batch = seq_inputs.shape[0]
+    plan = TritonPlan(
+        positions=per_token[1], write_pages=per_token[2], write_rows=per_token[3], last_index=last_index,
+        kv_lens=per_seq[0], q_starts=per_seq[1], q_lens=per_seq[2], prefix_lens=per_seq[3], page_table=page_table,
+        query_lens=[tokens_per_seq] * batch, max_query=tokens_per_seq, num_splits=num_splits)
+    return per_token[0], plan
 
 
 def _stage(pinned: torch.Tensor, values: np.ndarray) -> torch.Tensor:

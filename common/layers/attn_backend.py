@@ -17,7 +17,9 @@ The elementwise steps around attention go through the backend too (``add_norm``,
 (``common/kernels/triton_fused.py``) on the triton path. So do the experts of a sparse MoE block
 (``fused_moe``: ``common/layers/moe.fused_moe_ref`` on torch, ``common/kernels/triton_moe.py`` on triton).
 ``linear`` of an FP8 weight (``common/layers/fp8.py``) goes to ``fp8_linear`` on both, which picks its
-kernel by device.
+kernel by device. MLA (``common/layers/mla.py``) stores and reads its latent rows through
+``mla_store`` and ``mla_attend`` (torch: ``index_put_`` and ``attention.paged_attention`` over the
+latent as one KV head; triton: ``common/kernels/triton_mla.py``).
 
 A plan has ``positions`` [T], ``last_index`` [B] and ``query_lens`` (list); the rest is the
 backend's own. ``TritonPlan`` travels to the device as one int64 copy and can also be built from
@@ -106,6 +108,18 @@ class TorchBackend:
     def fused_moe(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
         return moe.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
+    @staticmethod
+    def mla_store(cache, rows, plan) -> None:
+        """rows [T, L + R] into the latent cache [num_pages, page_size, L + R] at the plan's (page, row)."""
+        cache.index_put_((plan.write_pages, plan.write_rows), rows.to(cache.dtype))
+
+    @staticmethod
+    def mla_attend(q, cache, plan, latent_dim: int, scale: float) -> torch.Tensor:
+        """q [T, H, L + R] (``latent_dim`` = L) over the latent cache, rows already stored -> [T, H, L]:
+        one MQA whose key is the whole row and whose value is its first L elements."""
+        keys = cache[:, :, None, :]  # [num_pages, page_size, 1, L + R]: one head every query head reads
+        return attention.paged_attention(q, keys, keys[..., :latent_dim], plan, None, scale)
+
 
 @dataclass(frozen=True)
 class TritonPlan:
@@ -160,9 +174,10 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, device: torch.device, num_kv_heads: int) -> None:
-        from kvferry.common.kernels import triton_attention, triton_fused, triton_moe  # import triton: only here
+        from kvferry.common.kernels import triton_attention, triton_fused, triton_mla, triton_moe  # triton: only here
 
         self.kernels = triton_attention
+        self.mla = triton_mla
         self.fused = triton_fused
         self.moe = triton_moe
         self.use_gemv = False
@@ -215,6 +230,18 @@ class TritonBackend:
 
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
         return self.moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+    def mla_store(self, cache, rows, plan: TritonPlan) -> None:
+        self.mla.store_latent(cache, rows, plan.write_pages, plan.write_rows)
+
+    def mla_attend(self, q, cache, plan: TritonPlan, latent_dim: int, scale: float) -> torch.Tensor:
+        """As ``TorchBackend.mla_attend``; always through the paged kernels (no dense prefill: SDPA's
+        flash path takes no 576-wide key)."""
+        if plan.max_query == 1:
+            return self.mla.decode_attention(q, cache, plan.page_table, plan.kv_lens, latent_dim, scale,
+                                             plan.num_splits)
+        return self.mla.extend_attention(q, cache, plan.page_table, plan.q_starts, plan.q_lens, plan.prefix_lens,
+                                         plan.max_query, latent_dim, scale)
 
     def attend(self, q, k, v, k_cache, v_cache, plan: TritonPlan, window, scale, k_scale: float = 1.0,
                v_scale: float = 1.0) -> torch.Tensor:

@@ -10,7 +10,8 @@ keeps (``common/cache/mla_cache.py``). ``kv_b_proj`` [H * (nope + v), L] holds, 
     out      = (probs @ c) @ W_UV^T                  # [T, H, v]
 
 so every phase (prefill, chunked extend, verify, decode) is one MQA over the latent rows with key
-width ``L + R`` and value width ``L``, run by the torch paged attention (``attention.py``). The
+width ``L + R`` and value width ``L``, run by the backend's ``mla_attend`` (the torch paged
+attention, ``attention.py``, or the Triton kernels, ``common/kernels/triton_mla.py``). The
 expanded form (k = [W_UK c | k_pe], v = W_UV c per head, what transformers computes) gives the same
 numbers up to rounding (``tests/unit/test_deepseek.py``).
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvferry.common.layers import attention, rope
+from kvferry.common.layers import rope
 from kvferry.common.layers.norm import rms_norm
 from kvferry.common.layers.tp_layers import TensorSlot, TpShard, head_slice
 from kvferry.common.models.config import ModelConfig
@@ -135,10 +136,9 @@ class MlaAttention(nn.Module):
         """h [T, hidden] -> [T, hidden]; writes the T new rows into ``cache`` [num_pages, page_size, L + R]."""
         num_tokens = h.shape[0]
         q_nope, q_pe, rows = self.project(h, rotary, cos_sin, attn)
-        cache.index_put_((plan.write_pages, plan.write_rows), rows.to(cache.dtype))
+        attn.mla_store(cache, rows, plan)
         w_uk, w_uv = self.absorbed()
         q = torch.cat((torch.einsum("thd,hdl->thl", q_nope, w_uk), q_pe), dim=-1)  # [T, H, L + R]
-        keys = cache[:, :, None, :]  # [num_pages, page_size, 1, L + R]: one head every query head reads
-        out = attention.paged_attention(q, keys, keys[..., :self.spec.kv_lora_rank], plan, None, self.scale)
+        out = attn.mla_attend(q, cache, plan, self.spec.kv_lora_rank, self.scale)  # [T, H, L]
         out = torch.einsum("thl,hvl->thv", out, w_uv).reshape(num_tokens, -1)  # [T, H * v]
         return attn.linear(out, self.o_weight, self.o_bias if self.shard.adds_row_bias else None)

@@ -15,9 +15,12 @@ switches are ``ModelConfig.deepseek`` (``deepseek_config.py``). Attention is ``c
         normalised when ``norm_topk_prob``, then times ``routed_scaling_factor``.
 
 Routed experts are stacked, ``w13`` [E, 2I, H] (gate rows, then up rows) and ``w2`` [E, H, I], and
-run through the backend's ``fused_moe`` (``common/layers/moe.py``'s layout: ``fused_moe_ref`` on the
-torch backend these models run today, ``common/kernels/triton_moe.py`` on a Triton one) with
-DeepSeek's own routing above; the shared experts are one dense SwiGLU.
+run through the backend's ``fused_moe`` (``common/layers/moe.py``'s layout: ``moe.fused_moe_ref`` on
+torch, ``common/kernels/triton_moe.py`` on triton) with DeepSeek's own routing above; the shared
+experts are one dense SwiGLU. The router makes no host sync (no ``.item()``, ``nonzero`` or boolean
+indexing: groups are masked with ``masked_fill``), so on the triton backend a decode step runs on
+the device only and is captured in a CUDA graph (``common/engine/cuda_graph.py``), as Llama's.
+Attention on either backend (``--attention-backend``, ``auto`` picks triton on CUDA).
 
 Tensor parallelism (``TpShard``): attention heads split as ``common/layers/mla.py`` says (the latent
 replicated, so every rank's ``LatentCache`` holds all of it), every expert's intermediate dim and
@@ -36,7 +39,7 @@ from torch import nn
 
 from kvferry.common.cache.mla_cache import LatentCache
 from kvferry.common.errors import ConfigError
-from kvferry.common.layers.attn_backend import TorchBackend, resolve_backend
+from kvferry.common.layers.attn_backend import make_backend
 from kvferry.common.layers.mla import LatentRope, MlaAttention, _param
 from kvferry.common.layers.norm import rms_norm
 from kvferry.common.layers.tp_layers import Slice, TensorSlot, TpShard, rank_experts
@@ -58,8 +61,8 @@ def route(logits: torch.Tensor, spec: DeepseekSpec, bias: torch.Tensor | None) -
         grouped = choice.view(num_tokens, spec.n_group, -1)
         group_rank = grouped.topk(2, dim=-1)[0].sum(dim=-1) if is_v3 else grouped.max(dim=-1).values
         chosen = group_rank.topk(spec.topk_group, dim=-1, sorted=False)[1]
-        keep = torch.zeros_like(group_rank).scatter_(1, chosen, 1).bool()
-        keep = keep.repeat_interleave(num_experts // spec.n_group, dim=1)
+        keep = torch.zeros_like(group_rank).scatter_(1, chosen, 1).bool()  # [T, n_group]
+        keep = keep[:, :, None].expand(-1, -1, num_experts // spec.n_group).reshape(num_tokens, num_experts)
         choice = choice.masked_fill(~keep, float("-inf") if is_v3 else 0.0)
     ids = choice.topk(spec.num_experts_per_tok, dim=-1, sorted=False)[1]
     weights = (scores if is_v3 else choice).gather(1, ids)
@@ -184,7 +187,7 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head = self.embed if config.has_tied_embeddings else _param(
             (config.vocab_size, config.hidden_size), dtype, device)
         self.rotary = LatentRope(config, dtype, device)
-        self.attn = TorchBackend()
+        self.attn = make_backend("auto", device, LatentCache.num_kv_heads)
 
     @classmethod
     def make_kv_cache(cls, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
@@ -211,11 +214,9 @@ class DeepseekForCausalLM(nn.Module):
             layer.reduce = all_reduce
 
     def set_attention_backend(self, name: str) -> None:
-        """MLA runs on the torch path: ``auto`` and ``torch`` take it, ``triton`` is refused."""
-        if resolve_backend(name, self.device) == "triton" and name == "triton":
-            raise ValueError(f"--attention-backend triton: {self.config.architecture} (MLA) runs on the torch "
-                             "attention path only; use --attention-backend torch or auto")
-        self.attn = TorchBackend()
+        """``auto``, ``torch`` or ``triton`` (CUDA only); the triton backend's decode splits are sized
+        for the latent's one head (``LatentCache.num_kv_heads``)."""
+        self.attn = make_backend(name, self.device, LatentCache.num_kv_heads)
 
     def hf_tensor_map(self) -> dict[str, TensorSlot]:
         """Hugging Face tensor name -> destination. Tied checkpoints carry no ``lm_head.weight``."""

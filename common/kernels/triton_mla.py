@@ -1,0 +1,227 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, absorbed form) in Triton over the paged latent cache.
+
+A cache row is ``[c (L = kv_lora_rank) | k_pe (R = qk_rope_head_dim)]`` per token
+(``common/cache/mla_cache.py``), a query ``[q_latent (L) | q_pe (R)]`` per head
+(``common/layers/mla.py``)::
+
+    score[h, n] = (q_latent[h] . c[n] + q_pe[h] . k_pe[n]) * scale
+    out[h]      = softmax_n(score[h]) @ c                    # [H, L]
+
+Every head reads the same row, so a latent tile, once loaded, serves a whole block of heads: for
+the score and again as the value. L and R are loaded as two tiles (L + R = 576 is no power of two,
+one tile would be padded to 1024). Three kernels, checked against the torch path
+(``TorchBackend.mla_attend``: ``attention.paged_attention`` over the latent as one KV head) in
+``tests/gpu/test_triton_mla.py``:
+
+- ``store_latent``: token t's row [L + R] goes to row ``slots[t]`` of page ``pages[t]``; a negative
+  page skips the token (padding rows of a CUDA graph bucket).
+- ``decode_attention``: one query token per sequence, at position ``kv_lens[b] - 1``. Split-K: a
+  program per (sequence, block of heads, split) scores its share of the context for those heads,
+  then ``triton_attention``'s merge kernel combines the splits by their log-sum-exp. The split count
+  depends on the batch size only (a CUDA graph keeps it); a split's range comes from ``kv_lens``.
+- ``extend_attention``: several query tokens per sequence after ``prefix_lens[b]`` cached ones,
+  causal (prefill, chunked prefill, spec-dec verify). The tile's rows are (token, head) pairs,
+  token-major, so a verify step's few tokens still fill a tile with heads, and a tile reads the
+  keys up to its last token only. The new rows must already be stored.
+
+The cache is a ``[num_pages, page_size, L + R]`` view of the pool (both ``--kv-layout`` values:
+only the page stride differs), addressed through its strides with int64 offsets, never copied.
+SGLang's Triton MLA decode (``decode_attention.py``'s grouped kernel) is the public design the
+decode follows; the code is our own. Model-dtype pools only (``make_kv_cache`` refuses FP8).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# the dense kernels' constants, dot precision and split merge (the merge is per head and width-blind)
+from kvferry.common.kernels.triton_attention import _LOG2E, _NEG, _decode_merge_kernel, _precision
+
+
+@triton.jit
+def _store_latent_kernel(rows, cache, pages, slots, stride_rt, stride_cp, stride_cr, WIDTH: tl.constexpr,
+                         BLOCK_W: tl.constexpr):
+    t = tl.program_id(0)
+    page = tl.load(pages + t).to(tl.int64)
+    if page >= 0:
+        slot = tl.load(slots + t).to(tl.int64)
+        w = tl.arange(0, BLOCK_W)
+        row = tl.load(rows + t * stride_rt + w, mask=w < WIDTH)
+        tl.store(cache + page * stride_cp + slot * stride_cr + w, row.to(cache.dtype.element_ty), mask=w < WIDTH)
+
+
+@triton.jit
+def _score(q_lat, q_pe, cache, offs, n_mask, LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr,
+           BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+    """(scores [rows, BLOCK_N] unscaled, the latent tile [BLOCK_N, BLOCK_L]) of the keys at ``offs``."""
+    lat = tl.arange(0, BLOCK_L)
+    pe = tl.arange(0, BLOCK_R)
+    c_tile = tl.load(cache + offs[:, None] + lat[None, :], mask=n_mask[:, None] & (lat[None, :] < LATENT), other=0.0)
+    pe_tile = tl.load(cache + offs[:, None] + LATENT + pe[None, :], mask=n_mask[:, None] & (pe[None, :] < ROPE),
+                      other=0.0)
+    s = tl.dot(q_lat, tl.trans(c_tile), input_precision=PRECISION)
+    s += tl.dot(q_pe, tl.trans(pe_tile), input_precision=PRECISION)
+    return s, c_tile
+
+
+# stride_pb (the page table's width) and num_splits vary from batch to batch: no recompiles for them
+@triton.jit(do_not_specialize=["stride_pb", "num_splits"])
+def _decode_split_kernel(q, cache, page_table, kv_lens, mid_o, mid_lse, stride_qb, stride_qh, stride_cp, stride_cr,
+                         stride_pb, scale_log2, num_splits, NUM_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                         LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    b, head_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kv_len = tl.load(kv_lens + b).to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, kv_len)
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < NUM_HEADS
+    lat = tl.arange(0, BLOCK_L)
+    pe = tl.arange(0, BLOCK_R)
+    q_rows = q + b * stride_qb + heads[:, None] * stride_qh
+    q_lat = tl.load(q_rows + lat[None, :], mask=h_mask[:, None] & (lat[None, :] < LATENT), other=0.0)
+    q_pe = tl.load(q_rows + LATENT + pe[None, :], mask=h_mask[:, None] & (pe[None, :] < ROPE), other=0.0)
+    m_i = tl.full([BLOCK_H], _NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_mask = n < hi
+        page = tl.load(page_table + b * stride_pb + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        offs = page * stride_cp + (n % PAGE_SIZE).to(tl.int64) * stride_cr
+        s, c_tile = _score(q_lat, q_pe, cache, offs, n_mask, LATENT, ROPE, BLOCK_L, BLOCK_R, PRECISION)
+        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c_tile.dtype), c_tile, input_precision=PRECISION)
+        m_i = m_new
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), _NEG)  # log2 units
+    base = (b * NUM_HEADS + heads) * num_splits + split  # mid_o: [B, H, num_splits, L]
+    tl.store(mid_o + base[:, None] * LATENT + lat[None, :], out, mask=h_mask[:, None] & (lat[None, :] < LATENT))
+    tl.store(mid_lse + base, lse, mask=h_mask)
+
+
+@triton.jit(do_not_specialize=["stride_pb"])
+def _extend_kernel(q, o, cache, page_table, q_starts, q_lens, prefix_lens, stride_qt, stride_qh, stride_ot,
+                   stride_oh, stride_cp, stride_cr, stride_pb, scale_log2, NUM_HEADS: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+    b, block = tl.program_id(0), tl.program_id(1)
+    q_len = tl.load(q_lens + b).to(tl.int32)
+    q_start = tl.load(q_starts + b).to(tl.int64)
+    prefix = tl.load(prefix_lens + b).to(tl.int32)
+    pair = block * BLOCK_M + tl.arange(0, BLOCK_M)  # (token, head) rows, token-major
+    token, head = pair // NUM_HEADS, pair % NUM_HEADS
+    m_mask = token < q_len
+    q_pos = prefix + token
+    lat = tl.arange(0, BLOCK_L)
+    pe = tl.arange(0, BLOCK_R)
+    q_rows = (q_start + token.to(tl.int64)) * stride_qt + head * stride_qh
+    q_lat = tl.load(q + q_rows[:, None] + lat[None, :], mask=m_mask[:, None] & (lat[None, :] < LATENT), other=0.0)
+    q_pe = tl.load(q + q_rows[:, None] + LATENT + pe[None, :], mask=m_mask[:, None] & (pe[None, :] < ROPE),
+                   other=0.0)
+    # keys this tile can see: causal up to its last token (a tile past the sequence's rows sees none)
+    last_token = tl.minimum((block * BLOCK_M + BLOCK_M - 1) // NUM_HEADS, q_len - 1)
+    hi = tl.where(block * BLOCK_M < q_len * NUM_HEADS, prefix + last_token + 1, 0)
+    lo = prefix * 0
+    m_i = tl.full([BLOCK_M], _NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_mask = n < hi
+        page = tl.load(page_table + b * stride_pb + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        offs = page * stride_cp + (n % PAGE_SIZE).to(tl.int64) * stride_cr
+        s, c_tile = _score(q_lat, q_pe, cache, offs, n_mask, LATENT, ROPE, BLOCK_L, BLOCK_R, PRECISION)
+        allowed = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
+        s = tl.where(allowed, s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c_tile.dtype), c_tile, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_rows = (q_start + token.to(tl.int64)) * stride_ot + head * stride_oh
+    tl.store(o + o_rows[:, None] + lat[None, :], out.to(o.dtype.element_ty),
+             mask=m_mask[:, None] & (lat[None, :] < LATENT))
+
+
+def _check(q: torch.Tensor, cache: torch.Tensor, latent_dim: int) -> int:
+    """The rope width R; raises ValueError where q and the cache disagree or are not unit-strided."""
+    width = cache.shape[-1]
+    if q.shape[-1] != width or not 0 < latent_dim < width:
+        raise ValueError(f"MLA attention: query rows are {q.shape[-1]} wide and cache rows {width}, with "
+                         f"kv_lora_rank {latent_dim}; both must be kv_lora_rank + qk_rope_head_dim")
+    if q.stride(-1) != 1 or cache.stride(-1) != 1:
+        raise ValueError(f"MLA attention: q strides {q.stride()} and cache strides {cache.stride()} need a unit "
+                         "last stride")
+    return width - latent_dim
+
+
+def _blocks(latent_dim: int, rope_dim: int) -> tuple[int, int]:
+    return max(16, triton.next_power_of_2(latent_dim)), max(16, triton.next_power_of_2(rope_dim))
+
+
+def store_latent(cache: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> None:
+    """rows [T, L + R] (last dim contiguous) into cache [num_pages, page_size, L + R] at (pages[t],
+    slots[t]); pages [T] int (< 0: skip the token)."""
+    if rows.shape[-1] != cache.shape[-1] or rows.stride(-1) != 1 or cache.stride(-1) != 1:
+        raise ValueError(f"store_latent: rows {tuple(rows.shape)} (strides {rows.stride()}) into a cache "
+                         f"{tuple(cache.shape)} (strides {cache.stride()}): widths must match, last strides 1")
+    if rows.shape[0] == 0:
+        return
+    width = cache.shape[-1]
+    _store_latent_kernel[(rows.shape[0],)](rows, cache, pages, slots, rows.stride(0), cache.stride(0),
+                                           cache.stride(1), WIDTH=width, BLOCK_W=triton.next_power_of_2(width))
+
+
+def decode_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, kv_lens: torch.Tensor,
+                     latent_dim: int, scale: float, num_splits: int) -> torch.Tensor:
+    """q [B, H, L + R] (the token at position kv_lens[b] - 1, its row already stored); cache
+    [num_pages, page_size, L + R]; page_table [B, max_pages] int; kv_lens [B] int (0: a padding row,
+    output 0) -> [B, H, L] in q's dtype. ``latent_dim`` is L, ``scale`` the softmax scale."""
+    rope_dim = _check(q, cache, latent_dim)
+    batch, num_heads, _ = q.shape
+    block_l, block_r = _blocks(latent_dim, rope_dim)
+    block_h = 16  # tl.dot's smallest tile; more heads per program would cut the splits a batch can use
+    mid_o = torch.empty(batch, num_heads, num_splits, latent_dim, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, triton.cdiv(num_heads, block_h), num_splits)](
+        q, cache, page_table, kv_lens, mid_o, mid_lse, q.stride(0), q.stride(1), cache.stride(0), cache.stride(1),
+        page_table.stride(0), scale * _LOG2E, num_splits, NUM_HEADS=num_heads, PAGE_SIZE=cache.shape[1],
+        LATENT=latent_dim, ROPE=rope_dim, BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_R=block_r,
+        BLOCK_N=32 if block_l > 128 else 64, PRECISION=_precision(q.dtype), num_warps=4, num_stages=2)
+    out = q.new_empty(batch, num_heads, latent_dim)
+    _decode_merge_kernel[(batch, num_heads)](
+        mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, HEAD_DIM=latent_dim, BLOCK_D=block_l)
+    return out
+
+
+def extend_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, q_starts: torch.Tensor,
+                     q_lens: torch.Tensor, prefix_lens: torch.Tensor, max_query: int, latent_dim: int,
+                     scale: float) -> torch.Tensor:
+    """q [T, H, L + R] packed, sequence b's rows at [q_starts[b], + q_lens[b]) and positions
+    prefix_lens[b] + i (their rows already stored) -> [T, H, L] in q's dtype; a sequence with
+    q_lens 0 (padding) reads nothing."""
+    rope_dim = _check(q, cache, latent_dim)
+    _, num_heads, _ = q.shape
+    block_l, block_r = _blocks(latent_dim, rope_dim)
+    is_wide = block_l > 128 or q.dtype == torch.float32
+    block_m = 32 if is_wide else 64
+    out = q.new_zeros(q.shape[:-1] + (latent_dim,))  # rows of padding tokens stay 0, never garbage
+    grid = (q_lens.shape[0], triton.cdiv(max_query * num_heads, block_m))
+    _extend_kernel[grid](
+        q, out, cache, page_table, q_starts, q_lens, prefix_lens, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), cache.stride(0), cache.stride(1), page_table.stride(0), scale * _LOG2E, NUM_HEADS=num_heads,
+        PAGE_SIZE=cache.shape[1], LATENT=latent_dim, ROPE=rope_dim, BLOCK_M=block_m, BLOCK_N=32 if is_wide else 64,
+        BLOCK_L=block_l, BLOCK_R=block_r, PRECISION=_precision(q.dtype), num_warps=8 if block_l > 128 else 4,
+        num_stages=2)
+    return out

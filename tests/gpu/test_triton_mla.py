@@ -1,0 +1,249 @@
+"""The Triton MLA kernels (``triton_mla.py``) against the torch path (``TorchBackend.mla_attend``:
+the paged attention over the latent as one KV head), and a tiny DeepSeek on the triton backend.
+
+Random page tables over a latent pool bigger than the batch needs, both KV layouts, page sizes 4
+and 16, ragged lengths across page boundaries, head counts that are and are not a multiple of the
+kernels' 16-head tile, padding sequences (kv_len 0 in decode, q_len 0 in extend) and padding store
+rows (page -1). Under ``TRITON_INTERPRET=1`` the small shapes run on CPU (fp32 and fp16); on CUDA
+also DeepSeek's real ones (kv_lora_rank 512, rope 64, 16 and 128 heads, contexts to 4k, bf16).
+Tolerances: fp32 2e-5 (ieee dots, another summation order), fp16 5e-3, bf16 2e-2 (P is rounded to
+the dtype before P @ c; outputs are O(1)). The tiny DeepSeek runs whole on the triton backend, eagerly
+and over a CUDA graph bucket's static plan with a padding row, against the torch backend.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from kvferry.common.layers import attention
+from kvferry.common.layers.attn_backend import TorchBackend
+
+pytestmark = pytest.mark.gpu
+triton_mla = pytest.importorskip("kvferry.common.kernels.triton_mla")
+triton_attention = pytest.importorskip("kvferry.common.kernels.triton_attention")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+NUM_SMS = 16 if INTERPRET else 132  # as test_triton_attention: several splits, some of them empty
+LAYOUTS = ["page-major", "layer-major"]
+# The interpreter's tl.dot misreads bf16 tiles (triton 3.9): there fp16 stands in for the 16-bit path.
+DTYPES = [torch.float32, torch.float16 if INTERPRET else torch.bfloat16]
+
+
+class LatentPool:
+    """One middle layer of a latent pool laid out as ``LatentCache`` lays it, random rows."""
+
+    def __init__(self, layout: str, num_pages: int, page_size: int, width: int, dtype, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        shape = (num_pages, 3) if layout == "page-major" else (3, num_pages)
+        buffer = torch.randn(shape + (page_size, width), generator=gen).to(dtype).to(DEVICE)
+        self.cache = buffer[:, 1] if layout == "page-major" else buffer[1]  # [num_pages, page_size, width]
+        self.page_size, self.num_pages = page_size, num_pages
+        self.rng = random.Random(seed)
+
+    def tables(self, kv_lens: list[int]) -> list[list[int]]:
+        need = [-(-n // self.page_size) for n in kv_lens]
+        pages = self.rng.sample(range(self.num_pages), sum(need))
+        out, at = [], 0
+        for n in need:
+            out.append(pages[at:at + n])
+            at += n
+        return out
+
+
+def _pool(layout, page_size, kv_lens, width, dtype) -> LatentPool:
+    return LatentPool(layout, sum(-(-n // page_size) for n in kv_lens) + 5, page_size, width, dtype)
+
+
+def _ints(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=DEVICE)
+
+
+def _padded_table(tables: list[list[int]]) -> torch.Tensor:
+    width = max(1, max(len(t) for t in tables))
+    return _ints([t + [0] * (width - len(t)) for t in tables])
+
+
+def _reference(pool: LatentPool, q, query_lens, starts, tables, latent_dim, scale) -> torch.Tensor:
+    plan = attention.build_plan(query_lens, starts, tables, pool.page_size, torch.device(DEVICE))
+    return TorchBackend.mla_attend(q.float(), pool.cache.float(), plan, latent_dim, scale)
+
+
+def _query(num_tokens: int, num_heads: int, width: int, dtype, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(num_tokens, num_heads, width, generator=gen).to(dtype).to(DEVICE)
+
+
+def _check_decode(layout, page_size, kv_lens, dtype, num_heads=4, latent_dim=32, rope_dim=16, num_padding=0):
+    """``num_padding`` trailing rows of kv_len 0 (a graph bucket's padding): their outputs are 0."""
+    width = latent_dim + rope_dim
+    pool = _pool(layout, page_size, kv_lens, width, dtype)
+    tables = pool.tables(kv_lens)
+    batch = len(kv_lens) + num_padding
+    q = _query(batch, num_heads, width, dtype)
+    scale = (width + 32) ** -0.5
+    splits = triton_attention.num_decode_splits(batch, 1, NUM_SMS)
+    got = triton_mla.decode_attention(q, pool.cache, _padded_table(tables + [[]] * num_padding),
+                                      _ints(kv_lens + [0] * num_padding), latent_dim, scale, splits)
+    assert got.shape == (batch, num_heads, latent_dim) and got.dtype == dtype
+    want = _reference(pool, q[:len(kv_lens)], [1] * len(kv_lens), [n - 1 for n in kv_lens], tables, latent_dim,
+                      scale)
+    torch.testing.assert_close(got[:len(kv_lens)].float(), want, atol=TOL[dtype], rtol=0)
+    assert torch.count_nonzero(got[len(kv_lens):]) == 0
+
+
+def _check_extend(layout, page_size, prefix_lens, query_lens, dtype, num_heads=4, latent_dim=32, rope_dim=16,
+                  num_padding=0):
+    """``num_padding`` trailing sequences of q_len 0 (a verify graph's padding) read nothing."""
+    width = latent_dim + rope_dim
+    kv_lens = [p + n for p, n in zip(prefix_lens, query_lens)]
+    pool = _pool(layout, page_size, kv_lens, width, dtype)
+    tables = pool.tables(kv_lens)
+    num_tokens = sum(query_lens)
+    q = _query(num_tokens, num_heads, width, dtype)
+    scale = (width + 32) ** -0.5
+    starts = [sum(query_lens[:i]) for i in range(len(query_lens))] + [0] * num_padding
+    got = triton_mla.extend_attention(
+        q, pool.cache, _padded_table(tables + [[]] * num_padding), _ints(starts),
+        _ints(query_lens + [0] * num_padding), _ints(prefix_lens + [0] * num_padding), max(query_lens), latent_dim,
+        scale)
+    assert got.shape == (num_tokens, num_heads, latent_dim) and got.dtype == dtype
+    want = _reference(pool, q, query_lens, prefix_lens, tables, latent_dim, scale)
+    torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_decode_ragged(layout, dtype, page_size):
+    _check_decode(layout, page_size, [1, 3, 4, 5, 16, 17, 40, 130], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_partial_head_tile_and_padding_rows(dtype):
+    # 20 heads: a full 16-head tile and a partial one; 64-wide latent; two padding rows of kv_len 0
+    _check_decode("layer-major", 4, [2, 33, 70], dtype, num_heads=20, latent_dim=64, num_padding=2)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_extend_verify_chunked_and_plain_prefill(layout, dtype, page_size):
+    # verify: 4 tokens after a prefix; chunked prefill: a chunk after a prefix; plain prefill: no prefix
+    _check_extend(layout, page_size, [0, 3, 16, 33], [4, 4, 4, 4], dtype)
+    _check_extend(layout, page_size, [0, 13, 64], [37, 1, 21], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extend_partial_head_tiles_and_padding_sequences(dtype):
+    # 5 heads: a tile's (token, head) rows straddle tokens; two padding sequences of q_len 0
+    _check_extend("page-major", 4, [5, 0], [3, 9], dtype, num_heads=5, latent_dim=64, num_padding=2)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_store_latent_matches_index_put_and_skips_padding(layout):
+    pool = LatentPool(layout, 12, 4, 48, torch.float16)
+    want = pool.cache.clone()
+    wide = torch.randn(6, 80).to(torch.float16).to(DEVICE)  # rows as a strided view of wider projections
+    rows = wide[:, 16:64]
+    pages, slots = _ints([3, 3, 11, 0, -1, 7]), _ints([0, 3, 2, 1, 1, 2])
+    triton_mla.store_latent(pool.cache, rows, pages, slots)
+    keep = pages >= 0
+    want.index_put_((pages[keep], slots[keep]), rows[keep])
+    assert torch.equal(pool.cache, want)
+
+
+def test_width_mismatch_is_refused_with_the_values():
+    pool = LatentPool("page-major", 4, 4, 48, torch.float32)
+    q = _query(2, 4, 40, torch.float32)
+    with pytest.raises(ValueError, match="40 wide and cache rows 48, with kv_lora_rank 32"):
+        triton_mla.decode_attention(q, pool.cache, _ints([[0], [1]]), _ints([1, 2]), 32, 0.1, 1)
+    with pytest.raises(ValueError, match=r"store_latent: rows \(2, 40\)"):
+        triton_mla.store_latent(pool.cache, q[:, 0], _ints([0, 1]), _ints([0, 0]))
+
+
+@pytest.mark.skipif(INTERPRET, reason="DeepSeek's shapes are too slow for the interpreter")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("num_heads", [16, 128])
+def test_real_shapes_on_cuda(layout, num_heads):
+    dtype = torch.bfloat16
+    _check_decode(layout, 16, [1, 17, 1000, 4097], dtype, num_heads=num_heads, latent_dim=512, rope_dim=64,
+                  num_padding=1)
+    _check_extend(layout, 16, [0, 4, 1000], [700, 4, 300], dtype, num_heads=num_heads, latent_dim=512, rope_dim=64)
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v2-tiny", "deepseek-v3-tiny"])
+def test_tiny_deepseek_on_the_triton_backend_equals_torch(tmp_path, preset):
+    """The whole tiny DeepSeek (MLA through the kernels, its MoE through ``fused_moe``) on the triton
+    backend gives the torch backend's greedy tokens, logits and latent rows: a batched prefill, three
+    decode steps, then a 3-token extend beside a decode step."""
+    from kvferry.common.layers.attn_backend import TritonBackend
+    from kvferry.common.models.llama import SeqChunk
+    from kvferry.common.models.loader import load_model
+    from kvferry.common.models.tiny import make_tiny_model
+
+    target, _ = make_tiny_model(tmp_path, seed=3, preset=preset)
+    model = load_model(target, dtype=torch.float32, device=DEVICE)
+    prompts, pages = [[11, 200, 37, 5, 480], [9, 9, 301, 44, 17, 250, 3, 8, 90]], [[6, 1, 4], [0, 5, 2, 7]]
+    runs = {}
+    for backend in (TorchBackend(), TritonBackend(torch.device(DEVICE), 1)):
+        model.attn = backend
+        kv = type(model).make_kv_cache(model.config, 8, 4, torch.float32, DEVICE)
+        seqs = [list(p) for p in prompts]
+        logits = [model.forward([SeqChunk(p, 0, pg) for p, pg in zip(prompts, pages)], kv)]
+        for _ in range(3):
+            for seq, row in zip(seqs, logits[-1]):
+                seq.append(int(row.argmax()))
+            logits.append(model.forward([SeqChunk(s[-1:], len(s) - 1, pg) for s, pg in zip(seqs, pages)], kv))
+        extend = [SeqChunk([7, 8, 9], len(seqs[0]), pages[0]), SeqChunk([5], len(seqs[1]), pages[1])]
+        logits.append(torch.cat(model.forward(extend, kv, all_logits=True)))
+        runs[backend.name] = (seqs, logits, kv.buffer.clone())
+    (seqs, logits, buffer), (want_seqs, want_logits, want_buffer) = runs["triton"], runs["torch"]
+    assert seqs == want_seqs
+    for got, want in zip(logits, want_logits):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(buffer, want_buffer, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens_per_seq", [1, 4])
+def test_tiny_deepseek_graph_bucket_with_padding_rows_equals_eager(tmp_path, tokens_per_seq):
+    """What a CUDA graph replays, run eagerly: a bucket of 4 over ``cuda_graph``'s static plan, 3
+    sequences and a padding one (page -1, kv_len 0, q 0), decode (q = 1) or verify (q = 4), gives the
+    torch backend's logits for the 3 and stores the rows that backend stores, nothing for the padding."""
+    import numpy as np
+
+    from kvferry.common.engine.cuda_graph import graph_inputs, static_plan
+    from kvferry.common.layers.attn_backend import TritonBackend
+    from kvferry.common.models.llama import SeqChunk
+    from kvferry.common.models.loader import load_model
+    from kvferry.common.models.tiny import make_tiny_model
+
+    target, _ = make_tiny_model(tmp_path, seed=5, preset="deepseek-v3-tiny")
+    model = load_model(target, dtype=torch.float32, device=DEVICE)
+    kv = type(model).make_kv_cache(model.config, 12, 4, torch.float32, DEVICE)
+    prompts = [[11, 200, 37, 5, 480], [9, 9, 301, 44, 17, 250, 3, 8, 90], [70, 71, 72]]
+    pages = [[6, 1, 4], [0, 5, 2, 8], [9, 3]]
+    model.forward([SeqChunk(p, 0, pg) for p, pg in zip(prompts, pages)], kv)
+    before = kv.buffer.clone()
+    step = [SeqChunk([7, 8, 9, 10][:tokens_per_seq], len(p), pg) for p, pg in zip(prompts, pages)]
+    batch, is_verify = 4, tokens_per_seq > 1
+    token_inputs, seq_inputs, table = graph_inputs(step, kv.page_size, batch)
+    page_table = np.zeros((batch, table.shape[1]), np.int64)
+    page_table[:len(step)] = table
+    last_index = torch.arange(1, batch + 1, device=DEVICE) * tokens_per_seq - 1
+    model.attn = TritonBackend(torch.device(DEVICE), 1)
+    token_ids, plan = static_plan(*(torch.from_numpy(a).to(DEVICE) for a in (token_inputs, seq_inputs, page_table)),
+                                  last_index, tokens_per_seq, model.attn.num_splits(batch))
+    got = model.run(token_ids, plan, kv, all_logits=is_verify)
+    stored = kv.buffer.clone()
+    kv.buffer.copy_(before)
+    model.attn = TorchBackend()
+    want = model.forward(step, kv, all_logits=is_verify)
+    for got_rows, want_rows in zip(got[:len(step)], want):
+        torch.testing.assert_close(got_rows, want_rows, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(stored, kv.buffer, rtol=1e-5, atol=1e-5)
