@@ -275,3 +275,27 @@ def test_mismatched_forms_refused_at_registration(tmp_path, mla_model, tiny_mode
     finally:
         decode_side.stop_all()
         prefill_side.stop_all()
+
+
+# (prefill TP, decode TP, prefill page size, decode page size): the per-rank feeds, each decode rank
+# receiving every layer's latent whole, the layers' writers spread over the prefill ranks
+TP_CASES = [(2, 1, 16, 16), (1, 2, 16, 64), (2, 4, 64, 16)]
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp,prefill_page,decode_page", TP_CASES,
+                         ids=[f"tp{a}to{b}-pages{p}to{d}" for a, b, p, d in TP_CASES])
+def test_mla_pair_across_tp_sizes_equals_colocated(tmp_path, mla_model, reference, prefill_tp, decode_tp,
+                                                   prefill_page, decode_page):
+    cluster = Cluster(tmp_path / "logs", *mla_model)
+    try:
+        prefill, decode = _start(cluster, ["--tp-size", str(prefill_tp), "--page-size", str(prefill_page)],
+                                 ["--tp-size", str(decode_tp), "--page-size", str(decode_page)])
+        router = cluster.router([prefill], [decode])
+        before = {p.name: free_pages(p) for p in (prefill, decode)}
+        assert [_generate(router.url, ids)["output_ids"] for ids in _prompts()] == reference
+        for proc, tp in ((prefill, prefill_tp), (decode, decode_tp)):
+            status, info = http_json(proc.url + "/server_info", timeout_s=10)
+            assert (status, info["tp_size"]) == (200, tp), info
+        assert_pages_return([prefill, decode], before)
+    finally:
+        cluster.stop_all()
