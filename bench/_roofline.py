@@ -45,8 +45,9 @@ def expected_experts_touched(num_experts: int, top_k: int, batch: int) -> float:
 
 def split_weights(params: Iterable[tuple[str, int, int]], num_experts: int = 0, top_k: int = 0) -> WeightBytes:
     """``params``: (name, numel, element bytes) of every weight a step reads (the embedding table
-    left out unless tied to lm_head). Names ending ``.moe.w13`` / ``.moe.w2`` are a sparse layer's
-    stacked experts ``[E, ...]`` (``common/layers/moe.py``); everything else is dense. An FP8
+    left out unless tied to lm_head). Names ending ``.moe.w13`` / ``.moe.w2`` (Qwen3-MoE) or
+    ``.mlp.w13`` / ``.mlp.w2`` (DeepSeek's routed experts) are a sparse layer's stacked experts
+    ``[E, ...]`` (``common/layers/moe.py``); everything else is dense. An FP8
     linear's ``.scale`` (``common/layers/fp8.py``) is read with its weight but multiplies nothing:
     its bytes count, not its elements."""
     dense_bytes = dense_params = expert_bytes = expert_params = 0
@@ -56,6 +57,8 @@ def split_weights(params: Iterable[tuple[str, int, int]], num_experts: int = 0, 
             dense_bytes += numel * element_bytes
             continue
         layer, _, kind = name.rpartition(".moe.")
+        if not layer:  # DeepSeek's routed experts: ``layers.{i}.mlp.w13`` / ``.w2`` (shared experts apart)
+            layer, _, kind = name.rpartition(".mlp.")
         if kind in ("w13", "w2") and layer:
             sparse_layers.add(layer)
             expert_bytes += numel * element_bytes

@@ -124,7 +124,11 @@ def prefill_case(runner, tokens: int, num_params: int, cfg, peak: float) -> dict
         times.append(time.perf_counter() - started)
         runner.release(seq)
     seconds = min(times[1:])
-    flops = 2 * num_params * tokens + 2 * cfg.num_hidden_layers * tokens**2 * cfg.num_attention_heads * cfg.head_dim
+    # causal attention: QK over the key width and PV over the value width (MLA's absorbed form: the
+    # latent + rope row, then the latent), their mean standing for head_dim
+    attn_dim = (cfg.head_dim if cfg.deepseek is None
+                else (cfg.deepseek.latent_width + cfg.deepseek.kv_lora_rank) / 2)
+    flops = 2 * num_params * tokens + 2 * cfg.num_hidden_layers * tokens**2 * cfg.num_attention_heads * attn_dim
     tflops = flops / seconds / 1e12
     return {"mode": "prefill", "batch": 1, "context_tokens": tokens, "step_ms": round(seconds * 1e3, 2),
             "tflops": round(tflops, 1), "ratio_vs_matmul_peak": round(tflops / peak, 3),
@@ -194,7 +198,9 @@ def main() -> None:
     bw, peak, fp8_peak = ceilings(a.device)
     cfg = ModelConfig.from_dir(a.model)
     elem_bytes = 1 if a.kv_cache_dtype == "fp8_e4m3" else torch.empty(0, dtype=getattr(torch, a.dtype)).element_size()
-    kv_token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem_bytes
+    # K and V per layer; an MLA model (DeepSeek) one latent row of kv_lora_rank + qk_rope_head_dim per layer
+    per_layer = cfg.deepseek.latent_width if cfg.deepseek is not None else 2 * cfg.num_key_value_heads * cfg.head_dim
+    kv_token_bytes = cfg.num_hidden_layers * per_layer * elem_bytes
     max_tokens = int(a.kv_budget_gib * 2**30 // kv_token_bytes)
     started = time.perf_counter()
     runner = build_runner(a.model, device=a.device, dtype=a.dtype, max_total_tokens=max_tokens,
@@ -218,7 +224,8 @@ def main() -> None:
     tensors = [*model.named_parameters(), *model.named_buffers()]
     weights = split_weights([(name, p.numel(), p.element_size()) for name, p in tensors
                              if name != "embed" or model.config.has_tied_embeddings],
-                            moe.num_experts if moe else 0, moe.num_experts_per_tok if moe else 0)
+                            *((moe.num_experts, moe.num_experts_per_tok) if moe else
+                              (ds.n_routed_experts, ds.num_experts_per_tok) if (ds := model.config.deepseek) else (0, 0)))
     for context in map(int, a.contexts.split(",")):
         for batch in map(int, a.batches.split(",")):
             if batch * (context + a.steps + 24) > max_tokens:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|chooser|staging|spec|e2e|e2e-cache|multiturn|xfer-threads|
-#                          fp8-a|fp8-b|all]   (results land in $OUT, default ./gpu-out)
+#                          fp8-a|fp8-b|moe|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -174,12 +174,33 @@ if [[ $what == fp8-a ]]; then
   done
 fi
 if [[ $what == fp8-b ]]; then
-  fp8_build block
-  fp8_engine fp8-block --model $fp8b/target --batches 1,64 --contexts 1024 --prefill 8192
+  # the whole GPU suite (every kernel against its reference, graphs) while the checkpoints build; then bf16, per-channel
+  # and block FP8 side by side at the issue's points (batch 1 and 64 at 1k, prefill 8k), and the converting pair
+  fp8_build channel block &
+  build=$!
+  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/tests.txt" | tail -15
+  wait $build
+  for v in bf16:$m8b fp8-channel:$fp8c fp8-block:$fp8b; do
+    fp8_engine ${v%%:*} --model ${v#*:}/target --batches 1,64 --contexts 1024 --prefill 8192
+  done
+  fp8_engine fp8-channel+fp8-kv --model $fp8c/target --batches 1,64 --contexts 1024 --prefill "" --kv-cache-dtype fp8_e4m3
   for pair in "convert:" "fp8:--kv-cache-dtype fp8_e4m3"; do
-    timeout ${E2E_TIMEOUT:-150} python3 bench/e2e.py --device cuda --model $m8b/target --prompt-tokens 1024,8192 \
-      --concurrency 1,16 --reps ${E2E_REPS:-3} --max-total-tokens 150000 --no-inprocess \
+    timeout ${E2E_TIMEOUT:-120} python3 bench/e2e.py --device cuda --model $m8b/target --prompt-tokens 1024 \
+      --concurrency 1,16 --reps ${E2E_REPS:-3} --max-total-tokens 60000 --no-inprocess \
       --prefill-args="${pair#*:}" --decode-args="--kv-cache-dtype fp8_e4m3" 2>>"$out/fp8-e2e.err" \
       | sed "s/^{/{\"pair\": \"${pair%%:*}\", /" | tee -a "$out/fp8-e2e.jsonl"
+  done
+fi
+if [[ $what == moe ]]; then
+  # issue 29: the GPU-sized MoE and MLA presets (random weights, bf16) against their rooflines: a decode step reads the
+  # dense weights plus the experts the batch touches (bench/_roofline.py) and the KV (the latent rows for DeepSeek)
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    ( start=$(date +%s); timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 \
+        | tail -1; echo "built $preset in $(( $(date +%s) - start )) s" ) &
+  done
+  wait
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    timeout ${ENGINE_TIMEOUT:-200} python3 bench/engine.py --model /tmp/$preset/target --batches 1,8,64,128 \
+      --contexts 1024,8192 --prefill 1024,8192 2>>"$out/moe-engine.err" | tee -a "$out/moe-engine.jsonl"
   done
 fi
