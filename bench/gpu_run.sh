@@ -198,9 +198,12 @@ if [[ $what == moe ]]; then
     ( start=$(date +%s); timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 \
         | tail -1; echo "built $preset in $(( $(date +%s) - start )) s" ) &
   done
+  # meanwhile the MoE and MLA kernels against their references in real shapes, and DeepSeek's graphs
+  timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_triton_mla.py \
+    tests/gpu/test_triton_moe.py tests/gpu/test_deepseek_graphs.py 2>&1 | tee "$out/moe-tests.txt" | tail -8
   wait
   for preset in qwen3-30b-a3b deepseek-v2-lite; do
-    timeout ${ENGINE_TIMEOUT:-200} python3 bench/engine.py --model /tmp/$preset/target --batches 1,8,64,128 \
+    timeout ${ENGINE_TIMEOUT:-150} python3 bench/engine.py --model /tmp/$preset/target --batches 1,8,64,128 \
       --contexts 1024,8192 --prefill 1024,8192 2>>"$out/moe-engine.err" | tee -a "$out/moe-engine.jsonl"
   done
 fi
