@@ -243,7 +243,7 @@ class PageRuleMachine(RuleBasedStateMachine):
         self.executor = SimExecutor()
         group = None
         if self.topology is None:
-            plan = SimpleNamespace(aux_nbytes=AUX_ITEM)
+            plan = SimpleNamespace(aux_nbytes=AUX_ITEM, conversion=None)  # same KV dtype on both sides
             lists = [ListPair(self.engine.prep_local(_rows(range(NUM_PAGES)), "DRAM"),
                               self.engine.prep_remote("decode-r0", _rows(range(NUM_PAGES)), "DRAM")),
                      ListPair(self.engine.prep_local(_rows(range(NUM_AUX), AUX_BASE, AUX_ITEM), "DRAM"),
