@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|chooser|staging|spec|e2e|e2e-cache|multiturn|xfer-threads|
-#                          fp8-a|fp8-b|moe|all]   (results land in $OUT, default ./gpu-out)
+#                          fp8-a|fp8-b|moe|moe-e2e|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -205,5 +205,17 @@ if [[ $what == moe ]]; then
   for preset in qwen3-30b-a3b deepseek-v2-lite; do
     timeout ${ENGINE_TIMEOUT:-150} python3 bench/engine.py --model /tmp/$preset/target --batches 1,8,64,128 \
       --contexts 1024,8192 --prefill 1024,8192 2>>"$out/moe-engine.err" | tee -a "$out/moe-engine.jsonl"
+  done
+fi
+if [[ $what == moe-e2e ]]; then
+  # issue 29: the MoE (Qwen3-MoE) and MLA (DeepSeek) presets disaggregated against colocated in bench/e2e.py
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    ( timeout 200 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) &
+  done
+  wait
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    timeout ${E2E_TIMEOUT:-110} python3 bench/e2e.py --device cuda --model /tmp/$preset/target --prompt-tokens 1024 \
+      --concurrency 1,16 --reps ${E2E_REPS:-3} --max-total-tokens 40000 --no-inprocess 2>>"$out/moe-e2e.err" \
+      | sed "s/^{/{\"preset\": \"$preset\", /" | tee -a "$out/moe-e2e.jsonl"
   done
 fi
