@@ -194,8 +194,8 @@ class StagingSender:
         if into_slot:
             return StagedRoom(slot, chunks, segments, staging.addr + transfer.staging_slot * staging.slot_nbytes,
                               staging.mem, staging.device, nbytes, src, scales)
-        return StagedRoom(slot, chunks, segments, -1, plan.decode.regions[0].mem, segments[0].decode_device, nbytes,
-                          src, scales)
+        decode_mem = next(g.decode_mem for g in plan.groups if g.pairs)  # one kind: build_plan checks it
+        return StagedRoom(slot, chunks, segments, -1, decode_mem, segments[0].decode_device, nbytes, src, scales)
 
     def _direct(self, reason: DirectReason | None) -> None:
         self.metrics.staging_rooms.labels(path="direct", reason=reason.value if reason else "").inc()
