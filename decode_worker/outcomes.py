@@ -5,7 +5,10 @@ Each counts only from where the room was asked: a frame from the room's own link
 under the room's decode id (and, for a held room, from an agent of its link: ``Quarantine.written``).
 An UNSAFE result is kept for the room however it ends (``Quarantine.mark_unsafe``). Rooms that
 ended lately are remembered with their link and the agents that notified them, so that the
-prefill's later ``transfer_result`` teaches the link its agents (``PrefillLink.agents``).
+prefill's later ``transfer_result`` teaches the link its agents (``PrefillLink.agents``). The two
+may arrive in either order: the ``transfer_result`` travels over ZeroMQ while the notification
+waits for this decode's NIXL progress, so a room confirmed before its notification is seen
+(``confirmed``) teaches its link the agent when that notification comes.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ class RoomOutcomes:
         self.recent: OrderedDict[int, tuple[PrefillLink, set[str]]] = OrderedDict()
         # rooms' TransferResult.cached_tokens (the prefill's prefix hit), read once by the request
         self.cached_tokens: OrderedDict[int, int] = OrderedDict()
+        # rooms whose own link said ok, with that link: a notification seen after it is that link's agent's
+        self.confirmed: OrderedDict[int, PrefillLink] = OrderedDict()
 
     def on_link_message(self, link: PrefillLink, msg: wire.Message) -> None:
         """A link's reader hands over a transfer_result or error frame."""
@@ -67,6 +72,11 @@ class RoomOutcomes:
             self.cached_tokens[msg.room] = msg.cached_tokens
             while len(self.cached_tokens) > MAX_RECENT:
                 self.cached_tokens.popitem(last=False)
+        if msg.ok and asked_here:
+            self.confirmed[msg.room] = link
+            self.confirmed.move_to_end(msg.room)
+            while len(self.confirmed) > MAX_RECENT:
+                self.confirmed.popitem(last=False)
         if waiter is None:
             self._learn_agents(link, msg)
             return
@@ -111,6 +121,9 @@ class RoomOutcomes:
         if notif is None:
             return
         waiter = self.waiters.get(notif.room)
+        confirmed = self.confirmed.get(notif.room)
+        if confirmed is not None and notif.decode_id == confirmed.decode_id and notif.room not in self.holds:
+            confirmed.agents.add(agent)  # the room's own link said ok before this notification came
         if waiter is None or notif.decode_id != waiter.link.decode_id:
             if notif.room not in self.recent and notif.room not in self.holds:
                 self.metrics.stale_notifications.inc()

@@ -118,6 +118,22 @@ def notif(decode: Receiver, room: int, parts: int = 1, decode_id: str | None = N
     return wire.encode(wire.Notification(room=room, decode_id=decode_id or decode.decode_id, ok=True, parts=parts))
 
 
+def test_a_room_confirmed_before_its_notification_still_teaches_the_link_its_agent():
+    """The transfer_result travels over ZeroMQ and the notification waits for the decode's NIXL
+    progress: either may come first. A room its own link confirmed teaches the link the agent of a
+    notification seen only afterwards (here: the room lands, the link is made to forget the agent, as
+    when the result won the race, and the notification comes again), under the room's decode id
+    only. Fails if only notifications seen before the result count (``RoomOutcomes.confirmed``)."""
+    async def body(prefill, decode):
+        link, _ = await landed_room(prefill, decode, 7, [0, 1])
+        link.agents.clear()  # as if the transfer_result had come before the notification
+        decode.receiver.on_notification("intruder", notif(decode, 7, decode_id="another-decode"))
+        assert link.agents == set()
+        decode.receiver.on_notification(prefill.engine.name, notif(decode, 7))
+        assert link.agents == {prefill.engine.name}
+    scenario(body)
+
+
 def test_held_tp_room_ends_only_when_every_part_has_reported():
     """A TP room of two parts (two prefill ranks' WRITEs) failed on the decode: the first part's
     notification, even twice, leaves the pages held while the other part may still land; the
