@@ -151,7 +151,15 @@ def wave(pool, side: Side, prompts: list[list[int]], sampling: dict, timeout_s: 
     futures = [pool.submit(stream, side.router.url, {"input_ids": p, "sampling_params": sampling, "stream": True},
                            timeout_s) for p in prompts]
     answers = [f.result() for f in futures]
+    # A client has its answer from the decode while the prefill may still be closing the wave's legs (its
+    # counters move when a leg ends): read until every prompt token is counted there, computed or hit,
+    # for at most 10 s (a side that never gets there is reported as it is).
+    want, settle_by = sum(map(len, prompts)), time.monotonic() + 10.0
     after = side.read()
+    while (after["computed"] + after["prefill_hits"] - before["computed"] - before["prefill_hits"] < want
+           and time.monotonic() < settle_by):
+        time.sleep(0.05)
+        after = side.read()
     ttft = [first - sent for first, _, _ in answers]
     tpot = [(end - first) / max(sampling["max_new_tokens"] - 1, 1) for first, end, _ in answers]
     return {"ttft": ttft, "tpot": tpot, "outputs": [last["output_ids"] for _, _, last in answers],
