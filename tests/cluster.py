@@ -130,6 +130,24 @@ def free_pages(proc: Proc) -> dict:
     return info["free_pages"]
 
 
+def settle_prefix_cache(proc: Proc, cached_before: int, timeout_s: float = 10.0) -> None:
+    """Wait (bounded) until ``proc``'s prefix cache holds more than ``cached_before`` pages: a client
+    has its answer from the decode while the prefill may still be closing that room's leg, which is
+    when it caches the prompt. A settle, not a check: at the deadline it returns as it is."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status, info = http_json(proc.url + "/server_info", timeout_s=10)
+        if status == 200 and info["prefix_cache"]["cached_pages"] > cached_before:
+            return
+        time.sleep(0.05)
+
+
+def cached_pages(proc: Proc) -> int:
+    status, info = http_json(proc.url + "/server_info", timeout_s=10)
+    assert status == 200, info
+    return info["prefix_cache"]["cached_pages"]
+
+
 def assert_pages_return(procs: list[Proc], before: dict, timeout_s: float = 10.0) -> None:
     """Poll until every daemon's free pages equal ``before`` (by name), at most ``timeout_s``: a
     decode frees a finished sequence's pages just after its last event."""

@@ -22,7 +22,8 @@ import pytest
 from kvferry.common.daemon.procs import http_json
 from kvferry.common.models.config import ModelConfig
 from kvferry.common.sampling.sampler import SamplingParams
-from tests.cluster import Cluster, assert_pages_return, free_pages, ok, post, send_pair
+from tests.cluster import (Cluster, assert_pages_return, cached_pages, free_pages, ok, post, send_pair,
+                           settle_prefix_cache)
 
 LENGTHS = [1, 17, 70]  # one token, past one 16-token page, past one 64-token page
 MAX_NEW = 5
@@ -189,8 +190,10 @@ def test_mla_prefix_cache_second_turn_hits_both_sides(tmp_path, mla_model, engin
         before = {p.name: free_pages(p) for p in (prefill, decode)}
         rng = random.Random(5)
         first = [rng.randrange(5, 512) for _ in range(140)]
+        held = cached_pages(prefill)
         turn = _generate(router.url, first)
         assert turn["meta_info"]["cached_tokens"] == 0
+        settle_prefix_cache(prefill, held)  # the prefill caches the first prompt as its leg ends
         second = first + turn["output_ids"] + [rng.randrange(5, 512) for _ in range(30)]
         hit = _generate(router.url, second)
         cold = engine.generate([second], SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))

@@ -17,7 +17,7 @@ import msgpack
 import zmq
 
 from kvferry.common.daemon.procs import free_port, http_json
-from tests.cluster import Cluster, ok, post
+from tests.cluster import Cluster, cached_pages, ok, post, settle_prefix_cache
 
 ON = {"KVFERRY_DISABLE_PREFIX_CACHE": "false"}
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
@@ -68,14 +68,17 @@ def pd(tmp_path_factory, tiny_models):
         c.stop_all()
 
 
-def _conversation(router_url: str, tok, colocated) -> list[dict]:
+def _conversation(router_url: str, tok, colocated, prefill) -> list[dict]:
     """Three turns, each prompt the previous one, its answer and a new question; each answer is
-    checked against the colocated engine (no cache) token for token."""
+    checked against the colocated engine (no cache) token for token. Each next turn goes once the
+    prefill has cached the last prompt (``settle_prefix_cache``), as a client's next turn usually does."""
     history = tok.encode(SYSTEM)
     metas = []
     for i in range(3):
         prompt = history + _question(tok, i)
+        held = cached_pages(prefill)
         out = ok(post(router_url + "/generate", {"input_ids": prompt, "sampling_params": GREEDY})).json()
+        settle_prefix_cache(prefill, held)
         ref = colocated(False).generate([prompt], sglang_params(GREEDY))[0]
         assert out["output_ids"] == ref.output_ids, f"turn {i}"
         metas.append(out["meta_info"])
@@ -85,7 +88,7 @@ def _conversation(router_url: str, tok, colocated) -> list[dict]:
 
 def test_later_turns_hit_both_caches_and_equal_the_reference(pd, tok, colocated):
     _, prefill, decode, router, _, _ = pd
-    metas = _conversation(router.url, tok, colocated)
+    metas = _conversation(router.url, tok, colocated, prefill)
     assert metas[0]["cached_tokens"] == 0
     for meta in metas[1:]:
         # the prefill skipped the cached prefix; the decode held it (and more: the earlier answer)
@@ -114,7 +117,7 @@ def test_flush_cache_empties_it_and_the_next_prompt_misses(pd, tok, colocated):
 
 def test_local_prefill_on_the_decode_equals_the_reference(pd, tok, colocated):
     _, prefill, _, _, local, local_router = pd
-    metas = _conversation(local_router.url, tok, colocated)
+    metas = _conversation(local_router.url, tok, colocated, prefill)
     assert metas[0]["local_prefill"] is False  # nothing cached yet: the prefill computed and wrote it
     later = [m for m in metas[1:] if m["local_prefill"]]
     assert later, metas  # each later turn adds fewer than 64 tokens past what the decode holds
