@@ -130,6 +130,24 @@ def free_pages(proc: Proc) -> dict:
     return info["free_pages"]
 
 
+def with_kv_scales(source: str, target: Path, k_scale: float, v_scale: float) -> str:
+    """A copy of checkpoint ``source`` at ``target`` whose every layer carries one-element
+    ``self_attn.k_scale`` / ``v_scale`` tensors (what an FP8 KV pool reads: ``loader.read_kv_scales``)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from kvferry.common.models.config import ModelConfig
+
+    shutil.copytree(source, target)
+    tensors = load_file(str(target / "model.safetensors"))
+    for i in range(ModelConfig.from_dir(target).num_hidden_layers):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k_scale)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v_scale)
+    save_file(tensors, str(target / "model.safetensors"))
+    return str(target)
+
+
 def settle_prefix_cache(proc: Proc, cached_before: int, timeout_s: float = 10.0) -> None:
     """Wait (bounded) until ``proc``'s prefix cache holds more than ``cached_before`` pages: a client
     has its answer from the decode while the prefill may still be closing that room's leg, which is

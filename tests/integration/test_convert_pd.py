@@ -1,7 +1,7 @@
 """A prefill and a decode whose KV dtypes differ, behind the real sglang-router: an fp32 or bf16
 prefill feeding an FP8 (e4m3) decode, each room converted by the prefill's gather with the decode's
 per-layer scales (common/plan/convert.py). Greedy tokens equal a reference built here from the model
-itself: the prompt prefilled into a pool of the prefill's dtype, every page quantised as the decode's
+itself (``greedy``): the prompt prefilled into a pool of the prefill's dtype, every page quantised as the decode's
 own store would (``kv_quant.quantize`` with the checkpoint's scales), then decoded over the FP8 pool.
 The room moves in the decode's dtype (a quarter or half of the prefill's bytes), into the decode's
 staging slot when it offers one and straight into its pages when it does not; every page and slot
@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import math
 import random
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from kvferry.common.cache.kv_cache import KvCache
 from kvferry.common.daemon.procs import http_json
@@ -24,7 +22,7 @@ from kvferry.common.kernels.kv_quant import quantize
 from kvferry.common.models.config import ModelConfig
 from kvferry.common.models.llama import SeqChunk
 from kvferry.common.models.loader import load_model, read_kv_scales
-from tests.cluster import Cluster, assert_pages_return, free_pages, ok, post
+from tests.cluster import Cluster, assert_pages_return, free_pages, ok, post, with_kv_scales
 
 MAX_NEW = 6
 LENGTHS = [1, 16, 17, 100]
@@ -41,31 +39,25 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def scaled(tmp_path_factory, tiny_models) -> str:
-    target = tmp_path_factory.mktemp("convert-ckpt") / "target"
-    shutil.copytree(tiny_models[0], target)
-    tensors = load_file(str(target / "model.safetensors"))
-    for i in range(ModelConfig.from_dir(target).num_hidden_layers):
-        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(K_SCALE)
-        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(V_SCALE)
-    save_file(tensors, str(target / "model.safetensors"))
-    return str(target)
+    return with_kv_scales(tiny_models[0], tmp_path_factory.mktemp("convert-ckpt") / "target", K_SCALE, V_SCALE)
 
 
-def converted_reference(model_dir: str, dtype: str, prompt: list[int]) -> list[int]:
-    """Greedy tokens of a ``dtype`` prefill whose KV is converted to e4m3, then decoded over it."""
-    torch.set_num_threads(1)
-    model = load_model(model_dir, dtype=dtype, device="cpu")
+def greedy(model, model_dir: str, prompt: list[int], converted: bool) -> list[int]:
+    """Greedy tokens of ``model``: prefilled into a pool of its dtype, then decoded over that pool or,
+    ``converted``, over an e4m3 pool holding every page quantised with the checkpoint's scales."""
     pages = math.ceil((len(prompt) + MAX_NEW) / 16)
     ids = list(range(pages))
-    src = KvCache(model.config, pages, 16, model.dtype, "cpu")
-    k_scales, v_scales = read_kv_scales(model_dir, model.config.num_hidden_layers)
-    dst = KvCache(model.config, pages, 16, torch.float8_e4m3fn, "cpu", k_scales=k_scales, v_scales=v_scales)
-    out = [int(model.forward([SeqChunk(prompt, 0, ids)], src).argmax(-1)[0])]
-    for layer in range(model.config.num_hidden_layers):
-        dst.k[layer].copy_(quantize(src.k[layer], k_scales[layer], dst.dtype))
-        dst.v[layer].copy_(quantize(src.v[layer], v_scales[layer], dst.dtype))
+    kv = KvCache(model.config, pages, 16, model.dtype, "cpu")
+    out = [int(model.forward([SeqChunk(prompt, 0, ids)], kv).argmax(-1)[0])]
+    if converted:
+        k_scales, v_scales = read_kv_scales(model_dir, model.config.num_hidden_layers)
+        fp8 = KvCache(model.config, pages, 16, torch.float8_e4m3fn, "cpu", k_scales=k_scales, v_scales=v_scales)
+        for layer in range(model.config.num_hidden_layers):
+            fp8.k[layer].copy_(quantize(kv.k[layer], k_scales[layer], fp8.dtype))
+            fp8.v[layer].copy_(quantize(kv.v[layer], v_scales[layer], fp8.dtype))
+        kv = fp8
     while len(out) < MAX_NEW:
-        logits = model.forward([SeqChunk([out[-1]], len(prompt) + len(out) - 1, ids)], dst)
+        logits = model.forward([SeqChunk([out[-1]], len(prompt) + len(out) - 1, ids)], kv)
         out.append(int(logits.argmax(-1)[0]))
     return out
 
@@ -92,10 +84,12 @@ def test_a_wider_prefill_feeds_an_fp8_decode(tmp_path, scaled, tiny_models, dtyp
         decode = c.decode(extra=["--dtype", dtype, *FP8, *decode_staging])
         router = c.router([prefill], [decode])
         before = {p.name: free_pages(p) for p in (prefill, decode)}
-        want = [converted_reference(scaled, dtype, ids) for ids in prompts()]
+        torch.set_num_threads(1)
+        model = load_model(scaled, dtype=dtype, device="cpu")
+        want = [greedy(model, scaled, ids, converted=True) for ids in prompts()]
         assert [_generate(router, ids) for ids in prompts()] == want
         # FP8 with the checkpoint's scales is what the decode read: the unconverted model answers otherwise
-        assert any(converted_reference(scaled, dtype, ids) != _plain(scaled, dtype, ids) for ids in prompts())
+        assert want != [greedy(model, scaled, ids, converted=False) for ids in prompts()]
         assert _metric(prefill, f'kvferry_staging_rooms_total{{path="staged",reason="{reason}"}}') == len(LENGTHS)
         cfg = ModelConfig.from_dir(scaled)
         fp8_page = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 16  # one byte each
@@ -107,18 +101,6 @@ def test_a_wider_prefill_feeds_an_fp8_decode(tmp_path, scaled, tiny_models, dtyp
         assert status == 200 and info["staging"]["slots_free"] == info["staging"]["slots"], info
     finally:
         c.stop_all()
-
-
-def _plain(model_dir: str, dtype: str, prompt: list[int]) -> list[int]:
-    """Greedy tokens with the KV kept in ``dtype`` throughout."""
-    model = load_model(model_dir, dtype=dtype, device="cpu")
-    pages = math.ceil((len(prompt) + MAX_NEW) / 16)
-    kv = KvCache(model.config, pages, 16, model.dtype, "cpu")
-    out = [int(model.forward([SeqChunk(prompt, 0, list(range(pages)))], kv).argmax(-1)[0])]
-    while len(out) < MAX_NEW:
-        out.append(int(model.forward([SeqChunk([out[-1]], len(prompt) + len(out) - 1, list(range(pages)))],
-                                     kv).argmax(-1)[0]))
-    return out
 
 
 def test_a_prefill_that_stages_nothing_refuses_an_fp8_decode_naming_both_dtypes(tmp_path, scaled, tiny_models):

@@ -9,16 +9,13 @@ registration, naming both dtypes.
 from __future__ import annotations
 
 import random
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from kvferry.common.daemon.procs import http_json
-from kvferry.common.models.config import ModelConfig
 from kvferry.common.sampling.sampler import SamplingParams
-from tests.cluster import Cluster, ok, post
+from tests.cluster import Cluster, ok, post, with_kv_scales
 
 FP8 = ["--kv-cache-dtype", "fp8_e4m3", "--max-total-tokens", "4096"]
 ON = {"KVFERRY_DISABLE_PREFIX_CACHE": "false"}
@@ -46,14 +43,7 @@ def body(ids: list[int]) -> dict:
 @pytest.fixture(scope="module")
 def scaled(tmp_path_factory, tiny_models) -> str:
     """The tiny target with k_scale/v_scale tensors in every layer."""
-    target = tmp_path_factory.mktemp("fp8-ckpt") / "target"
-    shutil.copytree(tiny_models[0], target)
-    tensors = load_file(str(target / "model.safetensors"))
-    for i in range(ModelConfig.from_dir(target).num_hidden_layers):
-        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(K_SCALE)
-        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(V_SCALE)
-    save_file(tensors, str(target / "model.safetensors"))
-    return str(target)
+    return with_kv_scales(tiny_models[0], tmp_path_factory.mktemp("fp8-ckpt") / "target", K_SCALE, V_SCALE)
 
 
 @pytest.fixture(scope="module")
