@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kvferry.common.kernels.triton_fused import silu_mul
+from kvferry.common.kernels.triton_gemv import MOE_GEMV_MAX_SLOTS, moe_gemv
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,6 +114,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     in fp32 before it is rounded)."""
     num_tokens, top_k = topk_ids.shape
     num_slots = num_tokens * top_k
+    if num_slots <= MOE_GEMV_MAX_SLOTS:  # decode-sized: no sort by expert (triton_gemv.py)
+        return moe_gemv(x, w13, w2, topk_weights, topk_ids)
     block_m = _block_m(num_slots)
     sorted_slots, block_experts = align_by_expert(topk_ids, w13.shape[0], block_m)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()

@@ -17,13 +17,18 @@ weights (3 % over the 1-byte weights). Along ``in`` the groups stay aligned to t
 a TP slice of a row-parallel block weight must start on a multiple of 128 (refused by
 ``tp_layers``, naming the sizes).
 
-``fp8_linear`` is what ``attn.linear`` calls for such a weight: the activations are quantized
-dynamically (per token, or per token per 128-column group for block weights; ``amax / 448``
-as the checkpoints' dynamic scheme does) and the GEMM runs
+``fp8_linear`` is what ``attn.linear`` calls for such a weight. For prefill-sized inputs the
+activations are quantized dynamically (per token, or per token per 128-column group for block
+weights; ``amax / 448`` as the checkpoints' dynamic scheme does) and the GEMM runs
 
+    CUDA, M <= 16   common/kernels/triton_gemv.py: weight-only (W8A16), the e4m3 weight dequantized
+                    in registers, x not quantized (decode steps: bound by the weights' bytes)
     CUDA, per-row   torch._scaled_mm with row-wise scales (scale_a [M, 1], scale_b [1, N], out bf16)
     CUDA, block     common/kernels/triton_fp8_gemm.py (per-token-group quant + block GEMM)
     otherwise       the torch reference: dequantize both, matmul in fp32, cast to x's dtype
+
+The CPU path is W8A8 at every M, so CPU pairs and colocated CPU engines agree with each other;
+on CUDA a decode step's linears are the more exact W8A16 (``reference_weight_only``).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from kvferry.common.errors import ModelLoadError
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value
 MIN_AMAX = 1e-12  # an all-zero row still gets a finite scale (its values quantize to 0)
+FP8_GEMV_MAX_ROWS = 16  # up to this many rows on CUDA: the weight-only GEMV (triton_gemv.FP8_GEMV_MAX_ROWS)
 
 
 class Fp8Weight(nn.Module):
@@ -140,6 +146,15 @@ def reference_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = 
     return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
+def reference_weight_only(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The W8A16 GEMM in torch (what ``triton_gemv.fp8_gemv`` computes for decode-sized M on CUDA):
+    x unquantized, the weight dequantized, matmul in fp32, cast to x's dtype."""
+    out = x.float() @ w.dequantize().t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
 def _can_scaled_mm(x: torch.Tensor, w: Fp8Weight) -> bool:
     # Row-wise scaled_mm: CUDA, bf16 output, K and N multiples of 16 (cuBLASLt's FP8 alignment).
     return x.is_cuda and x.dtype == torch.bfloat16 and not w.shape[0] % 16 and not w.shape[1] % 16
@@ -148,6 +163,12 @@ def _can_scaled_mm(x: torch.Tensor, w: Fp8Weight) -> bool:
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ dequant(w).T + bias, with x quantized dynamically; the kernel by device and
     weight kind (module docstring)."""
+    if x.is_cuda and x.numel() // x.shape[-1] <= FP8_GEMV_MAX_ROWS:
+        from kvferry.common.kernels import triton_gemv  # imports triton: only on CUDA
+
+        flat = x.reshape(-1, x.shape[-1])
+        out = triton_gemv.fp8_gemv(flat, w.weight, w.scale, w.block, bias)
+        return out.reshape(*x.shape[:-1], w.shape[0])
     if w.block is not None and x.is_cuda:
         from kvferry.common.kernels import triton_fp8_gemm  # imports triton: only on CUDA
 

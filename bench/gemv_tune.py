@@ -1,0 +1,232 @@
+"""The decode-sized GEMMs of ``common/kernels/triton_gemv.py`` over a sweep of tile configurations,
+beside what they replace, in the same run.
+
+    python bench/gemv_tune.py [--iters 50] [--quick]
+
+Cases (one JSON line each), Llama-3.1-8B's projections and the two MoE presets' experts:
+  fp8-row / fp8-block  an e4m3 weight [N, K] with per-row or 128 x 128 block scales times M rows
+                       (M 1, 4, 8, 16); baseline: what the step ran before (per-token quant +
+                       torch._scaled_mm for per-row, the Triton W8A8 block GEMM for block)
+  bf16                 the same [N, K] in bf16 at M 1 through the GEMV kernel (no scales);
+                       baseline: cuBLAS (F.linear), what the bf16 step runs
+  moe                  one sparse layer's experts for T tokens (T * k <= 32): ``moe_gemv`` (both
+                       projections and the weighted sum); baseline: the grouped path (sort by
+                       expert + two grouped GEMMs)
+Each line: the fastest configuration and its us and GB/s (bytes the case must read: the weight
+once, or the experts the slots touch, over the time), the current default's, the baseline's, and
+the HBM bandwidth of a 4 GiB device copy measured in this run (``hbm_gbps``, bytes read + written).
+Every configuration's output is checked against the default's before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench._common import emit, git_hash, hardware  # noqa: E402
+
+DEVICE = "cuda"
+DTYPE = torch.bfloat16  # float16 under the interpreter (--dry-run), which has no bfloat16
+LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+MOE = {"qwen3-30b-a3b": (128, 8, 2048, 768), "deepseek-v2-lite": (64, 6, 2048, 1408)}  # E, k, hidden, inter
+
+
+def timed_us(fn, iters: int) -> float:
+    if DEVICE == "cpu":  # --dry-run: the logic only, under Triton's interpreter
+        fn()
+        return 1.0
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / iters
+
+
+def hbm_gbps() -> float:
+    if DEVICE == "cpu":
+        return 0.0
+    src = torch.empty(4 << 30, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    us = timed_us(lambda: dst.copy_(src), 10)
+    return 2 * (4 << 30) / us / 1e3
+
+
+def gemv_configs(dot: bool, quick: bool):
+    from kvferry.common.kernels.triton_gemv import GemvConfig
+
+    if dot:
+        ns, ks, warps, stages = (16, 32, 64), (128,), (4,), (2, 3, 4)
+    else:
+        ns, ks, warps, stages = (4, 8, 16, 32), (256, 512, 1024), (4, 8), (3,)
+    if quick:
+        ns, ks = ns[:2], ks[:2]
+    return [GemvConfig(n, k, w, s) for n, k, w, s in itertools.product(ns, ks, warps, stages)]
+
+
+def sweep(run, configs, default, nbytes: int, iters: int) -> dict:
+    """run(config) -> output; the fastest of ``configs`` (each checked against the default's output)."""
+    want = run(default)
+    best = None
+    for cfg in configs:
+        try:
+            got = run(cfg)
+        except Exception as e:  # a configuration the compiler refuses (registers, shared memory)
+            print(f"skip {cfg}: {type(e).__name__}: {e}"[:200], file=sys.stderr)
+            continue
+        if not torch.allclose(got.float(), want.float(), rtol=2**-6, atol=2**-6):
+            raise AssertionError(f"configuration {cfg} disagrees with the default {default}")
+        us = timed_us(lambda: run(cfg), iters)
+        if best is None or us < best[1]:
+            best = (cfg, us)
+    default_us = timed_us(lambda: run(default), iters)
+    return {"best": dict(best[0]._asdict()), "best_us": round(best[1], 2), "best_gbps": round(nbytes / best[1] / 1e3, 1),
+            "default": dict(default._asdict()), "default_us": round(default_us, 2),
+            "default_gbps": round(nbytes / default_us / 1e3, 1)}
+
+
+def fp8_cases(args, base: dict) -> None:
+    from kvferry.common.kernels import triton_fp8_gemm, triton_gemv
+    from kvferry.common.layers import fp8
+
+    for (name, (n, k)), block, rows in itertools.product(LLAMA_8B.items(), (None, 128), (1, 4, 8, 16)):
+        w = (torch.randn(n, k, device=DEVICE) * 0.02)
+        if block is None:
+            q, scale = fp8.quantize_rows(w.cpu())
+        else:
+            q, scale_inv = fp8.quantize_blocks(w.cpu(), block)
+            scale = scale_inv.repeat_interleave(block, dim=0)[:n]
+        q, scale = q.to(DEVICE), scale.to(DEVICE).contiguous()
+        x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
+        nbytes = q.numel() + scale.numel() * 4
+        default = triton_gemv.fp8_config(rows, n, k, block)
+        result = sweep(lambda cfg: triton_gemv.fp8_gemv(x, q, scale, block, None, cfg),
+                       gemv_configs(rows > 1, args.quick), default, nbytes, args.iters)
+        if block is None:
+            def baseline():
+                xq, xs = triton_fp8_gemm.per_token_quant(x)
+                return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale[None, :], out_dtype=DTYPE)
+        else:
+            def baseline():
+                return triton_fp8_gemm.w8a8_block_linear(x, q, scale, block)
+        base_us = timed_us(baseline, args.iters)
+        emit({**base, "case": "fp8-row" if block is None else "fp8-block", "weight": name, "shape": [n, k],
+              "rows": rows, "bytes": nbytes, **result, "baseline": "scaled_mm" if block is None else "w8a8_block",
+              "baseline_us": round(base_us, 2), "baseline_gbps": round(nbytes / base_us / 1e3, 1),
+              "speedup_vs_baseline": round(base_us / result["best_us"], 3)})
+
+
+def bf16_cases(args, base: dict) -> None:
+    from kvferry.common.kernels import triton_gemv
+    import triton
+
+    from kvferry.common.kernels.triton_gemv import GemvConfig, SCALE_NONE, _gemv_kernel
+
+    def run(x, w, cfg: GemvConfig):
+        n, k = w.shape
+        out = torch.empty(1, n, device=DEVICE, dtype=DTYPE)
+        _gemv_kernel[(triton.cdiv(n, cfg.block_n), 1)](
+            x, w, out, out, out, out, out, 1, n, k, x.stride(0), 0, w.stride(0), out.stride(0), 0,
+            TOP_K=1, SCALE=SCALE_NONE, GROUP=128, HAS_EXPERTS=False, FUSE_SILU=False, MUL_WEIGHT=False,
+            HAS_BIAS=False, BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION="tf32",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return out
+
+    for name, (n, k) in LLAMA_8B.items():
+        w = torch.randn(n, k, device=DEVICE, dtype=DTYPE) * 0.02
+        x = torch.randn(1, k, device=DEVICE, dtype=DTYPE)
+        nbytes = w.numel() * 2
+        default = triton_gemv.moe_config(n, k)
+        result = sweep(lambda cfg: run(x, w, cfg), gemv_configs(False, args.quick), default, nbytes, args.iters)
+        base_us = timed_us(lambda: torch.nn.functional.linear(x, w), args.iters)
+        emit({**base, "case": "bf16", "weight": name, "shape": [n, k], "rows": 1, "bytes": nbytes, **result,
+              "baseline": "cublas", "baseline_us": round(base_us, 2), "baseline_gbps": round(nbytes / base_us / 1e3, 1),
+              "speedup_vs_baseline": round(base_us / result["best_us"], 3)})
+
+
+def moe_cases(args, base: dict) -> None:
+    from kvferry.common.kernels import triton_gemv, triton_moe
+    from kvferry.common.layers.moe import select_experts
+
+    for (name, (experts, top_k, hidden, inter)), tokens in itertools.product(MOE.items(), (1, 2, 4)):
+        if tokens * top_k > triton_gemv.MOE_GEMV_MAX_SLOTS:
+            continue
+        w13 = torch.randn(experts, 2 * inter, hidden, device=DEVICE, dtype=DTYPE) * 0.02
+        w2 = torch.randn(experts, hidden, inter, device=DEVICE, dtype=DTYPE) * 0.02
+        x = torch.randn(tokens, hidden, device=DEVICE, dtype=DTYPE)
+        weights, ids = select_experts(torch.randn(tokens, experts, device=DEVICE), top_k, True)
+        weights = weights.to(DTYPE)
+        touched = ids.unique().numel()
+        nbytes = touched * (w13[0].numel() + w2[0].numel()) * 2
+        for proj, (n, k) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
+            default = triton_gemv.moe_config(n, k)
+
+            def run(cfg, proj=proj):
+                pair = (cfg, None) if proj == "w13" else (None, cfg)
+                return triton_gemv.moe_gemv(x, w13, w2, weights, ids, pair)
+
+            result = sweep(run, gemv_configs(False, args.quick), default,
+                           touched * (n * k) * 2, args.iters)
+            emit({**base, "case": f"moe-{proj}", "preset": name, "shape": [experts, n, k], "tokens": tokens,
+                  "top_k": top_k, "experts_touched": touched, **result,
+                  "note": "best_us / default_us time the whole moe_gemv with this projection's configuration varied"})
+        gemv_us = timed_us(lambda: triton_gemv.moe_gemv(x, w13, w2, weights, ids), args.iters)
+
+        def grouped():
+            num_slots = ids.numel()
+            block_m = triton_moe._block_m(num_slots)
+            sorted_slots, block_experts = triton_moe.align_by_expert(ids, experts, block_m)
+            gate_up = torch.empty(num_slots, 2 * inter, dtype=x.dtype, device=x.device)
+            triton_moe._grouped_gemm(x, w13, gate_up, sorted_slots, block_experts, block_m, top_k, None)
+            down = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
+            triton_moe._grouped_gemm(triton_moe.silu_mul(gate_up), w2, down, sorted_slots, block_experts, block_m,
+                                     1, weights.flatten().contiguous())
+            return down.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+        torch.testing.assert_close(grouped().float(), triton_gemv.moe_gemv(x, w13, w2, weights, ids).float(),
+                                   rtol=2**-6, atol=2**-6)
+        grouped_us = timed_us(grouped, args.iters)
+        emit({**base, "case": "moe", "preset": name, "tokens": tokens, "top_k": top_k, "experts_touched": touched,
+              "bytes": nbytes, "gemv_us": round(gemv_us, 2), "gemv_gbps": round(nbytes / gemv_us / 1e3, 1),
+              "grouped_us": round(grouped_us, 2), "grouped_gbps": round(nbytes / grouped_us / 1e3, 1),
+              "speedup_vs_grouped": round(grouped_us / gemv_us, 3)})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--quick", action="store_true", help="a few configurations only")
+    ap.add_argument("--cases", default="fp8,bf16,moe")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="tiny shapes on CPU under TRITON_INTERPRET=1 (set it): checks the logic, times nothing")
+    args = ap.parse_args()
+    global DEVICE, DTYPE, LLAMA_8B, MOE
+    if args.dry_run:
+        DEVICE, DTYPE, args.quick, args.iters = "cpu", torch.float16, True, 1
+        LLAMA_8B = {"qkv": (96, 256), "down": (64, 384)}
+        MOE = {"tiny": (8, 4, 64, 48)}
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench/gemv_tune.py times CUDA kernels; no CUDA device here")
+    torch.manual_seed(0)
+    base = {"bench": "gemv_tune", "git": git_hash(), "hardware": hardware([DEVICE if DEVICE == "cpu" else "cuda:0"]),
+            "hbm_gbps": round(hbm_gbps(), 1)}
+    cases = args.cases.split(",")
+    if "fp8" in cases:
+        fp8_cases(args, base)
+    if "bf16" in cases:
+        bf16_cases(args, base)
+    if "moe" in cases:
+        moe_cases(args, base)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""Weight-streaming GEMMs for decode-sized row counts: FP8 linears and the fused MoE's experts.
+
+A decode step multiplies a few rows by every weight once, so it is bound by the bytes of the
+weights, and what matters is streaming them at the HBM rate with nothing else in the way:
+
+- ``fp8_gemv``: x [M, K] (M <= ``FP8_GEMV_MAX_ROWS``) times an e4m3 weight [N, K] with fp32 scales
+  (one per row, or row-expanded 128 x 128 block scales [N, ceil(K/128)]), dequantised in
+  registers: weight-only (W8A16). No activation quantisation, so no quant kernel before each
+  linear, and a torch._scaled_mm that cuBLASLt does not run at the HBM rate for M = 1..16 is
+  avoided (bench/RESULTS.md "FP8 on one H200": the FP8 step at batch 1 was 5.7 ms against bf16's
+  5.0 with half the bytes). Prefill-sized M stays W8A8 (``common/layers/fp8.py``).
+- ``moe_gemv``: the fused MoE for a few token slots (T * k <= ``MOE_GEMV_MAX_SLOTS``): one
+  program row per slot reads its expert's weights directly by ``topk_ids``, so there is no sort
+  by expert (``align_by_expert``: about fifteen small launches per sparse layer) and no padding of
+  each expert's rows to a tensor-core tile. The down projection reads silu(gate) * up straight
+  from the gate-up rows and weights each slot in fp32. A batch whose tokens share experts reads a
+  shared expert once per slot instead of once: at T * k <= 32 that costs less than the sort.
+
+Programs: axis 0 over BLOCK_N output columns, axis 1 over row blocks (BLOCK_M rows of x; a MoE
+slot each). With BLOCK_M 1 each program is a dot product of x's row with BLOCK_N weight rows on
+the CUDA cores (``tl.sum``); with BLOCK_M >= 16 the rows share each weight tile through
+``tl.dot``. Block scales are applied per 128-column group before the group's sum is added.
+
+The torch references: ``fp8.reference_weight_only`` and ``moe.fused_moe_ref``
+(``tests/gpu/test_triton_gemv.py``; TRITON_INTERPRET=1 runs the same tests on CPU).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_GEMV_MAX_ROWS = 16  # fp8.fp8_linear sends up to this many rows here (fp8.FP8_GEMV_MAX_ROWS, the same)
+MOE_GEMV_MAX_SLOTS = 32
+GROUP = 128  # block-FP8 group along K
+
+SCALE_NONE, SCALE_ROW, SCALE_BLOCK = 0, 1, 2
+
+
+class GemvConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 3
+
+
+@triton.jit
+def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights,
+                 M, N, K, stride_xm, stride_we, stride_wn, stride_om, stride_sn,
+                 TOP_K: tl.constexpr, SCALE: tl.constexpr, GROUP: tl.constexpr, HAS_EXPERTS: tl.constexpr,
+                 FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """out[r, n] = sum_k act(x)[row(r), k] * w[expert(r), n, k] * scale (+ bias) (* slot weight).
+
+    Rows r: BLOCK_M consecutive rows of x (dense), or one MoE slot per program (HAS_EXPERTS,
+    BLOCK_M 1): x row slot // TOP_K, expert experts[slot]. FUSE_SILU: x holds [gate | up] per row
+    (2K wide) and the row read is silu(gate) * up, rounded to x's dtype as ``silu_mul`` rounds."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    if HAS_EXPERTS:
+        expert = tl.load(experts + pid_m).to(tl.int64)
+        w_base = w + expert * stride_we
+        out_rows = pid_m + tl.arange(0, BLOCK_M)
+        x_rows = (out_rows // TOP_K).to(tl.int64)
+    else:
+        w_base = w
+        out_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        x_rows = out_rows.to(tl.int64)
+    row_ok = out_rows < M
+    w_rows = w_base + cols[:, None] * stride_wn  # [BLOCK_N, 1]
+    if BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        k_ok = k < K
+        x_ptrs = x + x_rows[:, None] * stride_xm + k[None, :]  # [BLOCK_M, BLOCK_K]
+        x_mask = row_ok[:, None] & k_ok[None, :]
+        if FUSE_SILU:
+            g = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            u = tl.load(x_ptrs + K, mask=x_mask, other=0.0)
+            g32 = g.to(tl.float32)
+            act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype)
+            xv = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+        else:
+            xv = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        wv = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        if BLOCK_M == 1:
+            prod = wv.to(tl.float32) * tl.reshape(xv, (BLOCK_K,)).to(tl.float32)[None, :]
+            if SCALE == 2:
+                # per 128-column group: the group's sum times its scale
+                grouped = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // GROUP, GROUP)), 2)
+                g_idx = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+                s = tl.load(scale + cols[:, None] * stride_sn + g_idx[None, :],
+                            mask=col_ok[:, None] & (g_idx[None, :] * GROUP < K), other=0.0)
+                acc += tl.sum(grouped * s, 1)
+            else:
+                acc += tl.sum(prod, 1)
+        else:
+            part = tl.dot(xv, tl.trans(wv.to(xv.dtype)), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+            if SCALE == 2:  # BLOCK_K == GROUP: one scale per column per step
+                s = tl.load(scale + cols * stride_sn + k0 // GROUP, mask=col_ok, other=0.0)
+                acc += part * s[None, :]
+            else:
+                acc += part
+    if SCALE == 1:
+        s_row = tl.load(scale + cols, mask=col_ok, other=0.0)
+        if BLOCK_M == 1:
+            acc = acc * s_row
+        else:
+            acc = acc * s_row[None, :]
+    if HAS_BIAS:
+        b = tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if BLOCK_M == 1:
+            acc += b
+        else:
+            acc += b[None, :]
+    if MUL_WEIGHT:
+        if BLOCK_M == 1:
+            acc = acc * tl.load(slot_weights + pid_m).to(tl.float32)
+        else:
+            acc = acc * tl.load(slot_weights + out_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    if BLOCK_M == 1:
+        tl.store(out + pid_m.to(tl.int64) * stride_om + cols, acc.to(out.dtype.element_ty), mask=col_ok)
+    else:
+        o_ptrs = out + out_rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+        tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def fp8_config(num_rows: int, n: int, k: int, block: int | None) -> GemvConfig:
+    """The tile configuration for an FP8 weight [n, k] times ``num_rows`` rows. Enough programs to
+    cover every SM a few times over (BLOCK_N small for narrow weights), BLOCK_K wide enough for
+    16-byte loads of e4m3 and several loads in flight per thread."""
+    if num_rows == 1:
+        return GemvConfig(block_n=8 if n <= 8192 else 16, block_k=512, num_warps=4)
+    return GemvConfig(block_n=32 if n <= 8192 else 64, block_k=GROUP, num_warps=4)
+
+
+def moe_config(n: int, k: int) -> GemvConfig:
+    """The tile configuration of one MoE slot's [n, k] expert weight (bf16/fp16)."""
+    return GemvConfig(block_n=16 if n <= 4096 else 32, block_k=256, num_warps=4)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int | None,
+             bias: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] (M <= FP8_GEMV_MAX_ROWS, unit column stride) @ (weight [N, K] e4m3 * scale).T + bias
+    -> [M, N] in x's dtype, fp32 accumulation. ``scale``: [N] per row, or [N, ceil(K/128)] with
+    ``block`` 128."""
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    if num_rows > FP8_GEMV_MAX_ROWS:
+        raise ValueError(f"fp8_gemv takes at most {FP8_GEMV_MAX_ROWS} rows, got {num_rows}")
+    if block not in (None, GROUP):
+        raise ValueError(f"fp8_gemv: block scales of {block} columns; only {GROUP} is supported")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cfg = config or fp8_config(num_rows, n, k, block)
+    block_m = 1 if num_rows == 1 else 16
+    block_k = cfg.block_k if block_m == 1 else GROUP
+    out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(num_rows, block_m))
+    _gemv_kernel[grid](
+        x, weight, scale, out, bias if bias is not None else out, out, out,
+        num_rows, n, k, x.stride(0), 0, weight.stride(0), out.stride(0), scale.stride(0) if block else 0,
+        TOP_K=1, SCALE=SCALE_ROW if block is None else SCALE_BLOCK, GROUP=GROUP, HAS_EXPERTS=False,
+        FUSE_SILU=False, MUL_WEIGHT=False, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, PRECISION=_precision(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def expert_gemv(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, top_k: int,
+                fuse_silu: bool, slot_weights: torch.Tensor | None, config: GemvConfig | None = None) -> None:
+    """out[s] = act(x[s // top_k]) @ w[topk_ids[s]].T (* slot_weights[s]) for every slot s of
+    ``topk_ids`` [S] (int64); w [E, N, K] contiguous; x [S / top_k, K] (or [.., 2K] with
+    ``fuse_silu``); out [S, N]."""
+    num_slots = topk_ids.numel()
+    n, k = w.shape[1], w.shape[2]
+    cfg = config or moe_config(n, k)
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), num_slots)](
+        x, w, out, out, out, topk_ids, slot_weights if slot_weights is not None else out,
+        num_slots, n, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0), 0,
+        TOP_K=top_k, SCALE=SCALE_NONE, GROUP=GROUP, HAS_EXPERTS=True, FUSE_SILU=fuse_silu,
+        MUL_WEIGHT=slot_weights is not None, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+             topk_ids: torch.Tensor, configs: tuple[GemvConfig, GemvConfig] | None = None) -> torch.Tensor:
+    """``triton_moe.fused_moe`` for T * k <= MOE_GEMV_MAX_SLOTS: x [T, H], w13 [E, 2I, H],
+    w2 [E, H, I] -> [T, H] in x's dtype (gate-up rounded to x's dtype, the weighted down
+    projection in fp32, summed over the k slots, then rounded)."""
+    num_tokens, top_k = topk_ids.shape
+    num_slots = num_tokens * top_k
+    if num_slots > MOE_GEMV_MAX_SLOTS:
+        raise ValueError(f"moe_gemv takes at most {MOE_GEMV_MAX_SLOTS} token slots, got {num_slots}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    ids = topk_ids.flatten().contiguous()
+    gate_up = torch.empty(num_slots, w13.shape[1], dtype=x.dtype, device=x.device)
+    down = torch.empty(num_slots, w2.shape[1], dtype=torch.float32, device=x.device)
+    if num_slots == 0:
+        return torch.zeros(num_tokens, w2.shape[1], dtype=x.dtype, device=x.device)
+    cfg13, cfg2 = configs or (None, None)
+    expert_gemv(x, w13, ids, gate_up, top_k, False, None, cfg13)
+    expert_gemv(gate_up, w2, ids, down, 1, True, topk_weights.flatten().contiguous(), cfg2)
+    return down.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)

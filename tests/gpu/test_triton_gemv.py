@@ -1,0 +1,109 @@
+"""The decode-sized GEMMs (``triton_gemv.py``) against their torch references: the weight-only FP8
+GEMV against ``fp8.reference_weight_only``, and the per-slot MoE GEMV against ``fused_moe_ref``.
+
+On CPU they run under Triton's interpreter (float8 loads are exact there). Tolerances: both sides
+multiply the same values and scales and differ in summation order and the final cast: fp32 1e-4,
+bf16/fp16 one rounding of the dtype."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvferry.common.layers import fp8
+from kvferry.common.layers.moe import fused_moe_ref, select_experts
+
+pytestmark = pytest.mark.gpu
+triton_gemv = pytest.importorskip("kvferry.common.kernels.triton_gemv")
+
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+HALF = torch.float16 if DEVICE == "cpu" else torch.bfloat16
+# (N out rows, K in columns): ragged N and K tails, several 128-column groups
+SHAPES = [(40, 200), (130, 384), (64, 1100)]
+
+
+def _weight(n: int, k: int, block: int | None, seed: int) -> fp8.Fp8Weight:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    out = fp8.Fp8Weight(n, k, block, torch.device(DEVICE))
+    if block is None:
+        q, scale = fp8.quantize_rows(w)
+    else:
+        q, scale_inv = fp8.quantize_blocks(w, block)
+        scale = scale_inv.repeat_interleave(block, dim=0)[:n]
+    out.weight.copy_(q)
+    out.scale.copy_(scale)
+    return out
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return 1e-4 if dtype == torch.float32 else 2**-7
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("block", [None, 128])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_fp8_gemv_equals_weight_only_reference(shape, block, rows, dtype):
+    n, k = shape
+    w = _weight(n, k, block, seed=n + k)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=g).to(DEVICE, dtype)
+    got = triton_gemv.fp8_gemv(x, w.weight, w.scale, block, bias)
+    want = fp8.reference_weight_only(x, w, bias)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    tol = _tol(dtype)
+    torch.testing.assert_close(got.float().cpu(), want.float().cpu(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("block", [None, 128])
+def test_fp8_linear_takes_the_gemv_for_decode_rows(block):
+    """fp8_linear on the device: up to FP8_GEMV_MAX_ROWS rows weight-only, leading dims kept."""
+    w = _weight(96, 256, block, seed=5)
+    x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    if DEVICE == "cpu":
+        got = triton_gemv.fp8_gemv(x.reshape(6, 256), w.weight, w.scale, block).reshape(2, 3, 96)
+    else:
+        got = fp8.fp8_linear(x, w)
+    want = fp8.reference_weight_only(x.reshape(6, 256), w).reshape(2, 3, 96)
+    torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_linear_and_the_kernel_agree_on_the_row_bound():
+    assert fp8.FP8_GEMV_MAX_ROWS == triton_gemv.FP8_GEMV_MAX_ROWS
+
+
+def test_fp8_gemv_refuses_prefill_rows():
+    w = _weight(32, 128, None, seed=0)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        triton_gemv.fp8_gemv(torch.randn(17, 128).to(DEVICE), w.weight, w.scale, None)
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k", [(1, 8, 2), (1, 16, 8), (4, 8, 8), (3, 64, 6)])
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_moe_gemv_equals_reference(num_tokens, num_experts, top_k, dtype):
+    # hidden 80 and inter 48: not multiples of the blocks, so the K and N masks are exercised
+    g = torch.Generator().manual_seed(num_tokens * 100 + top_k)
+    hidden, inter = 80, 48
+    x = torch.randn(num_tokens, hidden, generator=g)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
+    weights, ids = select_experts(torch.randn(num_tokens, num_experts, generator=g), top_k, renormalize=True)
+    x, w13, w2, weights = (t.to(DEVICE, dtype) for t in (x, w13, w2, weights))
+    ids = ids.to(DEVICE)
+    got = triton_gemv.moe_gemv(x, w13, w2, weights, ids)
+    want = fused_moe_ref(x, w13, w2, weights, ids)
+    assert got.shape == want.shape and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-2)
+
+
+def test_moe_gemv_refuses_many_slots():
+    x, ids = torch.randn(5, 16).to(DEVICE), torch.zeros(5, 8, dtype=torch.int64).to(DEVICE)
+    w13, w2 = torch.randn(2, 32, 16).to(DEVICE), torch.randn(2, 16, 16).to(DEVICE)
+    with pytest.raises(ValueError, match="at most 32 token slots"):
+        triton_gemv.moe_gemv(x, w13, w2, torch.ones(5, 8).to(DEVICE), ids)
