@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
-#   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|chooser|staging|spec|e2e|e2e-cache|multiturn|xfer-threads|
-#                          fp8-a|fp8-b|moe|moe-e2e|all]   (results land in $OUT, default ./gpu-out)
+#   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|
+#                          xfer-threads|fp8-a|fp8-b|moe|moe-e2e|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -27,6 +27,10 @@ fi
 if [[ $what == transfer-small ]]; then  # the sizes where a ratio is a few tens of µs: more iterations
   timeout 150 python3 bench/transfer.py --device cuda --tokens 1024,4096 --iters 30 \
     2>>"$out/transfer.err" | tee -a "$out/transfer.jsonl"
+fi
+if [[ $what == transfer-mla ]]; then  # DeepSeek-V3's latent rooms (61 layers x 1,152 B a token): goal >= 0.9 of raw NIXL
+  timeout 200 python3 bench/transfer.py --device cuda --cache-form mla --tokens 1024,4096,16384 --iters 10 \
+    2>>"$out/transfer-mla.err" | tee -a "$out/transfer-mla.jsonl"
 fi
 if [[ $what == chooser ]]; then  # issue 24 item 10: the staging chooser against both paths' measured times (~2 min)
   timeout 150 python3 bench/transfer.py --device cuda --tokens 4096,16384 --iters 5 \

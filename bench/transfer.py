@@ -7,6 +7,15 @@ pair two layouts); the decode pool holds 4x the prompt's pages, so "fragmented" 
 over random decode pages. Per (layout, tokens): medians of --iters interleaved iterations after one
 warm-up whose bytes are checked on the decode; ratio_vs_raw is the median of per-iteration ratios
 (raw and kvferry timed back to back), which cancels drift.
+--cache-form mla: DeepSeek-V3's MLA cache instead (the form layout.cache_form calls "mla"): ``LatentCache``
+pools on both sides, 61 layers (--layers overrides), one latent row of kv_lora_rank + qk_rope_head_dim =
+512 + 64 bf16 values per token and layer (1,152 bytes; 70,272 per token over 61 layers against the Llama's
+131,072), one LATENT_KIND region per layer at the same 16-token pages. The plan is build_plan over the two
+region tables as the prefill's Registrar builds it for a latent room (at TP 1 and equal page sizes a latent
+region pairs by key like a K or V region), so every method below moves the latent pages unchanged, staged
+included (the daemons stage MLA rooms with the same StagingSender); the latent pool is bf16 only (the
+daemons refuse an FP8 one), and the TP feeds below are dense only. Every line names its cache_form ("kv"
+or "mla") and bytes_per_token (the room's bytes per token over all layers, from the plan's regions).
   raw_nixl  one WRITE of the prompt's KV on pages 0..n-1 of both sides in the fewest descriptors any
             NIXL WRITE can use for those bytes (the maximal runs contiguous on both sides): one per
             region layer-major, ONE for the whole prompt page-major, one per page per region mixed
@@ -56,43 +65,62 @@ from bench._common import emit, git_hash, hardware, median  # noqa: E402
 from kvferry.common.wire import messages as wire
 from kvferry.common.plan import geometry  # noqa: E402
 from kvferry.common.wire.aux_slots import AuxSlots  # noqa: E402
-from kvferry.common.plan.layout import KvLayout  # noqa: E402
+from kvferry.common.plan.layout import KvLayout, cache_form  # noqa: E402
 from kvferry.common.models.config import ModelConfig  # noqa: E402
 from kvferry.common.cache.kv_cache import KV_LAYOUTS, KvCache, PageAllocator  # noqa: E402
+from kvferry.common.cache.mla_cache import LatentCache  # noqa: E402
 from kvferry.common.transport.nixl import NixlEngine  # noqa: E402
 from bench._staged_transfer import DecodeStaging, PrefillStaging  # noqa: E402
 
-PAGE_SIZE = 16
+PAGE_SIZE = 16  # the daemons' --page-size default, for both cache forms
 LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
              "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}
+# DeepSeek-V3's config.json, as much of it as ModelConfig reads: the cache needs only kv_lora_rank +
+# qk_rope_head_dim (one 576-element latent row per token and layer), the rest makes it a valid checkpoint config
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+               "hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 128,
+               "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+               "qk_nope_head_dim": 128, "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8,
+               "moe_intermediate_size": 2048, "n_shared_experts": 1, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+               "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+               "norm_topk_prob": True, "scoring_func": "sigmoid"}
+# per cache form (the names of layout.cache_form): the model's config, its fingerprint in the layouts, its layers
+FORMS = {"kv": (LLAMA3_8B, "llama-3-8b", 32), "mla": (DEEPSEEK_V3, "deepseek-v3", 61)}
 POOL_FACTOR = 4  # decode pages per prompt page
 LAYOUTS = ("contiguous", "fragmented", "churned")  # where the decode's pages are
 logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL logs INFO to stdout, where the JSON goes
 
 
-def kv_pool(num_layers: int, num_pages: int, device: str, layout: str, dtype: str = "bfloat16") -> KvCache:
-    config = ModelConfig.from_dict({**LLAMA3_8B, "num_hidden_layers": num_layers})
-    return KvCache(config, num_pages, PAGE_SIZE, getattr(torch, dtype), device, layout=layout)
+def kv_pool(num_layers: int, num_pages: int, device: str, layout: str, dtype: str = "bfloat16",
+            form: str = "kv") -> KvCache | LatentCache:
+    """The pool a daemon serving this form's model builds: ``KvCache`` (K and V per layer) or
+    ``LatentCache`` (one MLA latent per layer, what DeepseekModel.make_kv_cache returns)."""
+    base, _, _ = FORMS[form]
+    config = ModelConfig.from_dict({**base, "num_hidden_layers": num_layers})
+    cls = LatentCache if form == "mla" else KvCache
+    return cls(config, num_pages, PAGE_SIZE, getattr(torch, dtype), device, layout=layout)
 
 
-def kv_layout(kv: KvCache, aux: AuxSlots) -> KvLayout:
-    return KvLayout(model="llama-3-8b", page_size=PAGE_SIZE, kv_dtype=kv.kv_dtype, tp_size=1, tp_rank=0,
+def kv_layout(kv: KvCache | LatentCache, aux: AuxSlots) -> KvLayout:
+    model = FORMS["mla" if isinstance(kv, LatentCache) else "kv"][1]
+    return KvLayout(model=model, page_size=PAGE_SIZE, kv_dtype=kv.kv_dtype, tp_size=1, tp_rank=0,
                     regions=tuple(kv.regions()), aux=aux.info())
 
 
-def digest(kv: KvCache, page_ids: list[int]) -> str:
-    """Hash of the pages' K/V region by region, the same bytes whatever the pool's layout."""
-    pages = torch.stack([t[page_ids] for t in kv.tensors()])  # [regions, pages, page_size, heads, dim]
+def digest(kv: KvCache | LatentCache, page_ids: list[int]) -> str:
+    """Hash of the pages' regions (K/V, or the latent) region by region, the same bytes whatever the pool's layout."""
+    pages = torch.stack([t[page_ids] for t in kv.tensors()])  # [regions, pages, page_size, (heads,) dim]
     return hashlib.blake2b(pages.cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
 
 
 def decode_main(conn, num_layers: int, num_pages: int, device: str, num_threads: int, layout: str,
-                kv_dtype: str = "bfloat16") -> None:
+                kv_dtype: str = "bfloat16", form: str = "kv") -> None:
     """The decode process: register a pool, aux slots and a staging slot as large as the largest room,
     send metadata, poll until told to exit."""
     torch.set_num_threads(1)
     engine = NixlEngine("bench-decode", num_threads=num_threads)
-    pool, aux = kv_pool(num_layers, num_pages, device, layout, kv_dtype), AuxSlots(4, device=device)  # aux beside KV
+    pool = kv_pool(num_layers, num_pages, device, layout, kv_dtype, form)
+    aux = AuxSlots(4, device=device)  # aux beside the KV
     engine.register_tensor(pool.buffer)
     engine.register_tensor(aux.buffer)
     staging = DecodeStaging(engine, pool.buffer, pool.buffer.numel() * pool.buffer.element_size() // POOL_FACTOR)
@@ -155,7 +183,7 @@ class Prefill:
     def __init__(self, engine: NixlEngine, conn, args, num_pages: int, devices: list[str]) -> None:
         self.engine, self.conn, self.devices = engine, conn, devices
         # both stay registered for the whole run; aux beside the KV, as the daemons place it
-        self.kv = kv_pool(args.layers, num_pages, devices[0], args.kv_layout, args.kv_dtype)
+        self.kv = kv_pool(args.layers, num_pages, devices[0], args.kv_layout, args.kv_dtype, args.cache_form)
         self.aux = AuxSlots(4, device=devices[0])
         self.kv.buffer.view(torch.uint8).random_(0, 256)
         engine.register_tensor(self.kv.buffer)
@@ -164,7 +192,9 @@ class Prefill:
             raise TimeoutError("the decode process sent no NIXL metadata within 120 s")
         metadata, decode_layout, staging_info = conn.recv()
         self.peer = engine.add_peer(metadata)
-        self.plan = geometry.build_plan(kv_layout(self.kv, self.aux), decode_layout, peer=self.peer)
+        layout = kv_layout(self.kv, self.aux)
+        self.plan = geometry.build_plan(layout, decode_layout, peer=self.peer)  # as the prefill's Registrar does
+        self.cache_form = cache_form(layout, "target", "prefill")  # what the plan saw: "kv" or "mla"
         self.descs = [(g.prefill_descs(), g.decode_descs()) for g in self.plan.groups]
         self.prepped = [(engine.prep_local(p, g.prefill_mem), engine.prep_remote(self.peer, d, g.decode_mem))
                         for g, (p, d) in zip(self.plan.groups, self.descs)]
@@ -303,7 +333,8 @@ class Prefill:
             kv_s = median([t for _, t in times[layout]])
             record = {"bench": "transfer", "device": device, "layout": layout, "kv_layout": args.kv_layout,
                       "decode_kv_layout": args.decode_kv_layout, "kv_dtype": args.kv_dtype, "tokens": tokens,
-                      "bytes": nbytes,
+                      "bytes": nbytes, "cache_form": self.cache_form,
+                      "bytes_per_token": sum(p.item_len for g in self.plan.groups for p, _ in g.pairs) // PAGE_SIZE,
                       "descriptors": num_descs, "raw_descriptors": nixl_counts["raw"],
                       "raw_nixl_gbps": round(nbytes / raw_s / 1e9, 3),
                       "kvferry_gbps": round(nbytes / kv_s / 1e9, 3),
@@ -323,7 +354,10 @@ class Prefill:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="1024", help="prompt lengths, comma-separated")
-    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--cache-form", choices=tuple(FORMS), default="kv",
+                    help="kv: Llama-3-8B K and V per layer (KvCache); mla: DeepSeek-V3's one latent row per layer "
+                         "(LatentCache, 576 bf16 values per token)")
+    ap.add_argument("--layers", type=int, help="default: the form's model (32 for kv, 61 for mla)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--prefill-device", help="default: cpu, or cuda:0 with --device cuda")
@@ -345,11 +379,20 @@ def main() -> None:
     tp.add_argument("--decode-page-size", type=int, help=f"tokens per decode page (default {PAGE_SIZE})")
     args = ap.parse_args()
     args.decode_kv_layout = args.decode_kv_layout or args.kv_layout
+    args.layers = FORMS[args.cache_form][2] if args.layers is None else args.layers
+    if args.layers <= 0:
+        ap.error(f"--layers must be > 0, got {args.layers}")
+    if args.cache_form == "mla" and args.kv_dtype != "bfloat16":  # DeepseekModel.make_kv_cache refuses it too
+        ap.error("--cache-form mla: the daemons keep an MLA latent pool in the model dtype only (bfloat16); "
+                 "an FP8 latent room does not exist to measure")
     token_counts = [int(t) for t in args.tokens.split(",")]
     tp_flags = ("prefill_tp", "decode_tp", "prefill_page_size", "decode_page_size")
     if any(getattr(args, name) is not None for name in tp_flags):
         if args.device != "cpu" or args.prefill_device or args.decode_device:
             ap.error("--prefill-tp/--decode-tp/--*-page-size run on CPU only")
+        if args.cache_form != "kv":
+            ap.error("--prefill-tp/--decode-tp/--*-page-size measure dense K/V feeds only (bench/_tp_transfer.py); "
+                     "drop --cache-form mla")
         for name, default in zip(tp_flags, (1, 1, PAGE_SIZE, PAGE_SIZE)):
             setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
             if getattr(args, name) <= 0:
@@ -369,7 +412,7 @@ def main() -> None:
     conn, child_conn = mp_ctx.Pipe()
     child = mp_ctx.Process(target=decode_main, daemon=True, args=(
         child_conn, args.layers, POOL_FACTOR * max_pages, decode_dev, args.num_threads, args.decode_kv_layout,
-        args.kv_dtype))
+        args.kv_dtype, args.cache_form))
     child.start()
     engine = NixlEngine("bench-prefill", num_threads=args.num_threads, capture_telemetry=True)
     try:

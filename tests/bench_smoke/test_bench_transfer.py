@@ -69,6 +69,7 @@ def test_bytes_and_descriptors_follow_the_geometry(lines):
     for r in lines:
         assert r["bytes"] == num_regions * num_pages * PAGE_BYTES
         assert (r["kv_layout"], r["decode_kv_layout"]) == ("page-major", "page-major")  # the default
+        assert r["cache_form"] == "kv" and r["bytes_per_token"] == num_regions * PAGE_BYTES // 16
     # page-major pools: the whole contiguous prompt is one block on both sides, plus the aux record
     assert contiguous["descriptors"] == 1 + 1 and contiguous["raw_descriptors"] == 1
     # fragmented: one block per page at most (random pages may still touch), plus the aux record
@@ -111,6 +112,48 @@ def test_layer_major_descriptors():
     # staged from a layer-major pool: one run per page per region, in one chunk at the default 32 MiB
     assert fragmented["staged_ms"] > 0 and fragmented["staged_chunks"] == 1
     assert fragmented["runs"] == fragmented["descriptors"] - 1
+
+
+MLA_LAYERS, MLA_TOKENS, MLA_PAGE_BYTES = 4, 128, 16 * 576 * 2  # page: 16 tokens x (512 + 64) latent x bf16
+
+
+def test_mla_rooms():
+    """--cache-form mla: LatentCache pools (one latent region per layer) on both sides, each room moved
+    direct, as raw NIXL and staged, its bytes checked on the decode after each warm-up (the bench exits
+    non-zero otherwise). 4 layers of 128 tokens: a prefill pool large enough for the chooser's costs."""
+    chunk = MLA_PAGE_BYTES * MLA_LAYERS  # one page-major page: every layer's latent page
+    proc = subprocess.run([sys.executable, "bench/transfer.py", "--cache-form", "mla", "--layers", str(MLA_LAYERS),
+                           "--tokens", str(MLA_TOKENS), "--iters", "1", "--staging-chunk-bytes", str(chunk)],
+                          cwd=REPO, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert [r["layout"] for r in lines] == ["contiguous", "fragmented", "churned"]
+    num_pages = MLA_TOKENS // 16
+    for r in lines:
+        assert KEYS | STAGED <= r.keys(), (KEYS | STAGED) - r.keys()
+        assert r["cache_form"] == "mla" and r["layers"] == MLA_LAYERS and r["kv_dtype"] == "bfloat16"
+        assert r["bytes_per_token"] == MLA_LAYERS * 1152  # DeepSeek-V3: 576 bf16 values per token and layer
+        assert r["bytes"] == num_pages * 16 * r["bytes_per_token"]
+        for key in ("raw_nixl_gbps", "kvferry_gbps", "ratio_vs_raw", "kvferry_ms", "raw_ms", "staged_ms",
+                    "ratio_staged_vs_raw"):
+            assert r[key] > 0, (key, r[key])
+        assert r["staged_chunks"] == num_pages and r["runs"] == r["descriptors"] - 1
+        assert r["crossover_runs"] >= 2  # the costs were measured from the latent pool
+    contiguous, fragmented, _ = lines
+    # page-major latent pages interleave like K/V ones: the contiguous room is one block, plus the aux record
+    assert contiguous["descriptors"] == 1 + 1 and contiguous["raw_descriptors"] == 1
+    assert 1 + 1 < fragmented["descriptors"] <= num_pages + 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kv-dtype", "float8_e4m3fn"], "model dtype only"),
+    (["--prefill-tp", "2"], "dense K/V feeds only"),
+], ids=["fp8", "tp"])
+def test_mla_refuses(flags, message):
+    """What the daemons do not serve for an MLA model is refused before any pool is built."""
+    proc = subprocess.run([sys.executable, "bench/transfer.py", "--cache-form", "mla", *flags], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
 
 
 TP_KEYS = {"bench", "device", "prefill_tp", "decode_tp", "prefill_page_size", "decode_page_size", "tokens", "feeds",
