@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|
-#                          xfer-threads|fp8-a|fp8-b|moe|moe-e2e|all]   (results land in $OUT, default ./gpu-out)
+#                          xfer-threads|fp8-a|fp8-b|moe|moe-e2e|gemv|gemv-fp8|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -210,6 +210,25 @@ if [[ $what == moe ]]; then
     timeout ${ENGINE_TIMEOUT:-150} python3 bench/engine.py --model /tmp/$preset/target --batches 1,8,64,128 \
       --contexts 1024,8192 --prefill 1024,8192 2>>"$out/moe-engine.err" | tee -a "$out/moe-engine.jsonl"
   done
+fi
+if [[ $what == gemv ]]; then
+  # the decode-sized GEMMs (common/kernels/triton_gemv.py): their kernels against the references, a sweep of their tile
+  # configurations beside what they replace (bench/gemv_tune.py), then the MoE presets' decode steps and an MLA room
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    ( start=$(date +%s); timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 \
+        | tail -1; echo "built $preset in $(( $(date +%s) - start )) s" ) &
+  done
+  timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_triton_gemv.py \
+    tests/gpu/test_triton_moe.py tests/gpu/test_triton_fp8_gemm.py ${GEMV_TESTS:-} 2>&1 | tee "$out/gemv-tests.txt" | tail -8
+  timeout ${TUNE_TIMEOUT:-200} python3 bench/gemv_tune.py ${TUNE_ARGS:-} 2>>"$out/gemv-tune.err" | tee -a "$out/gemv-tune.jsonl" \
+    | cut -c1-400
+  wait
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    timeout ${ENGINE_TIMEOUT:-120} python3 bench/engine.py --model /tmp/$preset/target --batches ${GEMV_BATCHES:-1,4,8,64} \
+      --contexts 1024 --prefill ${GEMV_PREFILL:-8192} 2>>"$out/gemv-engine.err" | tee -a "$out/gemv-engine.jsonl"
+  done
+  timeout 150 python3 bench/transfer.py --device cuda --cache-form mla --tokens 1024,4096,16384 --iters 10 \
+    2>>"$out/transfer-mla.err" | tee -a "$out/transfer-mla.jsonl"
 fi
 if [[ $what == moe-e2e ]]; then
   # issue 29: the MoE (Qwen3-MoE) and MLA (DeepSeek) presets disaggregated against colocated in bench/e2e.py
