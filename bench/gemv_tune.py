@@ -15,7 +15,9 @@ Cases (one JSON line each), Llama-3.1-8B's projections and the two MoE presets' 
 Each line: the fastest configuration and its us and GB/s (bytes the case must read: the weight
 once, or the experts the slots touch, over the time), the current default's, the baseline's, and
 the HBM bandwidth of a 4 GiB device copy measured in this run (``hbm_gbps``, bytes read + written).
-Every configuration's output is checked against the default's before it is timed.
+Every configuration's output is checked against the default's before it is timed. Times are of
+--iters calls replayed in one CUDA graph, as a decode step runs them (launched from Python, every
+call here would take the ~30-60 us of its launch instead).
 """
 
 from __future__ import annotations
@@ -38,18 +40,30 @@ MOE = {"qwen3-30b-a3b": (128, 8, 2048, 768), "deepseek-v2-lite": (64, 6, 2048, 1
 
 
 def timed_us(fn, iters: int) -> float:
+    """Mean us per call of ``iters`` calls captured in one CUDA graph (a decode step's kernels run
+    inside graphs: timing them launched from Python would time the launches, ~30-60 us each)."""
     if DEVICE == "cpu":  # --dry-run: the logic only, under Triton's interpreter
         fn()
         return 1.0
-    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (and compilation) off the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(iters):
-        fn()
+    for _ in range(3):
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / iters
+    return start.elapsed_time(end) * 1000 / (3 * iters)
 
 
 def hbm_gbps() -> float:
@@ -57,7 +71,7 @@ def hbm_gbps() -> float:
         return 0.0
     src = torch.empty(4 << 30, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
-    us = timed_us(lambda: dst.copy_(src), 10)
+    us = timed_us(lambda: dst.copy_(src), 5)
     return 2 * (4 << 30) / us / 1e3
 
 
