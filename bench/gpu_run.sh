@@ -204,7 +204,7 @@ if [[ $what == moe ]]; then
   done
   # meanwhile the MoE and MLA kernels against their references in real shapes, and DeepSeek's graphs
   timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_triton_mla.py \
-    tests/gpu/test_triton_moe.py tests/gpu/test_deepseek_graphs.py 2>&1 | tee "$out/moe-tests.txt" | tail -8
+    tests/gpu/test_mla_prefill_gpu.py tests/gpu/test_triton_moe.py tests/gpu/test_deepseek_graphs.py 2>&1 | tee "$out/moe-tests.txt" | tail -8
   wait
   for preset in qwen3-30b-a3b deepseek-v2-lite; do
     timeout ${ENGINE_TIMEOUT:-150} python3 bench/engine.py --model /tmp/$preset/target --batches 1,8,64,128 \

@@ -19,11 +19,13 @@ The elementwise steps around attention go through the backend too (``add_norm``,
 ``linear`` of an FP8 weight (``common/layers/fp8.py``) goes to ``fp8_linear`` on both, which picks its
 kernel by device. MLA (``common/layers/mla.py``) stores and reads its latent rows through
 ``mla_store`` and ``mla_attend`` (torch: ``index_put_`` and ``attention.paged_attention`` over the
-latent as one KV head; triton: ``common/kernels/triton_mla.py``).
+latent as one KV head; triton: ``common/kernels/triton_mla.py``), and, for its expanded prefill,
+gathers a chunk's cached prefix rows with ``mla_prefix`` (one ``index_select`` of its pages on both).
 
-A plan has ``positions`` [T], ``last_index`` [B] and ``query_lens`` (list); the rest is the
-backend's own. ``TritonPlan`` travels to the device as one int64 copy and can also be built from
-static buffers (CUDA graphs, ``common/engine/cuda_graph.py``).
+A plan has ``positions`` [T], ``last_index`` [B], ``query_lens`` and ``starts`` (host lists: new and
+cached tokens per chunk; ``starts`` is None in a CUDA graph's static plan, whose values change
+between replays); the rest is the backend's own. ``TritonPlan`` travels to the device as one int64
+copy and can also be built from static buffers (CUDA graphs, ``common/engine/cuda_graph.py``).
 """
 
 from __future__ import annotations
@@ -120,6 +122,12 @@ class TorchBackend:
         keys = cache[:, :, None, :]  # [num_pages, page_size, 1, L + R]: one head every query head reads
         return attention.paged_attention(q, keys, keys[..., :latent_dim], plan, None, scale)
 
+    @staticmethod
+    def mla_prefix(cache, plan, i: int) -> torch.Tensor:
+        """Chunk i's ``plan.starts[i]`` cached latent rows [starts[i], L + R], in token order (a copy)."""
+        pages = plan.chunk_pages[i] if plan.chunk_pages is not None else plan.padded.kv_pages[i]
+        return latent_rows(cache, pages, plan.starts[i])
+
 
 @dataclass(frozen=True)
 class TritonPlan:
@@ -138,6 +146,7 @@ class TritonPlan:
     max_query: int
     num_splits: int  # decode split-K
     is_dense_prefill: bool = False  # every chunk starts at 0 and is long: attend to the new K/V in place
+    starts: list[int] | None = None  # cached tokens before each chunk (host); None in a graph's static plan
 
 
 def pack_chunks(chunks, page_size: int) -> tuple[np.ndarray, int]:
@@ -201,7 +210,8 @@ class TritonBackend:
             kv_lens=per_chunk[1], q_starts=per_chunk[2], q_lens=per_chunk[3], prefix_lens=per_chunk[4],
             page_table=packed[4 * num_tokens + 5 * batch:].view(batch, max_pages), query_lens=query_lens,
             max_query=max(query_lens), num_splits=self.num_splits(batch),
-            is_dense_prefill=max(query_lens) > DENSE_PREFILL_MIN_TOKENS and all(c.start_pos == 0 for c in chunks))
+            is_dense_prefill=max(query_lens) > DENSE_PREFILL_MIN_TOKENS and all(c.start_pos == 0 for c in chunks),
+            starts=[c.start_pos for c in chunks])
         return per_token[0], plan
 
     def store(self, k_cache, v_cache, k, v, plan: TritonPlan, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
@@ -236,12 +246,20 @@ class TritonBackend:
 
     def mla_attend(self, q, cache, plan: TritonPlan, latent_dim: int, scale: float) -> torch.Tensor:
         """As ``TorchBackend.mla_attend``; always through the paged kernels (no dense prefill: SDPA's
-        flash path takes no 576-wide key)."""
+        flash path takes no 576-wide key; a prefill runs MLA's expanded form instead, ``mla.py``)."""
         if plan.max_query == 1:
             return self.mla.decode_attention(q, cache, plan.page_table, plan.kv_lens, latent_dim, scale,
                                              plan.num_splits)
         return self.mla.extend_attention(q, cache, plan.page_table, plan.q_starts, plan.q_lens, plan.prefix_lens,
                                          plan.max_query, latent_dim, scale)
+
+    @staticmethod
+    def mla_prefix(cache, plan: TritonPlan, i: int) -> torch.Tensor:
+        """As ``TorchBackend.mla_prefix``, the pages from the plan's page table (host lengths: no sync)."""
+        if plan.starts is None:
+            raise ValueError("mla_prefix: this plan has no host starts (a CUDA graph's static plan); the expanded "
+                             "MLA form needs an eager plan")
+        return latent_rows(cache, plan.page_table[i], plan.starts[i])
 
     def attend(self, q, k, v, k_cache, v_cache, plan: TritonPlan, window, scale, k_scale: float = 1.0,
                v_scale: float = 1.0) -> torch.Tensor:
@@ -255,6 +273,13 @@ class TritonBackend:
                                                  plan.num_splits, k_scale, v_scale)
         return self.kernels.extend_attention(q, k_cache, v_cache, plan.page_table, plan.q_starts, plan.q_lens,
                                              plan.prefix_lens, plan.max_query, scale, window, k_scale, v_scale)
+
+
+def latent_rows(cache: torch.Tensor, pages: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The first ``num_rows`` rows [num_rows, L + R] of a sequence whose pages (in order, maybe more
+    than it needs) are ``pages``, from the latent cache [num_pages, page_size, L + R] (any page stride)."""
+    num_pages = -(-num_rows // cache.shape[1])
+    return cache.index_select(0, pages[:num_pages]).flatten(0, 1)[:num_rows]
 
 
 def _dense_prefill(q, k, v, query_lens: list[int], scale: float) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 One class serves both (``DeepseekV2ForCausalLM`` and ``DeepseekV3ForCausalLM`` are it); the
 switches are ``ModelConfig.deepseek`` (``deepseek_config.py``). Attention is ``common/layers/mla.py``
-(absorbed form in every phase, one code path), the cache ``common/cache/mla_cache.py``
+(the expanded form for prefill and long chunks, the absorbed form for decode, verify and short
+extends; ``mla.attends_expanded`` chooses per step), the cache ``common/cache/mla_cache.py``
 (``make_kv_cache``). The MLP of layer i is dense (``intermediate_size``) for the first
 ``first_k_dense_replace`` layers, else routed experts plus ``n_shared_experts`` shared ones:
 

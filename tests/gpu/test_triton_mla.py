@@ -8,7 +8,8 @@ rows (page -1). Under ``TRITON_INTERPRET=1`` the small shapes run on CPU (fp32 a
 also DeepSeek's real ones (kv_lora_rank 512, rope 64, 16 and 128 heads, contexts to 4k, bf16).
 Tolerances: fp32 2e-5 (ieee dots, another summation order), fp16 5e-3, bf16 2e-2 (P is rounded to
 the dtype before P @ c; outputs are O(1)). The tiny DeepSeek runs whole on the triton backend, eagerly
-and over a CUDA graph bucket's static plan with a padding row, against the torch backend.
+and over a CUDA graph bucket's static plan with a padding row, against the torch backend, and in
+MLA's expanded form (``mla.py``) over the eager plans' page tables.
 """
 
 from __future__ import annotations
@@ -247,3 +248,33 @@ def test_tiny_deepseek_graph_bucket_with_padding_rows_equals_eager(tmp_path, tok
     for got_rows, want_rows in zip(got[:len(step)], want):
         torch.testing.assert_close(got_rows, want_rows, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(stored, kv.buffer, rtol=1e-5, atol=1e-5)
+
+
+def test_tiny_deepseek_expanded_prefill_on_triton_plans_equals_torch(tmp_path):
+    """MLA's expanded form (``mla.py``) over the triton backend's eager plans: the cached prefix
+    gathered through the page table, beside a plain prompt, gives the torch backend's absorbed
+    logits and latent rows (forced expanded: at the tiny widths the cost estimate is a tie)."""
+    from kvferry.common.layers.attn_backend import TritonBackend
+    from kvferry.common.models.llama import SeqChunk
+    from kvferry.common.models.loader import load_model
+    from kvferry.common.models.tiny import make_tiny_model
+
+    target, _ = make_tiny_model(tmp_path, seed=6, preset="deepseek-v2-tiny")
+    model = load_model(target, dtype=torch.float32, device=DEVICE)
+    rng = random.Random(6)
+    first, second, other = ([rng.randrange(5, 500) for _ in range(n)] for n in (19, 18, 21))
+    pages = [[9, 2, 14, 0, 7, 11, 3, 12, 5, 1], [4, 13, 6, 10, 8, 15]]
+    runs = {}
+    for backend, form in ((TorchBackend(), "absorbed"), (TritonBackend(torch.device(DEVICE), 1), "expanded")):
+        model.attn = backend
+        for layer in model.layers:
+            layer.self_attn.form = form
+        kv = type(model).make_kv_cache(model.config, 16, 4, torch.float32, DEVICE)
+        logits = model.forward([SeqChunk(first, 0, pages[0])], kv, all_logits=True)
+        logits += model.forward([SeqChunk(second, 19, pages[0]), SeqChunk(other, 0, pages[1])], kv, all_logits=True)
+        runs[form] = (torch.cat(logits), kv.buffer.clone())
+    for layer in model.layers:
+        layer.self_attn.form = "auto"
+    (got, stored), (want, want_stored) = runs["expanded"], runs["absorbed"]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(stored, want_stored, rtol=1e-5, atol=1e-5)
