@@ -124,10 +124,12 @@ def prefill_case(runner, tokens: int, num_params: int, cfg, peak: float) -> dict
         times.append(time.perf_counter() - started)
         runner.release(seq)
     seconds = min(times[1:])
-    # causal attention: QK over the key width and PV over the value width (MLA's absorbed form: the
-    # latent + rope row, then the latent), their mean standing for head_dim
+    # causal attention: QK over the key width and PV over the value width, their mean standing for
+    # head_dim. MLA counts the model's own FLOPs, the expanded form's (q/k nope + rope, v per head:
+    # what the prefill runs, common/layers/mla.py), not the absorbed form's 576/512-wide latent
+    # attention, which would credit work the prefill no longer does
     attn_dim = (cfg.head_dim if cfg.deepseek is None
-                else (cfg.deepseek.latent_width + cfg.deepseek.kv_lora_rank) / 2)
+                else (cfg.deepseek.qk_head_dim + cfg.deepseek.v_head_dim) / 2)
     flops = 2 * num_params * tokens + 2 * cfg.num_hidden_layers * tokens**2 * cfg.num_attention_heads * attn_dim
     tflops = flops / seconds / 1e12
     return {"mode": "prefill", "batch": 1, "context_tokens": tokens, "step_ms": round(seconds * 1e3, 2),

@@ -230,6 +230,28 @@ if [[ $what == gemv ]]; then
   timeout 150 python3 bench/transfer.py --device cuda --cache-form mla --tokens 1024,4096,16384 --iters 10 \
     2>>"$out/transfer-mla.err" | tee -a "$out/transfer-mla.jsonl"
 fi
+if [[ $what == gemv-fp8 ]]; then
+  # the 8B preset in bf16 and both FP8 formats with the decode-sized GEMMs, side by side; the GEMV sweep timed in CUDA
+  # graphs; DeepSeek's prefill in the expanded MLA form; the fused MoE's tile sweep when bench/moe_tune.py is there
+  fp8_build channel block &
+  build=$!
+  ( timeout 200 python3 -m kvferry.common.cli make-tiny-model /tmp/deepseek-v2-lite --preset deepseek-v2-lite 2>&1 \
+      | tail -1 ) &
+  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_triton_gemv.py \
+    tests/gpu/test_triton_fp8_gemm.py tests/gpu/test_engine_graphs.py tests/gpu/test_mla_prefill_gpu.py \
+    tests/gpu/test_triton_mla.py tests/gpu/test_deepseek_graphs.py tests/gpu/test_triton_moe.py 2>&1 \
+    | tee "$out/gemv-fp8-tests.txt" | tail -12
+  timeout ${TUNE_TIMEOUT:-150} python3 bench/gemv_tune.py ${TUNE_ARGS:-} 2>>"$out/gemv-tune.err" \
+    | tee -a "$out/gemv-tune.jsonl" | cut -c1-300
+  [[ -f bench/moe_tune.py ]] && timeout 200 python3 bench/moe_tune.py 2>>"$out/moe-tune.err" \
+    | tee -a "$out/moe-tune.jsonl" | cut -c1-300
+  wait
+  for v in bf16:$m8b fp8-channel:$fp8c fp8-block:$fp8b; do
+    fp8_engine ${v%%:*} --model ${v#*:}/target --batches 1,8,64 --contexts 1024 --prefill 8192
+  done
+  timeout ${ENGINE_TIMEOUT:-120} python3 bench/engine.py --model /tmp/deepseek-v2-lite/target --batches 1,64 \
+    --contexts 1024 --prefill 1024,8192 2>>"$out/gemv-engine.err" | tee -a "$out/gemv-engine.jsonl"
+fi
 if [[ $what == moe-e2e ]]; then
   # issue 29: the MoE (Qwen3-MoE) and MLA (DeepSeek) presets disaggregated against colocated in bench/e2e.py
   for preset in qwen3-30b-a3b deepseek-v2-lite; do

@@ -2,8 +2,8 @@
 
 float32, greedy, the tiny pair: torch eager, triton eager and triton with graphs must agree token
 for token (batches of 1..9, so that graph buckets run with padding rows), with and without
-speculative decoding, in both KV layouts, and over an FP8 KV pool; a graph replay's logits equal
-the eager forward's.
+speculative decoding, in both KV layouts, and over an FP8 KV pool; FP8 checkpoints give eager's
+tokens in graphs; a graph replay's logits equal the eager forward's.
 """
 
 from __future__ import annotations
@@ -61,6 +61,19 @@ def test_fp8_kv_backends_and_graphs_agree(tiny_models):
     for name in ("triton", "graphs"):
         assert _generate(target, None, "page-major", {**ENGINES[name], **fp8}, prompts) == want, name
     assert _generate(target, draft, "page-major", {**ENGINES["graphs"], **fp8}, prompts) == want
+
+
+@pytest.mark.parametrize("quantize", ["fp8-channel", "fp8-block"])
+def test_fp8_weights_graphs_agree(tmp_path, quantize):
+    """FP8 checkpoints: decode steps run the weight-only GEMV (triton_gemv.fp8_gemv, <= 16 rows) and
+    prefills the W8A8 GEMMs; graphs (buckets of 1..8 rows, padding included) give eager's tokens."""
+    from kvferry.common.models.tiny import make_tiny_model
+
+    target, _ = make_tiny_model(tmp_path / quantize, seed=0, quantize=quantize)
+    prompts = _prompts(9)
+    want = _generate(target, None, "page-major", ENGINES["triton"], prompts)
+    assert _generate(target, None, "page-major", ENGINES["graphs"], prompts) == want
+    assert all(len(out) == 10 for out in want)
 
 
 def test_graph_replay_equals_eager_forward(tiny_models):
