@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|chooser|staging|spec|e2e|e2e-cache|multiturn|xfer-threads|
-#                          fp8-a|fp8-b|moe|moe-e2e|all]   (results land in $OUT, default ./gpu-out)
+#                          fp8-a|fp8-b|moe|moe-e2e|moe-tune|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -218,4 +218,12 @@ if [[ $what == moe-e2e ]]; then
       --concurrency 1,16 --reps ${E2E_REPS:-3} --max-total-tokens 40000 --no-inprocess 2>>"$out/moe-e2e.err" \
       | sed "s/^{/{\"preset\": \"$preset\", /" | tee -a "$out/moe-e2e.jsonl"
   done
+fi
+if [[ $what == moe-tune ]]; then
+  # the fused MoE's grouped GEMMs: its tests (every configuration of the table against the torch reference), then
+  # bench/moe_tune.py's sweep of tile configurations for the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes (~2-3 min)
+  timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_triton_moe.py 2>&1 \
+    | tee "$out/moe-tune-tests.txt" | tail -5
+  timeout 240 python3 bench/moe_tune.py --tokens ${MOE_TUNE_TOKENS:-64,128,1024,4096,8192,16384} \
+    2>>"$out/moe-tune.err" | tee -a "$out/moe-tune.jsonl"
 fi
