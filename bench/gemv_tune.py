@@ -195,14 +195,15 @@ def moe_cases(args, base: dict) -> None:
                   "note": "best_us / default_us time the whole moe_gemv with this projection's configuration varied"})
         gemv_us = timed_us(lambda: triton_gemv.moe_gemv(x, w13, w2, weights, ids), args.iters)
 
-        def grouped():
+        def grouped():  # fused_moe above MOE_GEMV_MAX_SLOTS: sort by expert, two grouped GEMMs
             num_slots = ids.numel()
-            block_m = triton_moe._block_m(num_slots)
-            sorted_slots, block_experts = triton_moe.align_by_expert(ids, experts, block_m)
+            up = triton_moe.gemm_config(2 * inter, hidden, num_slots, experts)
+            down_cfg = triton_moe.gemm_config(hidden, inter, num_slots, experts)
+            sorted_slots, block_experts = triton_moe.align_by_expert(ids, experts, up.block_m)
             gate_up = torch.empty(num_slots, 2 * inter, dtype=x.dtype, device=x.device)
-            triton_moe._grouped_gemm(x, w13, gate_up, sorted_slots, block_experts, block_m, top_k, None)
+            triton_moe._grouped_gemm(x, w13, gate_up, sorted_slots, block_experts, up, top_k, None)
             down = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
-            triton_moe._grouped_gemm(triton_moe.silu_mul(gate_up), w2, down, sorted_slots, block_experts, block_m,
+            triton_moe._grouped_gemm(triton_moe.silu_mul(gate_up), w2, down, sorted_slots, block_experts, down_cfg,
                                      1, weights.flatten().contiguous())
             return down.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
 

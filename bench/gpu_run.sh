@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|
-#                          xfer-threads|fp8-a|fp8-b|moe|moe-e2e|gemv|gemv-fp8|all]   (results land in $OUT, default ./gpu-out)
+#                          xfer-threads|fp8-a|fp8-b|moe|moe-e2e|moe-tune|gemv|gemv-fp8|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -232,7 +232,7 @@ if [[ $what == gemv ]]; then
 fi
 if [[ $what == gemv-fp8 ]]; then
   # the 8B preset in bf16 and both FP8 formats with the decode-sized GEMMs, side by side; the GEMV sweep timed in CUDA
-  # graphs; DeepSeek's prefill in the expanded MLA form; the fused MoE's tile sweep when bench/moe_tune.py is there
+  # graphs; DeepSeek's prefill in the expanded MLA form
   fp8_build channel block &
   build=$!
   ( timeout 200 python3 -m kvferry.common.cli make-tiny-model /tmp/deepseek-v2-lite --preset deepseek-v2-lite 2>&1 \
@@ -243,8 +243,6 @@ if [[ $what == gemv-fp8 ]]; then
     | tee "$out/gemv-fp8-tests.txt" | tail -12
   timeout ${TUNE_TIMEOUT:-150} python3 bench/gemv_tune.py ${TUNE_ARGS:-} 2>>"$out/gemv-tune.err" \
     | tee -a "$out/gemv-tune.jsonl" | cut -c1-300
-  [[ -f bench/moe_tune.py ]] && timeout 200 python3 bench/moe_tune.py 2>>"$out/moe-tune.err" \
-    | tee -a "$out/moe-tune.jsonl" | cut -c1-300
   wait
   for v in bf16:$m8b fp8-channel:$fp8c fp8-block:$fp8b; do
     fp8_engine ${v%%:*} --model ${v#*:}/target --batches 1,8,64 --contexts 1024 --prefill 8192
@@ -263,4 +261,12 @@ if [[ $what == moe-e2e ]]; then
       --concurrency 1,16 --reps ${E2E_REPS:-3} --max-total-tokens 40000 --no-inprocess 2>>"$out/moe-e2e.err" \
       | sed "s/^{/{\"preset\": \"$preset\", /" | tee -a "$out/moe-e2e.jsonl"
   done
+fi
+if [[ $what == moe-tune ]]; then
+  # the fused MoE's grouped GEMMs: its tests (every configuration of the table against the torch reference), then
+  # bench/moe_tune.py's sweep of tile configurations for the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes (~2-3 min)
+  timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_triton_moe.py 2>&1 \
+    | tee "$out/moe-tune-tests.txt" | tail -5
+  timeout 240 python3 bench/moe_tune.py --tokens ${MOE_TUNE_TOKENS:-64,128,1024,4096,8192,16384} \
+    2>>"$out/moe-tune.err" | tee -a "$out/moe-tune.jsonl"
 fi

@@ -14,9 +14,14 @@ A token slot is ``t * k + j``: token t's j-th expert. Over T tokens and k expert
 No host sync anywhere: the sort runs as torch ops on the device, and P is bounded by shapes alone
 (at most min(T * k, E) experts have a slot, each wasting under BLOCK_M rows of padding), so the
 grid is fixed and a CUDA graph can capture the whole block.
+
+Each GEMM's tile configuration (``gemm_config``) comes from a table by its (N, K) and its slots per
+expert; ``bench/moe_tune.py`` sweeps configurations on the GPU to fill it.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -53,22 +58,74 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     return sorted_slots, torch.where(block_experts < num_experts, block_experts, -1)
 
 
-@triton.jit
-def _grouped_gemm_kernel(a, b, c, sorted_slots, block_experts, weights, N, K, num_slots,
+class GemmConfig(NamedTuple):
+    """One tile configuration of ``_grouped_gemm_kernel``: a program computes BLOCK_M slots x BLOCK_N
+    columns, BLOCK_K deep per step; ``group_m`` row blocks share a band of programs (1: row block by
+    row block), so that the A rows and the expert's B columns one band reads stay in L2."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+# Small slot counts (decode batches: at most 512 slots), the kernel's configuration before the table.
+SMALL_CONFIG = GemmConfig(16, 64, 64, 1, 4, 3)
+# Larger slot counts by slots per expert (num_slots / num_experts, routing taken as uniform): below 16,
+# 64, 256, and from 256. The rows come from vLLM's tuned H200 file for E=128, N=768 (Qwen3-30B-A3B; the
+# "M" of its keys is tokens, so slots per expert = M * 8 / 128) and its H100 file for E=64, N=1408
+# (DeepSeek-V2-Lite: M * 6 / 64; no H200 file there), where both GEMMs of a block share one
+# configuration; bench/moe_tune.py measures them against a sweep on the GPU. A row's BLOCK_M is the
+# same for both GEMMs of a preset, so fused_moe aligns the slots once.
+SPE_BOUNDS = (16, 64, 256)
+_QWEN3_30B = (GemmConfig(16, 128, 128, 1, 4, 2), GemmConfig(64, 128, 64, 1, 4, 3),
+              GemmConfig(128, 256, 64, 16, 8, 4), GemmConfig(128, 256, 64, 16, 8, 4))
+_DEEPSEEK_V2_LITE = (GemmConfig(32, 128, 128, 1, 8, 3), GemmConfig(64, 128, 64, 1, 4, 3),
+                     GemmConfig(128, 128, 64, 1, 8, 3), GemmConfig(128, 256, 64, 16, 8, 4))
+DEFAULT_CONFIGS = _QWEN3_30B  # any other (N, K): the H200 file's rows
+GEMM_CONFIGS: dict[tuple[int, int], tuple[GemmConfig, ...]] = {
+    (2 * 768, 2048): _QWEN3_30B, (2048, 768): _QWEN3_30B,  # (N, K) of w13 and of w2
+    (2 * 1408, 2048): _DEEPSEEK_V2_LITE, (2048, 1408): _DEEPSEEK_V2_LITE,
+}
+
+
+def gemm_config(n: int, k: int, num_slots: int, num_experts: int) -> GemmConfig:
+    """The tile configuration of a grouped GEMM with weights [E, n, k] over ``num_slots`` slots."""
+    if num_slots <= 512:
+        return SMALL_CONFIG
+    per_expert = num_slots / num_experts
+    bucket = sum(per_expert >= bound for bound in SPE_BOUNDS)
+    return GEMM_CONFIGS.get((n, k), DEFAULT_CONFIGS)[bucket]
+
+
+@triton.jit(do_not_specialize=["num_slots", "num_pid_m", "top_k"])
+def _grouped_gemm_kernel(a, b, c, sorted_slots, block_experts, weights, N, K, num_slots, num_pid_m, top_k,
                          stride_am, stride_be, stride_bn, stride_cm,
-                         TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                         MUL_WEIGHT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRECISION: tl.constexpr):
-    """c[slot, n] = a[slot // TOP_K] . b[expert, n] (* weights[slot]) for one block of BLOCK_M slots
-    and BLOCK_N columns (TOP_K 1: a row per slot)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+                         GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+    """c[slot, n] = a[slot // top_k] . b[expert, n] (* weights[slot]) for one block of BLOCK_M slots
+    and BLOCK_N columns (top_k 1: a row per slot). A 1-D grid of num_pid_m x cdiv(N, BLOCK_N)
+    programs, in bands of GROUP_M row blocks: a band's programs run together and share its A rows
+    and its experts' B columns in L2. top_k is a runtime value so that one compiled kernel serves
+    every model's k (the division is BLOCK_M integer ops a program)."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    band = GROUP_M * num_pid_n
+    first_m = pid // band * GROUP_M
+    band_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + pid % band % band_m
+    pid_n = pid % band // band_m
     expert = tl.load(block_experts + pid_m)
+    if expert < 0:  # past the last expert's blocks: only sentinels, nothing to compute or store
+        return
     slots = tl.load(sorted_slots + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    # a block past the last expert's (expert -1) holds only sentinels: every load and store is masked
-    has_rows = slots < tl.where(expert >= 0, num_slots, 0)
-    expert = tl.maximum(expert, 0).to(tl.int64)
-    a_rows = tl.where(has_rows, slots // TOP_K, 0).to(tl.int64)
+    # the sentinel T * k pads an expert's last block: those rows' loads and stores are masked
+    has_rows = slots < num_slots
+    expert = expert.to(tl.int64)
+    a_rows = tl.where(has_rows, slots // top_k, 0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     has_cols = cols < N
     ks = tl.arange(0, BLOCK_K)
@@ -88,23 +145,20 @@ def _grouped_gemm_kernel(a, b, c, sorted_slots, block_experts, weights, N, K, nu
     tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=has_rows[:, None] & has_cols[None, :])
 
 
-def _block_m(num_slots: int) -> int:
-    # decode batches have few slots per expert: small blocks waste less padding
-    return 16 if num_slots <= 512 else 64
-
-
 def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_slots: torch.Tensor,
-                  block_experts: torch.Tensor, block_m: int, top_k: int, weights: torch.Tensor | None) -> None:
-    """a [T * k / top_k, K] contiguous, b [E, N, K] contiguous, out [T * k, N]; ``weights`` [T * k] or None."""
+                  block_experts: torch.Tensor, config: GemmConfig, top_k: int, weights: torch.Tensor | None) -> None:
+    """a [T * k / top_k, K] contiguous, b [E, N, K] contiguous, out [T * k, N]; ``weights`` [T * k] or
+    None; ``sorted_slots`` and ``block_experts`` aligned by ``config.block_m``."""
     n, k = b.shape[1], b.shape[2]
-    block_n, block_k = 64, 64 if k >= 64 else 32
-    grid = (block_experts.numel(), triton.cdiv(n, block_n))
+    num_pid_m = block_experts.numel()
+    grid = (num_pid_m * triton.cdiv(n, config.block_n),)
     _grouped_gemm_kernel[grid](
         a, b, out, sorted_slots, block_experts, weights if weights is not None else out, n, k, out.shape[0],
-        a.stride(0), b.stride(0), b.stride(1), out.stride(0),
-        TOP_K=top_k, MUL_WEIGHT=weights is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4)
+        num_pid_m, top_k, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        MUL_WEIGHT=weights is not None,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -116,12 +170,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     num_slots = num_tokens * top_k
     if num_slots <= MOE_GEMV_MAX_SLOTS:  # decode-sized: no sort by expert (triton_gemv.py)
         return moe_gemv(x, w13, w2, topk_weights, topk_ids)
-    block_m = _block_m(num_slots)
-    sorted_slots, block_experts = align_by_expert(topk_ids, w13.shape[0], block_m)
+    num_experts = w13.shape[0]
+    up_config = gemm_config(w13.shape[1], w13.shape[2], num_slots, num_experts)
+    down_config = gemm_config(w2.shape[1], w2.shape[2], num_slots, num_experts)
+    sorted_slots, block_experts = align_by_expert(topk_ids, num_experts, up_config.block_m)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     gate_up = torch.empty(num_slots, w13.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, sorted_slots, block_experts, block_m, top_k, None)
+    _grouped_gemm(x, w13, gate_up, sorted_slots, block_experts, up_config, top_k, None)
+    if down_config.block_m != up_config.block_m:  # a row pair of the table keeps BLOCK_M equal
+        sorted_slots, block_experts = align_by_expert(topk_ids, num_experts, down_config.block_m)
     down = torch.empty(num_slots, w2.shape[1], dtype=torch.float32, device=x.device)
     weights = topk_weights.flatten().contiguous()
-    _grouped_gemm(silu_mul(gate_up), w2, down, sorted_slots, block_experts, block_m, 1, weights)
+    _grouped_gemm(silu_mul(gate_up), w2, down, sorted_slots, block_experts, down_config, 1, weights)
     return down.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)

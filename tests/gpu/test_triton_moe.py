@@ -83,3 +83,53 @@ def test_tiny_moe_model_on_the_triton_backend_equals_torch(tmp_path):
         logits[backend.name] = (first, step)
     for got, want in zip(logits["triton"], logits["torch"]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+TABLE_CONFIGS = sorted({triton_moe.SMALL_CONFIG, *triton_moe.DEFAULT_CONFIGS,
+                        *(c for row in triton_moe.GEMM_CONFIGS.values() for c in row)})
+
+
+@pytest.mark.parametrize("config", TABLE_CONFIGS, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_table_config_matches_reference(config, dtype):
+    """Each tile configuration of the table, forced on both GEMMs, gives ``fused_moe_ref``'s result:
+    hidden 48 and inter 136 are multiples of no BLOCK_K or BLOCK_N (the masks), 2 x 136 columns take
+    two programs or more at every BLOCK_N, and 70 tokens x 3 over 8 experts leave partial and empty
+    blocks at every BLOCK_M and fewer row blocks than a GROUP_M of 16 (a short band)."""
+    num_tokens, num_experts, top_k = 70, 8, 3
+    x, w13, w2, weights, ids = _inputs(num_tokens, num_experts, top_k, 48, 136, dtype, seed=5)
+    sorted_slots, block_experts = triton_moe.align_by_expert(ids, num_experts, config.block_m)
+    gate_up = torch.empty(num_tokens * top_k, w13.shape[1], dtype=dtype, device=DEVICE)
+    triton_moe._grouped_gemm(x, w13, gate_up, sorted_slots, block_experts, config, top_k, None)
+    down = torch.empty(num_tokens * top_k, w2.shape[1], dtype=torch.float32, device=DEVICE)
+    triton_moe._grouped_gemm(triton_moe.silu_mul(gate_up), w2, down, sorted_slots, block_experts, config, 1,
+                             weights.flatten().contiguous())
+    got = down.view(num_tokens, top_k, -1).sum(dim=1).to(dtype)
+    want = fused_moe_ref(x, w13, w2, weights, ids)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-2)
+
+
+def test_gemm_config_by_shape_and_slots_per_expert():
+    """Up to 512 slots the small configuration; beyond, the (N, K) row's bucket by slots per expert,
+    the default rows for a shape outside the table; both GEMMs of a preset agree on BLOCK_M."""
+    pick = triton_moe.gemm_config
+    assert pick(1536, 2048, 512, 128) == triton_moe.SMALL_CONFIG
+    qwen = triton_moe.GEMM_CONFIGS[(1536, 2048)]
+    assert [pick(1536, 2048, t * 8, 128) for t in (128, 256, 1024, 8192)] == list(qwen)
+    assert pick(1536, 2048, 2047, 128) == qwen[0] and pick(1536, 2048, 2048, 128) == qwen[1]
+    assert pick(100, 200, 8192 * 8, 128) == triton_moe.DEFAULT_CONFIGS[-1]
+    for (n, k), row in triton_moe.GEMM_CONFIGS.items():
+        partner = triton_moe.GEMM_CONFIGS[(k, n // 2)] if (k, n // 2) in triton_moe.GEMM_CONFIGS else None
+        if partner is not None:  # (2I, H) and (H, I): w13's and w2's rows
+            assert [c.block_m for c in row] == [c.block_m for c in partner]
+
+
+def test_fused_moe_past_the_small_configuration_matches_reference():
+    """fused_moe itself over more than 512 slots, where the table's rows take over."""
+    x, w13, w2, weights, ids = _inputs(300, 8, 2, 48, 24, torch.float32, seed=6)
+    assert triton_moe.gemm_config(48, 48, 600, 8) != triton_moe.SMALL_CONFIG
+    torch.testing.assert_close(triton_moe.fused_moe(x, w13, w2, weights, ids), fused_moe_ref(x, w13, w2, weights, ids),
+                               rtol=1e-5, atol=1e-5)
