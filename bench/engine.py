@@ -142,7 +142,7 @@ def gemv_cases(model) -> list[dict]:
     sit past layer 0, or nowhere: then no MLP rows): cuBLAS (F.linear) against the Triton GEMV."""
     import torch
 
-    from kvferry.common.kernels import triton_fused
+    from kvferry.common.kernels import triton_gemv
 
     out = []
     for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
@@ -152,7 +152,7 @@ def gemv_cases(model) -> list[dict]:
         x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
         nbytes = weight.numel() * weight.element_size()
         cublas_ms = timed(lambda: torch.nn.functional.linear(x, weight), 50)
-        triton_ms = timed(lambda: triton_fused.gemv(x, weight), 50)
+        triton_ms = timed(lambda: triton_gemv.gemv(x, weight), 50)
         out.append({"mode": "gemv", "weight": name, "shape": list(weight.shape),
                     "cublas_us": round(cublas_ms * 1e3, 1), "triton_us": round(triton_ms * 1e3, 1),
                     "cublas_gb_s": round(nbytes / cublas_ms / 1e6), "triton_gb_s": round(nbytes / triton_ms / 1e6)})

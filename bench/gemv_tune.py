@@ -7,7 +7,7 @@ Cases (one JSON line each), Llama-3.1-8B's projections and the two MoE presets' 
   fp8-row / fp8-block  an e4m3 weight [N, K] with per-row or 128 x 128 block scales times M rows
                        (M 1, 4, 8, 16); baseline: what the step ran before (per-token quant +
                        torch._scaled_mm for per-row, the Triton W8A8 block GEMM for block)
-  bf16                 the same [N, K] in bf16 at M 1 through the GEMV kernel (no scales);
+  bf16                 the same [N, K] in bf16 at M 1 through ``gemv`` (no scales);
                        baseline: cuBLAS (F.linear), what the bf16 step runs
   moe                  one sparse layer's experts for T tokens (T * k <= 32): ``moe_gemv`` (both
                        projections and the weighted sum); baseline: the grouped path (sort by
@@ -79,7 +79,7 @@ def gemv_configs(dot: bool, quick: bool):
     from kvferry.common.kernels.triton_gemv import GemvConfig
 
     if dot:
-        ns, ks, warps, stages = (16, 32, 64), (128,), (4,), (2, 3, 4)
+        ns, ks, warps, stages = (16, 32, 64), (128, 256), (4,), (3, 4)  # 256: per-row scales only
     else:
         ns, ks, warps, stages = (4, 8, 16, 32), (256, 512, 1024), (4, 8), (3,)
     if quick:
@@ -141,26 +141,14 @@ def fp8_cases(args, base: dict) -> None:
 
 def bf16_cases(args, base: dict) -> None:
     from kvferry.common.kernels import triton_gemv
-    import triton
-
-    from kvferry.common.kernels.triton_gemv import GemvConfig, SCALE_NONE, _gemv_kernel
-
-    def run(x, w, cfg: GemvConfig):
-        n, k = w.shape
-        out = torch.empty(1, n, device=DEVICE, dtype=DTYPE)
-        _gemv_kernel[(triton.cdiv(n, cfg.block_n), 1)](
-            x, w, out, out, out, out, out, 1, n, k, x.stride(0), 0, w.stride(0), out.stride(0), 0,
-            TOP_K=1, SCALE=SCALE_NONE, GROUP=128, HAS_EXPERTS=False, FUSE_SILU=False, MUL_WEIGHT=False,
-            HAS_BIAS=False, BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION="tf32",
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        return out
 
     for name, (n, k) in LLAMA_8B.items():
         w = torch.randn(n, k, device=DEVICE, dtype=DTYPE) * 0.02
         x = torch.randn(1, k, device=DEVICE, dtype=DTYPE)
         nbytes = w.numel() * 2
-        default = triton_gemv.moe_config(n, k)
-        result = sweep(lambda cfg: run(x, w, cfg), gemv_configs(False, args.quick), default, nbytes, args.iters)
+        default = triton_gemv.dense_config(n, k)
+        result = sweep(lambda cfg: triton_gemv.gemv(x, w, None, cfg), gemv_configs(False, args.quick), default, nbytes,
+                       args.iters)
         base_us = timed_us(lambda: torch.nn.functional.linear(x, w), args.iters)
         emit({**base, "case": "bf16", "weight": name, "shape": [n, k], "rows": 1, "bytes": nbytes, **result,
               "baseline": "cublas", "baseline_us": round(base_us, 2), "baseline_gbps": round(nbytes / base_us / 1e3, 1),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|
-#                          xfer-threads|fp8-a|fp8-b|moe|moe-e2e|moe-tune|gemv|gemv-fp8|all]   (results land in $OUT, default ./gpu-out)
+#                          xfer-threads|fp8-a|fp8-b|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -249,6 +249,31 @@ if [[ $what == gemv-fp8 ]]; then
   done
   timeout ${ENGINE_TIMEOUT:-120} python3 bench/engine.py --model /tmp/deepseek-v2-lite/target --batches 1,64 \
     --contexts 1024 --prefill 1024,8192 2>>"$out/gemv-engine.err" | tee -a "$out/gemv-engine.jsonl"
+fi
+if [[ $what == decode-gemms ]]; then
+  # one pass over the decode-sized GEMMs with their tuned tiles and the fused MoE's grouped GEMM table: the kernel and
+  # graph tests while every checkpoint builds, the grouped GEMM sweep at prefill sizes, the FP8 GEMV sweep, then
+  # bench/engine.py on the 8B preset (bf16, both FP8 formats) and both MoE presets
+  fp8_build channel block &
+  build=$!
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) &
+  done
+  timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_triton_gemv.py \
+    tests/gpu/test_triton_moe.py tests/gpu/test_deepseek_graphs.py tests/gpu/test_triton_fused.py \
+    tests/gpu/test_engine_graphs.py::test_fp8_weights_graphs_agree 2>&1 | tee "$out/decode-gemms-tests.txt" | tail -12
+  timeout ${MOE_TUNE_TIMEOUT:-150} python3 bench/moe_tune.py --tokens ${MOE_TUNE_TOKENS:-1024,8192} \
+    2>>"$out/moe-tune.err" | tee -a "$out/moe-tune.jsonl" | cut -c1-200
+  timeout ${TUNE_TIMEOUT:-100} python3 bench/gemv_tune.py --cases fp8 2>>"$out/gemv-tune.err" \
+    | tee -a "$out/gemv-tune.jsonl" | cut -c1-200
+  wait
+  for v in bf16:$m8b fp8-channel:$fp8c fp8-block:$fp8b; do
+    ENGINE_TIMEOUT=70 fp8_engine ${v%%:*} --model ${v#*:}/target --batches 1,8,64 --contexts 1024 --prefill 8192
+  done
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    timeout 70 python3 bench/engine.py --model /tmp/$preset/target --batches 1,8,64 --contexts 1024 --prefill 8192 \
+      2>>"$out/moe-engine.err" | sed "s/^{/{\"preset\": \"$preset\", /" | tee -a "$out/moe-engine.jsonl"
+  done
 fi
 if [[ $what == moe-e2e ]]; then
   # issue 29: the MoE (Qwen3-MoE) and MLA (DeepSeek) presets disaggregated against colocated in bench/e2e.py

@@ -140,33 +140,3 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(num_rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     _silu_mul_kernel[(num_rows, triton.cdiv(inter, 1024))](gate_up, out, INTER=inter, BLOCK=1024, num_warps=4)
     return out
-
-
-@triton.jit
-def _gemv_kernel(x, w, bias, y, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < N
-    rows = w + n[:, None].to(tl.int64) * K
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for start in range(0, K, BLOCK_K):
-        k = start + tl.arange(0, BLOCK_K)
-        k_mask = k < K
-        x_part = tl.load(x + k, mask=k_mask, other=0.0).to(tl.float32)
-        w_tile = tl.load(rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w_tile * x_part[None, :], 1)
-    if HAS_BIAS:
-        acc += tl.load(bias + n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y + n, acc.to(y.dtype.element_ty), mask=n_mask)
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for one row: x [1, K], weight [N, K] contiguous -> [1, N] (fp32 accumulation). A
-    batch-1 decode step is this shape for every projection: it streams the weights once."""
-    num_out, num_in = weight.shape
-    y = torch.empty(1, num_out, dtype=x.dtype, device=x.device)
-    block_n = 8 if num_out <= 8192 else 16
-    _gemv_kernel[(triton.cdiv(num_out, block_n),)](x, weight, bias if bias is not None else weight, y, num_out,
-                                                   K=num_in, BLOCK_N=block_n, BLOCK_K=512,
-                                                   HAS_BIAS=bias is not None, num_warps=4)
-    return y

@@ -9,6 +9,8 @@ weights, and what matters is streaming them at the HBM rate with nothing else in
   linear, and a torch._scaled_mm that cuBLASLt does not run at the HBM rate for M = 1..16 is
   avoided (bench/RESULTS.md "FP8 on one H200": the FP8 step at batch 1 was 5.7 ms against bf16's
   5.0 with half the bytes). Prefill-sized M stays W8A8 (``common/layers/fp8.py``).
+- ``gemv``: one row times a bf16/fp16 weight, the same kernel without scales (``use_gemv`` in
+  the Triton backend; bench/engine.py measures it against cuBLAS).
 - ``moe_gemv``: the fused MoE for a few token slots (T * k <= ``MOE_GEMV_MAX_SLOTS``): one
   program row per slot reads its expert's weights directly by ``topk_ids``, so there is no sort
   by expert (``align_by_expert``: about fifteen small launches per sparse layer) and no padding of
@@ -21,7 +23,7 @@ slot each). With BLOCK_M 1 each program is a dot product of x's row with BLOCK_N
 the CUDA cores (``tl.sum``); with BLOCK_M >= 16 the rows share each weight tile through
 ``tl.dot``. Block scales are applied per 128-column group before the group's sum is added.
 
-The torch references: ``fp8.reference_weight_only`` and ``moe.fused_moe_ref``
+The torch references: ``fp8.reference_weight_only``, F.linear and ``moe.fused_moe_ref``
 (``tests/gpu/test_triton_gemv.py``; TRITON_INTERPRET=1 runs the same tests on CPU).
 """
 
@@ -135,16 +137,31 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights,
 
 
 def fp8_config(num_rows: int, n: int, k: int, block: int | None) -> GemvConfig:
-    """The tile configuration for an FP8 weight [n, k] times ``num_rows`` rows. Enough programs to
-    cover every SM a few times over (BLOCK_N small for narrow weights), BLOCK_K wide enough for
-    16-byte loads of e4m3 and several loads in flight per thread."""
+    """The tile configuration for an FP8 weight [n, k] times ``num_rows`` rows, from
+    bench/gemv_tune.py on an H200 (bench/RESULTS.md "Decode-sized GEMMs"): one row streams 1,024
+    columns a step over 8 weight rows a program (4 for the 14,336-deep down projection, so that
+    enough programs run), a wide weight (gate-up) 256 columns over 16 rows; several rows share
+    each 128-column tile through tl.dot, 32 weight rows a program, 4 stages."""
     if num_rows == 1:
-        return GemvConfig(block_n=8 if n <= 8192 else 16, block_k=512, num_warps=4)
-    return GemvConfig(block_n=32 if n <= 8192 else 64, block_k=GROUP, num_warps=4)
+        if n > 8192:
+            return GemvConfig(block_n=16, block_k=256, num_warps=4)
+        return GemvConfig(block_n=4 if k >= 8192 else 8, block_k=1024, num_warps=4)
+    return GemvConfig(block_n=32, block_k=GROUP, num_warps=4, num_stages=4)
+
+
+def dense_config(n: int, k: int) -> GemvConfig:
+    """One row times a bf16/fp16 weight [n, k] (``gemv``), from the same sweep: 1,024 columns a step
+    (512 for a wide weight), 4-16 weight rows a program, 8 warps for the narrow ones."""
+    if n > 8192:
+        return GemvConfig(block_n=16, block_k=512, num_warps=4)
+    if n > 4096:
+        return GemvConfig(block_n=4, block_k=1024, num_warps=4)
+    return GemvConfig(block_n=8, block_k=1024, num_warps=8)
 
 
 def moe_config(n: int, k: int) -> GemvConfig:
-    """The tile configuration of one MoE slot's [n, k] expert weight (bf16/fp16)."""
+    """The tile configuration of one MoE slot's [n, k] expert weight (bf16/fp16): in the sweep no
+    configuration beat this one by more than a few per cent on either preset's projections."""
     return GemvConfig(block_n=16 if n <= 4096 else 32, block_k=256, num_warps=4)
 
 
@@ -167,7 +184,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
         x = x.contiguous()
     cfg = config or fp8_config(num_rows, n, k, block)
     block_m = 1 if num_rows == 1 else 16
-    block_k = cfg.block_k if block_m == 1 else GROUP
+    block_k = cfg.block_k if block_m == 1 or block is None else GROUP  # tl.dot over block scales: one group a step
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
@@ -178,6 +195,26 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
         TOP_K=1, SCALE=SCALE_ROW if block is None else SCALE_BLOCK, GROUP=GROUP, HAS_EXPERTS=False,
         FUSE_SILU=False, MUL_WEIGHT=False, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, PRECISION=_precision(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """F.linear for one row: x [1, K] (unit column stride), weight [N, K] contiguous -> [1, N] in x's
+    dtype (fp32 accumulation). A batch-1 decode step is this shape for every projection."""
+    n, k = weight.shape
+    if x.shape[0] != 1:
+        raise ValueError(f"gemv takes one row, got {x.shape[0]}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cfg = config or dense_config(n, k)
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), 1)](
+        x, weight, out, out, bias if bias is not None else out, out, out,
+        1, n, k, x.stride(0), 0, weight.stride(0), out.stride(0), 0,
+        TOP_K=1, SCALE=SCALE_NONE, GROUP=GROUP, HAS_EXPERTS=False, FUSE_SILU=False, MUL_WEIGHT=False,
+        HAS_BIAS=bias is not None, BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 

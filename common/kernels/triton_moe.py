@@ -91,6 +91,23 @@ GEMM_CONFIGS: dict[tuple[int, int], tuple[GemmConfig, ...]] = {
 }
 
 
+SHARED_MEMORY_BYTES = 232448  # H100/H200: 227 KiB a block
+
+
+def fit_shared_memory(config: GemmConfig, element_bytes: int) -> GemmConfig:
+    """``config`` with fewer stages, then a shallower BLOCK_K, until its pipelined A and B tiles fit a
+    block's shared memory at ``element_bytes`` per element: the table's bf16 rows are too large in
+    float32 (the tiny models' dtype on the GPU; Triton refuses them as out of resources)."""
+    while config.num_stages * (config.block_m + config.block_n) * config.block_k * element_bytes > SHARED_MEMORY_BYTES:
+        if config.num_stages > 2:
+            config = config._replace(num_stages=config.num_stages - 1)
+        elif config.block_k > 16:
+            config = config._replace(block_k=config.block_k // 2)
+        else:
+            break
+    return config
+
+
 def gemm_config(n: int, k: int, num_slots: int, num_experts: int) -> GemmConfig:
     """The tile configuration of a grouped GEMM with weights [E, n, k] over ``num_slots`` slots."""
     if num_slots <= 512:
@@ -150,6 +167,7 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_sl
     """a [T * k / top_k, K] contiguous, b [E, N, K] contiguous, out [T * k, N]; ``weights`` [T * k] or
     None; ``sorted_slots`` and ``block_experts`` aligned by ``config.block_m``."""
     n, k = b.shape[1], b.shape[2]
+    config = fit_shared_memory(config, a.element_size())
     num_pid_m = block_experts.numel()
     grid = (num_pid_m * triton.cdiv(n, config.block_n),)
     _grouped_gemm_kernel[grid](

@@ -183,11 +183,13 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, device: torch.device, num_kv_heads: int) -> None:
-        from kvferry.common.kernels import triton_attention, triton_fused, triton_mla, triton_moe  # triton: only here
+        from kvferry.common.kernels import (triton_attention, triton_fused, triton_gemv, triton_mla,  # triton: only here
+                                            triton_moe)
 
         self.kernels = triton_attention
         self.mla = triton_mla
         self.fused = triton_fused
+        self.gemv = triton_gemv
         self.moe = triton_moe
         self.use_gemv = False
         self.num_kv_heads = num_kv_heads
@@ -230,12 +232,12 @@ class TritonBackend:
         return self.fused.silu_mul(gate_up)
 
     def linear(self, x, weight, bias=None) -> torch.Tensor:
-        # use_gemv: one row through triton_fused.gemv instead of cuBLAS. Off: on an H200 cuBLAS
-        # streams the 8B projections at 1.3-4.1 TB/s, the GEMV at 0.9-3.3 (bench/engine.py "gemv").
+        # use_gemv: one row through triton_gemv.gemv instead of cuBLAS (bench/engine.py measures
+        # both: its "gemv" rows, and the batch-1 step with it on).
         if isinstance(weight, Fp8Weight):
             return fp8_linear(x, weight, bias)
         if x.shape[0] == 1 and self.use_gemv:
-            return self.fused.gemv(x.contiguous(), weight, bias)
+            return self.gemv.gemv(x, weight, bias)
         return torch.nn.functional.linear(x, weight, bias)
 
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:

@@ -73,16 +73,3 @@ def test_silu_mul(dtype):
     gate_up = torch.randn(3, 2 * 1500).to(dtype).to(DEVICE)
     gate, up = gate_up.chunk(2, dim=-1)
     _close(triton_fused.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(40, 96), (1000, 600), (24, 2048)])
-def test_gemv(dtype, shape):
-    num_out, num_in = shape
-    x = torch.randn(1, num_in).to(dtype).to(DEVICE)
-    weight = (torch.randn(num_out, num_in) / num_in**0.5).to(dtype).to(DEVICE)
-    bias = torch.randn(num_out).to(dtype).to(DEVICE)
-    want = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(triton_fused.gemv(x, weight, bias).float(), want, atol=tol, rtol=tol)
-    torch.testing.assert_close(triton_fused.gemv(x, weight).float(), want - bias.float(), atol=tol, rtol=tol)

@@ -71,6 +71,21 @@ def test_fp8_linear_takes_the_gemv_for_decode_rows(block):
     torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("shape", [(40, 96), (1000, 600), (24, 2048), (9000, 300)])
+def test_dense_gemv(dtype, shape):
+    """One row times a bf16/fp16/fp32 weight (use_gemv), every branch of dense_config's shapes."""
+    num_out, num_in = shape
+    g = torch.Generator().manual_seed(num_out)
+    x = torch.randn(1, num_in, generator=g).to(DEVICE, dtype)
+    weight = (torch.randn(num_out, num_in, generator=g) / num_in**0.5).to(DEVICE, dtype)
+    bias = torch.randn(num_out, generator=g).to(DEVICE, dtype)
+    want = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(triton_gemv.gemv(x, weight, bias).float(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(triton_gemv.gemv(x, weight).float(), want - bias.float(), atol=tol, rtol=tol)
+
+
 def test_fp8_linear_and_the_kernel_agree_on_the_row_bound():
     assert fp8.FP8_GEMV_MAX_ROWS == triton_gemv.FP8_GEMV_MAX_ROWS
 
