@@ -177,14 +177,19 @@ def parse_args() -> argparse.Namespace:
 
 
 def with_gemv(runner, a, base: dict, weights: WeightBytes, kv_token_bytes: int, bw: float) -> None:
-    """Batch 1 again with the Triton GEMV for every one-row projection (graphs recaptured)."""
+    """Batch 1 again with the other choice for every one-row bf16 projection (graphs recaptured):
+    cuBLAS when the backend runs the Triton GEMV (its CUDA default), else the GEMV. ``"gemv"`` says
+    which one the line ran."""
     model = runner.target.model
-    model.attn.use_gemv = True
+    default = model.attn.use_gemv
+    model.attn.use_gemv = not default
     for graphs in runner.target.graphs:
         graphs.capture()
     for context in map(int, a.contexts.split(",")):
-        emit({**base, "gemv": True, **decode_case(runner, a, 1, context, weights, kv_token_bytes, bw)})
-    model.attn.use_gemv = False
+        emit({**base, "gemv": not default, **decode_case(runner, a, 1, context, weights, kv_token_bytes, bw)})
+    model.attn.use_gemv = default
+    for graphs in runner.target.graphs:
+        graphs.capture()
 
 
 def main() -> None:

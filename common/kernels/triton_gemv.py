@@ -141,12 +141,14 @@ def fp8_config(num_rows: int, n: int, k: int, block: int | None) -> GemvConfig:
     bench/gemv_tune.py on an H200 (bench/RESULTS.md "Decode-sized GEMMs"): one row streams 1,024
     columns a step over 8 weight rows a program (4 for the 14,336-deep down projection, so that
     enough programs run), a wide weight (gate-up) 256 columns over 16 rows; several rows share
-    each 128-column tile through tl.dot, 32 weight rows a program, 4 stages."""
+    each 256-column tile (128, one group, for block scales) through tl.dot, 32 weight rows a
+    program, 4 stages."""
     if num_rows == 1:
         if n > 8192:
             return GemvConfig(block_n=16, block_k=256, num_warps=4)
         return GemvConfig(block_n=4 if k >= 8192 else 8, block_k=1024, num_warps=4)
-    return GemvConfig(block_n=32, block_k=GROUP, num_warps=4, num_stages=4)
+    # 256 columns a step for per-row scales (5-10 % over 128 in the sweep); block scales take one group
+    return GemvConfig(block_n=32, block_k=256 if block is None else GROUP, num_warps=4, num_stages=4)
 
 
 def dense_config(n: int, k: int) -> GemvConfig:

@@ -191,10 +191,12 @@ class TritonBackend:
         self.fused = triton_fused
         self.gemv = triton_gemv
         self.moe = triton_moe
-        self.use_gemv = False
         self.num_kv_heads = num_kv_heads
         # (a CPU device only under TRITON_INTERPRET=1, in tests)
         is_cuda = device.type == "cuda"
+        # one-row bf16 projections through triton_gemv.gemv: the 8B batch-1 step 4.33 ms against
+        # cuBLAS's 4.95 on an H200 (bench/RESULTS.md "Decode-sized GEMMs")
+        self.use_gemv = is_cuda
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if is_cuda else 4
 
     def num_splits(self, batch: int) -> int:
@@ -232,8 +234,8 @@ class TritonBackend:
         return self.fused.silu_mul(gate_up)
 
     def linear(self, x, weight, bias=None) -> torch.Tensor:
-        # use_gemv: one row through triton_gemv.gemv instead of cuBLAS (bench/engine.py measures
-        # both: its "gemv" rows, and the batch-1 step with it on).
+        # use_gemv (on CUDA): one row through triton_gemv.gemv instead of cuBLAS; bench/engine.py
+        # measures the batch-1 step both ways.
         if isinstance(weight, Fp8Weight):
             return fp8_linear(x, weight, bias)
         if x.shape[0] == 1 and self.use_gemv:
