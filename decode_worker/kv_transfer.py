@@ -109,6 +109,15 @@ class KvReceiver:
         0 when it said none or has not said yet). Read once."""
         return self.outcomes.cached_tokens.pop(room, 0)
 
+    async def settled_cached_tokens(self, room: int, timeout_s: float) -> int:
+        """``prefill_cached_tokens`` once the room's ``TransferResult`` has come: it travels over
+        ZeroMQ after the WRITE, and may come after the notification that landed the room (a TP
+        prefill sends it once every rank's WRITE has ended); 0 when it has not come in ``timeout_s``."""
+        if not await self.outcomes.wait_result(room, timeout_s):
+            logger.debug("room=%d: no transfer_result within %.1f s; its prefill hit is reported as 0", room,
+                         timeout_s)
+        return self.prefill_cached_tokens(room)
+
     async def send_local(self, *, request_id: str, host: str, port: int, room: int, page_ids: list[int],
                          num_prompt_tokens: int, prefix_len: int, timeout_s: float) -> None:
         """Tell the prefill of ``room`` that this decode computes the prompt's rest itself: its leg

@@ -13,6 +13,7 @@ waits for this decode's NIXL progress, so a room confirmed before its notificati
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import OrderedDict
 
@@ -41,6 +42,9 @@ class RoomOutcomes:
         self.cached_tokens: OrderedDict[int, int] = OrderedDict()
         # rooms whose own link said ok, with that link: a notification seen after it is that link's agent's
         self.confirmed: OrderedDict[int, PrefillLink] = OrderedDict()
+        # rooms whose request waits for its own link's transfer_result (see ``wait_result``); one
+        # entry per waiting request, removed by it
+        self.result_waits: dict[int, asyncio.Future] = {}
 
     def on_link_message(self, link: PrefillLink, msg: wire.Message) -> None:
         """A link's reader hands over a transfer_result or error frame."""
@@ -72,6 +76,10 @@ class RoomOutcomes:
             self.cached_tokens[msg.room] = msg.cached_tokens
             while len(self.cached_tokens) > MAX_RECENT:
                 self.cached_tokens.popitem(last=False)
+        if asked_here:
+            wait = self.result_waits.get(msg.room)
+            if wait is not None and not wait.done():
+                wait.set_result(None)
         if msg.ok and asked_here:
             self.confirmed[msg.room] = link
             self.confirmed.move_to_end(msg.room)
@@ -99,6 +107,23 @@ class RoomOutcomes:
         error = err(f"room={msg.room} request_id={waiter.request_id}: prefill {waiter.link.address} failed the "
                     f"transfer: {msg.error}", code=code)
         self.fail(msg.room, FetchError(error, pages_safe=code is not FailCode.UNSAFE))
+
+    async def wait_result(self, room: int, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) for the room's own link's ``transfer_result``, which may come
+        after the notification that landed the room; True when it came."""
+        if room in self.confirmed:
+            return True
+        wait = self.result_waits.get(room)
+        if wait is None:
+            wait = self.result_waits[room] = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(wait), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            if self.result_waits.get(room) is wait:
+                del self.result_waits[room]
 
     def fail(self, room: int, exc: FetchError, link: PrefillLink | None = None) -> None:
         """Fail ``room``'s waiter with ``exc``; when ``link`` names who says so, only the room's own link."""

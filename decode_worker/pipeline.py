@@ -37,6 +37,10 @@ from kvferry.decode_worker.kv_transfer import KvReceiver
 
 logger = logging.getLogger(__name__)
 
+# How long a finished request waits for its prefill's TransferResult (which names the prefill's
+# prefix hit) when that has not come yet; past it the answer reports no prefill hit.
+RESULT_WAIT_S = 2.0
+
 
 class DecodeParts(DaemonView, Protocol):
     """What one request's pipeline uses of the decode daemon: its collaborators, by name."""
@@ -142,8 +146,9 @@ class DecodeBackend(DaemonBackend):
                 num_out[index] += len(out.token_ids)
                 finished = out.finish_reason is not None
                 if finished and not local and not cache_meta["cached_tokens_prefill"]:
-                    # the prefill's TransferResult (after its WRITE) has come by now, if it said any
-                    cache_meta["cached_tokens_prefill"] = d.receiver.prefill_cached_tokens(b.room)
+                    # the prefill's TransferResult (after its WRITE) may still be on its way
+                    cache_meta["cached_tokens_prefill"] = await d.receiver.settled_cached_tokens(
+                        b.room, RESULT_WAIT_S)
                 cached = hit if local else cache_meta["cached_tokens_prefill"]
                 meta = {"prompt_tokens": s.num_prompt_tokens, "completion_tokens": num_out[index],
                         "cached_tokens": cached, **cache_meta,

@@ -6,6 +6,7 @@ it; a forever-hold only at restart), and that a room's result counts only from i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -260,3 +261,55 @@ def test_unsafe_result_after_the_room_already_failed_still_holds_it_for_good():
         decode.receiver.on_link_message(link, wire.TransferResult(room=71, ok=False, error="closed", code="aborted"))
         assert 71 in decode.receiver.quarantined and decode.released == []
     scenario(body)
+
+
+class CachedTokensReceiver(Receiver):
+    """A decode that reads ``TransferResult.cached_tokens`` (as the daemon's does)."""
+
+    def _register_msg(self) -> wire.Register:
+        return dataclasses.replace(super()._register_msg(), reads_cached_tokens=True)
+
+
+def test_a_prefill_hit_whose_result_comes_after_the_room_landed_still_reaches_the_answer():
+    """The room lands by its notification; the prefill's transfer_result, which names its prefix hit,
+    comes later over ZeroMQ (a TP prefill sends it once every rank's WRITE has ended). The answer
+    waits for it, bounded: the hit is read once it comes, and a result that never comes costs the
+    wait only. Fails if the answer reads the hit once, when it may not have come yet (turns of a
+    conversation through a TP-2 prefill then reported no prefill hit)."""
+    async def main():
+        prefill = await Prefill().start()
+        decode = CachedTokensReceiver().start()
+        release, held = asyncio.Event(), []
+        plain_send = prefill.writer.send
+
+        async def late_send(identity, msg):
+            if isinstance(msg, wire.TransferResult):
+                held.append(msg.room)
+                await release.wait()
+                if msg.room == 32:
+                    return  # this room's result is lost
+            await plain_send(identity, msg)
+
+        prefill.writer.send = late_send
+        try:
+            for room_id, page_ids in ((31, [0, 1]), (32, [2, 3])):
+                room = prefill.open_room(room_id, num_tokens=20)
+                room.cached_tokens = 16
+                fetch = asyncio.get_running_loop().create_task(decode.fetch(prefill, room_id, 20, page_ids))
+                send = asyncio.get_running_loop().create_task(prefill.writer.send_room(room, time.monotonic() + 5))
+                await fetch  # landed by the notification alone
+                await until(lambda: room_id in held, what="the result held back")
+                assert decode.receiver.prefill_cached_tokens(room_id) == 0  # not come yet
+                settled = asyncio.get_running_loop().create_task(
+                    decode.receiver.settled_cached_tokens(room_id, 0.5 if room_id == 32 else 10.0))
+                await asyncio.sleep(0.1)
+                assert not settled.done()
+                release.set()
+                assert await settled == (16 if room_id == 31 else 0)
+                await send
+                release.clear()
+                assert decode.receiver.outcomes.result_waits == {}
+        finally:
+            await decode.close()
+            await prefill.close()
+    run(main())
