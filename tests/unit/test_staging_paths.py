@@ -269,3 +269,19 @@ def test_a_staged_room_whose_write_could_not_be_cancelled_quarantines_the_prefil
     s.finish(rooms[1], TransferError("peer lost (test)"))
     assert rooms[0].slot.state is SlotState.QUARANTINED and s.slots.num_quarantined == 1
     assert s.slots.num_free == 1 and rooms[1].slot.state is SlotState.FREE
+
+
+@pytest.mark.parametrize("pool_rows", [4, 64])
+def test_measured_copy_cost_is_never_free(engine, pool_rows):
+    """The start-up measurement (real NIXL WRITEs into a second agent, real gathers) gives every cost
+    the chooser uses a positive value, also for a pool of a few 64 KiB rows, where the difference
+    between gathering them all and gathering one is within the machine's noise. Fails if a noisy
+    difference is clamped to 0 (the chooser then counts the staged copies as free)."""
+    from kvferry.prefill_worker.staging_costs import measure_costs
+
+    buffer = torch.zeros(16 << 20, dtype=torch.uint8)
+    pool = torch.ones(pool_rows * (64 << 10), dtype=torch.uint8)
+    engine.register_tensor(buffer)
+    costs = measure_costs(engine, buffer, pool, reps=2)
+    assert costs.per_write_s > 0 and costs.copy_fixed_s > 0, costs
+    assert costs.copy_s_per_byte > 0, costs
