@@ -116,9 +116,13 @@ def _time_writes(engine: NixlEngine, peer: str, buffer: torch.Tensor, target: to
             engine.release_prepped(local)
             engine.release_prepped(remote)
         cycles.append(time.perf_counter() - start)
-    return _WriteCosts(per_descriptor_s=max(times["many"] - times["one"], 0.0) / (num - 1),
+    # a difference within the noise (a busy machine) takes the larger WRITE's whole time instead: an
+    # upper bound, never 0 (0 descriptors' cost reads as a buffer too small to measure: staging off)
+    per_descriptor = (times["many"] - times["one"]) / (num - 1)
+    wire = (times["one"] - times["tiny"]) / (num * size)
+    return _WriteCosts(per_descriptor_s=per_descriptor if per_descriptor > 0 else times["many"] / num,
                        per_write_s=statistics.median(cycles),
-                       wire_s_per_byte=max(times["one"] - times["tiny"], 0.0) / (num * size))
+                       wire_s_per_byte=wire if wire > 0 else times["one"] / (num * size))
 
 
 def log_costs(costs: StagingCosts, chunk_nbytes: int, buffer_nbytes: int) -> None:

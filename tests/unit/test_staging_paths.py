@@ -284,4 +284,4 @@ def test_measured_copy_cost_is_never_free(engine, pool_rows):
     engine.register_tensor(buffer)
     costs = measure_costs(engine, buffer, pool, reps=2)
     assert costs.per_write_s > 0 and costs.copy_fixed_s > 0, costs
-    assert costs.copy_s_per_byte > 0, costs
+    assert costs.copy_s_per_byte > 0 and costs.per_descriptor_s > 0 and costs.wire_s_per_byte > 0, costs
