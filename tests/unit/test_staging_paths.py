@@ -6,6 +6,8 @@ into scattered pages, and the prefill's choice of path with the reason it counts
 from __future__ import annotations
 
 import asyncio
+import itertools
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -271,17 +273,21 @@ def test_a_staged_room_whose_write_could_not_be_cancelled_quarantines_the_prefil
     assert s.slots.num_free == 1 and rooms[1].slot.state is SlotState.FREE
 
 
-@pytest.mark.parametrize("pool_rows", [4, 64])
-def test_measured_copy_cost_is_never_free(engine, pool_rows):
-    """The start-up measurement (real NIXL WRITEs into a second agent, real gathers) gives every cost
-    the chooser uses a positive value, also for a pool of a few 64 KiB rows, where the difference
-    between gathering them all and gathering one is within the machine's noise. Fails if a noisy
-    difference is clamped to 0 (the chooser then counts the staged copies as free)."""
-    from kvferry.prefill_worker.staging_costs import measure_costs
+@pytest.mark.parametrize("clock", ["real", "flat"])
+def test_measured_costs_are_never_free(engine, clock, monkeypatch):
+    """The start-up measurement (real NIXL WRITEs into a second agent, real gathers of a 4-row pool)
+    gives every cost the chooser uses a positive value, also when each pair of timings it subtracts
+    comes out equal, as within a busy machine's noise (the ``flat`` clock: every timed interval
+    reads 2^-20 s, exactly). Fails if such a difference is clamped to 0: the chooser then counts the staged
+    copies as free, and a zero descriptor cost reads as a buffer too small (staging off)."""
+    from kvferry.prefill_worker import staging_costs
 
+    if clock == "flat":
+        ticks = itertools.count()
+        monkeypatch.setattr(staging_costs, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) / (1 << 20)))
     buffer = torch.zeros(16 << 20, dtype=torch.uint8)
-    pool = torch.ones(pool_rows * (64 << 10), dtype=torch.uint8)
+    pool = torch.ones(4 * (64 << 10), dtype=torch.uint8)
     engine.register_tensor(buffer)
-    costs = measure_costs(engine, buffer, pool, reps=2)
+    costs = staging_costs.measure_costs(engine, buffer, pool, reps=2)
     assert costs.per_write_s > 0 and costs.copy_fixed_s > 0, costs
     assert costs.copy_s_per_byte > 0 and costs.per_descriptor_s > 0 and costs.wire_s_per_byte > 0, costs
