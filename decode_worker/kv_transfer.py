@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from kvferry.common.daemon.aio import wait_for
 from kvferry.common.wire import messages as wire
 from kvferry.common.wire.aux_slots import AuxSlots
 from kvferry.common.errors import DisaggError, FailCode, PeerUnavailableError, TransferError
@@ -206,7 +207,7 @@ class KvReceiver:
                           wants_prompt_logprobs: bool = False, prefix_len: int = 0) -> Landed:
         """One attempt of ``fetch`` under its ``deadline``; ``timeout_s`` (the whole wait) names it in errors."""
         try:
-            await asyncio.wait_for(link.ensure_registered(self.register_timeout_s), _remaining_s(deadline))
+            await wait_for(link.ensure_registered(self.register_timeout_s), _remaining_s(deadline))
         except asyncio.TimeoutError:
             self.metrics.timeouts.labels(stage="register").inc()
             raise FetchError(PeerUnavailableError(
@@ -261,7 +262,7 @@ class KvReceiver:
             raise FetchError(exc, pages_safe=True) from None
         self.holds.mark_sent(waiter.room, link, waiter.parts)  # from here on the prefill may WRITE into the pages
         try:
-            await asyncio.wait_for(asyncio.shield(waiter.future), _remaining_s(deadline))
+            await wait_for(asyncio.shield(waiter.future), _remaining_s(deadline))
         except asyncio.TimeoutError:
             if waiter.future.done():
                 return  # settled just at the deadline: that outcome stands
@@ -310,7 +311,7 @@ async def poll_notifications(receiver: KvReceiver) -> None:
         else:
             pause_s = 1e-4
             with contextlib.suppress(asyncio.TimeoutError):  # the timeout is the periodic drain
-                await asyncio.wait_for(receiver.wake.wait(), 0.05)
+                await wait_for(receiver.wake.wait(), 0.05)
         try:
             notifs = receiver.engine.get_notifs()
             if receiver.rank_agents is not None:

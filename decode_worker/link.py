@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from kvferry.common.daemon.aio import wait_for
 from kvferry.common.wire import messages as wire
 from kvferry.common.errors import DisaggError, FailCode, GeometryMismatchError, PeerUnavailableError, ProtocolError
 from kvferry.common.daemon.metrics import Metrics
@@ -118,7 +119,7 @@ class PrefillLink:
         self._ack_future = asyncio.get_running_loop().create_future()
         await self.client.send(msg, timeout_s=remaining_s)
         try:
-            ack = await asyncio.wait_for(self._ack_future, remaining_s)
+            ack = await wait_for(self._ack_future, remaining_s)
         except asyncio.TimeoutError:
             raise PeerUnavailableError(f"prefill {self.address} did not answer register within {timeout_s:.1f}s "
                                        f"(is a prefill listening on that bootstrap port?)") from None

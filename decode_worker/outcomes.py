@@ -17,6 +17,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 
+from kvferry.common.daemon.aio import wait_for
 from kvferry.common.wire import messages as wire
 from kvferry.common.errors import FailCode, GeometryMismatchError, PeerUnavailableError, TransferError
 from kvferry.common.daemon.metrics import Metrics
@@ -117,7 +118,7 @@ class RoomOutcomes:
         if wait is None:
             wait = self.result_waits[room] = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait_for(asyncio.shield(wait), timeout_s)
+            await wait_for(asyncio.shield(wait), timeout_s)
             return True
         except asyncio.TimeoutError:
             return False

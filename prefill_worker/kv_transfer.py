@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 
+from kvferry.common.daemon.aio import wait_for
 from kvferry.common.wire import messages as wire
 from kvferry.common.wire.aux_record import AuxRecord, decode_reads_v2
 from kvferry.common.plan import geometry
@@ -150,7 +151,7 @@ class KvWriter:
         remaining = min(deadline, room.deadline) - time.monotonic()
         try:
             if not room.arrived.is_set():  # wait_for(..., 0) would time out even on a set event
-                await asyncio.wait_for(room.arrived.wait(), max(remaining, 0.0))
+                await wait_for(room.arrived.wait(), max(remaining, 0.0))
         except asyncio.TimeoutError:
             self.metrics.timeouts.labels(stage="wait_transfer").inc()
             raise TransferError(f"room={room.room} request_id={room.request_id}: no transfer request from a decode "

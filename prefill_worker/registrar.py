@@ -15,6 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from kvferry.common.daemon.aio import wait_for
 from kvferry.common.wire import messages as wire
 from kvferry.common.plan import geometry
 from kvferry.common.errors import DisaggError, FailCode, GeometryMismatchError, ProtocolError
@@ -146,7 +147,7 @@ class Registrar:
         self._registering[msg.decode_id] = job
         job.add_done_callback(lambda _: self._registering.pop(msg.decode_id, None))
         try:
-            return plan, await asyncio.wait_for(asyncio.shield(job), self.register_timeout_s)
+            return plan, await wait_for(asyncio.shield(job), self.register_timeout_s)
         except asyncio.TimeoutError:
             job.add_done_callback(self._discard)
             self.metrics.timeouts.labels(stage="register").inc()
@@ -206,7 +207,7 @@ class Registrar:
         self._registering[msg.decode_id] = job
         job.add_done_callback(lambda _: self._registering.pop(msg.decode_id, None))
         try:
-            return await asyncio.wait_for(asyncio.shield(job), self.register_timeout_s)
+            return await wait_for(asyncio.shield(job), self.register_timeout_s)
         except asyncio.TimeoutError:
             job.add_done_callback(lambda j: None if j.cancelled() or j.exception() is not None
                                   else self.transport.disconnect(j.result(), wait=False))

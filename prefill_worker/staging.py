@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvferry.common.daemon.aio import wait_for
 from kvferry.common.wire import messages as wire
 from kvferry.common.errors import FailCode, TransferError, UnsafeWriteError
 from kvferry.common.kernels.staging_copy import gather, gather_convert, inverse_scales, pool_holding, row_index
@@ -182,7 +183,7 @@ class StagingSender:
                                     f"raise --staging-bytes)", code=FailCode.TIMEOUT)
             self._freed.clear()
             try:
-                await asyncio.wait_for(self._freed.wait(), min(left, 0.05))  # re-checks the abort flag meanwhile
+                await wait_for(self._freed.wait(), min(left, 0.05))  # re-checks the abort flag meanwhile
             except asyncio.TimeoutError:
                 pass
         into_slot = (staging is not None and 0 <= transfer.staging_slot < staging.num_slots

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import uvicorn
 
+from kvferry.common.daemon.aio import wait_for
 from kvferry.common.daemon import sdnotify
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ async def start_http(app, host: str, port: int, *, timeout_graceful_s: float = 5
 async def stop_http(server: HttpServer, task: asyncio.Task, timeout_s: float = 10.0) -> None:
     server.should_exit = True
     try:
-        await asyncio.wait_for(task, timeout_s)
+        await wait_for(task, timeout_s)
     except asyncio.TimeoutError:
         logger.warning("HTTP server did not stop within %.1fs; cancelling", timeout_s)
         task.cancel()

@@ -143,6 +143,21 @@ def test_files_and_classes_stay_small():
     assert too_long == []
 
 
+def test_waits_go_through_the_cancel_safe_wait_for():
+    """Every bounded wait of the daemons is ``common/daemon/aio.py::wait_for``: Python 3.11's
+    ``asyncio.wait_for`` loses a cancel that comes with the awaited result (a poller it ran in
+    outlived its ``close``)."""
+    calls = []
+    for name, path in _modules().items():
+        if name == "kvferry.common.daemon.aio":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "wait_for" and \
+                    isinstance(node.value, ast.Name) and node.value.id == "asyncio":
+                calls.append(f"{name}:{node.lineno}")
+    assert calls == []
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from kvferry.common.daemon.aio import wait_for
 from kvferry.common.wire import messages as wire
 from kvferry.common.wire.aux_slots import AuxSlots
 from kvferry.common.wire.aux_record import AuxRecord
@@ -216,6 +217,21 @@ def test_close_fails_waiting_rooms_and_releases_their_pages():
             await task
         assert decode.released == [51] and not decode.receiver.quarantined
     scenario(body)
+
+
+def test_close_ends_the_poller_woken_in_the_same_iteration():
+    """``close`` cancels the notification poller while a room's wake has just completed its wait:
+    the cancel still ends it, and ``close`` returns (bounded here). Fails with Python 3.11's
+    ``asyncio.wait_for`` in the poller (the cancel is lost: ``close`` waits for it forever)."""
+    async def main():
+        decode = Receiver().start()
+        try:
+            await asyncio.sleep(0.02)  # the poller waits for a wake
+            decode.receiver.wake.set()
+            await wait_for(decode.receiver.close(), 5.0)
+        finally:
+            decode.engine.close()
+    run(main())
 
 
 def test_bootstrap_hosts_outside_the_allow_list_are_refused_before_connecting():
