@@ -55,11 +55,7 @@ def measure_costs(engine: NixlEngine, buffer: torch.Tensor, pool: torch.Tensor, 
             return StagingCosts(per_descriptor_s=0.0, copy_s_per_byte=0.0)
         copy_many = _time_gather(pool, buffer, rows, row, reps)
         copy_one = _time_gather(pool, buffer, 1, row, reps)
-        per_byte = (copy_many - copy_one) / ((rows - 1) * row)
-        if per_byte <= 0:
-            # noise larger than the difference (a few rows on a busy machine): the whole gather's time
-            # per byte, an upper bound (its fixed cost included), so that staging never looks free
-            per_byte = copy_many / (rows * row)
+        per_byte = _marginal(copy_many, copy_one, (rows - 1) * row, rows * row)
         # gather + scatter: two passes over the bytes, both on the memory the WRITE uses
         return StagingCosts(per_descriptor_s=writes.per_descriptor_s, copy_s_per_byte=2 * per_byte,
                             copy_fixed_s=2 * copy_one, per_write_s=writes.per_write_s,
@@ -116,13 +112,18 @@ def _time_writes(engine: NixlEngine, peer: str, buffer: torch.Tensor, target: to
             engine.release_prepped(local)
             engine.release_prepped(remote)
         cycles.append(time.perf_counter() - start)
-    # a difference within the noise (a busy machine) takes the larger WRITE's whole time instead: an
-    # upper bound, never 0 (0 descriptors' cost reads as a buffer too small to measure: staging off)
-    per_descriptor = (times["many"] - times["one"]) / (num - 1)
-    wire = (times["one"] - times["tiny"]) / (num * size)
-    return _WriteCosts(per_descriptor_s=per_descriptor if per_descriptor > 0 else times["many"] / num,
+    return _WriteCosts(per_descriptor_s=_marginal(times["many"], times["one"], num - 1, num),
                        per_write_s=statistics.median(cycles),
-                       wire_s_per_byte=wire if wire > 0 else times["one"] / (num * size))
+                       wire_s_per_byte=_marginal(times["one"], times["tiny"], num * size, num * size))
+
+
+def _marginal(more_s: float, less_s: float, span: int, units: int) -> float:
+    """The cost of one unit: ``more_s - less_s`` over the ``span`` units between the two timings;
+    when noise (a busy machine) leaves no positive difference, the larger timing over its ``units``,
+    an upper bound (its fixed cost included) and never 0: a free copy would always stage, and no
+    descriptor cost reads as a buffer too small to measure (staging off)."""
+    diff = (more_s - less_s) / span
+    return diff if diff > 0 else more_s / units
 
 
 def log_costs(costs: StagingCosts, chunk_nbytes: int, buffer_nbytes: int) -> None:
