@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
-#   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|
+#   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|prefix-ttft|
 #                          xfer-threads|fp8-a|fp8-b|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
@@ -115,6 +115,27 @@ if [[ $what == multiturn ]]; then
     --sides ${MT_SIDES:-off,on} --local-prefill-tokens ${MT_LOCAL:-1024} --log-dir "$out/multiturn-logs" \
     --prefill-args "${MT_PREFILL_ARGS:-}" --decode-args "${MT_DECODE_ARGS:-}" \
     2>>"$out/multiturn.err" | tee -a "$out/multiturn.jsonl"
+fi
+if [[ $what == prefix-ttft ]]; then
+  # issue 26 in one call: the 8B checkpoint is written in the background while the GPU tests of the prefix
+  # extend (SDPA after a cached prefix) and of the aligned plan rows run, and the tiny float32 multiturn (off,
+  # on) runs over its own Triton cache, whose compiles are listed with their times beside the turns' (a
+  # kernel compiled after the warm-up stalls a turn); then the 8B multiturn, off and on, one side at a time
+  timeout 240 python3 -m kvferry.common.cli make-tiny-model $m8b --preset llama-3.1-8b > "$out/m8b.log" 2>&1 &
+  m8b_pid=$!
+  timeout ${TESTS_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_triton_attention.py \
+    tests/gpu/test_prefix_extend_gpu.py tests/gpu/test_triton_fp8_kv.py 2>&1 | tee "$out/prefix-tests.txt" | tail -4
+  stamp() { while IFS= read -r line; do printf '%s %s\n' "$(date +%s.%N)" "${line:0:90}"; done; }
+  compiles() { find "$1" -name '*.json' ! -name '__grp__*' -printf '%T@ %f\n' | sort -n; }
+  TRITON_CACHE_DIR=/tmp/tc-tiny timeout 120 python3 bench/multiturn.py --device cuda --dtype float32 --preset cpu \
+    --sides off,on --log-dir "$out/mt-tiny-logs" --prefill-args "--log-level info" 2>>"$out/multiturn.err" \
+    | tee -a "$out/multiturn-tiny-fp32.jsonl" | stamp > "$out/multiturn-tiny-times.txt"
+  compiles /tmp/tc-tiny > "$out/multiturn-tiny-compiles.txt"
+  wait $m8b_pid; tail -2 "$out/m8b.log"
+  TRITON_CACHE_DIR=/tmp/tc-8b timeout ${MT_TIMEOUT:-330} python3 bench/multiturn.py --device cuda --model $m8b/target \
+    --apart --sides ${MT_SIDES:-off,on} --local-prefill-tokens ${MT_LOCAL:-1024} --log-dir "$out/mt-8b-logs" \
+    2>>"$out/multiturn.err" | tee -a "$out/multiturn.jsonl" | stamp > "$out/multiturn-8b-times.txt"
+  compiles /tmp/tc-8b > "$out/multiturn-8b-compiles.txt"
 fi
 if [[ $what == e2e-cache ]]; then
   # issue 26: single-turn figures with the prefix cache on (the default) and off, same run: random prompts never hit,

@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from kvferry.common.layers.attn_backend import TritonPlan, pack_chunks
+from kvferry.common.layers.attn_backend import TritonPlan, pack_chunks, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -136,9 +136,10 @@ def graph_inputs(chunks, page_size: int, batch: int) -> tuple[np.ndarray, np.nda
     num, q = len(chunks), len(chunks[0].token_ids)
     host, width = pack_chunks(chunks, page_size)
     num_tokens = num * q
+    per_token, per_chunk, table = unpack(host, num_tokens, num, width)
     token_inputs = np.zeros((batch * q, 4), np.int64)
-    token_inputs[:num_tokens] = host[:4 * num_tokens].reshape(4, num_tokens).T
+    token_inputs[:num_tokens] = per_token.T
     token_inputs[num_tokens:, 2] = -1
     seq_inputs = np.zeros((batch, 4), np.int64)
-    seq_inputs[:num] = host[4 * num_tokens:4 * num_tokens + 5 * num].reshape(5, num)[1:].T
-    return token_inputs, seq_inputs, host[4 * num_tokens + 5 * num:].reshape(num, width)
+    seq_inputs[:num] = per_chunk[1:].T
+    return token_inputs, seq_inputs, table

@@ -116,7 +116,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.index_put_(index, quantize(v, v_scale, v_cache.dtype))
 
 
-def _gather_keys(cache: torch.Tensor, pages: torch.Tensor, num_seqs: int) -> torch.Tensor:
+def gather_keys(cache: torch.Tensor, pages: torch.Tensor, num_seqs: int) -> torch.Tensor:
     """cache [num_pages, page_size, Hkv, D], pages [num_seqs * m] (m pages per sequence)
     -> [num_seqs, Hkv, m * page_size, D], contiguous: each sequence's keys, per head in token order.
 
@@ -196,8 +196,8 @@ def paged_attention(
         num_new = plan.query_lens[i]
         kv_len = plan.starts[i] + num_new
         q_i = q[offset : offset + num_new].transpose(0, 1)[None]  # [1, Hq, n, D]
-        k_i = dequantize(_gather_keys(k_cache, pages, 1)[:, :, :kv_len], k_scale, q.dtype)  # [1, Hkv, kv_len, D]
-        v_i = dequantize(_gather_keys(v_cache, pages, 1)[:, :, :kv_len], v_scale, q.dtype)
+        k_i = dequantize(gather_keys(k_cache, pages, 1)[:, :, :kv_len], k_scale, q.dtype)  # [1, Hkv, kv_len, D]
+        v_i = dequantize(gather_keys(v_cache, pages, 1)[:, :, :kv_len], v_scale, q.dtype)
         mask = _chunk_mask(plan, i, window)
         is_causal = mask is None and plan.starts[i] == 0 and num_new > 1
         o_i = F.scaled_dot_product_attention(
@@ -220,8 +220,8 @@ def _attend_padded(q, k_cache, v_cache, plan: BatchPlan, window, scale, k_scale,
     # GQA, without expanding K/V, and one plain SDPA call (measured ~30% faster on CPU than enable_gqa).
     q_fold = q_pad.permute(0, 2, 1, 3).reshape(num_chunks, num_kv_heads, group * index.max_query, head_dim)
     flat_pages = index.kv_pages.flatten()
-    k = dequantize(_gather_keys(k_cache, flat_pages, num_chunks), k_scale, q.dtype)  # [B, Hkv, max_kv, D]
-    v = dequantize(_gather_keys(v_cache, flat_pages, num_chunks), v_scale, q.dtype)
+    k = dequantize(gather_keys(k_cache, flat_pages, num_chunks), k_scale, q.dtype)  # [B, Hkv, max_kv, D]
+    v = dequantize(gather_keys(v_cache, flat_pages, num_chunks), v_scale, q.dtype)
     o = F.scaled_dot_product_attention(q_fold, k, v, attn_mask=_padded_mask(plan, window, group), scale=scale)
     o = o.reshape(num_chunks, num_heads, index.max_query, -1).transpose(1, 2)  # [B, max_q, Hq, Dv]
     return o[index.batch_idx, index.query_idx]

@@ -35,16 +35,20 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 from kvferry.common.layers import attention, moe, rope
 from kvferry.common.kernels.h2d import to_device
 from kvferry.common.layers.fp8 import Fp8Weight, fp8_linear
-from kvferry.common.kernels.kv_quant import round_trip
+from kvferry.common.kernels.kv_quant import dequantize, round_trip
 from kvferry.common.layers.norm import rms_norm
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-# A batch of prompts with no cached prefix, one of them longer than this, attends with SDPA (flash)
-# over the new K/V as they are (no page read): it measured faster than the extend kernel at 8k.
+# A prefill batch with a chunk longer than this attends per chunk with SDPA (flash): a chunk with no
+# cached prefix over its new K/V as they are (no page read), one after a prefix (a prefix-cache hit,
+# a later chunk of a chunked prompt) over its context gathered from the pool, causal lower-right.
+# The paged extend kernel stays for short chunks (verify, small extends): SDPA measured faster at 8k,
+# and over long cached prefixes (bench/RESULTS.md "Prefix reuse").
 DENSE_PREFILL_MIN_TOKENS = 256
 
 
@@ -145,38 +149,60 @@ class TritonPlan:
     query_lens: list[int]
     max_query: int
     num_splits: int  # decode split-K
-    is_dense_prefill: bool = False  # every chunk starts at 0 and is long: attend to the new K/V in place
+    is_long_prefill: bool = False  # a chunk is long (DENSE_PREFILL_MIN_TOKENS): SDPA per chunk, ``_sdpa_prefill``
     starts: list[int] | None = None  # cached tokens before each chunk (host); None in a graph's static plan
+
+
+def packed_rows(num_tokens: int, batch: int) -> tuple[int, int]:
+    """Row lengths of a packed plan's per-token and per-chunk sections: the counts rounded up to even.
+
+    Every row of the packed int64 buffer then starts 16-byte aligned. Triton specializes a pointer
+    argument on 16-byte alignment, so with rows packed back to back an odd token or chunk count
+    shifted every row after it by 8 bytes and compiled a second variant of each kernel that reads
+    them, in the middle of serving: a batch of another parity stalled its step by the compile (on
+    an H200, ~0.6 s at the first prefix-hit wave after a warm-up whose batches had split otherwise)."""
+    return num_tokens + (num_tokens & 1), batch + (batch & 1)
 
 
 def pack_chunks(chunks, page_size: int) -> tuple[np.ndarray, int]:
     """Host side of a TritonPlan: [token_ids, positions, write_pages, write_rows (T each), last_index,
-    kv_lens, q_starts, q_lens, prefix_lens (B each), page_table (B * max_pages)] as one int64 array."""
+    kv_lens, q_starts, q_lens, prefix_lens (B each), page_table (B * max_pages)] as one int64 array,
+    each row padded to ``packed_rows``' even length (``unpack`` gives the views)."""
     query_lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, len(chunks))
     prefix = np.fromiter((c.start_pos for c in chunks), np.int64, len(chunks))
     kv_lens = prefix + query_lens
     num_pages = -(-kv_lens // page_size)
     max_pages = int(num_pages.max())
     num_tokens, batch = int(query_lens.sum()), len(chunks)
-    out = np.zeros(4 * num_tokens + 5 * batch + batch * max_pages, np.int64)
-    table = out[4 * num_tokens + 5 * batch:].reshape(batch, max_pages)
+    token_row, chunk_row = packed_rows(num_tokens, batch)
+    out = np.zeros(4 * token_row + 5 * chunk_row + batch * max_pages, np.int64)
+    per_token, per_chunk, table = unpack(out, num_tokens, batch, max_pages)
     for i, c in enumerate(chunks):
         table[i, :num_pages[i]] = c.page_ids[:num_pages[i]]
     ends = np.cumsum(query_lens)
     starts = ends - query_lens
     if num_tokens == batch:  # one token per chunk (decode): no per-chunk ranges
         positions = prefix
-        out[:num_tokens] = [c.token_ids[0] for c in chunks]
+        per_token[0] = [c.token_ids[0] for c in chunks]
     else:
         positions = np.concatenate([np.arange(p, p + n) for p, n in zip(prefix, query_lens)])
-        out[:num_tokens] = [t for c in chunks for t in c.token_ids]
+        per_token[0] = [t for c in chunks for t in c.token_ids]
     owner = np.repeat(np.arange(batch), query_lens)
-    out[num_tokens:2 * num_tokens] = positions
-    out[2 * num_tokens:3 * num_tokens] = table[owner, positions // page_size]
-    out[3 * num_tokens:4 * num_tokens] = positions % page_size
-    tail = out[4 * num_tokens:4 * num_tokens + 5 * batch].reshape(5, batch)
-    tail[0], tail[1], tail[2], tail[3], tail[4] = ends - 1, kv_lens, starts, query_lens, prefix
+    per_token[1] = positions
+    per_token[2] = table[owner, positions // page_size]
+    per_token[3] = positions % page_size
+    per_chunk[0], per_chunk[1], per_chunk[2], per_chunk[3], per_chunk[4] = ends - 1, kv_lens, starts, query_lens, prefix
     return out, max_pages
+
+
+def unpack(packed, num_tokens: int, batch: int, max_pages: int):
+    """Views of a ``pack_chunks`` buffer (numpy or torch): per-token rows [4, T], per-chunk rows
+    [5, B] and the page table [B, max_pages]."""
+    token_row, chunk_row = packed_rows(num_tokens, batch)
+    at = 4 * token_row + 5 * chunk_row
+    per_token = packed[:4 * token_row].reshape(4, token_row)[:, :num_tokens]
+    per_chunk = packed[4 * token_row:at].reshape(5, chunk_row)[:, :batch]
+    return per_token, per_chunk, packed[at:at + batch * max_pages].reshape(batch, max_pages)
 
 
 class TritonBackend:
@@ -206,15 +232,13 @@ class TritonBackend:
         host, max_pages = pack_chunks(chunks, page_size)
         packed = to_device(host, device)  # pinned and non-blocking: no wait for the step in flight
         query_lens = [len(c.token_ids) for c in chunks]
-        num_tokens, batch = sum(query_lens), len(chunks)
-        per_token = packed[:4 * num_tokens].view(4, num_tokens)
-        per_chunk = packed[4 * num_tokens:4 * num_tokens + 5 * batch].view(5, batch)
+        per_token, per_chunk, table = unpack(packed, sum(query_lens), len(chunks), max_pages)
         plan = TritonPlan(
             positions=per_token[1], write_pages=per_token[2], write_rows=per_token[3], last_index=per_chunk[0],
             kv_lens=per_chunk[1], q_starts=per_chunk[2], q_lens=per_chunk[3], prefix_lens=per_chunk[4],
-            page_table=packed[4 * num_tokens + 5 * batch:].view(batch, max_pages), query_lens=query_lens,
-            max_query=max(query_lens), num_splits=self.num_splits(batch),
-            is_dense_prefill=max(query_lens) > DENSE_PREFILL_MIN_TOKENS and all(c.start_pos == 0 for c in chunks),
+            page_table=table, query_lens=query_lens, max_query=max(query_lens),
+            num_splits=self.num_splits(len(chunks)),
+            is_long_prefill=max(query_lens) > DENSE_PREFILL_MIN_TOKENS,
             starts=[c.start_pos for c in chunks])
         return per_token[0], plan
 
@@ -268,10 +292,8 @@ class TritonBackend:
     def attend(self, q, k, v, k_cache, v_cache, plan: TritonPlan, window, scale, k_scale: float = 1.0,
                v_scale: float = 1.0) -> torch.Tensor:
         """q, k (rotated), v: the new tokens [T, H, D]; k_cache, v_cache hold them already."""
-        if plan.is_dense_prefill and window is None:
-            # the new K/V as the pool holds them, so that a later read of these pages agrees
-            k, v = round_trip(k, k_scale, k_cache.dtype), round_trip(v, v_scale, v_cache.dtype)
-            return _dense_prefill(q, k, v, plan.query_lens, scale)
+        if plan.is_long_prefill and window is None and plan.starts is not None:
+            return _sdpa_prefill(q, k, v, k_cache, v_cache, plan, scale, k_scale, v_scale)
         if plan.max_query == 1:
             return self.kernels.decode_attention(q, k_cache, v_cache, plan.page_table, plan.kv_lens, scale, window,
                                                  plan.num_splits, k_scale, v_scale)
@@ -284,6 +306,41 @@ def latent_rows(cache: torch.Tensor, pages: torch.Tensor, num_rows: int) -> torc
     than it needs) are ``pages``, from the latent cache [num_pages, page_size, L + R] (any page stride)."""
     num_pages = -(-num_rows // cache.shape[1])
     return cache.index_select(0, pages[:num_pages]).flatten(0, 1)[:num_rows]
+
+
+def _sdpa_prefill(q, k, v, k_cache, v_cache, plan: TritonPlan, scale: float, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> torch.Tensor:
+    """Causal SDPA per chunk (flash on CUDA in 16 bits). A chunk with no cached prefix attends to its
+    new rows of k, v [T, Hkv, D] (as the pool holds them: an FP8 pool's round trip); one after
+    ``plan.starts[i]`` cached tokens to its whole context read back from the pool's pages (the new
+    rows are stored already), query j seeing keys up to ``starts[i] + j`` (``causal_lower_right``).
+    The gather copies the context once per layer (2 x kv_len x Hkv x D elements), far less than the
+    attention reads of the extend kernel, which loads each key tile once per query block and head."""
+    if all(start == 0 for start in plan.starts):
+        # the new K/V as the pool holds them, so that a later read of these pages agrees
+        k, v = round_trip(k, k_scale, k_cache.dtype), round_trip(v, v_scale, v_cache.dtype)
+        return _dense_prefill(q, k, v, plan.query_lens, scale)
+    out = torch.empty_like(q)
+    page_size = k_cache.shape[1]
+    offset = 0
+    for i, (num, start) in enumerate(zip(plan.query_lens, plan.starts)):
+        rows = slice(offset, offset + num)
+        offset += num
+        if start == 0:
+            keys = round_trip(k[rows], k_scale, k_cache.dtype).transpose(0, 1)[None]
+            values = round_trip(v[rows], v_scale, v_cache.dtype).transpose(0, 1)[None]
+            mask, causal = None, num > 1
+        else:
+            kv_len = start + num
+            pages = plan.page_table[i, :-(-kv_len // page_size)]
+            keys = dequantize(attention.gather_keys(k_cache, pages, 1)[:, :, :kv_len], k_scale, q.dtype)
+            values = dequantize(attention.gather_keys(v_cache, pages, 1)[:, :, :kv_len], v_scale, q.dtype)
+            mask, causal = (causal_lower_right(num, kv_len) if num > 1 else None), False
+        o = torch.nn.functional.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys, values,
+                                                             attn_mask=mask, is_causal=causal, scale=scale,
+                                                             enable_gqa=True)
+        out[rows] = o[0].transpose(0, 1)
+    return out
 
 
 def _dense_prefill(q, k, v, query_lens: list[int], scale: float) -> torch.Tensor:

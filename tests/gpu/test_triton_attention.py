@@ -133,6 +133,45 @@ def test_extend_long(layout, dtype):
     _check_extend(layout, 16, [0, 8192, 30000], [4096, 1000, 2768], dtype, heads=(32, 8), head_dim=128)
 
 
+def _check_long_prefill(layout, page_size, prefix_lens, query_lens, dtype, heads=(8, 2), head_dim=64):
+    """``TritonBackend.attend`` on a batch with a chunk past ``DENSE_PREFILL_MIN_TOKENS``: SDPA per
+    chunk, a chunk with no prefix over the new K/V passed in, one after a prefix over its context
+    gathered from the pages (causal lower-right)."""
+    from types import SimpleNamespace
+
+    from kvferry.common.layers.attn_backend import DENSE_PREFILL_MIN_TOKENS, TritonBackend
+
+    num_heads, num_kv_heads = heads
+    kv_lens = [p + n for p, n in zip(prefix_lens, query_lens)]
+    pool = Pool(layout, sum(-(-n // page_size) for n in kv_lens) + 5, page_size, num_kv_heads, head_dim, dtype)
+    tables = pool.tables(kv_lens)
+    backend = TritonBackend(torch.device(DEVICE), num_kv_heads)
+    chunks = [SimpleNamespace(token_ids=[7] * n, start_pos=p, page_ids=t)
+              for p, n, t in zip(prefix_lens, query_lens, tables)]
+    _, plan = backend.plan(chunks, page_size, torch.device(DEVICE))
+    assert plan.is_long_prefill and max(query_lens) > DENSE_PREFILL_MIN_TOKENS
+    # the new rows' K/V as the pool holds them (stored before attention runs)
+    where = [(torch.tensor(t)[torch.arange(p, p + n) // page_size], torch.arange(p, p + n) % page_size)
+             for p, n, t in zip(prefix_lens, query_lens, tables)]
+    k = torch.cat([pool.k[pages.to(DEVICE), rows.to(DEVICE)] for pages, rows in where])
+    v = torch.cat([pool.v[pages.to(DEVICE), rows.to(DEVICE)] for pages, rows in where])
+    q = torch.randn(sum(query_lens), num_heads, head_dim).to(dtype).to(DEVICE)
+    scale = head_dim**-0.5
+    got = backend.attend(q, k, v, pool.k, pool.v, plan, None, scale)
+    want = _reference(pool, q, query_lens, prefix_lens, tables, None, scale)
+    torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_long_chunks_after_a_prefix_attend_with_sdpa(layout, dtype, page_size):
+    """A prefix hit's long extend (and a long chunk of a chunked prompt) next to a prompt from
+    scratch, a one-token and a short chunk after prefixes: each row sees exactly its causal context."""
+    _check_long_prefill(layout, page_size, [0, 500, 37, 64, 1000], [300, 260, 1, 9, 513], dtype)
+    _check_long_prefill(layout, page_size, [130], [257], dtype, heads=(4, 4), head_dim=32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_extend_window(dtype):
     _check_extend("layer-major", 16, [0, 50], [90, 20], dtype, heads=(4, 4), head_dim=32, window=24)

@@ -182,7 +182,8 @@ def test_dense_prefill_sees_what_a_read_of_its_pages_gives():
     plan = TritonPlan(positions=torch_plan.positions, write_pages=torch_plan.write_pages,
                       write_rows=torch_plan.write_rows, last_index=torch_plan.last_index, kv_lens=lens,
                       q_starts=starts, q_lens=lens, prefix_lens=torch.zeros_like(lens), page_table=_padded(tables),
-                      query_lens=query_lens, max_query=max(query_lens), num_splits=1, is_dense_prefill=True)
+                      query_lens=query_lens, max_query=max(query_lens), num_splits=1, is_long_prefill=True,
+                      starts=[0, 0])
     backend = TritonBackend(torch.device(DEVICE), heads[1])
     scale = head_dim**-0.5
     got = backend.attend(q, k, v, k_cache, v_cache, plan, None, scale, K_SCALE, V_SCALE)

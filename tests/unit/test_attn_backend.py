@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvferry.common.layers.attention import build_plan
-from kvferry.common.layers.attn_backend import pack_chunks, resolve_backend
+from kvferry.common.layers.attn_backend import pack_chunks, resolve_backend, unpack
 from kvferry.common.models.llama import SeqChunk
 
 
@@ -39,9 +39,10 @@ def test_pack_matches_torch_plan(case):
     want = build_plan(query_lens, [c.start_pos for c in chunks], [c.page_ids for c in chunks], page_size,
                       torch.device("cpu"))
     num_tokens, batch = sum(query_lens), len(chunks)
-    per_token = packed[:4 * num_tokens].reshape(4, num_tokens)
-    last, kv_lens, q_starts, q_lens, prefix = packed[4 * num_tokens:4 * num_tokens + 5 * batch].reshape(5, batch)
-    table = packed[4 * num_tokens + 5 * batch:].reshape(batch, max_pages)
+    per_token, per_chunk, table = unpack(packed, num_tokens, batch, max_pages)
+    last, kv_lens, q_starts, q_lens, prefix = per_chunk
+    # every row starts 16-byte aligned (Triton compiles a kernel per pointer alignment)
+    assert all(row.ctypes.data % 16 == 0 for row in [*per_token, *per_chunk, table])
     assert per_token[0].tolist() == [t for c in chunks for t in c.token_ids]
     assert per_token[1].tolist() == want.positions.tolist()
     assert per_token[2].tolist() == want.write_pages.tolist()

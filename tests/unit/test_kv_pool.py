@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvferry.common.daemon.config import CommonConfig
 from kvferry.common.errors import OverloadedError
-from kvferry.common.layers.attention import _gather_keys, build_plan, write_kv
+from kvferry.common.layers.attention import gather_keys, build_plan, write_kv
 from kvferry.common.models.config import ModelConfig
 from kvferry.common.cache.kv_cache import KV_LAYOUTS, KvCache, PageAllocator, PageOwnershipError
 from kvferry.common.plan.tp import HeadRange, PageSide
@@ -219,11 +219,11 @@ def test_kv_writes_and_page_gathers_work_on_strided_views(layout):
     assert torch.all(kv.k[1][2, 2] == 1) and torch.all(kv.k[1][2, 3] == 2) and torch.all(kv.k[1][0, 0] == 3)
     assert torch.all(kv.k[1][0, 1] == 4) and torch.all(kv.v[1][0, 1] == -4)
     assert kv.k[0].abs().sum() == 0 and kv.k[2].abs().sum() == 0 and kv.k[1].abs().sum() == 10 * 2 * 8
-    gathered = _gather_keys(kv.k[1], torch.tensor([2, 0, 1, 0]), 2)  # [2 seqs, 2 heads, 8 tokens, 8]
+    gathered = gather_keys(kv.k[1], torch.tensor([2, 0, 1, 0]), 2)  # [2 seqs, 2 heads, 8 tokens, 8]
     assert gathered.is_contiguous() and gathered.shape == (2, 2, 8, 8)
     assert gathered[0, :, :, 0].tolist() == [[0, 0, 1, 2, 3, 4, 0, 0]] * 2  # token order follows the page table
     assert gathered[1, :, :, 0].tolist() == [[0, 0, 0, 0, 3, 4, 0, 0]] * 2
-    slow = _gather_keys(kv.k[1].contiguous(), torch.tensor([2, 0, 1, 0]), 2)  # tokens-outer strides: other path
+    slow = gather_keys(kv.k[1].contiguous(), torch.tensor([2, 0, 1, 0]), 2)  # tokens-outer strides: other path
     assert torch.equal(slow, gathered)
 
 

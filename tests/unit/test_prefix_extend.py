@@ -44,7 +44,7 @@ from kvferry.common.sampling.sampler import SamplingParams
 CPU_TOL = 1e-4
 NUM_P1_OUT = 8  # P1's decoded tokens: its last three prompt-page positions are written by decode
 NUM_P2_OUT = 6
-CASES = ["boundary", "mid_page", "repeat", "conversation"]
+CASES = ["boundary", "mid_page", "repeat", "conversation", "long_turn"]
 # Bitwise on the CPU where the hit's K/V came from P1's prefill: the suffix's rows (one all-logits
 # forward each side) and the draft's last row (a last-row forward each side)
 CPU_EXACT = frozenset({"suffix_rows", "prompt_logprobs", "draft_last_row"})
@@ -112,6 +112,9 @@ def prompts(ps: int, case: str, p1_out: list[int], seed: int = 0) -> tuple[list[
     if case == "conversation":  # P1's prompt and answer, then more: 4 pages, 3 positions decode wrote
         assert len(p1_all) > 4 * ps, "P1 must have decoded past its last prompt page"
         return p1, p1_all + fresh_tokens(rng, 9), 4 * ps
+    if case == "long_turn":  # the conversation's next turn of 300 tokens: one chunk past 256 (SDPA on CUDA)
+        assert len(p1_all) > 4 * ps, "P1 must have decoded past its last prompt page"
+        return p1, p1_all + fresh_tokens(rng, 300), 4 * ps
     raise ValueError(case)
 
 
@@ -228,5 +231,6 @@ def test_extend_over_cached_pages_equals_full_prefill(make_cpu_runner, draft, ca
     hold other KV (e.g. the draft's KV left out of the cache: ``draft_last_row``)."""
     def make(*, cache):
         return make_cpu_runner(draft=draft, cache=cache)
-    diffs = compare_extend(make, 16, case, CPU_TOL, CPU_EXACT if case != "conversation" else frozenset())
+    diffs = compare_extend(make, 16, case, CPU_TOL, CPU_EXACT if case not in ("conversation", "long_turn")
+                           else frozenset())
     print(case, draft, {k: f"{v:.2e}" for k, v in diffs.items()})
