@@ -57,10 +57,12 @@ COUNTERS = {"computed": ("prefill", "kvferry_prompt_tokens_computed_total"),
             "prefill_hits": ("prefill", 'kvferry_prefix_hit_tokens_total{side="prefill"}'),
             "decode_hits": ("decode", 'kvferry_prefix_hit_tokens_total{side="decode"}'),
             "decode_computed": ("decode", "kvferry_prompt_tokens_computed_total"),
-            "local_rooms": ("decode", "kvferry_local_prefill_rooms_total")}
-# where a turn's TTFT goes: one room's WRITE, the decode's wait for the KV, and the decode's arrival to first
-# token (each a histogram: the mean of the wave from its sum and count)
-HISTOGRAMS = {"write": ("prefill", "kvferry_transfer_seconds"),
+            "local_rooms": ("decode", "kvferry_local_prefill_rooms_total"),
+            "batch_tokens": ("prefill", "kvferry_prefill_batch_tokens_total")}
+# where a turn's TTFT goes: the prefill's batches (forward time; ``batches`` says how many), one room's WRITE, the
+# decode's wait for the KV, and the decode's arrival to first token (each a histogram: the mean of the wave from
+# its sum and count)
+HISTOGRAMS = {"batch": ("prefill", "kvferry_prefill_batch_seconds"), "write": ("prefill", "kvferry_transfer_seconds"),
               "kv_wait": ("decode", "kvferry_kv_wait_seconds"), "decode_ttft": ("decode", "kvferry_ttft_seconds")}
 
 
@@ -166,7 +168,7 @@ def wave(pool, side: Side, prompts: list[list[int]], sampling: dict, timeout_s: 
             "metas": [last["meta_info"] for _, _, last in answers],
             **{k: after[k] - before[k] for k in COUNTERS},
             **{k + "_ms_mean": round(1e3 * (after[k][0] - before[k][0]) / max(after[k][1] - before[k][1], 1), 2)
-               for k in HISTOGRAMS}}
+               for k in HISTOGRAMS}, "batches": int(after["batch"][1] - before["batch"][1])}
 
 
 def p(values: list[float], q: float) -> float:
@@ -181,6 +183,7 @@ def record(turn, side: str, got: dict, off: dict | None, prompts, not_held_prefi
            "ttft_ms_p50": p(got["ttft"], 0.5), "ttft_ms_p99": p(got["ttft"], 0.99),
            "tpot_ms_p50": round(1e3 * statistics.median(got["tpot"]), 3),
            **{k: int(got[k]) for k in COUNTERS}, **{k + "_ms_mean": got[k + "_ms_mean"] for k in HISTOGRAMS},
+           "batches": got["batches"],
            "not_held_prefill_tokens": not_held_prefill, "not_held_decode_tokens": not_held_decode,
            "computed_vs_not_held": round(got["computed"] / max(not_held_prefill, 1), 3),
            "bytes_vs_not_held": round(got["bytes_written"] / max(not_held_decode * kv_per_token, 1), 3),

@@ -84,7 +84,7 @@ class PrefillDaemon(DaemonCore):
                                transport=self.transport, staging=self.staging)
         self.scheduler = PrefillScheduler(self.runner, self.model_executor, max_prefill_tokens=c.max_prefill_tokens,
                                           with_draft=self.runner.draft is not None,
-                                          chunk_tokens=c.chunked_prefill_size)
+                                          chunk_tokens=c.chunked_prefill_size, on_batch=self._on_batch)
         self.scheduler.start()
         self._tasks.append(asyncio.create_task(self._serve_bootstrap(), name="bootstrap"))
         self.every("sweep", self._sweep)
@@ -144,6 +144,10 @@ class PrefillDaemon(DaemonCore):
     async def _sweep(self) -> None:
         await self.bootstrap.sweep()
         self._update_gauges()
+
+    def _on_batch(self, seconds: float, num_tokens: int) -> None:
+        self.metrics.prefill_batch_seconds.observe(seconds)
+        self.metrics.prefill_batch_tokens.inc(num_tokens)
 
     def _update_gauges(self) -> None:
         self.staging_info()

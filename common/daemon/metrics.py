@@ -47,6 +47,11 @@ class Metrics:
                                          buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft_seconds = Histogram("kvferry_ttft_seconds", "request arrival to first token",
                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill_batch_seconds = Histogram("kvferry_prefill_batch_seconds", "prefill: one batch's forward "
+                                               "(its chunks' new tokens through the model, first tokens sampled)",
+                                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill_batch_tokens = Counter("kvferry_prefill_batch_tokens", "prefill: new tokens run through "
+                                            "the model by the batches of kvferry_prefill_batch_seconds", registry=r)
         self.room_bytes = Histogram("kvferry_room_bytes", "KV and aux bytes one room's WRITE moved",
                                     buckets=tuple(float(1 << k) for k in range(10, 36, 2)), registry=r)
         self.prefix_hit_tokens = Counter("kvferry_prefix_hit_tokens", "prompt tokens found in this side's prefix "

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 
 from kvferry.common.engine.runner import ModelRunner
@@ -24,8 +26,9 @@ logger = logging.getLogger(__name__)
 
 class PrefillScheduler:
     def __init__(self, runner: ModelRunner, executor: Executor, *, max_prefill_tokens: int, with_draft: bool,
-                 chunk_tokens: int = 0):
+                 chunk_tokens: int = 0, on_batch: Callable[[float, int], None] | None = None):
         self.runner = runner
+        self.on_batch = on_batch  # (seconds, new tokens) of each batch that ran
         self.executor = executor
         self.max_prefill_tokens = max_prefill_tokens
         self.with_draft = with_draft
@@ -69,6 +72,7 @@ class PrefillScheduler:
                 continue
             batch = self._next_batch()
             self._in_flight = {f for _, f, _ in batch}
+            num_new, started = sum(end - s.num_cached for s, _, end in batch), time.perf_counter()
             try:
                 await loop.run_in_executor(self.executor, self._run, batch)
             except Exception as exc:  # task boundary: fail this batch, keep serving
@@ -78,6 +82,8 @@ class PrefillScheduler:
                         f.set_exception(exc)
             else:
                 self.num_chunks += len(batch)
+                if self.on_batch is not None:
+                    self.on_batch(time.perf_counter() - started, num_new)
                 self._settle(batch)
             finally:
                 self._in_flight, self._dropped = set(), set()

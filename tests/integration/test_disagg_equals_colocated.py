@@ -71,18 +71,32 @@ def prefill_chunks(prefill) -> int:
     return info["prefill_chunks"]
 
 
+def batch_metrics(prefill) -> tuple[float, float]:
+    """(batches, new tokens) the prefill's forwards ran: ``kvferry_prefill_batch_seconds_count`` and
+    ``kvferry_prefill_batch_tokens_total``."""
+    status, text = http_json(prefill.url + "/metrics", timeout_s=10)
+    assert status == 200, text
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in str(text).splitlines()
+              if line and not line.startswith("#")}
+    return values["kvferry_prefill_batch_seconds_count"], values["kvferry_prefill_batch_tokens_total"]
+
+
 def test_chunked_prefill(cluster, colocated):
     """The prefill splits every prompt longer than 100 tokens into chunks (and runs the draft on
     the completed prompt): output equals the colocated engine's, every page comes back, and the
-    prefill ran ceil(length / 100) chunks per prompt (/server_info ``prefill_chunks``). Fails if the
-    daemon does not hand ``--chunked-prefill-size`` to its scheduler (``chunk_tokens=0 * ...``)."""
+    prefill ran ceil(length / 100) chunks per prompt (/server_info ``prefill_chunks``), in batches
+    of at most 256 new tokens that ran every prompt token once (/metrics). Fails if the daemon does
+    not hand ``--chunked-prefill-size`` to its scheduler (``chunk_tokens=0 * ...``)."""
     prefill = cluster.prefill(draft=True, extra=["--chunked-prefill-size", "100", "--max-prefill-tokens", "256"])
     decode = cluster.decode(draft=True)
     before = free_pages(prefill), free_pages(decode)
-    chunks_before = prefill_chunks(prefill)
+    chunks_before, (batches_before, tokens_before) = prefill_chunks(prefill), batch_metrics(prefill)
     assert run_all(prefill, decode, "concurrent") == expected(colocated, draft=True)
     assert (free_pages(prefill), free_pages(decode)) == before
     assert prefill_chunks(prefill) - chunks_before == sum(math.ceil(n / 100) for n in LENGTHS)
+    batches, tokens = batch_metrics(prefill)
+    assert tokens - tokens_before == sum(LENGTHS)
+    assert sum(LENGTHS) / 256 <= batches - batches_before <= sum(math.ceil(n / 100) for n in LENGTHS)
 
 
 def test_draft_on_both_sides(cluster, colocated):
