@@ -129,6 +129,7 @@ class Side:
     def read(self) -> dict[str, float]:
         got = {"prefill": counters(self.prefill.url), "decode": counters(self.decode.url)}
         out = {k: got[who].get(name, 0.0) for k, (who, name) in COUNTERS.items()}
+        out["legs"] = sum(v for k, v in got["prefill"].items() if k.startswith("kvferry_requests_total{"))
         for k, (who, name) in HISTOGRAMS.items():
             out[k] = (got[who].get(name + "_sum", 0.0), got[who].get(name + "_count", 0.0))
         return out
@@ -153,13 +154,13 @@ def wave(pool, side: Side, prompts: list[list[int]], sampling: dict, timeout_s: 
     futures = [pool.submit(stream, side.router.url, {"input_ids": p, "sampling_params": sampling, "stream": True},
                            timeout_s) for p in prompts]
     answers = [f.result() for f in futures]
-    # A client has its answer from the decode while the prefill may still be closing the wave's legs (its
-    # counters move when a leg ends): read until every prompt token is counted there, computed or hit,
-    # for at most 10 s (a side that never gets there is reported as it is).
-    want, settle_by = sum(map(len, prompts)), time.monotonic() + 10.0
+    # A client has its answer from the decode while the prefill may still be closing the wave's legs: read
+    # until the prefill has counted every leg's outcome (kvferry_requests_total, after its prompt was counted,
+    # computed or hit, and cached), for at most 10 s (a side that never gets there is reported as it is). A
+    # local room's leg computes nothing when the decode's word came before its forward began.
+    settle_by = time.monotonic() + 10.0
     after = side.read()
-    while (after["computed"] + after["prefill_hits"] - before["computed"] - before["prefill_hits"] < want
-           and time.monotonic() < settle_by):
+    while after["legs"] - before["legs"] < len(prompts) and time.monotonic() < settle_by:
         time.sleep(0.05)
         after = side.read()
     ttft = [first - sent for first, _, _ in answers]
@@ -288,7 +289,7 @@ def main() -> None:
                 side.stop()
     for name in sides[1:]:  # turns 2.. summed
         rows, off = results[name][1:], results["off"][1:]
-        ttft = [statistics.median(r["ttft"]) / statistics.median(o["ttft"]) for r, o in zip(rows, off)]
+        ttft = [p(r["ttft"], 0.5) / max(p(o["ttft"], 0.5), 1e-9) for r, o in zip(rows, off)]  # each turn's ratio
         emit({"bench": "multiturn", "turn": "all", "side": name, "turns": a.turns,
               "ttft_p50_vs_off_max": round(max(ttft), 3) if ttft else None,
               "ttft_p50_vs_off_median": round(statistics.median(ttft), 3) if ttft else None,

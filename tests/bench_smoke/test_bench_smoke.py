@@ -68,9 +68,13 @@ def test_multiturn_bench_prints_one_json_line_per_turn_and_side():
             r = by[t, side]
             assert r["outputs_equal"] is True, (t, side)  # greedy answers equal the caches-off side's
             assert r["prompt_tokens"] == off["prompt_tokens"]
+            assert r["batch_tokens"] == r["computed"], json.dumps(r)  # the prefill's batches ran what it computed
             if t > 1:  # the previous turn's prompt (prefill) and prompt + answer (decode) were held
-                assert r["prefill_hits"] > 0 and r["decode_hits"] > 0 and r["meta_cached_tokens"] > 0
-                assert r["computed"] + r["prefill_hits"] == r["prompt_tokens"]
+                assert r["decode_hits"] > 0 and r["meta_cached_tokens"] > 0, json.dumps(r)
+                if side == "on":
+                    assert r["prefill_hits"] > 0 and r["computed"] + r["prefill_hits"] == r["prompt_tokens"]
+                else:  # a local room's prefill leg computes nothing if the decode's word came before its forward
+                    assert r["computed"] + r["prefill_hits"] <= r["prompt_tokens"], json.dumps(r)
                 assert r["ttft_p50_vs_off"] > 0
         if t > 1:
             assert 0 < by[t, "on"]["bytes_written"] < off["bytes_written"]
