@@ -47,8 +47,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # A prefill batch with a chunk longer than this attends per chunk with SDPA (flash): a chunk with no
 # cached prefix over its new K/V as they are (no page read), one after a prefix (a prefix-cache hit,
 # a later chunk of a chunked prompt) over its context gathered from the pool, causal lower-right.
-# The paged extend kernel stays for short chunks (verify, small extends): SDPA measured faster at 8k,
-# and over long cached prefixes (bench/RESULTS.md "Prefix reuse").
+# The paged extend kernel stays for short chunks (verify, small extends). SDPA measured faster than it
+# for 8k prompts from scratch; after a long cached prefix the extend kernel's attention grew a prefix
+# hit's TTFT with the history (bench/RESULTS.md "Prefix reuse"), a case not yet timed against SDPA.
 DENSE_PREFILL_MIN_TOKENS = 256
 
 
@@ -159,8 +160,9 @@ def packed_rows(num_tokens: int, batch: int) -> tuple[int, int]:
     Every row of the packed int64 buffer then starts 16-byte aligned. Triton specializes a pointer
     argument on 16-byte alignment, so with rows packed back to back an odd token or chunk count
     shifted every row after it by 8 bytes and compiled a second variant of each kernel that reads
-    them, in the middle of serving: a batch of another parity stalled its step by the compile (on
-    an H200, ~0.6 s at the first prefix-hit wave after a warm-up whose batches had split otherwise)."""
+    them, in the middle of serving: a batch of another parity stalled its step by the compile. (The
+    first prefix-hit wave after the multiturn warm-up stalled ~0.6 s once per process before this,
+    and no more since: bench/RESULTS.md "The turn-2 stall found".)"""
     return num_tokens + (num_tokens & 1), batch + (batch & 1)
 
 
