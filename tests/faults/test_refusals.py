@@ -5,6 +5,7 @@ one bootstrap room.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from tests.faults.harness import (
@@ -66,16 +67,25 @@ def test_tokenizer_mismatch(healthy):
 
 
 def test_duplicate_rooms(healthy):
-    """Two requests (different prompts) share one room, all four legs at once. The second claim on
-    each side is refused with a message that says so; whatever pairs up either succeeds with the
-    right output for its prompt or fails cleanly; no page leaks."""
+    """Two requests (different prompts) share one room. The second claim on each side is refused
+    with a message that says so; whatever pairs up either succeeds with the right output for its
+    prompt or fails cleanly; no page leaks.
+
+    Both prefill legs go first and the decode legs once one of them has ended: a prefill leg cannot
+    end well before a decode asks for its room, so the second open finds the room in use however
+    slowly this machine runs. (Sent all four at once, a loaded machine served one request's two
+    legs whole before the other's arrived, and a room id used again after its room closed is no
+    conflict.)"""
     pair = healthy
     room = new_room()
     prompts = {"a": prompt(30, seed=53), "b": prompt(45, seed=54)}
     want = {k: pair.reference(ids) for k, ids in prompts.items()}
-    legs = {}
+    legs = {("prefill", k): _leg("prefill", pair.prefill, ids, room, pair.prefill.bootstrap_port)
+            for k, ids in prompts.items()}
+    until = time.monotonic() + TRANSFER_WAIT_S / 2  # the winner waits TRANSFER_WAIT_S for its decode
+    while all(leg.thread.is_alive() for leg in legs.values()) and time.monotonic() < until:
+        time.sleep(0.01)
     for k, ids in prompts.items():
-        legs[("prefill", k)] = _leg("prefill", pair.prefill, ids, room, pair.prefill.bootstrap_port)
         legs[("decode", k)] = _leg("decode", pair.decode, ids, room, pair.prefill.bootstrap_port)
     got = {key: leg.result() for key, leg in legs.items()}
     for (side, k), leg in got.items():
