@@ -318,17 +318,13 @@ def _sdpa_prefill(q, k, v, k_cache, v_cache, plan: TritonPlan, scale: float, k_s
     rows are stored already), query j seeing keys up to ``starts[i] + j`` (``causal_lower_right``).
     The gather copies the context once per layer (2 x kv_len x Hkv x D elements), far less than the
     attention reads of the extend kernel, which loads each key tile once per query block and head."""
-    if all(start == 0 for start in plan.starts):
-        # the new K/V as the pool holds them, so that a later read of these pages agrees
-        k, v = round_trip(k, k_scale, k_cache.dtype), round_trip(v, v_scale, v_cache.dtype)
-        return _dense_prefill(q, k, v, plan.query_lens, scale)
     out = torch.empty_like(q)
     page_size = k_cache.shape[1]
     offset = 0
     for i, (num, start) in enumerate(zip(plan.query_lens, plan.starts)):
         rows = slice(offset, offset + num)
         offset += num
-        if start == 0:
+        if start == 0:  # the new K/V as the pool holds them, so that a later read of these pages agrees
             keys = round_trip(k[rows], k_scale, k_cache.dtype).transpose(0, 1)[None]
             values = round_trip(v[rows], v_scale, v_cache.dtype).transpose(0, 1)[None]
             mask, causal = None, num > 1
@@ -342,19 +338,4 @@ def _sdpa_prefill(q, k, v, k_cache, v_cache, plan: TritonPlan, scale: float, k_s
                                                              attn_mask=mask, is_causal=causal, scale=scale,
                                                              enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
-    return out
-
-
-def _dense_prefill(q, k, v, query_lens: list[int], scale: float) -> torch.Tensor:
-    """Causal SDPA per prompt over its own q, k, v rows ([T, H, D] views; an FP8 pool's K/V already
-    quantized and dequantized by the caller)."""
-    out = torch.empty_like(q)
-    start = 0
-    for num in query_lens:
-        rows = slice(start, start + num)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None],
-            is_causal=True, scale=scale, enable_gqa=True)
-        out[rows] = o[0].transpose(0, 1)
-        start += num
     return out

@@ -23,7 +23,7 @@ from kvferry.common.layers import attention, rope
 pytestmark = pytest.mark.gpu
 triton_attention = pytest.importorskip("kvferry.common.kernels.triton_attention")
 triton_fused = pytest.importorskip("kvferry.common.kernels.triton_fused")
-from kvferry.common.layers.attn_backend import TritonBackend, TritonPlan, _dense_prefill  # noqa: E402
+from kvferry.common.layers.attn_backend import TritonBackend, TritonPlan  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -189,5 +189,8 @@ def test_dense_prefill_sees_what_a_read_of_its_pages_gives():
     got = backend.attend(q, k, v, k_cache, v_cache, plan, None, scale, K_SCALE, V_SCALE)
     want = _reference(k_cache, v_cache, q, query_lens, [0, 0], tables, page_size, scale)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
-    unquantized = _dense_prefill(q, k, v, query_lens, scale)  # what it would see without the round trip
+    # what it would see without the round trip: SDPA per prompt over the unquantized rows
+    unquantized = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None], is_causal=True,
+        scale=scale, enable_gqa=True)[0].transpose(0, 1) for rows in (slice(0, 300), slice(300, 340))])
     assert not torch.allclose(unquantized, want, atol=2e-5, rtol=0)
