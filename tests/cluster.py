@@ -130,6 +130,21 @@ def free_pages(proc: Proc) -> dict:
     return info["free_pages"]
 
 
+def metric(proc: Proc, name: str, **labels: str) -> float:
+    """The sum of ``proc``'s Prometheus samples of series ``name`` (exactly, as /metrics writes it:
+    a counter with its ``_total``) whose label set includes ``labels``, e.g.
+    ``metric(p, "kvferry_staging_rooms_total", path="staged")``; 0.0 while no such sample is
+    exported (a labelled series appears with its first event)."""
+    status, text = http_json(proc.url + "/metrics", timeout_s=10)
+    assert status == 200, text
+    total = 0.0
+    for label_set, value in re.findall(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", str(text), re.M):
+        have = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', label_set))
+        if all(have.get(key) == str(want) for key, want in labels.items()):
+            total += float(value)
+    return total
+
+
 def with_kv_scales(source: str, target: Path, k_scale: float, v_scale: float) -> str:
     """A copy of checkpoint ``source`` at ``target`` whose every layer carries one-element
     ``self_attn.k_scale`` / ``v_scale`` tensors (what an FP8 KV pool reads: ``loader.read_kv_scales``)."""

@@ -14,7 +14,7 @@ from kvferry.common.engine.factory import build_runner
 from kvferry.common.sampling.sampler import SamplingParams
 from kvferry.common.text.tokenizer import Tokenizer
 from kvferry.common.daemon.procs import http_json
-from tests.cluster import free_pages, send_pair
+from tests.cluster import free_pages, metric, send_pair
 
 pytestmark = pytest.mark.gpu
 
@@ -128,8 +128,4 @@ def test_staged_rooms_in_vram(cluster, tiny_models):
     for proc in (prefill, decode):
         status, info = http_json(proc.url + "/server_info", timeout_s=10)
         assert status == 200 and info["staging"]["slots_free"] == info["staging"]["slots"] > 0, info
-    import urllib.request
-
-    with urllib.request.urlopen(prefill.url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    assert f'kvferry_staging_rooms_total{{path="staged",reason=""}} {float(len(LENGTHS))}' in text, text[-2000:]
+    assert metric(prefill, "kvferry_staging_rooms_total", path="staged", reason="") == len(LENGTHS)

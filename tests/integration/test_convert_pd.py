@@ -22,7 +22,7 @@ from kvferry.common.kernels.kv_quant import quantize
 from kvferry.common.models.config import ModelConfig
 from kvferry.common.models.llama import SeqChunk
 from kvferry.common.models.loader import load_model, read_kv_scales
-from tests.cluster import Cluster, assert_pages_return, free_pages, ok, post, with_kv_scales
+from tests.cluster import Cluster, assert_pages_return, free_pages, metric, ok, post, with_kv_scales
 
 MAX_NEW = 6
 LENGTHS = [1, 16, 17, 100]
@@ -62,12 +62,6 @@ def greedy(model, model_dir: str, prompt: list[int], converted: bool) -> list[in
     return out
 
 
-def _metric(proc, series: str) -> float:
-    status, text = http_json(proc.url + "/metrics", timeout_s=10)
-    assert status == 200
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(series))
-
-
 def _generate(router, ids: list[int]) -> list[int]:
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}}
     return ok(post(router.url + "/generate", body)).json()["output_ids"]
@@ -90,10 +84,10 @@ def test_a_wider_prefill_feeds_an_fp8_decode(tmp_path, scaled, tiny_models, dtyp
         assert [_generate(router, ids) for ids in prompts()] == want
         # FP8 with the checkpoint's scales is what the decode read: the unconverted model answers otherwise
         assert want != [greedy(model, scaled, ids, converted=False) for ids in prompts()]
-        assert _metric(prefill, f'kvferry_staging_rooms_total{{path="staged",reason="{reason}"}}') == len(LENGTHS)
+        assert metric(prefill, "kvferry_staging_rooms_total", path="staged", reason=reason) == len(LENGTHS)
         cfg = ModelConfig.from_dir(scaled)
         fp8_page = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 16  # one byte each
-        moved = _metric(prefill, "kvferry_transfer_bytes_total")
+        moved = metric(prefill, "kvferry_transfer_bytes_total")
         kv_bytes = sum(math.ceil(n / 16) for n in LENGTHS) * fp8_page
         assert kv_bytes <= moved <= kv_bytes + len(LENGTHS) * 4096, (moved, kv_bytes)  # the decode's dtype, + aux
         assert_pages_return([prefill, decode], before)

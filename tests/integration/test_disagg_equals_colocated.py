@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvferry.common.sampling.sampler import SamplingParams
-from tests.cluster import free_pages, http_json, send_pair
+from tests.cluster import free_pages, http_json, metric, send_pair
 
 # 32 prompt lengths from 1 to 2,000 tokens; 16, 32, 64, 128, 256, 512, 1024 end exactly on a page.
 LENGTHS = [1, 2, 5, 15, 16, 17, 31, 32, 33, 48, 64, 100, 127, 128, 129, 200,
@@ -59,10 +59,9 @@ def test_decode_only_speculative(cluster, colocated):
     assert got == expected(colocated, draft=False)
     assert got == expected(colocated, draft=True)
     # /metrics counts the draft's proposals and acceptances (fails if they are never counted)
-    _, text = http_json(decode.url + "/metrics")
-    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("kvferry_spec")}
-    proposed, accepted = values["kvferry_spec_proposed_tokens_total"], values["kvferry_spec_accepted_tokens_total"]
-    assert 0 < accepted <= proposed, values
+    proposed = metric(decode, "kvferry_spec_proposed_tokens_total")
+    accepted = metric(decode, "kvferry_spec_accepted_tokens_total")
+    assert 0 < accepted <= proposed, (accepted, proposed)
 
 
 def prefill_chunks(prefill) -> int:
@@ -74,11 +73,7 @@ def prefill_chunks(prefill) -> int:
 def batch_metrics(prefill) -> tuple[float, float]:
     """(batches, new tokens) the prefill's forwards ran: ``kvferry_prefill_batch_seconds_count`` and
     ``kvferry_prefill_batch_tokens_total``."""
-    status, text = http_json(prefill.url + "/metrics", timeout_s=10)
-    assert status == 200, text
-    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in str(text).splitlines()
-              if line and not line.startswith("#")}
-    return values["kvferry_prefill_batch_seconds_count"], values["kvferry_prefill_batch_tokens_total"]
+    return metric(prefill, "kvferry_prefill_batch_seconds_count"), metric(prefill, "kvferry_prefill_batch_tokens_total")
 
 
 def test_chunked_prefill(cluster, colocated):

@@ -15,7 +15,7 @@ import torch
 
 from kvferry.common.daemon.procs import http_json
 from kvferry.common.sampling.sampler import SamplingParams
-from tests.cluster import Cluster, ok, post, with_kv_scales
+from tests.cluster import Cluster, metric, ok, post, with_kv_scales
 
 FP8 = ["--kv-cache-dtype", "fp8_e4m3", "--max-total-tokens", "4096"]
 ON = {"KVFERRY_DISABLE_PREFIX_CACHE": "false"}
@@ -70,12 +70,6 @@ def pd(tmp_path_factory, scaled, tiny_models):
         c.stop_all()
 
 
-def _metric(proc, series: str) -> float:
-    status, text = http_json(proc.url + "/metrics", timeout_s=10)
-    assert status == 200
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(series))
-
-
 def _generate(router, ids: list[int]) -> list[int]:
     return ok(post(router.url + "/generate", body(ids))).json()["output_ids"]
 
@@ -85,7 +79,7 @@ def test_pair_equals_colocated_fp8(pd, reference):
     for proc in (prefill, decode):
         status, info = http_json(proc.url + "/server_info", timeout_s=10)
         assert status == 200 and info["kv_layout"]["kv_dtype"] == "float8_e4m3fn", info
-        assert _metric(proc, 'kvferry_kv_pool_info{kv_dtype="float8_e4m3fn",model="target"}') == 1.0
+        assert metric(proc, "kvferry_kv_pool_info", kv_dtype="float8_e4m3fn", model="target") == 1.0
     want = [r.output_ids for r in reference["fp8_e4m3"].generate(prompts(), params())]
     assert [_generate(router, ids) for ids in prompts()] == want
     # the pool really is FP8 with the checkpoint's scales: the full-precision pool answers otherwise
@@ -96,7 +90,7 @@ def test_prefix_cache_hits_give_the_tokens_of_a_cold_run(pd, reference):
     """A repeated prompt (a full hit) and a second turn (the first turn and its answer cached on
     both sides, only the new question computed and moved) equal the colocated engine with no cache."""
     _, prefill, decode, router = pd
-    hits = {side: _metric(proc, "kvferry_prefix_hit_tokens_total") for side, proc in
+    hits = {side: metric(proc, "kvferry_prefix_hit_tokens_total") for side, proc in
             (("prefill", prefill), ("decode", decode))}
     first = prompts(seed=7)[5]  # 100 tokens
     answer = _generate(router, first)
@@ -105,7 +99,7 @@ def test_prefix_cache_hits_give_the_tokens_of_a_cold_run(pd, reference):
     second = first + answer + prompts(seed=8)[3]  # + 40 new tokens
     assert _generate(router, second) == reference["fp8_e4m3"].generate([second], params())[0].output_ids
     for side, proc in (("prefill", prefill), ("decode", decode)):
-        assert _metric(proc, "kvferry_prefix_hit_tokens_total") - hits[side] >= 2 * 96, side  # whole pages
+        assert metric(proc, "kvferry_prefix_hit_tokens_total") - hits[side] >= 2 * 96, side  # whole pages
 
 
 def test_sides_with_different_kv_dtypes_are_refused_naming_both(tmp_path, scaled, tiny_models):

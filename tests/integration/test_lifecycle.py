@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import socket
@@ -33,7 +32,7 @@ import pytest
 
 from kvferry.common.daemon.procs import Proc, free_port, http_json
 from kvferry.common.api.sampling_schema import sglang_params
-from tests.cluster import ROOM_EVENTS, SLACK_S, LogWatch, free_pages, post
+from tests.cluster import ROOM_EVENTS, SLACK_S, LogWatch, free_pages, metric, post
 
 
 class NotifySocket:
@@ -101,12 +100,6 @@ def start_ready(proc: Proc, listener: NotifySocket, timeout_s: float = 180.0) ->
 def wait_exit(proc: Proc, timeout_s: float) -> int:
     proc.popen.wait(timeout_s)
     return proc.popen.returncode
-
-
-def metric(proc: Proc, name: str) -> float:
-    status, text = http_json(proc.url + "/metrics", timeout_s=5)
-    assert status == 200
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
 def wait_free_pages(proc: Proc, expected: dict, timeout_s: float) -> None:

@@ -22,7 +22,7 @@ import pytest
 from kvferry.common.daemon.procs import http_json
 from kvferry.common.models.config import ModelConfig
 from kvferry.common.sampling.sampler import SamplingParams
-from tests.cluster import (Cluster, assert_pages_return, cached_pages, free_pages, ok, post, send_pair,
+from tests.cluster import (Cluster, assert_pages_return, cached_pages, free_pages, metric, ok, post, send_pair,
                            settle_prefix_cache)
 
 LENGTHS = [1, 17, 70]  # one token, past one 16-token page, past one 64-token page
@@ -86,12 +86,6 @@ def _generate(url: str, ids: list[int], max_new: int = MAX_NEW) -> dict:
     return ok(post(url + "/generate", {"input_ids": ids, "sampling_params": _greedy(max_new)})).json()
 
 
-def _metric(proc, series: str) -> float:
-    status, text = http_json(proc.url + "/metrics", timeout_s=10)
-    assert status == 200
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(series + " "))
-
-
 def _latent_summary(proc) -> dict:
     status, info = http_json(proc.url + "/server_info", timeout_s=10)
     assert status == 200, info
@@ -119,7 +113,7 @@ def test_mla_pair_through_router_equals_colocated(tmp_path, mla_model, reference
         before = {p.name: free_pages(p) for p in (prefill, decode)}
         assert [_generate(router.url, ids)["output_ids"] for ids in _prompts()] == reference
         if staged:
-            assert _metric(prefill, 'kvferry_staging_rooms_total{path="staged",reason=""}') == len(LENGTHS)
+            assert metric(prefill, "kvferry_staging_rooms_total", path="staged", reason="") == len(LENGTHS)
         for proc, page in ((prefill, prefill_page), (decode, decode_page)):
             layout = _latent_summary(proc)
             # one latent region per layer of three, each page one row of latent + rope per token
@@ -141,9 +135,9 @@ def test_mla_pair_with_decode_only_dense_draft(tmp_path, mla_model, tiny_models,
         prefill, decode = _start(cluster, [], ["--page-size", str(decode_page)], draft=True)
         router = cluster.router([prefill], [decode])
         before = {p.name: free_pages(p) for p in (prefill, decode)}
-        proposed = _metric(decode, "kvferry_spec_proposed_tokens_total")
+        proposed = metric(decode, "kvferry_spec_proposed_tokens_total")
         assert [_generate(router.url, ids)["output_ids"] for ids in _prompts()] == reference
-        assert _metric(decode, "kvferry_spec_proposed_tokens_total") > proposed
+        assert metric(decode, "kvferry_spec_proposed_tokens_total") > proposed
         layout = _latent_summary(decode)
         assert layout["draft"]["regions"] == 2 * layout["draft"]["layers"] and layout["target"]["regions"] == 3
         assert _latent_summary(prefill)["draft"] is None
@@ -168,9 +162,9 @@ def test_mla_pair_with_mla_draft_on_both_sides(tmp_path, mla_model, reference):
             p.wait_ready(180)
         router = cluster.router([prefill], [decode])
         before = {p.name: free_pages(p) for p in (prefill, decode)}
-        proposed = _metric(decode, "kvferry_spec_proposed_tokens_total")
+        proposed = metric(decode, "kvferry_spec_proposed_tokens_total")
         assert [_generate(router.url, ids)["output_ids"] for ids in _prompts()] == reference
-        assert _metric(decode, "kvferry_spec_proposed_tokens_total") > proposed
+        assert metric(decode, "kvferry_spec_proposed_tokens_total") > proposed
         for proc in (prefill, decode):
             assert _latent_summary(proc)["draft"]["regions"] == 1  # one latent region of one layer
         assert "4 regions written, 0 ignored, decode_only_spec_dec=False" in prefill.log_path.read_text()
@@ -268,7 +262,7 @@ def test_mismatched_forms_refused_at_registration(tmp_path, mla_model, tiny_mode
             in reason, reason
         fingerprints = [ModelConfig.from_dir(models[m][0]).fingerprint for m in (prefill_model, decode_model)]
         assert f"prefill {fingerprints[0]!r}, decode {fingerprints[1]!r}" in reason, reason
-        assert _metric(prefill, 'kvferry_registrations_total{result="rejected"}') >= 1
+        assert metric(prefill, "kvferry_registrations_total", result="rejected") >= 1
         assert_pages_return([prefill, decode], before)
         same = prefill_side.decode(extra=EXTRA)
         (prefill_status, _), (decode_status, served) = send_pair(prefill, same, body)

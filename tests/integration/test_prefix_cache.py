@@ -6,7 +6,6 @@ cache once the requests are done."""
 
 from __future__ import annotations
 
-import re
 import time
 
 import pytest
@@ -17,7 +16,7 @@ import msgpack
 import zmq
 
 from kvferry.common.daemon.procs import free_port, http_json
-from tests.cluster import Cluster, cached_pages, ok, post, settle_prefix_cache
+from tests.cluster import Cluster, cached_pages, metric, ok, post, settle_prefix_cache
 
 ON = {"KVFERRY_DISABLE_PREFIX_CACHE": "false"}
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
@@ -167,9 +166,7 @@ def test_openai_usage_names_the_cached_prompt_tokens(pd):
 
 
 def _local_rooms(proc) -> float:
-    status, text = http_json(proc.url + "/metrics", timeout_s=10)
-    assert status == 200, text
-    return sum(float(v) for v in re.findall(r"^kvferry_local_prefill_rooms_total(?:\{[^}]*\})? (\S+)$", str(text), re.M))
+    return metric(proc, "kvferry_local_prefill_rooms_total")
 
 
 def test_local_prefill_through_vllm_router_equals_the_reference(pd, tok, colocated):

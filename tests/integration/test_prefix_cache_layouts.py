@@ -25,14 +25,12 @@ After each case every page of every pool is free or held by the prefix cache alo
 
 from __future__ import annotations
 
-import re
 
 import pytest
 
 from kvferry.common.api.logprobs import token_text
 from kvferry.common.api.sampling_schema import sglang_params
-from kvferry.common.daemon.procs import http_json
-from tests.cluster import Cluster, ok, post
+from tests.cluster import Cluster, metric, ok, post
 from tests.integration.test_prefix_cache import GREEDY, ON, SYSTEM, _info, _pages_accounted, _question
 
 pytestmark = pytest.mark.timeout(600)
@@ -49,13 +47,9 @@ def _start(procs) -> None:
 
 
 def _hit_tokens(proc, side: str) -> float:
-    """``kvferry_prefix_hit_tokens`` of ``side`` from the daemon's /metrics."""
-    status, text = http_json(proc.url + "/metrics", timeout_s=10)
-    assert status == 200, text
-    pattern = rf'^kvferry_prefix_hit_tokens(?:_total)?\{{[^}}]*side="{side}"[^}}]*\}}\s+(\S+)$'
-    assert "kvferry_prefix_hit_tokens" in str(text), f"no kvferry_prefix_hit_tokens in /metrics of {proc.name}"
-    # a side's series appears with its first request
-    return sum(float(m.group(1)) for m in re.finditer(pattern, str(text), re.M))
+    """``kvferry_prefix_hit_tokens_total`` of ``side`` from the daemon's /metrics (0 until the
+    side's first hit: a labelled series appears with its first event)."""
+    return metric(proc, "kvferry_prefix_hit_tokens_total", side=side)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from kvferry.common.daemon.procs import http_json
-from tests.cluster import Cluster, assert_pages_return, free_pages, post
+from tests.cluster import Cluster, assert_pages_return, free_pages, metric, post
 
 TRANSFER_WAIT_S = 60.0  # the prefill's own deadline: nothing below may come near it
 BODY = {"text": "The ferry leaves the north pier at seven", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
@@ -31,21 +31,16 @@ def mismatched(tmp_path_factory, tiny_models):
         c.stop_all()
 
 
-def sample(proc, series: str) -> float:
-    status, text = http_json(proc.url + "/metrics", timeout_s=10)
-    assert status == 200
-    for line in text.splitlines():
-        if line.startswith(series + " "):
-            return float(line.split()[-1])
-    return 0.0
-
-
 def registrations(proc, result: str) -> float:
-    return sample(proc, f'kvferry_registrations_total{{result="{result}"}}')
+    return metric(proc, "kvferry_registrations_total", result=result)
 
 
-ABORTED = 'kvferry_failed_transfers_total{reason="aborted"}'
-DECODE_ABORTS = 'kvferry_aborts_total{side="decode"}'
+def aborted(proc) -> float:
+    return metric(proc, "kvferry_failed_transfers_total", reason="aborted")
+
+
+def decode_aborts(proc) -> float:
+    return metric(proc, "kvferry_aborts_total", side="decode")
 
 
 def test_server_info_shows_both_layouts(mismatched):
@@ -63,7 +58,7 @@ def test_both_legs_fail_at_once_with_the_reason(mismatched, router_kind):
     c, prefill, decode, before = mismatched
     router = (c.router if router_kind == "sglang" else c.vllm_router)([prefill], [decode])
     try:
-        counts, aborted, aborts = [], sample(prefill, ABORTED), sample(prefill, DECODE_ABORTS)
+        counts, aborted, aborts = [], aborted(prefill), decode_aborts(prefill)
         for attempt in range(2):
             started = time.monotonic()
             answer = post(router.url + "/generate", BODY, timeout_s=TRANSFER_WAIT_S)
@@ -75,8 +70,8 @@ def test_both_legs_fail_at_once_with_the_reason(mismatched, router_kind):
             counts.append(registrations(prefill, "rejected"))
             # one failed transfer per aborted room (the router may retry a request), whether the
             # decode's abort reached the prefill before the prefill leg opened the room or after
-            num_aborts = sample(prefill, DECODE_ABORTS) - aborts
-            assert num_aborts >= attempt + 1 and sample(prefill, ABORTED) - aborted == num_aborts
+            num_aborts = decode_aborts(prefill) - aborts
+            assert num_aborts >= attempt + 1 and aborted(prefill) - aborted == num_aborts
         # the second request was answered from the decode's memory of the refusal: no new register
         assert counts[0] >= 1 and counts[1] == counts[0], counts
     finally:

@@ -12,7 +12,6 @@ Bearer token, the health and metrics routes stay open, and the right token gets 
 from __future__ import annotations
 
 import random
-import re
 import shutil
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from kvferry.common.wire import messages as wire
 from kvferry.common.sampling.sampler import SamplingParams
 from kvferry.common.daemon.procs import Proc, http_json
 from kvferry.common.transport.zmq import load_keys
-from tests.cluster import REPO, SLACK_S, Cluster
+from tests.cluster import REPO, SLACK_S, Cluster, metric
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -81,13 +80,6 @@ def legs(prefill: Proc, decode: Proc, body: dict, path: str = "/generate", heade
         futures = [pool.submit(http_json, p.url + path, {**body, **boot}, timeout_s=60, headers=headers)
                    for p in (prefill, decode)]
         return tuple(f.result() for f in futures)
-
-
-def metric(proc: Proc, name: str) -> float:
-    """Sum of a Prometheus counter over its labels (/metrics needs no API key)."""
-    status, text = http_json(proc.url + "/metrics", timeout_s=10)
-    assert status == 200
-    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
 def test_allowed_decode_gets_correct_output_over_curve(secure, colocated):

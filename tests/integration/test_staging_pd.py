@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvferry.common.sampling.sampler import SamplingParams
 from kvferry.common.daemon.procs import http_json
-from tests.cluster import assert_pages_return, free_pages, send_pair
+from tests.cluster import assert_pages_return, free_pages, metric, send_pair
 
 LENGTHS = [1, 17, 100, 700, 2000]
 PREFILL = ["--staging-bytes", str(1 << 20), "--staging-chunk-bytes", str(128 << 10), "--staging-crossover-runs", "1"]
@@ -24,18 +24,6 @@ DECODE = ["--staging-bytes", str(64 << 20)]
 def _prompts() -> list[list[int]]:
     rng = random.Random(17)
     return [[rng.randrange(5, 512) for _ in range(n)] for n in LENGTHS]
-
-
-def _metric(proc, name: str, **labels) -> float:
-    import urllib.request
-
-    with urllib.request.urlopen(proc.url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in text.splitlines():
-        if line.startswith(name + "{" + want + "}") or (not labels and line.startswith(name + " ")):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def _run(prefill, decode, colocated) -> None:
@@ -57,7 +45,7 @@ def test_staged_rooms_equal_colocated(cluster, colocated):
     decode = cluster.decode(extra=DECODE)
     before = {p.name: free_pages(p) for p in (prefill, decode)}
     _run(prefill, decode, colocated)
-    assert _metric(prefill, "kvferry_staging_rooms_total", path="staged", reason="") == len(LENGTHS)
+    assert metric(prefill, "kvferry_staging_rooms_total", path="staged", reason="") == len(LENGTHS)
     assert_pages_return([prefill, decode], before)
     for proc in (prefill, decode):
         status, info = http_json(proc.url + "/server_info", timeout_s=10)
@@ -68,8 +56,8 @@ def test_a_decode_without_staging_gets_direct_rooms(cluster, colocated):
     prefill = cluster.prefill(extra=PREFILL)
     decode = cluster.decode(extra=["--staging-bytes", "0"])
     _run(prefill, decode, colocated)
-    assert _metric(prefill, "kvferry_staging_rooms_total", path="direct", reason="staging_off") == len(LENGTHS)
-    assert _metric(prefill, "kvferry_staging_rooms_total", path="staged", reason="") == 0
+    assert metric(prefill, "kvferry_staging_rooms_total", path="direct", reason="staging_off") == len(LENGTHS)
+    assert metric(prefill, "kvferry_staging_rooms_total", path="staged", reason="") == 0
 
 
 def test_crossover_measured_at_start_up_is_logged(cluster, colocated):
@@ -81,6 +69,6 @@ def test_crossover_measured_at_start_up_is_logged(cluster, colocated):
     log = prefill.log_path.read_text()
     assert "staging costs measured at start-up" in log and "stage a room at or above" in log
     assert "us per WRITE" in log  # the per-WRITE cost each chunk pays is measured too
-    staged = _metric(prefill, "kvferry_staging_rooms_total", path="staged", reason="")
-    few = _metric(prefill, "kvferry_staging_rooms_total", path="direct", reason="few_runs")
+    staged = metric(prefill, "kvferry_staging_rooms_total", path="staged", reason="")
+    few = metric(prefill, "kvferry_staging_rooms_total", path="direct", reason="few_runs")
     assert staged + few == len(LENGTHS)  # small rooms of contiguous pages: direct, as the costs say

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import urllib.request
 from typing import Annotated, Literal
 
 import openai
@@ -21,7 +20,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from kvferry.common.api.sampling_schema import openai_params, sglang_params
-from tests.cluster import Cluster, assert_pages_return, ok, post
+from tests.cluster import Cluster, assert_pages_return, metric, ok, post
 from tests.json_schema_check import errors
 
 PROMPTS = ["Give me a person as JSON", "The ferry leaves the north pier at seven", "Hello there"]
@@ -245,13 +244,8 @@ def test_metrics_count_grammars(pd):
     router, (prefill, decode) = pd[1], pd[3]
 
     def counts() -> dict:
-        out = {}
-        for proc in (prefill, decode):
-            text = urllib.request.urlopen(proc.url + "/metrics", timeout=10).read().decode()
-            for result in ("compiled", "cached", "invalid"):
-                match = re.search(rf'^kvferry_grammars_total{{result="{result}"}} (\S+)$', text, re.M)
-                out[proc.name, result] = float(match.group(1)) if match else 0.0
-        return out
+        return {(proc.name, result): metric(proc, "kvferry_grammars_total", result=result)
+                for proc in (prefill, decode) for result in ("compiled", "cached", "invalid")}
 
     before = counts()
     regex = f"(maybe|never) {len(before)}[0-9]"  # a grammar no other test asks for

@@ -5,14 +5,13 @@ page left allocated anywhere afterwards."""
 from __future__ import annotations
 
 import random
-import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from kvferry.common.daemon.procs import http_json
 from kvferry.common.api.sampling_schema import sglang_params
-from tests.cluster import Cluster, assert_pages_return, free_pages, post
+from tests.cluster import Cluster, assert_pages_return, free_pages, metric, post
 
 NUM_REQUESTS = 200
 CONCURRENCY = 8
@@ -38,14 +37,6 @@ def workload(seed: int = 7) -> list[tuple[list[int], dict]]:
     return [([rng.randrange(5, 512) for _ in range(rng.randrange(1, 40))],
              {"max_new_tokens": rng.randrange(4, 9), "temperature": 0, "ignore_eos": True})
             for _ in range(NUM_REQUESTS)]
-
-
-def metric(proc, name: str, labels: str = "") -> float:
-    """The sum of a Prometheus sample over the label sets that contain ``labels``."""
-    status, text = http_json(proc.url + "/metrics", timeout_s=10)
-    assert status == 200
-    found = re.findall(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", text, re.M)
-    return sum(float(value) for label_set, value in found if labels in label_set)
 
 
 def test_two_by_two_round_robin(mesh, colocated):
@@ -74,7 +65,7 @@ def test_two_by_two_round_robin(mesh, colocated):
         assert set(info["prefills"]) == bootstrap, info["prefills"]
         assert set(info["prefills"].values()) == {"registered"}, info["prefills"]
     for p in prefills:  # each decode registered once with each prefill
-        assert metric(p, "kvferry_registrations_total", 'result="accepted"') == len(decodes)
+        assert metric(p, "kvferry_registrations_total", result="accepted") == len(decodes)
         assert metric(p, "kvferry_transfer_bytes_total") > 0
     served = [metric(d, "kvferry_ttft_seconds_count") for d in decodes]  # one per request that got its KV
     assert sum(served) == NUM_REQUESTS and min(served) > NUM_REQUESTS // 4, served
