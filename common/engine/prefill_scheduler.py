@@ -82,8 +82,11 @@ class PrefillScheduler:
                         f.set_exception(exc)
             else:
                 self.num_chunks += len(batch)
+                seconds = time.perf_counter() - started
+                logger.debug("prefill batch chunks=%d new_tokens=%d context_tokens=%d ms=%.1f waiting=%d", len(batch),
+                             num_new, sum(end for _, _, end in batch), seconds * 1e3, len(self.waiting))
                 if self.on_batch is not None:
-                    self.on_batch(time.perf_counter() - started, num_new)
+                    self.on_batch(seconds, num_new)
                 self._settle(batch)
             finally:
                 self._in_flight, self._dropped = set(), set()
