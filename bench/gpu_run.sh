@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
-#   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|prefix-ttft|
+#   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|prefix-ttft|extend|
 #                          xfer-threads|fp8-a|fp8-b|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
@@ -66,7 +66,7 @@ if [[ $what == staging || $what == all ]]; then
 fi
 m8b=/tmp/m8b
 if [[ $what == spec || $what == e2e || $what == e2e-churn || $what == engine || $what == xfer-threads || $what == multiturn \
-    || $what == e2e-cache || $what == all ]] \
+    || $what == e2e-cache || $what == extend || $what == all ]] \
     && [[ ! -f $m8b/draft/config.json ]]; then
   timeout 200 python3 -m kvferry.common.cli make-tiny-model $m8b --preset llama-3.1-8b 2>&1 | tail -2
 fi
@@ -141,6 +141,12 @@ if [[ $what == prefix-ttft ]]; then
     --apart --sides ${MT_SIDES:-off,on} --local-prefill-tokens ${MT_LOCAL:-1024} \
     2>>"$out/multiturn.err" | tee -a "$out/multiturn.jsonl" | stamp > "$out/multiturn-8b-times.txt"
   compiles /tmp/tc-8b > "$out/multiturn-8b-compiles.txt"
+fi
+if [[ $what == extend ]]; then
+  # issue 26: a wave of prefix hits' extends (576 new tokens over 2.6 k / 7.2 k cached, the multiturn's turns 2 and 8)
+  # against the same new tokens from scratch and against the Triton extend kernel, with the top CUDA kernels
+  timeout ${EXTEND_TIMEOUT:-240} python3 bench/extend.py --model $m8b/target --profile \
+    --cases ${EXTEND_CASES:-14x576@2560,14x576@7168,9x576@2560} 2>>"$out/extend.err" | tee -a "$out/extend.jsonl"
 fi
 if [[ $what == e2e-cache ]]; then
   # issue 26: single-turn figures with the prefix cache on (the default) and off, same run: random prompts never hit,

@@ -32,6 +32,20 @@ def test_spec_bench_prints_one_json_line():
     assert record["tokens_per_s_plain"] > 0 and record["tokens_per_s_spec"] > 0 and record["speedup"] > 0
 
 
+def test_extend_bench_prints_one_json_line_per_case():
+    records = run_bench("extend.py", "--model", tiny_model_dirs()[0], "--device", "cpu", "--dtype", "float32",
+                        "--cases", "2x24@40,1x8@16", "--reps", "1", "--kv-budget-gib", "0.01")
+    assert [(r["chunks"], r["new_tokens"], r["cached_tokens"]) for r in records] == [(2, 24, 40), (1, 8, 16)]
+    for r in records:
+        assert r["bench"] == "extend" and {"hw", "git", "matmul_tflops"} <= r.keys()
+        # the scratch reference: whole prompts of cached + new tokens, as many as hold the case's new tokens
+        assert r["scratch_prompt_tokens"] == r["cached_tokens"] + r["new_tokens"]
+        assert r["scratch_prompts"] == max(1, round(r["chunks"] * r["new_tokens"] / r["scratch_prompt_tokens"]))
+        assert r["extend_ms"] > 0 and r["scratch_ms"] > 0 and r["extend_kernel_ms"] > 0 and r["gemm_floor_ms"] > 0
+        tokens = r["chunks"] * r["new_tokens"]
+        assert abs(r["extend_us_per_token"] * tokens / 1e3 - r["extend_ms"]) <= 0.01 + 0.005 * tokens / 1e3
+
+
 def test_e2e_bench_prints_one_json_line_per_configuration():
     records = run_bench("e2e.py", "--prompt-tokens", "20,40", "--concurrency", "2", "--new-tokens", "3",
                         "--reps", "1", "--churn", "8",
