@@ -44,12 +44,14 @@ from kvferry.common.kernels.kv_quant import dequantize, round_trip
 from kvferry.common.layers.norm import rms_norm
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-# A prefill batch with a chunk longer than this attends per chunk with SDPA (flash): a chunk with no
-# cached prefix over its new K/V as they are (no page read), one after a prefix (a prefix-cache hit,
-# a later chunk of a chunked prompt) over its context gathered from the pool, causal lower-right.
-# The paged extend kernel stays for short chunks (verify, small extends). SDPA measured faster than it
-# for 8k prompts from scratch; after a long cached prefix the extend kernel's attention grew a prefix
-# hit's TTFT with the history (bench/RESULTS.md "Prefix reuse"), a case not yet timed against SDPA.
+# A prefill batch with a chunk longer than this attends with flash attention (``_sdpa_prefill``): every
+# chunk over its whole context, a chunk with no cached prefix over its new K/V as they are (no page
+# read), one after a prefix (a prefix-cache hit, a later chunk of a chunked prompt) over its context
+# gathered from the pool, causal lower-right. In 16 bits on CUDA the batch is one varlen flash call;
+# otherwise one SDPA call per chunk. The paged extend kernel stays for short chunks (verify, small
+# extends). Measured on an H100 (bench/extend.py, 8B preset, 14 extends of 576 tokens over 2,560 /
+# 7,168 cached): per-chunk SDPA was 10 % slower than the extend kernel (160 query rows a head per call
+# fill the SMs badly); see bench/RESULTS.md "Where an extend's time goes".
 DENSE_PREFILL_MIN_TOKENS = 256
 
 
@@ -150,8 +152,9 @@ class TritonPlan:
     query_lens: list[int]
     max_query: int
     num_splits: int  # decode split-K
-    is_long_prefill: bool = False  # a chunk is long (DENSE_PREFILL_MIN_TOKENS): SDPA per chunk, ``_sdpa_prefill``
+    is_long_prefill: bool = False  # a chunk is long (DENSE_PREFILL_MIN_TOKENS): flash attention, ``_sdpa_prefill``
     starts: list[int] | None = None  # cached tokens before each chunk (host); None in a graph's static plan
+    cu_seqlens: torch.Tensor | None = None  # [2, B + 1] int32 query and context offsets (a long prefill's)
 
 
 def packed_rows(num_tokens: int, batch: int) -> tuple[int, int]:
@@ -235,13 +238,18 @@ class TritonBackend:
         packed = to_device(host, device)  # pinned and non-blocking: no wait for the step in flight
         query_lens = [len(c.token_ids) for c in chunks]
         per_token, per_chunk, table = unpack(packed, sum(query_lens), len(chunks), max_pages)
+        is_long = max(query_lens) > DENSE_PREFILL_MIN_TOKENS
+        cu_seqlens = None
+        if is_long and device.type == "cuda":  # the varlen flash call's offsets, shipped with the plan
+            lens = np.array([query_lens, [c.start_pos + n for c, n in zip(chunks, query_lens)]], np.int32)
+            cu_seqlens = to_device(np.concatenate([np.zeros((2, 1), np.int32), lens.cumsum(1, dtype=np.int32)], 1),
+                                   device)
         plan = TritonPlan(
             positions=per_token[1], write_pages=per_token[2], write_rows=per_token[3], last_index=per_chunk[0],
             kv_lens=per_chunk[1], q_starts=per_chunk[2], q_lens=per_chunk[3], prefix_lens=per_chunk[4],
             page_table=table, query_lens=query_lens, max_query=max(query_lens),
             num_splits=self.num_splits(len(chunks)),
-            is_long_prefill=max(query_lens) > DENSE_PREFILL_MIN_TOKENS,
-            starts=[c.start_pos for c in chunks])
+            is_long_prefill=is_long, starts=[c.start_pos for c in chunks], cu_seqlens=cu_seqlens)
         return per_token[0], plan
 
     def store(self, k_cache, v_cache, k, v, plan: TritonPlan, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
@@ -312,12 +320,17 @@ def latent_rows(cache: torch.Tensor, pages: torch.Tensor, num_rows: int) -> torc
 
 def _sdpa_prefill(q, k, v, k_cache, v_cache, plan: TritonPlan, scale: float, k_scale: float = 1.0,
                   v_scale: float = 1.0) -> torch.Tensor:
-    """Causal SDPA per chunk (flash on CUDA in 16 bits). A chunk with no cached prefix attends to its
+    """Causal attention of every chunk over its context. A chunk with no cached prefix attends to its
     new rows of k, v [T, Hkv, D] (as the pool holds them: an FP8 pool's round trip); one after
     ``plan.starts[i]`` cached tokens to its whole context read back from the pool's pages (the new
-    rows are stored already), query j seeing keys up to ``starts[i] + j`` (``causal_lower_right``).
+    rows are stored already), query j seeing keys up to ``starts[i] + j`` (causal lower-right).
     The gather copies the context once per layer (2 x kv_len x Hkv x D elements), far less than the
-    attention reads of the extend kernel, which loads each key tile once per query block and head."""
+    attention reads of the extend kernel, which loads each key tile once per query block and head.
+
+    In 16 bits on CUDA (``plan.cu_seqlens`` set) the chunks go to one varlen flash call over their
+    contexts packed end to end; otherwise one SDPA call per chunk."""
+    if plan.cu_seqlens is not None and _flash_varlen_ok(q):
+        return _flash_varlen_prefill(q, k, v, k_cache, v_cache, plan, scale, k_scale, v_scale)
     out = torch.empty_like(q)
     page_size = k_cache.shape[1]
     offset = 0
@@ -339,3 +352,40 @@ def _sdpa_prefill(q, k, v, k_cache, v_cache, plan: TritonPlan, scale: float, k_s
                                                              enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
     return out
+
+
+def _flash_varlen_ok(q: torch.Tensor) -> bool:
+    """torch's FlashAttention-2 serves q: CUDA, 16 bits, head_dim a multiple of 8 up to 256, sm80+."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 256 and torch.cuda.get_device_capability(q.device)[0] >= 8)
+
+
+def _context(new: torch.Tensor, cache: torch.Tensor, pages: torch.Tensor, start: int, scale: float,
+             dtype: torch.dtype) -> torch.Tensor:
+    """One chunk's keys (or values) [start + num, Hkv, D] in ``dtype``, token-major: its new rows as
+    the pool holds them when it has no prefix, else its whole context read back from its pages."""
+    if start == 0:
+        return round_trip(new, scale, cache.dtype)
+    kv_len = start + new.shape[0]
+    return dequantize(attention.gather_keys(cache, pages, 1)[0, :, :kv_len].transpose(0, 1), scale, dtype)
+
+
+def _flash_varlen_prefill(q, k, v, k_cache, v_cache, plan: TritonPlan, scale: float, k_scale: float,
+                          v_scale: float) -> torch.Tensor:
+    """Every chunk in one varlen FlashAttention-2 call (``aten::_flash_attention_forward``): the
+    queries [T, H, D] as they are, each chunk's context packed end to end [sum kv_len, Hkv, D], GQA
+    native. Causal there aligns each sequence's mask to its bottom right, so query j of a chunk after
+    ``start`` cached tokens sees keys up to ``start + j``. One call fills the GPU where one SDPA call
+    per chunk did not (a 576-token chunk is 5 query blocks a head)."""
+    page_size = k_cache.shape[1]
+    keys, values, offset = [], [], 0
+    for i, (num, start) in enumerate(zip(plan.query_lens, plan.starts)):
+        rows = slice(offset, offset + num)
+        offset += num
+        pages = plan.page_table[i, :-(-(start + num) // page_size)]
+        keys.append(_context(k[rows], k_cache, pages, start, k_scale, q.dtype))
+        values.append(_context(v[rows], v_cache, pages, start, v_scale, q.dtype))
+    max_k = max(s + n for s, n in zip(plan.starts, plan.query_lens))
+    cu_q, cu_k = plan.cu_seqlens[0], plan.cu_seqlens[1]
+    return torch.ops.aten._flash_attention_forward(q.contiguous(), torch.cat(keys), torch.cat(values), cu_q, cu_k,
+                                                   plan.max_query, max_k, 0.0, True, False, scale=scale)[0]
