@@ -50,8 +50,10 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # gathered from the pool, causal lower-right. In 16 bits on CUDA the batch is one varlen flash call;
 # otherwise one SDPA call per chunk. The paged extend kernel stays for short chunks (verify, small
 # extends). Measured on an H100 (bench/extend.py, 8B preset, 14 extends of 576 tokens over 2,560 /
-# 7,168 cached): per-chunk SDPA was 10 % slower than the extend kernel (160 query rows a head per call
-# fill the SMs badly); see bench/RESULTS.md "Where an extend's time goes".
+# 7,168 cached): one varlen call 244 / 324 ms, per-chunk SDPA 267 / 367 (a 576-token chunk is 160
+# programs a call for 132 SMs), the extend kernel 237 / 335; see bench/RESULTS.md "Where an extend's
+# time goes". A batch of prompts from scratch only keeps SDPA per prompt (0.78 of the matmul peak at
+# 8k, "engine"): there the varlen call measured 5-14 % slower (two runs, two machines), not settled.
 DENSE_PREFILL_MIN_TOKENS = 256
 
 
@@ -154,7 +156,7 @@ class TritonPlan:
     num_splits: int  # decode split-K
     is_long_prefill: bool = False  # a chunk is long (DENSE_PREFILL_MIN_TOKENS): flash attention, ``_sdpa_prefill``
     starts: list[int] | None = None  # cached tokens before each chunk (host); None in a graph's static plan
-    cu_seqlens: torch.Tensor | None = None  # [2, B + 1] int32 query and context offsets (a long prefill's)
+    cu_seqlens: torch.Tensor | None = None  # [2, B + 1] int32 query and context offsets (a long prefill with a prefix, CUDA)
 
 
 def packed_rows(num_tokens: int, batch: int) -> tuple[int, int]:
@@ -240,7 +242,7 @@ class TritonBackend:
         per_token, per_chunk, table = unpack(packed, sum(query_lens), len(chunks), max_pages)
         is_long = max(query_lens) > DENSE_PREFILL_MIN_TOKENS
         cu_seqlens = None
-        if is_long and device.type == "cuda":  # the varlen flash call's offsets, shipped with the plan
+        if is_long and device.type == "cuda" and any(c.start_pos for c in chunks):  # the varlen call's offsets
             lens = np.array([query_lens, [c.start_pos + n for c, n in zip(chunks, query_lens)]], np.int32)
             cu_seqlens = to_device(np.concatenate([np.zeros((2, 1), np.int32), lens.cumsum(1, dtype=np.int32)], 1),
                                    device)
@@ -327,8 +329,8 @@ def _sdpa_prefill(q, k, v, k_cache, v_cache, plan: TritonPlan, scale: float, k_s
     The gather copies the context once per layer (2 x kv_len x Hkv x D elements), far less than the
     attention reads of the extend kernel, which loads each key tile once per query block and head.
 
-    In 16 bits on CUDA (``plan.cu_seqlens`` set) the chunks go to one varlen flash call over their
-    contexts packed end to end; otherwise one SDPA call per chunk."""
+    When a chunk has a cached prefix, in 16 bits on CUDA (``plan.cu_seqlens`` set), the chunks go to
+    one varlen flash call over their contexts packed end to end; otherwise one SDPA call per chunk."""
     if plan.cu_seqlens is not None and _flash_varlen_ok(q):
         return _flash_varlen_prefill(q, k, v, k_cache, v_cache, plan, scale, k_scale, v_scale)
     out = torch.empty_like(q)
