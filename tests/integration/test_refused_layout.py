@@ -35,7 +35,7 @@ def registrations(proc, result: str) -> float:
     return metric(proc, "kvferry_registrations_total", result=result)
 
 
-def aborted(proc) -> float:
+def aborted_transfers(proc) -> float:
     return metric(proc, "kvferry_failed_transfers_total", reason="aborted")
 
 
@@ -58,7 +58,7 @@ def test_both_legs_fail_at_once_with_the_reason(mismatched, router_kind):
     c, prefill, decode, before = mismatched
     router = (c.router if router_kind == "sglang" else c.vllm_router)([prefill], [decode])
     try:
-        counts, aborted, aborts = [], aborted(prefill), decode_aborts(prefill)
+        counts, aborted, aborts = [], aborted_transfers(prefill), decode_aborts(prefill)
         for attempt in range(2):
             started = time.monotonic()
             answer = post(router.url + "/generate", BODY, timeout_s=TRANSFER_WAIT_S)
@@ -71,7 +71,7 @@ def test_both_legs_fail_at_once_with_the_reason(mismatched, router_kind):
             # one failed transfer per aborted room (the router may retry a request), whether the
             # decode's abort reached the prefill before the prefill leg opened the room or after
             num_aborts = decode_aborts(prefill) - aborts
-            assert num_aborts >= attempt + 1 and aborted(prefill) - aborted == num_aborts
+            assert num_aborts >= attempt + 1 and aborted_transfers(prefill) - aborted == num_aborts
         # the second request was answered from the decode's memory of the refusal: no new register
         assert counts[0] >= 1 and counts[1] == counts[0], counts
     finally:

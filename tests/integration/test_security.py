@@ -125,10 +125,15 @@ def raw_ping(port: int, keys: tuple[bytes, bytes, bytes] | None, wait_s: float) 
     try:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # a handshake refused before the send leaves the DEALER no pipe, and its send would block for good
+        sock.setsockopt(zmq.SNDTIMEO, int(wait_s * 1000))
         if keys is not None:
             sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = keys
         sock.connect(f"tcp://127.0.0.1:{port}")
-        sock.send(wire.encode(wire.Ping(t=1.0)))  # queued until (unless) the handshake completes
+        try:
+            sock.send(wire.encode(wire.Ping(t=1.0)))  # queued until (unless) the handshake completes
+        except zmq.Again:
+            return None
         return wire.decode(sock.recv()) if sock.poll(int(wait_s * 1000)) else None
     finally:
         ctx.destroy(linger=0)
