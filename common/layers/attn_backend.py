@@ -339,16 +339,13 @@ def _sdpa_prefill(q, k, v, k_cache, v_cache, plan: TritonPlan, scale: float, k_s
     for i, (num, start) in enumerate(zip(plan.query_lens, plan.starts)):
         rows = slice(offset, offset + num)
         offset += num
-        if start == 0:  # the new K/V as the pool holds them, so that a later read of these pages agrees
-            keys = round_trip(k[rows], k_scale, k_cache.dtype).transpose(0, 1)[None]
-            values = round_trip(v[rows], v_scale, v_cache.dtype).transpose(0, 1)[None]
+        pages = plan.page_table[i, :-(-(start + num) // page_size)]
+        keys = _context(k[rows], k_cache, pages, start, k_scale, q.dtype).transpose(0, 1)[None]
+        values = _context(v[rows], v_cache, pages, start, v_scale, q.dtype).transpose(0, 1)[None]
+        if start == 0:
             mask, causal = None, num > 1
         else:
-            kv_len = start + num
-            pages = plan.page_table[i, :-(-kv_len // page_size)]
-            keys = dequantize(attention.gather_keys(k_cache, pages, 1)[:, :, :kv_len], k_scale, q.dtype)
-            values = dequantize(attention.gather_keys(v_cache, pages, 1)[:, :, :kv_len], v_scale, q.dtype)
-            mask, causal = (causal_lower_right(num, kv_len) if num > 1 else None), False
+            mask, causal = (causal_lower_right(num, start + num) if num > 1 else None), False
         o = torch.nn.functional.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys, values,
                                                              attn_mask=mask, is_causal=causal, scale=scale,
                                                              enable_gqa=True)
