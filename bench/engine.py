@@ -2,6 +2,7 @@
 
     python bench/engine.py --model DIR [--batches 1,8,32,64,128] [--contexts 1024,8192]
         [--prefill 1024,8192,32768] [--attention-backend auto] [--disable-cuda-graph] [--kv-cache-dtype fp8_e4m3]
+        [--fp8-gemv-rows 16,64] [--profile 1,64]
 
 Decode: ``batch`` sequences whose ``context_tokens`` are already in the KV pool (pages allocated,
 contents left as they are: the cost of a step does not depend on them) run ``--steps`` plain greedy
@@ -17,6 +18,13 @@ attention) against a large bf16 matmul, or for an FP8 checkpoint against an FP8 
 of the same size (both measured every run: ``matmul_tflops``, ``fp8_matmul_tflops``). FP8 weights
 count one byte per element plus their fp32 scales, an FP8 KV pool one byte per element. One JSON
 line per configuration; combinations whose KV does not fit are skipped with a line saying so.
+
+``--fp8-gemv-rows`` (FP8 checkpoints): the decode steps again for each bound on the rows that
+``fp8.fp8_linear`` sends to the weight-only GEMV (graphs recaptured; the line's
+``fp8_gemv_max_rows``), side by side with the default. ``--profile`` adds, for those batches at the
+first context, one line of the CUDA kernels of a decode step (``torch.profiler`` over graph
+replays): per kernel name its µs and launches per step, and the step's kernel time against its
+wall time (the gap is launch latency and idle).
 """
 
 from __future__ import annotations
@@ -171,9 +179,62 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--kv-budget-gib", type=float, default=80.0, help="KV pool size")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--fp8-gemv-rows", default="",
+                    help="FP8 checkpoints: decode again with each of these bounds on the weight-only GEMV's rows")
+    ap.add_argument("--profile", default="", help="batches whose decode step's CUDA kernels to list (first context)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"),
                     help="the KV pool's dtype (fp8_e4m3: one byte per element, the roofline counts it so)")
     return ap.parse_args()
+
+
+def profile_case(runner, batch: int, context: int, steps: int = 10, limit: int = 25) -> dict:
+    """The CUDA kernels of ``steps`` plain decode steps, per step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    seqs = sequences(runner, batch, context, steps + 16)
+    for s in seqs:
+        s.num_cached, s.output_ids = context, [11]
+    for _ in range(3):
+        runner.decode(seqs)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            runner.decode(seqs)
+        torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - started) * 1e6 / steps
+    for s in seqs:
+        runner.release(s)
+    rows = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
+                  key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in rows) / steps
+    launches = sum(e.count for e in rows) / steps
+    return {"mode": "profile", "batch": batch, "context_tokens": context, "steps": steps,
+            "wall_us_per_step": round(wall_us, 1), "kernel_us_per_step": round(total, 1),
+            "launches_per_step": round(launches, 1),
+            "kernels": [[e.key[:90], round(e.self_device_time_total / steps, 1), round(e.count / steps, 1)]
+                        for e in rows[:limit]]}
+
+
+def with_fp8_gemv_rows(runner, a, base: dict, weights: WeightBytes, kv_token_bytes: int, bw: float,
+                       max_tokens: int) -> None:
+    """The decode steps again for each bound of ``--fp8-gemv-rows`` (graphs recaptured), then the default back."""
+    from kvferry.common.layers import fp8
+
+    default = fp8.FP8_GEMV_MAX_ROWS
+    for rows in map(int, a.fp8_gemv_rows.split(",")):
+        fp8.FP8_GEMV_MAX_ROWS = rows
+        for graphs in runner.target.graphs:
+            graphs.capture()
+        for context in map(int, a.contexts.split(",")):
+            for batch in map(int, a.batches.split(",")):
+                if batch * (context + a.steps + 24) <= max_tokens:
+                    emit({**base, "fp8_gemv_max_rows": rows,
+                          **decode_case(runner, a, batch, context, weights, kv_token_bytes, bw)})
+    fp8.FP8_GEMV_MAX_ROWS = default
+    for graphs in runner.target.graphs:
+        graphs.capture()
 
 
 def with_gemv(runner, a, base: dict, weights: WeightBytes, kv_token_bytes: int, bw: float) -> None:
@@ -223,6 +284,9 @@ def main() -> None:
             "model": Path(a.model).name,
             "hw": hardware([a.device]), "git": git_hash()}
     plain = model.config.quantization is None  # the Triton GEMV reads bf16 weights
+    from kvferry.common.layers import fp8
+
+    fp8_rows = fp8.FP8_GEMV_MAX_ROWS
     if model.attn.name == "triton" and plain:
         for record in gemv_cases(model):
             emit({**base, **record})
@@ -239,9 +303,14 @@ def main() -> None:
                 emit({**base, "mode": "decode", "batch": batch, "context_tokens": context,
                       "skipped": f"needs {batch * context} KV tokens, the pool holds {max_tokens}"})
                 continue
-            emit({**base, **decode_case(runner, a, batch, context, weights, kv_token_bytes, bw)})
+            emit({**base, **({"fp8_gemv_max_rows": fp8_rows} if not plain else {}),
+                  **decode_case(runner, a, batch, context, weights, kv_token_bytes, bw)})
     if model.attn.name == "triton" and runner.target.graphs and plain:
         with_gemv(runner, a, base, weights, kv_token_bytes, bw)
+    if a.fp8_gemv_rows and not plain:
+        with_fp8_gemv_rows(runner, a, base, weights, kv_token_bytes, bw, max_tokens)
+    for batch in (map(int, a.profile.split(",")) if a.profile else []):
+        emit({**base, **profile_case(runner, batch, int(a.contexts.split(",")[0]))})
     for tokens in (map(int, a.prefill.split(",")) if a.prefill else []):
         # against the peak of the GEMMs the weights run on: FP8 for FP8 checkpoints
         emit({**base, **prefill_case(runner, tokens, active_params_per_token(weights), model.config,

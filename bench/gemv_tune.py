@@ -5,7 +5,7 @@ beside what they replace, in the same run.
 
 Cases (one JSON line each), Llama-3.1-8B's projections and the two MoE presets' experts:
   fp8-row / fp8-block  an e4m3 weight [N, K] with per-row or 128 x 128 block scales times M rows
-                       (M 1, 4, 8, 16); baseline: what the step ran before (per-token quant +
+                       (--rows, default 1 to 128; past 16 the K split is swept too); baseline: what the step ran before (per-token quant +
                        torch._scaled_mm for per-row, the Triton W8A8 block GEMM for block)
   bf16                 the same [N, K] in bf16 at M 1 through ``gemv`` (no scales);
                        baseline: cuBLAS (F.linear), what the bf16 step runs
@@ -75,16 +75,19 @@ def hbm_gbps() -> float:
     return 2 * (4 << 30) / us / 1e3
 
 
-def gemv_configs(dot: bool, quick: bool):
+def gemv_configs(dot: bool, quick: bool, rows: int = 1):
     from kvferry.common.kernels.triton_gemv import GemvConfig
 
-    if dot:
-        ns, ks, warps, stages = (16, 32, 64), (128, 256), (4,), (3, 4)  # 256: per-row scales only
+    splits = (1,)
+    if rows > 16:  # past 16 rows: wider weight tiles, K split over programs
+        ns, ks, warps, stages, splits = (32, 64, 128), (128, 256), (4,), (3, 4), (1, 2, 4, 8)
+    elif dot:  # 256: per-row scales only
+        ns, ks, warps, stages, splits = (16, 32, 64), (128, 256), (4,), (3, 4), (1, 2, 4)
     else:
         ns, ks, warps, stages = (4, 8, 16, 32), (256, 512, 1024), (4, 8), (3,)
     if quick:
-        ns, ks = ns[:2], ks[:2]
-    return [GemvConfig(n, k, w, s) for n, k, w, s in itertools.product(ns, ks, warps, stages)]
+        ns, ks, splits = ns[:2], ks[:2], splits[:2]
+    return [GemvConfig(n, k, w, s, p) for n, k, w, s, p in itertools.product(ns, ks, warps, stages, splits)]
 
 
 def sweep(run, configs, default, nbytes: int, iters: int) -> dict:
@@ -112,7 +115,7 @@ def fp8_cases(args, base: dict) -> None:
     from kvferry.common.kernels import triton_fp8_gemm, triton_gemv
     from kvferry.common.layers import fp8
 
-    for (name, (n, k)), block, rows in itertools.product(LLAMA_8B.items(), (None, 128), (1, 4, 8, 16)):
+    for (name, (n, k)), block, rows in itertools.product(LLAMA_8B.items(), (None, 128), map(int, args.rows.split(","))):
         w = (torch.randn(n, k, device=DEVICE) * 0.02)
         if block is None:
             q, scale = fp8.quantize_rows(w.cpu())
@@ -123,8 +126,10 @@ def fp8_cases(args, base: dict) -> None:
         x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
         nbytes = q.numel() + scale.numel() * 4
         default = triton_gemv.fp8_config(rows, n, k, block)
-        result = sweep(lambda cfg: triton_gemv.fp8_gemv(x, q, scale, block, None, cfg),
-                       gemv_configs(rows > 1, args.quick), default, nbytes, args.iters)
+        configs = [c for c in gemv_configs(rows > 1, args.quick, rows)
+                   if rows == 1 or block is None or c.block_k == triton_gemv.GROUP]  # the dot path: one group a step
+        result = sweep(lambda cfg: triton_gemv.fp8_gemv(x, q, scale, block, None, cfg), configs, default, nbytes,
+                       args.iters)
         if block is None:
             def baseline():
                 xq, xs = triton_fp8_gemm.per_token_quant(x)
@@ -209,6 +214,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--quick", action="store_true", help="a few configurations only")
     ap.add_argument("--cases", default="fp8,bf16,moe")
+    ap.add_argument("--rows", default="1,4,8,16,32,64,128", help="the fp8 cases' row counts")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on CPU under TRITON_INTERPRET=1 (set it): checks the logic, times nothing")
     args = ap.parse_args()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|prefix-ttft|extend|
-#                          xfer-threads|fp8-a|fp8-b|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
+#                          xfer-threads|fp8-a|fp8-b|fp8-rows|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -305,6 +305,32 @@ if [[ $what == decode-gemms ]]; then
   for preset in qwen3-30b-a3b deepseek-v2-lite; do
     timeout 70 python3 bench/engine.py --model /tmp/$preset/target --batches 1,8,64 --contexts 1024 --prefill 8192 \
       2>>"$out/moe-engine.err" | sed "s/^{/{\"preset\": \"$preset\", /" | tee -a "$out/moe-engine.jsonl"
+  done
+fi
+if [[ $what == fp8-rows ]]; then
+  # issues 28/29: the weight-only FP8 GEMV past 16 rows (the K split) and the one-launch q/k norm, router and MLA
+  # rows: their kernel tests and the GEMV sweep while every checkpoint builds; then the 8B decode steps with the
+  # GEMV's row bound at its default, 16 and 128 side by side, and one decode step's CUDA kernels (--profile) for
+  # bf16, both FP8 formats and both MoE presets
+  fp8_build channel block &
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) &
+  done
+  timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_triton_gemv.py \
+    tests/gpu/test_triton_fused.py tests/gpu/test_triton_moe.py -k "not real_shapes" ${ROWS_TESTS:-} 2>&1 \
+    | tee "$out/fp8-rows-tests.txt" | tail -6
+  timeout ${TUNE_TIMEOUT:-100} python3 bench/gemv_tune.py --cases fp8 --rows ${TUNE_ROWS:-16,32,64} \
+    2>>"$out/fp8-rows.err" | tee -a "$out/gemv-tune.jsonl" | cut -c1-160
+  wait
+  ENGINE_TIMEOUT=50 fp8_engine bf16 --model $m8b/target --batches 1,64 --contexts 1024 --prefill "" --profile 1,64
+  ENGINE_TIMEOUT=90 fp8_engine fp8-channel --model $fp8c/target --batches ${ROWS_BATCHES:-1,8,32,64,128} \
+    --contexts 1024 --prefill "" --fp8-gemv-rows 16,128 --profile 1,64
+  ENGINE_TIMEOUT=50 fp8_engine fp8-block --model $fp8b/target --batches 1,64 --contexts 1024 --prefill "" \
+    --fp8-gemv-rows 16 --profile 64
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    timeout 50 python3 bench/engine.py --model /tmp/$preset/target --batches 1,64 --contexts 1024 --prefill "" \
+      --profile 1,64 2>>"$out/moe-engine.err" | sed "s/^{/{\"preset\": \"$preset\", /" | tee -a "$out/moe-engine.jsonl" \
+      | cut -c1-200
   done
 fi
 if [[ $what == moe-e2e ]]; then

@@ -3,7 +3,8 @@
 - ``add_rms_norm``: ``x + delta`` (the residual stream, rounded to the model dtype as torch
   rounds it) and RMSNorm of the sum (fp32 statistics, cast, then the weight), as
   ``llama.rms_norm`` computes it;
-- ``rope_store``: rotary embedding of q and k (the cos/sin rows of ``rope.cos_sin``) and the
+- ``rope_store``: rotary embedding of q and k (the cos/sin rows of ``rope.cos_sin``; Qwen3's
+  per-head q/k RMSNorm first, when given) and the
   store of the rotated k and of v into their pages, in one pass over a token's heads (quantized
   by the layer's scales into an FP8 pool, as ``triton_attention.store_kv``);
 - ``silu_mul``: ``silu(gate) * up`` of the fused gate-up projection.
@@ -49,14 +50,23 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 
 @triton.jit
-def _rotate(x_ptr, stride_h, cos, sin, NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-            BLOCK_HALF: tl.constexpr):
-    """Loads heads [NUM_HEADS, 2 * HALF] at x_ptr; returns the rotated halves (fp32)."""
+def _rotate(x_ptr, stride_h, cos, sin, norm, eps, NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+            BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Loads heads [NUM_HEADS, 2 * HALF] at x_ptr; returns the rotated halves (fp32). HAS_NORM: each
+    head is RMS-normalised first with the weight ``norm`` [2 * HALF] (Qwen3's q/k norm), rounded as
+    ``norm.rms_norm`` rounds (the normalised head to x's dtype, then the product with the weight)."""
     h = tl.arange(0, BLOCK_H)
     j = tl.arange(0, BLOCK_HALF)
     mask = (h[:, None] < NUM_HEADS) & (j[None, :] < HALF)
     lo = tl.load(x_ptr + h[:, None] * stride_h + j[None, :], mask=mask, other=0.0).to(tl.float32)
     hi = tl.load(x_ptr + h[:, None] * stride_h + HALF + j[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        ty = x_ptr.dtype.element_ty
+        r = tl.rsqrt((tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1)) / (2 * HALF) + eps)[:, None]
+        w_lo = tl.load(norm + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+        w_hi = tl.load(norm + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+        lo = (w_lo * (lo * r).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+        hi = (w_hi * (hi * r).to(ty).to(tl.float32)).to(ty).to(tl.float32)
     cos_lo = tl.load(cos + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
     cos_hi = tl.load(cos + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
     sin_lo = tl.load(sin + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
@@ -67,19 +77,20 @@ def _rotate(x_ptr, stride_h, cos, sin, NUM_HEADS: tl.constexpr, HALF: tl.constex
 @triton.jit
 def _rope_store_kernel(q, k, v, q_out, cos, sin, k_cache, v_cache, pages, rows, stride_qt, stride_qh, stride_kt,
                        stride_kh, stride_vt, stride_vh, stride_cp, stride_cr, stride_ch, k_inv_scale, v_inv_scale,
-                       NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                       q_norm, k_norm, eps, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                        BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                       QUANT: tl.constexpr):
+                       QUANT: tl.constexpr, HAS_NORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cos_t, sin_t = cos + t * 2 * HALF, sin + t * 2 * HALF
-    q_lo, q_hi, q_mask = _rotate(q + t * stride_qt, stride_qh, cos_t, sin_t, NUM_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF)
+    q_lo, q_hi, q_mask = _rotate(q + t * stride_qt, stride_qh, cos_t, sin_t, q_norm, eps, NUM_Q_HEADS, HALF, BLOCK_QH,
+                                 BLOCK_HALF, HAS_NORM)
     h = tl.arange(0, BLOCK_QH)
     j = tl.arange(0, BLOCK_HALF)
     q_dst = q_out + t * NUM_Q_HEADS * 2 * HALF + h[:, None] * 2 * HALF + j[None, :]
     tl.store(q_dst, q_lo.to(q_out.dtype.element_ty), mask=q_mask)
     tl.store(q_dst + HALF, q_hi.to(q_out.dtype.element_ty), mask=q_mask)
-    k_lo, k_hi, k_mask = _rotate(k + t * stride_kt, stride_kh, cos_t, sin_t, NUM_KV_HEADS, HALF, BLOCK_KH,
-                                 BLOCK_HALF)
+    k_lo, k_hi, k_mask = _rotate(k + t * stride_kt, stride_kh, cos_t, sin_t, k_norm, eps, NUM_KV_HEADS, HALF,
+                                 BLOCK_KH, BLOCK_HALF, HAS_NORM)
     hk = tl.arange(0, BLOCK_KH)
     # k rounds to the model dtype (and is rotated in place: a dense prefill attends to it), then to the cache's
     k_lo = k_lo.to(q_out.dtype.element_ty)
@@ -102,10 +113,11 @@ def _rope_store_kernel(q, k, v, q_out, cos, sin, k_cache, v_cache, pages, rows, 
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
-               k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+               k_scale: float = 1.0, v_scale: float = 1.0, qk_norm=None) -> torch.Tensor:
     """q [T, Hq, D], k, v [T, Hkv, D] (row-strided views of qkv are fine); cos, sin [T, 1, D] ->
     rotated q [T, Hq, D] (contiguous); k is rotated in place; k and v stored at (pages[t], rows[t]),
-    page < 0 skipped (an FP8 pool: quantized by ``k_scale``/``v_scale``)."""
+    page < 0 skipped (an FP8 pool: quantized by ``k_scale``/``v_scale``). ``qk_norm``: (q weight,
+    k weight, eps) of a per-head RMSNorm applied to q and k before the rotation (Qwen3)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -115,9 +127,10 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
     _rope_store_kernel[(num_tokens,)](
         q, k, v, q_out, cos, sin, k_cache, v_cache, pages, rows, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), 1.0 / k_scale,
-        1.0 / v_scale, NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
-        BLOCK_QH=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half), QUANT=is_quantized(k_cache.dtype), num_warps=4)
+        1.0 / v_scale, *(qk_norm if qk_norm is not None else (q, q, 0.0)), NUM_Q_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_QH=triton.next_power_of_2(num_heads),
+        BLOCK_KH=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=triton.next_power_of_2(half),
+        QUANT=is_quantized(k_cache.dtype), HAS_NORM=qk_norm is not None, num_warps=4)
     return q_out
 
 

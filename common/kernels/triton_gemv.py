@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_GEMV_MAX_ROWS = 16  # fp8.fp8_linear sends up to this many rows here (fp8.FP8_GEMV_MAX_ROWS, the same)
+FP8_GEMV_MAX_ROWS = 128  # the most rows fp8_gemv takes; fp8.FP8_GEMV_MAX_ROWS says how many fp8_linear sends here
 MOE_GEMV_MAX_SLOTS = 32
 GROUP = 128  # block-FP8 group along K
 
@@ -47,11 +47,12 @@ class GemvConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int = 3
+    split_k: int = 1  # programs along K (the dot path): each writes an fp32 partial, one more launch sums them
 
 
 @triton.jit
 def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights,
-                 M, N, K, stride_xm, stride_we, stride_wn, stride_om, stride_sn,
+                 M, N, K, K_PER, stride_xm, stride_we, stride_wn, stride_om, stride_os, stride_sn,
                  TOP_K: tl.constexpr, SCALE: tl.constexpr, GROUP: tl.constexpr, HAS_EXPERTS: tl.constexpr,
                  FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
@@ -59,9 +60,12 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights,
 
     Rows r: BLOCK_M consecutive rows of x (dense), or one MoE slot per program (HAS_EXPERTS,
     BLOCK_M 1): x row slot // TOP_K, expert experts[slot]. FUSE_SILU: x holds [gate | up] per row
-    (2K wide) and the row read is silu(gate) * up, rounded to x's dtype as ``silu_mul`` rounds."""
+    (2K wide) and the row read is silu(gate) * up, rounded to x's dtype as ``silu_mul`` rounds.
+    Axis 2 splits K into K_PER-wide parts (a multiple of BLOCK_K): part p writes its fp32 sum
+    (scaled, no bias) at out + p * stride_os, and ``_split_sum_kernel`` adds the parts."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
@@ -80,7 +84,8 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights,
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = pid_k * K_PER
+    for k0 in range(k_start, tl.minimum(K, k_start + K_PER), BLOCK_K):
         k = k0 + ks
         k_ok = k < K
         x_ptrs = x + x_rows[:, None] * stride_xm + k[None, :]  # [BLOCK_M, BLOCK_K]
@@ -129,6 +134,7 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights,
             acc = acc * tl.load(slot_weights + pid_m).to(tl.float32)
         else:
             acc = acc * tl.load(slot_weights + out_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    out += pid_k.to(tl.int64) * stride_os
     if BLOCK_M == 1:
         tl.store(out + pid_m.to(tl.int64) * stride_om + cols, acc.to(out.dtype.element_ty), mask=col_ok)
     else:
@@ -140,15 +146,30 @@ def fp8_config(num_rows: int, n: int, k: int, block: int | None) -> GemvConfig:
     """The tile configuration for an FP8 weight [n, k] times ``num_rows`` rows, from
     bench/gemv_tune.py on an H200 (bench/RESULTS.md "Decode-sized GEMMs"): one row streams 1,024
     columns a step over 8 weight rows a program (4 for the 14,336-deep down projection, so that
-    enough programs run), a wide weight (gate-up) 256 columns over 16 rows; several rows share
+    enough programs run), a wide weight (gate-up) 256 columns over 16 rows; up to 16 rows share
     each 256-column tile (128, one group, for block scales) through tl.dot, 32 weight rows a
-    program, 4 stages."""
+    program, 4 stages. Past 16 rows x's tile outweighs the weight's (two bytes a row against one),
+    so a program takes 64 weight rows (each re-reads x from L2 less) and K is split so that the
+    narrow projections still give every SM two programs."""
     if num_rows == 1:
         if n > 8192:
             return GemvConfig(block_n=16, block_k=256, num_warps=4)
         return GemvConfig(block_n=4 if k >= 8192 else 8, block_k=1024, num_warps=4)
-    # 256 columns a step for per-row scales (5-10 % over 128 in the sweep); block scales take one group
-    return GemvConfig(block_n=32, block_k=256 if block is None else GROUP, num_warps=4, num_stages=4)
+    if num_rows <= 16:
+        # 256 columns a step for per-row scales (5-10 % over 128 in the sweep); block scales take one group
+        return GemvConfig(block_n=32, block_k=256 if block is None else GROUP, num_warps=4, num_stages=4)
+    block_n, block_k = 64, GROUP  # 128 columns a step: x's tile at 64 rows is then 16 KiB a stage
+    return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=4,
+                      split_k=_split_for(triton.cdiv(n, block_n), k, block_k))
+
+
+def _split_for(programs: int, k: int, block_k: int, target: int = 264) -> int:
+    """The power-of-two K split that brings ``programs`` closest to ``target`` (two per SM of an
+    H100/H200) from below, keeping at least four BLOCK_K steps a part."""
+    split = 1
+    while programs * split * 2 <= target and k // (split * 2) >= 4 * block_k:
+        split *= 2
+    return split
 
 
 def dense_config(n: int, k: int) -> GemvConfig:
@@ -175,7 +196,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
              bias: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] (M <= FP8_GEMV_MAX_ROWS, unit column stride) @ (weight [N, K] e4m3 * scale).T + bias
     -> [M, N] in x's dtype, fp32 accumulation. ``scale``: [N] per row, or [N, ceil(K/128)] with
-    ``block`` 128."""
+    ``block`` 128. A ``split_k`` configuration sums its fp32 parts in a second launch (in a fixed
+    order: the result does not depend on which part finishes first)."""
     num_rows, k = x.shape
     n = weight.shape[0]
     if num_rows > FP8_GEMV_MAX_ROWS:
@@ -185,20 +207,42 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     if x.stride(-1) != 1:
         x = x.contiguous()
     cfg = config or fp8_config(num_rows, n, k, block)
-    block_m = 1 if num_rows == 1 else 16
+    block_m = 1 if num_rows == 1 else max(16, triton.next_power_of_2(num_rows))
     block_k = cfg.block_k if block_m == 1 or block is None else GROUP  # tl.dot over block scales: one group a step
+    split = 1 if block_m == 1 else max(1, min(cfg.split_k, triton.cdiv(k, block_k)))
+    k_per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k  # whole BLOCK_K steps (whole groups) a part
+    split = triton.cdiv(k, k_per)
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(num_rows, block_m))
+    parts = out if split == 1 else torch.empty((split, num_rows, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(num_rows, block_m), split)
+    has_bias = bias is not None and split == 1
     _gemv_kernel[grid](
-        x, weight, scale, out, bias if bias is not None else out, out, out,
-        num_rows, n, k, x.stride(0), 0, weight.stride(0), out.stride(0), scale.stride(0) if block else 0,
+        x, weight, scale, parts, bias if has_bias else out, out, out,
+        num_rows, n, k, k_per, x.stride(0), 0, weight.stride(0), n, num_rows * n, scale.stride(0) if block else 0,
         TOP_K=1, SCALE=SCALE_ROW if block is None else SCALE_BLOCK, GROUP=GROUP, HAS_EXPERTS=False,
-        FUSE_SILU=False, MUL_WEIGHT=False, HAS_BIAS=bias is not None,
+        FUSE_SILU=False, MUL_WEIGHT=False, HAS_BIAS=has_bias,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, PRECISION=_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        total = num_rows * n
+        _split_sum_kernel[(triton.cdiv(total, 1024),)](parts, bias if bias is not None else out, out, total, n,
+                                                     SPLIT=split, HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
     return out
+
+
+@triton.jit
+def _split_sum_kernel(parts, bias, out, TOTAL, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """out.flat[i] = sum_p parts[p].flat[i] (+ bias[i % N]), parts [SPLIT, M, N] fp32, in part order."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < TOTAL
+    acc = tl.load(parts + i, mask=ok, other=0.0)
+    for p in tl.static_range(1, SPLIT):
+        acc += tl.load(parts + p * TOTAL + i, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias + i % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out + i, acc.to(out.dtype.element_ty), mask=ok)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -212,9 +256,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x = x.contiguous()
     cfg = config or dense_config(n, k)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), 1)](
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), 1, 1)](
         x, weight, out, out, bias if bias is not None else out, out, out,
-        1, n, k, x.stride(0), 0, weight.stride(0), out.stride(0), 0,
+        1, n, k, k, x.stride(0), 0, weight.stride(0), out.stride(0), 0, 0,
         TOP_K=1, SCALE=SCALE_NONE, GROUP=GROUP, HAS_EXPERTS=False, FUSE_SILU=False, MUL_WEIGHT=False,
         HAS_BIAS=bias is not None, BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -229,9 +273,9 @@ def expert_gemv(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, out: t
     num_slots = topk_ids.numel()
     n, k = w.shape[1], w.shape[2]
     cfg = config or moe_config(n, k)
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), num_slots)](
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), num_slots, 1)](
         x, w, out, out, out, topk_ids, slot_weights if slot_weights is not None else out,
-        num_slots, n, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0), 0,
+        num_slots, n, k, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0), 0, 0,
         TOP_K=top_k, SCALE=SCALE_NONE, GROUP=GROUP, HAS_EXPERTS=True, FUSE_SILU=fuse_silu,
         MUL_WEIGHT=slot_weights is not None, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -13,8 +13,9 @@ one tile would be padded to 1024). Three kernels, checked against the torch path
 (``TorchBackend.mla_attend``: ``attention.paged_attention`` over the latent as one KV head) in
 ``tests/gpu/test_triton_mla.py``:
 
-- ``store_latent``: token t's row [L + R] goes to row ``slots[t]`` of page ``pages[t]``; a negative
-  page skips the token (padding rows of a CUDA graph bucket).
+- ``latent_rows``: token t's cache row [L + R] made from kv_a_proj's output (RMSNorm of the
+  latent, rope of k_pe) and stored at row ``slots[t]`` of page ``pages[t]`` (a negative page skips
+  the token: padding rows of a CUDA graph bucket), and its q_pe roped, in one launch.
 - ``decode_attention``: one query token per sequence, at position ``kv_lens[b] - 1``. Split-K: a
   program per (sequence, block of heads, split) scores its share of the context for those heads,
   then ``triton_attention``'s merge kernel combines the splits by their log-sum-exp. The split count
@@ -41,15 +42,88 @@ from kvferry.common.kernels.triton_attention import _LOG2E, _NEG, _decode_merge_
 
 
 @triton.jit
-def _store_latent_kernel(rows, cache, pages, slots, stride_rt, stride_cp, stride_cr, WIDTH: tl.constexpr,
-                         BLOCK_W: tl.constexpr):
-    t = tl.program_id(0)
-    page = tl.load(pages + t).to(tl.int64)
-    if page >= 0:
-        slot = tl.load(slots + t).to(tl.int64)
-        w = tl.arange(0, BLOCK_W)
-        row = tl.load(rows + t * stride_rt + w, mask=w < WIDTH)
-        tl.store(cache + page * stride_cp + slot * stride_cr + w, row.to(cache.dtype.element_ty), mask=w < WIDTH)
+def _rope_pair(src, cos, sin, j, mask, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The rotated halves (fp32) of the rope part at ``src`` [.., R]: pairs (2j, 2j + 1) when
+    INTERLEAVED, else (j, j + R/2); ``cos``/``sin`` [.., R/2] broadcast against them."""
+    if INTERLEAVED:
+        x1 = tl.load(src + 2 * j, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + 2 * j + 1, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(src + j, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + j, mask=mask, other=0.0).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _latent_rows_kernel(kv_a, q_pe, cos, sin, norm, rows, q_out, cache, pages, slots, eps, stride_kv, stride_qt,
+                        stride_qh, stride_rt, stride_ot, stride_oh, stride_cp, stride_cr, NUM_HEADS: tl.constexpr,
+                        LATENT: tl.constexpr, HALF: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, STORE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    ty = rows.dtype.element_ty
+    src = kv_a + t * stride_kv
+    lat = tl.arange(0, BLOCK_L)
+    lat_ok = lat < LATENT
+    x = tl.load(src + lat, mask=lat_ok, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, 0) / LATENT + eps)
+    w = tl.load(norm + lat, mask=lat_ok, other=0.0).to(tl.float32)
+    latent = (w * (x * r).to(ty).to(tl.float32)).to(ty)  # as norm.rms_norm rounds
+    j = tl.arange(0, BLOCK_HALF)
+    j_ok = j < HALF
+    c = tl.load(cos + t * HALF + j, mask=j_ok, other=0.0).to(tl.float32)
+    s = tl.load(sin + t * HALF + j, mask=j_ok, other=0.0).to(tl.float32)
+    k1, k2 = _rope_pair(src + LATENT, c, s, j, j_ok, HALF, INTERLEAVED)
+    dst = rows + t * stride_rt
+    tl.store(dst + lat, latent, mask=lat_ok)
+    tl.store(dst + LATENT + j, k1.to(ty), mask=j_ok)
+    tl.store(dst + LATENT + HALF + j, k2.to(ty), mask=j_ok)
+    if STORE:
+        page = tl.load(pages + t).to(tl.int64)
+        if page >= 0:
+            row = cache + page * stride_cp + tl.load(slots + t).to(tl.int64) * stride_cr
+            cache_ty = cache.dtype.element_ty
+            tl.store(row + lat, latent.to(cache_ty), mask=lat_ok)
+            tl.store(row + LATENT + j, k1.to(ty).to(cache_ty), mask=j_ok)
+            tl.store(row + LATENT + HALF + j, k2.to(ty).to(cache_ty), mask=j_ok)
+    h = tl.arange(0, BLOCK_H)
+    hj_ok = (h[:, None] < NUM_HEADS) & j_ok[None, :]
+    q1, q2 = _rope_pair(q_pe + t * stride_qt + h[:, None] * stride_qh, c[None, :], s[None, :], j[None, :], hj_ok,
+                        HALF, INTERLEAVED)
+    q_dst = q_out + t * stride_ot + h[:, None] * stride_oh + j[None, :]
+    tl.store(q_dst, q1.to(ty), mask=hj_ok)
+    tl.store(q_dst + HALF, q2.to(ty), mask=hj_ok)
+
+
+def latent_rows(kv_a: torch.Tensor, q_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor,
+                eps: float, interleaved: bool, cache: torch.Tensor | None = None, pages: torch.Tensor | None = None,
+                slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's per-token work after the projections, in one launch: kv_a [T, L + R] (kv_a_proj's
+    output: latent then k_pe), q_pe [T, H, R] (a strided view is fine), cos/sin [T, 1, R/2], the
+    kv_a_layernorm weight [L] -> (roped q_pe [T, H, R], cache rows [T, L + R] = [rms_norm(latent) |
+    roped k_pe]); with ``cache``, each row is also stored at (pages[t], slots[t]), a negative page
+    skipping the token. The rotation as ``mla.LatentRope.apply`` (interleaved pairs or
+    halves, written as halves), once rounded."""
+    num_tokens, width = kv_a.shape
+    num_heads, rope_dim = q_pe.shape[1], q_pe.shape[2]
+    latent_dim, half = width - rope_dim, rope_dim // 2
+    if kv_a.stride(-1) != 1 or q_pe.stride(-1) != 1 or (cache is not None and cache.stride(-1) != 1):
+        raise ValueError(f"latent_rows: kv_a {tuple(kv_a.shape)} (strides {kv_a.stride()}), q_pe "
+                         f"{tuple(q_pe.shape)} (strides {q_pe.stride()}): last strides must be 1")
+    if cache is not None and cache.shape[-1] != kv_a.shape[1]:
+        raise ValueError(f"latent_rows: rows {kv_a.shape[1]} wide into a cache of {cache.shape[-1]}-wide rows")
+    rows = torch.empty(num_tokens, width, dtype=kv_a.dtype, device=kv_a.device)
+    q_out = torch.empty(num_tokens, num_heads, rope_dim, dtype=q_pe.dtype, device=q_pe.device)
+    if num_tokens == 0:
+        return q_out, rows
+    store = cache is not None
+    _latent_rows_kernel[(num_tokens,)](
+        kv_a, q_pe, cos, sin, norm, rows, q_out, cache if store else rows, pages if store else rows,
+        slots if store else rows, eps, kv_a.stride(0), q_pe.stride(0), q_pe.stride(1), rows.stride(0),
+        q_out.stride(0), q_out.stride(1), cache.stride(0) if store else 0, cache.stride(1) if store else 0,
+        NUM_HEADS=num_heads, LATENT=latent_dim, HALF=half, BLOCK_L=triton.next_power_of_2(latent_dim),
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HALF=triton.next_power_of_2(half),
+        INTERLEAVED=interleaved, STORE=store, num_warps=4)
+    return q_out, rows
 
 
 @triton.jit
@@ -168,19 +242,6 @@ def _check(q: torch.Tensor, cache: torch.Tensor, latent_dim: int) -> int:
 
 def _blocks(latent_dim: int, rope_dim: int) -> tuple[int, int]:
     return max(16, triton.next_power_of_2(latent_dim)), max(16, triton.next_power_of_2(rope_dim))
-
-
-def store_latent(cache: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> None:
-    """rows [T, L + R] (last dim contiguous) into cache [num_pages, page_size, L + R] at (pages[t],
-    slots[t]); pages [T] int (< 0: skip the token)."""
-    if rows.shape[-1] != cache.shape[-1] or rows.stride(-1) != 1 or cache.stride(-1) != 1:
-        raise ValueError(f"store_latent: rows {tuple(rows.shape)} (strides {rows.stride()}) into a cache "
-                         f"{tuple(cache.shape)} (strides {cache.stride()}): widths must match, last strides 1")
-    if rows.shape[0] == 0:
-        return
-    width = cache.shape[-1]
-    _store_latent_kernel[(rows.shape[0],)](rows, cache, pages, slots, rows.stride(0), cache.stride(0),
-                                           cache.stride(1), WIDTH=width, BLOCK_W=triton.next_power_of_2(width))
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, kv_lens: torch.Tensor,

@@ -201,3 +201,46 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     weights = topk_weights.flatten().contiguous()
     _grouped_gemm(silu_mul(gate_up), w2, down, sorted_slots, block_experts, down_config, 1, weights)
     return down.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+@triton.jit
+def _softmax_topk_kernel(logits, weights, ids, E, stride_l, scale, eps, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                         BLOCK_K: tl.constexpr, RENORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    ok = e < E
+    x = tl.load(logits + t * stride_l + e, mask=ok, other=-float("inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = tl.where(ok, p / tl.sum(p, 0), -1.0)
+    j = tl.arange(0, BLOCK_K)
+    picked = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    picked_ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    for i in tl.static_range(TOP_K):  # the largest left, the lowest id among equals
+        best = tl.max(p, 0)
+        idx = tl.min(tl.where(p == best, e, BLOCK_E), 0)
+        picked = tl.where(j == i, best, picked)
+        picked_ids = tl.where(j == i, idx.to(tl.int64), picked_ids)
+        p = tl.where(e == idx, -1.0, p)
+    if RENORM:
+        picked = picked / (tl.sum(picked, 0) + eps)
+    picked = picked * scale
+    tl.store(weights + t * TOP_K + j, picked.to(weights.dtype.element_ty), mask=j < TOP_K)
+    tl.store(ids + t * TOP_K + j, picked_ids, mask=j < TOP_K)
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype, scale: float = 1.0,
+                 eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router in one launch: logits [T, E] -> (weights [T, k] ``out_dtype``, ids [T, k] int64), the k
+    largest of softmax(logits) in fp32, in descending order, divided by (their sum + ``eps``) when
+    ``renormalize``, times ``scale``. As ``moe.select_experts`` (``scale`` 1, ``eps`` 0) and
+    DeepSeek's greedy softmax ``route``; the torch composition is five to seven launches."""
+    num_tokens, num_experts = logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=out_dtype, device=logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    _softmax_topk_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0), scale, eps, TOP_K=top_k,
+                                        BLOCK_E=triton.next_power_of_2(num_experts),
+                                        BLOCK_K=triton.next_power_of_2(top_k), RENORM=renormalize, num_warps=4)
+    return weights, ids

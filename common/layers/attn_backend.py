@@ -12,14 +12,16 @@ picks triton on a CUDA device when Triton imports, else torch. Both expose one i
 pool stores K/V quantized and every read dequantizes (``common/kernels/kv_quant.py``); a pool of
 the model dtype ignores them.
 
-The elementwise steps around attention go through the backend too (``add_norm``, ``rope_store``,
-``silu_mul``, ``linear``): the torch compositions on the torch path, fused kernels
-(``common/kernels/triton_fused.py``) on the triton path. So do the experts of a sparse MoE block
-(``fused_moe``: ``common/layers/moe.fused_moe_ref`` on torch, ``common/kernels/triton_moe.py`` on triton).
+The elementwise steps around attention go through the backend too (``add_norm``, ``rope_store``
+with Qwen3's q/k norm, ``silu_mul``, ``linear``): the torch compositions on the torch path, fused
+kernels (``common/kernels/triton_fused.py``) on the triton path. So do a sparse MoE block's router
+(``select_experts``) and experts (``fused_moe``: ``common/layers/moe.py``'s references on torch,
+``common/kernels/triton_moe.py`` on triton).
 ``linear`` of an FP8 weight (``common/layers/fp8.py``) goes to ``fp8_linear`` on both, which picks its
-kernel by device. MLA (``common/layers/mla.py``) stores and reads its latent rows through
-``mla_store`` and ``mla_attend`` (torch: ``index_put_`` and ``attention.paged_attention`` over the
-latent as one KV head; triton: ``common/kernels/triton_mla.py``), and, for its expanded prefill,
+kernel by device. MLA (``common/layers/mla.py``) makes and stores its latent rows (norm, rope)
+through ``mla_rows`` and reads them through ``mla_attend`` (torch: the compositions, ``index_put_``
+and ``attention.paged_attention`` over the latent as one KV head; triton:
+``common/kernels/triton_mla.py``, the rows in one launch), and, for its expanded prefill,
 gathers a chunk's cached prefix rows with ``mla_prefix`` (one ``index_select`` of its pages on both).
 
 A plan has ``positions`` [T], ``last_index`` [B], ``query_lens`` and ``starts`` (host lists: new and
@@ -89,8 +91,12 @@ class TorchBackend:
         attention.write_kv(k_cache, v_cache, k, v, plan, k_scale, v_scale)
 
     def rope_store(self, q, k, v, cos_sin, k_cache, v_cache, plan, k_scale: float = 1.0,
-                   v_scale: float = 1.0) -> torch.Tensor:
+                   v_scale: float = 1.0, qk_norm=None) -> torch.Tensor:
+        """Rotates q and k (after the per-head RMSNorm ``qk_norm`` = (q weight, k weight, eps), when
+        given), stores k and v; returns q."""
         cos, sin = cos_sin
+        if qk_norm is not None:
+            q, k = rms_norm(q, qk_norm[0], qk_norm[2]), rms_norm(k, qk_norm[1], qk_norm[2])
         self.store(k_cache, v_cache, rope.apply_rotary(k, cos, sin), v, plan, k_scale, v_scale)
         return rope.apply_rotary(q, cos, sin)
 
@@ -120,9 +126,22 @@ class TorchBackend:
         return moe.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
     @staticmethod
-    def mla_store(cache, rows, plan) -> None:
-        """rows [T, L + R] into the latent cache [num_pages, page_size, L + R] at the plan's (page, row)."""
-        cache.index_put_((plan.write_pages, plan.write_rows), rows.to(cache.dtype))
+    def select_experts(logits, top_k: int, renormalize: bool, scale: float = 1.0, eps: float = 0.0,
+                       out_dtype=None):
+        return moe.select_experts(logits, top_k, renormalize, scale, eps, out_dtype)
+
+    @staticmethod
+    def mla_rows(kv_a, q_pe, cos_sin, norm, eps: float, rotary, cache=None, plan=None):
+        """kv_a [T, L + R] (kv_a_proj's output), q_pe [T, H, R] -> (roped q_pe, cache rows
+        [rms_norm(latent) | roped k_pe]); the rows stored into the latent cache [num_pages,
+        page_size, L + R] at the plan's (page, row) when a cache is given. ``rotary``: the layer's
+        ``mla.LatentRope``."""
+        cos, sin = cos_sin
+        latent, k_pe = kv_a.split([kv_a.shape[1] - q_pe.shape[2], q_pe.shape[2]], -1)
+        rows = torch.cat((rms_norm(latent, norm, eps), rotary.apply(k_pe[:, None], cos, sin)[:, 0]), -1)
+        if cache is not None:
+            cache.index_put_((plan.write_pages, plan.write_rows), rows.to(cache.dtype))
+        return rotary.apply(q_pe, cos, sin), rows
 
     @staticmethod
     def mla_attend(q, cache, plan, latent_dim: int, scale: float) -> torch.Tensor:
@@ -258,10 +277,10 @@ class TritonBackend:
         self.kernels.store_kv(k_cache, v_cache, k, v, plan.write_pages, plan.write_rows, k_scale, v_scale)
 
     def rope_store(self, q, k, v, cos_sin, k_cache, v_cache, plan: TritonPlan, k_scale: float = 1.0,
-                   v_scale: float = 1.0) -> torch.Tensor:
+                   v_scale: float = 1.0, qk_norm=None) -> torch.Tensor:
         cos, sin = cos_sin
         return self.fused.rope_store(q, k, v, cos, sin, k_cache, v_cache, plan.write_pages, plan.write_rows,
-                                     k_scale, v_scale)
+                                     k_scale, v_scale, qk_norm)
 
     def add_norm(self, x, delta, weight, eps):
         return self.fused.add_rms_norm(x, delta, weight, eps)
@@ -281,8 +300,17 @@ class TritonBackend:
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
         return self.moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
 
-    def mla_store(self, cache, rows, plan: TritonPlan) -> None:
-        self.mla.store_latent(cache, rows, plan.write_pages, plan.write_rows)
+    def select_experts(self, logits, top_k: int, renormalize: bool, scale: float = 1.0, eps: float = 0.0,
+                       out_dtype=None):
+        """As ``moe.select_experts``, in one launch (``triton_moe.softmax_topk``)."""
+        return self.moe.softmax_topk(logits, top_k, renormalize, out_dtype or logits.dtype, scale, eps)
+
+    def mla_rows(self, kv_a, q_pe, cos_sin, norm, eps: float, rotary, cache=None, plan=None):
+        """As ``TorchBackend.mla_rows``, in one launch (``triton_mla.latent_rows``)."""
+        cos, sin = cos_sin
+        store = cache is not None
+        return self.mla.latent_rows(kv_a, q_pe, cos, sin, norm, eps, rotary.is_interleaved, cache,
+                                    plan.write_pages if store else None, plan.write_rows if store else None)
 
     def mla_attend(self, q, cache, plan: TritonPlan, latent_dim: int, scale: float) -> torch.Tensor:
         """As ``TorchBackend.mla_attend``; always through the paged kernels (no dense prefill: SDPA's

@@ -21,8 +21,9 @@ a TP slice of a row-parallel block weight must start on a multiple of 128 (refus
 activations are quantized dynamically (per token, or per token per 128-column group for block
 weights; ``amax / 448`` as the checkpoints' dynamic scheme does) and the GEMM runs
 
-    CUDA, M <= 16   common/kernels/triton_gemv.py: weight-only (W8A16), the e4m3 weight dequantized
-                    in registers, x not quantized (decode steps: bound by the weights' bytes)
+    CUDA, M <= 64   common/kernels/triton_gemv.py: weight-only (W8A16), the e4m3 weight dequantized
+                    in registers, x not quantized (decode steps: bound by the weights' bytes; past
+                    16 rows K is split over programs, bench/gemv_tune.py)
     CUDA, per-row   torch._scaled_mm with row-wise scales (scale_a [M, 1], scale_b [1, N], out bf16)
     CUDA, block     common/kernels/triton_fp8_gemm.py (per-token-group quant + block GEMM)
     otherwise       the torch reference: dequantize both, matmul in fp32, cast to x's dtype
@@ -41,7 +42,7 @@ from kvferry.common.errors import ModelLoadError
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value
 MIN_AMAX = 1e-12  # an all-zero row still gets a finite scale (its values quantize to 0)
-FP8_GEMV_MAX_ROWS = 16  # up to this many rows on CUDA: the weight-only GEMV (triton_gemv.FP8_GEMV_MAX_ROWS)
+FP8_GEMV_MAX_ROWS = 64  # up to this many rows on CUDA: the weight-only GEMV (at most triton_gemv.FP8_GEMV_MAX_ROWS)
 
 
 class Fp8Weight(nn.Module):

@@ -184,8 +184,10 @@ class MlaAttention(nn.Module):
         kv_b = self.kv_b_weight.view(self.shard.q_heads.count, s.qk_nope_head_dim + s.v_head_dim, -1)
         return kv_b[:, :s.qk_nope_head_dim], kv_b[:, s.qk_nope_head_dim:]
 
-    def project(self, h: torch.Tensor, rotary: LatentRope, cos_sin, attn) -> tuple[torch.Tensor, ...]:
-        """h [T, hidden] -> q_nope [T, H, nope], roped q_pe [T, H, R], cache rows [T, L + R]."""
+    def project(self, h: torch.Tensor, rotary: LatentRope, cos_sin, attn, cache: torch.Tensor | None = None,
+                plan=None) -> tuple[torch.Tensor, ...]:
+        """h [T, hidden] -> q_nope [T, H, nope], roped q_pe [T, H, R], cache rows [T, L + R]; the rows
+        also stored into ``cache`` at the plan's (page, row) when a cache is given."""
         s, eps = self.spec, self.config.rms_norm_eps
         num_tokens = h.shape[0]
         if s.q_lora_rank is None:
@@ -194,10 +196,9 @@ class MlaAttention(nn.Module):
             q_a = rms_norm(attn.linear(h, self.q_a_weight, self.q_a_bias), self.q_a_norm, eps)
             q = attn.linear(q_a, self.q_b_weight)
         q_nope, q_pe = q.view(num_tokens, -1, s.qk_head_dim).split([s.qk_nope_head_dim, s.qk_rope_head_dim], -1)
-        latent, k_pe = attn.linear(h, self.kv_a_weight, self.kv_a_bias).split([s.kv_lora_rank, s.qk_rope_head_dim], -1)
-        cos, sin = cos_sin
-        rows = torch.cat((rms_norm(latent, self.kv_a_norm, eps), rotary.apply(k_pe[:, None], cos, sin)[:, 0]), -1)
-        return q_nope, rotary.apply(q_pe, cos, sin), rows
+        kv_a = attn.linear(h, self.kv_a_weight, self.kv_a_bias)  # [T, L + R]
+        q_pe, rows = attn.mla_rows(kv_a, q_pe, cos_sin, self.kv_a_norm, eps, rotary, cache, plan)
+        return q_nope, q_pe, rows
 
     def uses_expanded(self, plan) -> bool:
         """Whether this step attends in the expanded form (``self.form``; "auto": ``attends_expanded``)."""
@@ -213,8 +214,7 @@ class MlaAttention(nn.Module):
     def forward(self, h: torch.Tensor, rotary: LatentRope, cos_sin, cache: torch.Tensor, plan, attn) -> torch.Tensor:
         """h [T, hidden] -> [T, hidden]; writes the T new rows into ``cache`` [num_pages, page_size, L + R]."""
         num_tokens = h.shape[0]
-        q_nope, q_pe, rows = self.project(h, rotary, cos_sin, attn)
-        attn.mla_store(cache, rows, plan)
+        q_nope, q_pe, rows = self.project(h, rotary, cos_sin, attn, cache, plan)  # rows stored
         if self.uses_expanded(plan):
             out = self.attend_expanded(q_nope, q_pe, rows.to(cache.dtype), cache, plan, attn)
         else:

@@ -3,7 +3,7 @@
 One block, over the T packed tokens of a forward::
 
     router_logits = h @ gate_weight.T                                  # [T, E]
-    topk_weights, topk_ids = select_experts(router_logits, k, renorm)  # [T, k] each
+    topk_weights, topk_ids = backend.select_experts(router_logits, k, renorm)  # [T, k] each (select_experts)
     out = backend.fused_moe(h, w13, w2, topk_weights, topk_ids)        # [T, H]
 
 Expert weights are stacked: ``w13`` [E, 2 * I, H] holds each expert's gate_proj rows then its
@@ -25,15 +25,20 @@ from kvferry.common.models.config import ModelConfig
 from kvferry.common.layers.tp_layers import Slice, TensorSlot, TpShard, rank_experts
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (topk_weights [T, k] in the logits' dtype, topk_ids [T, k] int64):
-    softmax in fp32, the k most probable experts, their probabilities divided by their sum when
-    ``renormalize`` (as transformers' ``Qwen3MoeTopKRouter``)."""
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, scale: float = 1.0,
+                   eps: float = 0.0, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (topk_weights [T, k] in ``out_dtype`` (default the logits'), topk_ids
+    [T, k] int64): softmax in fp32, the k most probable experts, their probabilities divided by
+    (their sum + ``eps``) when ``renormalize``, times ``scale`` (as transformers'
+    ``Qwen3MoeTopKRouter`` with the defaults; DeepSeek-V2's greedy router with its own). The
+    reference of ``triton_moe.softmax_topk``."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(router_logits.dtype), ids
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
+    if scale != 1.0:
+        weights = weights * scale
+    return weights.to(out_dtype or router_logits.dtype), ids
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +102,7 @@ class SparseMoe(nn.Module):
         """h [T, H] (post-attention norm) -> [T, H], this rank's part of the block's output."""
         moe = self.config.moe
         router_logits = backend.linear(h, self.gate_weight)
-        topk_weights, topk_ids = select_experts(router_logits, moe.num_experts_per_tok, moe.norm_topk_prob)
+        topk_weights, topk_ids = backend.select_experts(router_logits, moe.num_experts_per_tok, moe.norm_topk_prob)
         # topk_ids index w13/w2 directly: this rank holds every expert (rank_experts)
         return backend.fused_moe(h, self.w13, self.w2, topk_weights, topk_ids)
 

@@ -131,7 +131,14 @@ class MoeBlock(nn.Module):
 
     def forward(self, h: torch.Tensor, attn) -> torch.Tensor:
         """h [T, hidden] -> [T, hidden]: each token's k experts, weighted, plus the shared experts."""
-        weights, ids = route(F.linear(h.float(), self.gate_weight), self.spec, self.score_bias)  # [T, k] each
+        logits = F.linear(h.float(), self.gate_weight)
+        s = self.spec
+        if s.version == 2 and s.topk_method == "greedy":  # softmax top-k: one launch on the Triton backend
+            normalise = s.norm_topk_prob and s.num_experts_per_tok > 1
+            weights, ids = attn.select_experts(logits, s.num_experts_per_tok, normalise,
+                                               1.0 if normalise else s.routed_scaling_factor, 1e-20, torch.float32)
+        else:
+            weights, ids = route(logits, s, self.score_bias)  # [T, k] each
         # ids index w13/w2 directly: this rank holds every expert (rank_experts)
         out = attn.fused_moe(h, self.w13, self.w2, weights, ids)
         return out if self.shared is None else out + self.shared(h, attn)

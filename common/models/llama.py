@@ -127,12 +127,11 @@ class DecoderLayer(nn.Module):
         q = q.view(num_tokens, shard.q_heads.count, c.head_dim)  # [T, Hq (this rank's), D]
         k = k.view(num_tokens, shard.kv_heads.count, c.head_dim)  # [T, Hkv (this rank's), D]
         v = v.view(num_tokens, shard.kv_heads.count, c.head_dim)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, c.rms_norm_eps)
-            k = rms_norm(k, self.k_norm, c.rms_norm_eps)
+        qk_norm = (self.q_norm, self.k_norm, c.rms_norm_eps) if self.q_norm is not None else None  # Qwen3
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]  # [num_pages, page_size, Hkv, D]
         k_scale, v_scale = kv.k_scales[self.layer], kv.v_scales[self.layer]  # FP8 pool's; else 1.0
-        q = attn.rope_store(q, k, v, cos_sin, k_cache, v_cache, plan, k_scale, v_scale)  # rotates q, k; stores k, v
+        # (q, k normalised first when qk_norm) rotates q, k; stores k, v
+        q = attn.rope_store(q, k, v, cos_sin, k_cache, v_cache, plan, k_scale, v_scale, qk_norm)
         out = attn.attend(q, k, v, k_cache, v_cache, plan, self.window, c.head_dim**-0.5, k_scale, v_scale)
         return self._row_parallel(out.reshape(num_tokens, shard.q_size), self.o_weight, self.o_bias, attn)
 

@@ -69,6 +69,32 @@ def test_rope_store(dtype, layout):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_normalises_q_and_k_first(dtype):
+    """Qwen3's per-head q/k RMSNorm fused before the rotation: as norm.rms_norm, then rope."""
+    num_tokens, num_heads, num_kv_heads, head_dim, page_size = 3, 4, 2, 32, 4
+    g = torch.Generator().manual_seed(3)
+    qkv = (torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g) * 3).to(dtype).to(DEVICE)
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in
+               qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1))
+    q_w = (1 + torch.randn(head_dim, generator=g) * 0.2).to(dtype).to(DEVICE)
+    k_w = (1 + torch.randn(head_dim, generator=g) * 0.2).to(dtype).to(DEVICE)
+    positions = torch.tensor([0, 9, 200], device=DEVICE)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos, sin = rope.cos_sin(positions, inv_freq.to(DEVICE), dtype)
+    k_cache = torch.zeros(2, page_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    pages, rows = torch.tensor([1, 0, 1], device=DEVICE), torch.tensor([0, 2, 3], device=DEVICE)
+    want_q = rope.apply_rotary(rms_norm(q, q_w, 1e-6), cos, sin)
+    want_k = rope.apply_rotary(rms_norm(k, k_w, 1e-6), cos, sin)
+    got_q = triton_fused.rope_store(q, k, v, cos, sin, k_cache, v_cache, pages, rows, qk_norm=(q_w, k_w, 1e-6))
+    _close(got_q, want_q)
+    _close(k, want_k)  # normalised and rotated in place
+    for t in range(num_tokens):
+        _close(k_cache[pages[t], rows[t]], want_k[t])
+        assert torch.equal(v_cache[pages[t], rows[t]], v[t])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(dtype):
     gate_up = torch.randn(3, 2 * 1500).to(dtype).to(DEVICE)
     gate, up = gate_up.chunk(2, dim=-1)

@@ -43,7 +43,7 @@ def _tol(dtype: torch.dtype) -> float:
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("block", [None, 128])
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 40, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
 def test_fp8_gemv_equals_weight_only_reference(shape, block, rows, dtype):
     n, k = shape
@@ -86,14 +86,49 @@ def test_dense_gemv(dtype, shape):
     torch.testing.assert_close(triton_gemv.gemv(x, weight).float(), want - bias.float(), atol=tol, rtol=tol)
 
 
-def test_fp8_linear_and_the_kernel_agree_on_the_row_bound():
-    assert fp8.FP8_GEMV_MAX_ROWS == triton_gemv.FP8_GEMV_MAX_ROWS
+@pytest.mark.parametrize("block", [None, 128])
+@pytest.mark.parametrize("split_k", [2, 3, 8])
+@pytest.mark.parametrize("rows", [2, 33])
+def test_fp8_gemv_split_k_equals_reference(block, split_k, rows):
+    """K split over programs: the parts cover K once (ragged last part, whole 128-column groups),
+    the second launch adds them and the bias once; a split larger than K's steps is clamped."""
+    n, k = 72, 1100
+    w = _weight(n, k, block, seed=split_k)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g).to(DEVICE)
+    bias = torch.randn(n, generator=g).to(DEVICE)
+    cfg = triton_gemv.GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=2, split_k=split_k)
+    want = fp8.reference_weight_only(x, w, bias)
+    torch.testing.assert_close(triton_gemv.fp8_gemv(x, w.weight, w.scale, block, bias, cfg).cpu(), want.cpu(),
+                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(triton_gemv.fp8_gemv(x, w.weight, w.scale, block, None, cfg).cpu(),
+                               fp8.reference_weight_only(x, w).cpu(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows, n, k, block", [(32, 4096, 4096, None), (64, 4096, 14336, 128), (64, 28672, 4096, None),
+                                               (17, 6144, 4096, 128), (128, 4096, 4096, None)])
+def test_fp8_config_splits_k_for_narrow_weights(rows, n, k, block):
+    """Past 16 rows: whole groups a step, and a K split that gives the 132 SMs of an H100 about two
+    programs each without parts under four steps."""
+    cfg = triton_gemv.fp8_config(rows, n, k, block)
+    assert cfg.block_k == triton_gemv.GROUP
+    tiles = -(-n // cfg.block_n)
+    if cfg.split_k > 1:  # split only as far as two programs an SM
+        assert tiles * cfg.split_k <= 264
+    # and no further split fits both bounds
+    assert tiles * cfg.split_k * 2 > 264 or k // (2 * cfg.split_k) < 4 * cfg.block_k
+    assert k // cfg.split_k >= 4 * cfg.block_k
+
+
+def test_fp8_linear_sends_no_more_rows_than_the_kernel_takes():
+    assert 16 <= fp8.FP8_GEMV_MAX_ROWS <= triton_gemv.FP8_GEMV_MAX_ROWS
 
 
 def test_fp8_gemv_refuses_prefill_rows():
     w = _weight(32, 128, None, seed=0)
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        triton_gemv.fp8_gemv(torch.randn(17, 128).to(DEVICE), w.weight, w.scale, None)
+    rows = triton_gemv.FP8_GEMV_MAX_ROWS + 1
+    with pytest.raises(ValueError, match=f"at most {rows - 1} rows, got {rows}"):
+        triton_gemv.fp8_gemv(torch.randn(rows, 128).to(DEVICE), w.weight, w.scale, None)
 
 
 @pytest.mark.parametrize("num_tokens, num_experts, top_k", [(1, 8, 2), (1, 16, 8), (4, 8, 8), (3, 64, 6)])

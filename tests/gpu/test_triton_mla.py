@@ -147,16 +147,41 @@ def test_extend_partial_head_tiles_and_padding_sequences(dtype):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_store_latent_matches_index_put_and_skips_padding(layout):
-    pool = LatentPool(layout, 12, 4, 48, torch.float16)
-    want = pool.cache.clone()
-    wide = torch.randn(6, 80).to(torch.float16).to(DEVICE)  # rows as a strided view of wider projections
-    rows = wide[:, 16:64]
-    pages, slots = _ints([3, 3, 11, 0, -1, 7]), _ints([0, 3, 2, 1, 1, 2])
-    triton_mla.store_latent(pool.cache, rows, pages, slots)
-    keep = pages >= 0
-    want.index_put_((pages[keep], slots[keep]), rows[keep])
-    assert torch.equal(pool.cache, want)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_latent_rows_equals_torch_and_skips_padding(layout, interleaved, dtype):
+    """The one-launch latent rows against TorchBackend.mla_rows (RMSNorm of the latent, rope of
+    k_pe and of q_pe, both rope layouts), from strided views of wider projections; page -1 stores
+    nothing."""
+    from types import SimpleNamespace
+
+    from kvferry.common.layers.mla import LatentRope
+
+    latent, rope_dim, heads, num_tokens = 48, 16, 5, 6
+    pool = LatentPool(layout, 12, 4, latent + rope_dim, dtype)
+    g = torch.Generator().manual_seed(7)
+    kv_a = (torch.randn(num_tokens, latent + rope_dim + 8, generator=g) * 2).to(dtype).to(DEVICE)[:, :latent + rope_dim]
+    q = torch.randn(num_tokens, heads, 32 + rope_dim, generator=g).to(dtype).to(DEVICE)
+    q_pe = q[..., 32:]
+    norm = (1 + 0.2 * torch.randn(latent, generator=g)).to(dtype).to(DEVICE)
+    angles = torch.rand(num_tokens, 1, rope_dim // 2, generator=g) * 6
+    cos_sin = (angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE))
+    rotary = SimpleNamespace(is_interleaved=interleaved)
+    rotary.apply = lambda x, cos, sin: LatentRope.apply(rotary, x, cos, sin)
+    plan = SimpleNamespace(write_pages=_ints([3, 3, 11, 0, -1, 7]), write_rows=_ints([0, 3, 2, 1, 1, 2]))
+    want_cache = pool.cache.clone()
+    keep = plan.write_pages >= 0
+    want_q, want_rows = TorchBackend.mla_rows(kv_a, q_pe, cos_sin, norm, 1e-6, rotary)
+    want_cache.index_put_((plan.write_pages[keep], plan.write_rows[keep]), want_rows[keep])
+    got_q, got_rows = triton_mla.latent_rows(kv_a, q_pe, *cos_sin, norm, 1e-6, interleaved, pool.cache,
+                                             plan.write_pages, plan.write_rows)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # the rotation rounds once here, three times in torch
+    torch.testing.assert_close(got_q.float(), want_q.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got_rows.float(), want_rows.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(pool.cache.float(), want_cache.float(), rtol=tol, atol=tol)
+    untouched = torch.ones(pool.cache.shape[:2], dtype=torch.bool, device=DEVICE)  # page -1's row 1 among them
+    untouched[plan.write_pages[keep], plan.write_rows[keep]] = False
+    assert torch.equal(pool.cache[untouched], want_cache[untouched])
 
 
 def test_width_mismatch_is_refused_with_the_values():
@@ -164,8 +189,9 @@ def test_width_mismatch_is_refused_with_the_values():
     q = _query(2, 4, 40, torch.float32)
     with pytest.raises(ValueError, match="40 wide and cache rows 48, with kv_lora_rank 32"):
         triton_mla.decode_attention(q, pool.cache, _ints([[0], [1]]), _ints([1, 2]), 32, 0.1, 1)
-    with pytest.raises(ValueError, match=r"store_latent: rows \(2, 40\)"):
-        triton_mla.store_latent(pool.cache, q[:, 0], _ints([0, 1]), _ints([0, 0]))
+    with pytest.raises(ValueError, match="latent_rows: rows 40 wide into a cache of 48-wide rows"):
+        triton_mla.latent_rows(q[:, 0], q[:, :, 32:], *(torch.ones(2, 1, 4, device=DEVICE),) * 2,
+                               torch.ones(32, device=DEVICE), 1e-6, False, pool.cache, _ints([0, 1]), _ints([0, 0]))
 
 
 @pytest.mark.skipif(INTERPRET, reason="DeepSeek's shapes are too slow for the interpreter")

@@ -143,3 +143,25 @@ def test_fp32_tiles_fit_shared_memory():
     fitted = triton_moe.fit_shared_memory(big, 4)
     assert fitted.num_stages * (fitted.block_m + fitted.block_n) * fitted.block_k * 4 <= triton_moe.SHARED_MEMORY_BYTES
     assert fitted[:2] == big[:2] and fitted.num_stages < big.num_stages
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k", [(1, 128, 8), (5, 64, 6), (3, 60, 2), (2, 8, 1)])
+@pytest.mark.parametrize("renormalize, scale, eps", [(True, 1.0, 0.0), (False, 1.0, 0.0), (True, 1.0, 1e-20),
+                                                     (False, 2.5, 1e-20)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_topk_equals_select_experts(num_tokens, num_experts, top_k, renormalize, scale, eps, dtype):
+    """The one-launch router against moe.select_experts: the same experts in the same (descending)
+    order, and their weights to within one rounding of the output dtype (60 experts: a ragged block)."""
+    g = torch.Generator().manual_seed(num_experts + top_k)
+    # distinct logits (a permutation of a grid as wide as randn's), so that no two experts tie in any dtype
+    grid = torch.stack([torch.randperm(num_experts, generator=g) for _ in range(num_tokens)]).float()
+    logits = ((grid - num_experts / 2) * (6.0 / num_experts)).to(dtype).to(DEVICE)
+    want_w, want_ids = select_experts(logits, top_k, renormalize, scale, eps)
+    got_w, got_ids = triton_moe.softmax_topk(logits, top_k, renormalize, dtype, scale, eps)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == dtype and got_w.shape == (num_tokens, top_k)
+    assert torch.equal(got_ids.cpu(), want_ids.cpu())
+    tol = 1e-6 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(got_w.float().cpu(), want_w.float().cpu(), rtol=tol, atol=tol)
+    fp32_w, _ = triton_moe.softmax_topk(logits, top_k, renormalize, torch.float32, scale, eps)  # DeepSeek's fp32
+    torch.testing.assert_close(fp32_w.cpu(), select_experts(logits, top_k, renormalize, scale, eps,
+                                                            torch.float32)[0].cpu(), rtol=1e-6, atol=1e-6)
