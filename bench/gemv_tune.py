@@ -5,7 +5,8 @@ beside what they replace, in the same run.
 
 Cases (one JSON line each), Llama-3.1-8B's projections and the two MoE presets' experts:
   fp8-row / fp8-block  an e4m3 weight [N, K] with per-row or 128 x 128 block scales times M rows
-                       (--rows, default 1 to 128; past 16 the K split is swept too); baseline: what the step ran before (per-token quant +
+                       (--rows, default 1 to 128; the K split is swept too; --w8a8: past 16 rows
+                       also with x quantized per token, the dot on FP8 tensor cores); baseline: what the step ran before (per-token quant +
                        torch._scaled_mm for per-row, the Triton W8A8 block GEMM for block)
   bf16                 the same [N, K] in bf16 at M 1 through ``gemv`` (no scales);
                        baseline: cuBLAS (F.linear), what the bf16 step runs
@@ -75,12 +76,14 @@ def hbm_gbps() -> float:
     return 2 * (4 << 30) / us / 1e3
 
 
-def gemv_configs(dot: bool, quick: bool, rows: int = 1):
+def gemv_configs(dot: bool, quick: bool, rows: int = 1, narrow: bool = False):
     from kvferry.common.kernels.triton_gemv import GemvConfig
 
     splits = (1,)
     if rows > 16:  # past 16 rows: wider weight tiles, K split over programs
         ns, ks, warps, stages, splits = (32, 64, 128), (128, 256), (4,), (3, 4), (1, 2, 4, 8)
+        if narrow:  # the tiles that won a full sweep on an H100 (bench/RESULTS.md)
+            ns, stages = (64, 128), (3,)
     elif dot:  # 256: per-row scales only
         ns, ks, warps, stages, splits = (16, 32, 64), (128, 256), (4,), (3, 4), (1, 2, 4)
     else:
@@ -126,7 +129,7 @@ def fp8_cases(args, base: dict) -> None:
         x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
         nbytes = q.numel() + scale.numel() * 4
         default = triton_gemv.fp8_config(rows, n, k, block)
-        configs = [c for c in gemv_configs(rows > 1, args.quick, rows)
+        configs = [c for c in gemv_configs(rows > 1, args.quick, rows, args.narrow)
                    if rows == 1 or block is None or c.block_k == triton_gemv.GROUP]  # the dot path: one group a step
         result = sweep(lambda cfg: triton_gemv.fp8_gemv(x, q, scale, block, None, cfg), configs, default, nbytes,
                        args.iters)
@@ -142,6 +145,17 @@ def fp8_cases(args, base: dict) -> None:
               "rows": rows, "bytes": nbytes, **result, "baseline": "scaled_mm" if block is None else "w8a8_block",
               "baseline_us": round(base_us, 2), "baseline_gbps": round(nbytes / base_us / 1e3, 1),
               "speedup_vs_baseline": round(base_us / result["best_us"], 3)})
+        if block is None and rows > 16 and args.w8a8:  # the same kernel with x quantized per token (FP8 dot)
+            def w8a8(cfg):
+                xq, xs = triton_fp8_gemm.per_token_quant(x)
+                return triton_gemv.fp8_gemv(xq, q, scale, None, None, cfg, x_scale=xs, out_dtype=DTYPE)
+
+            a8 = sweep(w8a8, configs, default, nbytes, args.iters)
+            emit({**base, "case": "fp8-row-w8a8", "weight": name, "shape": [n, k], "rows": rows, "bytes": nbytes,
+                  **a8, "baseline": "scaled_mm", "baseline_us": round(base_us, 2),
+                  "speedup_vs_baseline": round(base_us / a8["best_us"], 3),
+                  "speedup_vs_w8a16": round(result["best_us"] / a8["best_us"], 3),
+                  "note": "best_us includes the per-token quant launch"})
 
 
 def bf16_cases(args, base: dict) -> None:
@@ -215,6 +229,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a few configurations only")
     ap.add_argument("--cases", default="fp8,bf16,moe")
     ap.add_argument("--rows", default="1,4,8,16,32,64,128", help="the fp8 cases' row counts")
+    ap.add_argument("--narrow", action="store_true", help="past 16 rows, only the tiles that won the full sweep")
+    ap.add_argument("--w8a8", action="store_true",
+                    help="past 16 rows, also the GEMV with x quantized per token (fp8-row-w8a8 lines)")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on CPU under TRITON_INTERPRET=1 (set it): checks the logic, times nothing")
     args = ap.parse_args()

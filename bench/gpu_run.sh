@@ -308,30 +308,34 @@ if [[ $what == decode-gemms ]]; then
   done
 fi
 if [[ $what == fp8-rows ]]; then
-  # issues 28/29: the weight-only FP8 GEMV past 16 rows (the K split) and the one-launch q/k norm, router and MLA
-  # rows: their kernel tests and the GEMV sweep while every checkpoint builds; then the 8B decode steps with the
-  # GEMV's row bound at its default, 16 and 128 side by side, and one decode step's CUDA kernels (--profile) for
-  # bf16, both FP8 formats and both MoE presets
+  # issues 28/29: the weight-only FP8 GEMV past 16 rows (the K split, its shapes by takes_rows) and the one-launch
+  # q/k norm, router and MLA rows: their GPU tests while every checkpoint builds; then the 8B decode steps with the
+  # GEMV's row bound at its default and at 16 side by side, one decode step's CUDA kernels (--profile) for bf16,
+  # both FP8 formats and both MoE presets, and last the GEMV sweep at 64 rows with x in FP8 beside it (--w8a8)
   fp8_build channel block &
   for preset in qwen3-30b-a3b deepseek-v2-lite; do
     ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) &
   done
-  timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_triton_gemv.py \
-    tests/gpu/test_triton_fused.py tests/gpu/test_triton_moe.py -k "not real_shapes" ${ROWS_TESTS:-} 2>&1 \
-    | tee "$out/fp8-rows-tests.txt" | tail -6
-  timeout ${TUNE_TIMEOUT:-100} python3 bench/gemv_tune.py --cases fp8 --rows ${TUNE_ROWS:-16,32,64} \
-    2>>"$out/fp8-rows.err" | tee -a "$out/gemv-tune.jsonl" | cut -c1-160
+  timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -v -p no:cacheprovider --tb=short \
+    "tests/gpu/test_triton_gemv.py" -k "${ROWS_K:-split_k or fits or fp8_x or takes or config or 40 or 128 or dense}" \
+    tests/gpu/test_triton_fused.py tests/gpu/test_triton_moe.py tests/gpu/test_triton_mla.py \
+    tests/gpu/test_engine_graphs.py::test_fp8_weights_graphs_agree tests/gpu/test_deepseek_graphs.py ${ROWS_TESTS:-} \
+    > "$out/fp8-rows-tests.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/fp8-rows-tests.txt" | tail -12
   wait
-  ENGINE_TIMEOUT=50 fp8_engine bf16 --model $m8b/target --batches 1,64 --contexts 1024 --prefill "" --profile 1,64
-  ENGINE_TIMEOUT=90 fp8_engine fp8-channel --model $fp8c/target --batches ${ROWS_BATCHES:-1,8,32,64,128} \
-    --contexts 1024 --prefill "" --fp8-gemv-rows 16,128 --profile 1,64
+  budget="--kv-budget-gib 16"
+  ENGINE_TIMEOUT=50 fp8_engine bf16 --model $m8b/target --batches 1,64 --contexts 1024 --prefill "" --profile 1,64 $budget
+  ENGINE_TIMEOUT=80 fp8_engine fp8-channel --model $fp8c/target --batches ${ROWS_BATCHES:-1,8,32,64} \
+    --contexts 1024 --prefill "" --fp8-gemv-rows 16 --profile 1,64 $budget
   ENGINE_TIMEOUT=50 fp8_engine fp8-block --model $fp8b/target --batches 1,64 --contexts 1024 --prefill "" \
-    --fp8-gemv-rows 16 --profile 64
+    --fp8-gemv-rows 16 --profile 64 $budget
   for preset in qwen3-30b-a3b deepseek-v2-lite; do
     timeout 50 python3 bench/engine.py --model /tmp/$preset/target --batches 1,64 --contexts 1024 --prefill "" \
-      --profile 1,64 2>>"$out/moe-engine.err" | sed "s/^{/{\"preset\": \"$preset\", /" | tee -a "$out/moe-engine.jsonl" \
-      | cut -c1-200
+      --profile 1,64 $budget 2>>"$out/moe-engine.err" | sed "s/^{/{\"preset\": \"$preset\", /" \
+      | tee -a "$out/moe-engine.jsonl" | cut -c1-200
   done
+  timeout ${TUNE_TIMEOUT:-70} python3 bench/gemv_tune.py --cases fp8 --rows ${TUNE_ROWS:-64} --w8a8 --narrow \
+    2>>"$out/moe-engine.err" | tee -a "$out/gemv-tune.jsonl" | cut -c1-160
 fi
 if [[ $what == moe-e2e ]]; then
   # issue 29: the MoE (Qwen3-MoE) and MLA (DeepSeek) presets disaggregated against colocated in bench/e2e.py

@@ -38,6 +38,7 @@ import triton.language as tl
 FP8_GEMV_MAX_ROWS = 128  # the most rows fp8_gemv takes; fp8.FP8_GEMV_MAX_ROWS says how many fp8_linear sends here
 MOE_GEMV_MAX_SLOTS = 32
 GROUP = 128  # block-FP8 group along K
+SHARED_MEMORY_BYTES = 200 * 1024  # under an H100/H200 block's 227 KiB, for Triton's own scratch
 
 SCALE_NONE, SCALE_ROW, SCALE_BLOCK = 0, 1, 2
 
@@ -51,16 +52,17 @@ class GemvConfig(NamedTuple):
 
 
 @triton.jit
-def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights,
+def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale,
                  M, N, K, K_PER, stride_xm, stride_we, stride_wn, stride_om, stride_os, stride_sn,
                  TOP_K: tl.constexpr, SCALE: tl.constexpr, GROUP: tl.constexpr, HAS_EXPERTS: tl.constexpr,
-                 FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, X_SCALE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """out[r, n] = sum_k act(x)[row(r), k] * w[expert(r), n, k] * scale (+ bias) (* slot weight).
 
     Rows r: BLOCK_M consecutive rows of x (dense), or one MoE slot per program (HAS_EXPERTS,
     BLOCK_M 1): x row slot // TOP_K, expert experts[slot]. FUSE_SILU: x holds [gate | up] per row
     (2K wide) and the row read is silu(gate) * up, rounded to x's dtype as ``silu_mul`` rounds.
+    X_SCALE: x is e4m3 with a scale per row (``x_scale`` [M]); the dot then runs on FP8 tensor cores.
     Axis 2 splits K into K_PER-wide parts (a multiple of BLOCK_K): part p writes its fp32 sum
     (scaled, no bias) at out + p * stride_os, and ``_split_sum_kernel`` adds the parts."""
     pid_n = tl.program_id(0)
@@ -123,6 +125,8 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights,
             acc = acc * s_row
         else:
             acc = acc * s_row[None, :]
+    if X_SCALE:  # an e4m3 x (W8A8 on the dot path): its per-row scales
+        acc = acc * tl.load(x_scale + x_rows, mask=row_ok, other=0.0)[:, None]
     if HAS_BIAS:
         b = tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)
         if BLOCK_M == 1:
@@ -144,32 +148,50 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights,
 
 def fp8_config(num_rows: int, n: int, k: int, block: int | None) -> GemvConfig:
     """The tile configuration for an FP8 weight [n, k] times ``num_rows`` rows, from
-    bench/gemv_tune.py on an H200 (bench/RESULTS.md "Decode-sized GEMMs"): one row streams 1,024
-    columns a step over 8 weight rows a program (4 for the 14,336-deep down projection, so that
-    enough programs run), a wide weight (gate-up) 256 columns over 16 rows; up to 16 rows share
-    each 256-column tile (128, one group, for block scales) through tl.dot, 32 weight rows a
-    program, 4 stages. Past 16 rows x's tile outweighs the weight's (two bytes a row against one),
-    so a program takes 64 weight rows (each re-reads x from L2 less) and K is split so that the
-    narrow projections still give every SM two programs."""
+    bench/gemv_tune.py (bench/RESULTS.md: one row on an H200, "Decode-sized GEMMs"; 16 to 64 rows
+    on an H100, "The FP8 GEMV past 16 rows").
+
+    One row streams 1,024 columns a step over 8 weight rows a program (4 for the 14,336-deep down
+    projection, so that enough programs run), a wide weight (gate-up) 256 columns over 16 rows.
+    Several rows share each weight tile through tl.dot, 128 columns a step (256 for 17 to 32 rows
+    with per-row scales), 3 stages, K split over 4 programs (8 for the deep down projection past
+    16 rows) unless the weight is wide enough (gate-up) to give every SM programs of its own; 32
+    weight rows a program up to 16 rows, 64 past (128 for gate-up), where x's tile outweighs the
+    weight's."""
     if num_rows == 1:
         if n > 8192:
             return GemvConfig(block_n=16, block_k=256, num_warps=4)
         return GemvConfig(block_n=4 if k >= 8192 else 8, block_k=1024, num_warps=4)
-    if num_rows <= 16:
-        # 256 columns a step for per-row scales (5-10 % over 128 in the sweep); block scales take one group
-        return GemvConfig(block_n=32, block_k=256 if block is None else GROUP, num_warps=4, num_stages=4)
-    block_n, block_k = 64, GROUP  # 128 columns a step: x's tile at 64 rows is then 16 KiB a stage
-    return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=4,
-                      split_k=_split_for(triton.cdiv(n, block_n), k, block_k))
+    wide = n > 8192
+    split = 1 if wide else 8 if k > 8192 and num_rows > 16 else 4
+    block_k = 256 if 16 < num_rows <= 32 and block is None else GROUP
+    block_n = 32 if num_rows <= 16 else 128 if wide else 64
+    return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=3, split_k=split)
 
 
-def _split_for(programs: int, k: int, block_k: int, target: int = 264) -> int:
-    """The power-of-two K split that brings ``programs`` closest to ``target`` (two per SM of an
-    H100/H200) from below, keeping at least four BLOCK_K steps a part."""
-    split = 1
-    while programs * split * 2 <= target and k // (split * 2) >= 4 * block_k:
-        split *= 2
-    return split
+def takes_rows(num_rows: int, n: int) -> bool:
+    """Whether ``fp8_gemv`` beats what it replaces (torch._scaled_mm after the activation quant, or the
+    W8A8 block GEMM) for ``num_rows`` rows of an [n, .] weight, as the H100 sweep measured: 1.3-3.0x
+    up to 16 rows; past 16 only for the narrower weights (gate-up at 32 and 64 rows and q/k/v at
+    64 measured 0.73-1.0x)."""
+    return num_rows <= 16 or (num_rows <= 32 and n <= 8192) or (num_rows <= 64 and n <= 4096)
+
+
+def _fit(cfg: GemvConfig, block_m: int, x_bytes: int, block_k: int) -> tuple[GemvConfig, int]:
+    """Fewer stages, then a shallower K step, until the pipelined x and weight tiles and the weight
+    tile converted to x's dtype fit a block's shared memory (float32 x at 128 rows would not)."""
+    def need(stages: int, bk: int) -> int:
+        return stages * (block_m * x_bytes + cfg.block_n) * bk + cfg.block_n * bk * x_bytes
+
+    stages = cfg.num_stages
+    while need(stages, block_k) > SHARED_MEMORY_BYTES:
+        if stages > 2:
+            stages -= 1
+        elif block_k > 32:
+            block_k //= 2
+        else:
+            break
+    return cfg._replace(num_stages=stages), block_k
 
 
 def dense_config(n: int, k: int) -> GemvConfig:
@@ -193,36 +215,43 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int | None,
-             bias: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+             bias: torch.Tensor | None = None, config: GemvConfig | None = None,
+             x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] (M <= FP8_GEMV_MAX_ROWS, unit column stride) @ (weight [N, K] e4m3 * scale).T + bias
-    -> [M, N] in x's dtype, fp32 accumulation. ``scale``: [N] per row, or [N, ceil(K/128)] with
-    ``block`` 128. A ``split_k`` configuration sums its fp32 parts in a second launch (in a fixed
-    order: the result does not depend on which part finishes first)."""
+    -> [M, N] in x's dtype (``out_dtype``), fp32 accumulation. ``scale``: [N] per row, or
+    [N, ceil(K/128)] with ``block`` 128. ``x_scale`` [M, 1]: x is e4m3 (W8A8, per-row scales only,
+    M > 1). A ``split_k`` configuration sums its fp32 parts in a second launch (in a fixed order:
+    the result does not depend on which part finishes first)."""
     num_rows, k = x.shape
     n = weight.shape[0]
     if num_rows > FP8_GEMV_MAX_ROWS:
         raise ValueError(f"fp8_gemv takes at most {FP8_GEMV_MAX_ROWS} rows, got {num_rows}")
     if block not in (None, GROUP):
         raise ValueError(f"fp8_gemv: block scales of {block} columns; only {GROUP} is supported")
+    if x_scale is not None and (block is not None or num_rows < 2):
+        raise ValueError("fp8_gemv: an e4m3 x takes per-row weight scales and at least 2 rows")
     if x.stride(-1) != 1:
         x = x.contiguous()
     cfg = config or fp8_config(num_rows, n, k, block)
     block_m = 1 if num_rows == 1 else max(16, triton.next_power_of_2(num_rows))
     block_k = cfg.block_k if block_m == 1 or block is None else GROUP  # tl.dot over block scales: one group a step
+    if block_m > 1:
+        cfg, fitted = _fit(cfg, block_m, x.element_size(), block_k)
+        block_k = fitted if block is None else block_k
     split = 1 if block_m == 1 else max(1, min(cfg.split_k, triton.cdiv(k, block_k)))
     k_per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k  # whole BLOCK_K steps (whole groups) a part
     split = triton.cdiv(k, k_per)
-    out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((num_rows, n), dtype=out_dtype or x.dtype, device=x.device)
     if num_rows == 0:
         return out
     parts = out if split == 1 else torch.empty((split, num_rows, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(num_rows, block_m), split)
     has_bias = bias is not None and split == 1
     _gemv_kernel[grid](
-        x, weight, scale, parts, bias if has_bias else out, out, out,
+        x, weight, scale, parts, bias if has_bias else out, out, out, x_scale if x_scale is not None else out,
         num_rows, n, k, k_per, x.stride(0), 0, weight.stride(0), n, num_rows * n, scale.stride(0) if block else 0,
         TOP_K=1, SCALE=SCALE_ROW if block is None else SCALE_BLOCK, GROUP=GROUP, HAS_EXPERTS=False,
-        FUSE_SILU=False, MUL_WEIGHT=False, HAS_BIAS=has_bias,
+        FUSE_SILU=False, MUL_WEIGHT=False, HAS_BIAS=has_bias, X_SCALE=x_scale is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, PRECISION=_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
@@ -257,10 +286,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     cfg = config or dense_config(n, k)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), 1, 1)](
-        x, weight, out, out, bias if bias is not None else out, out, out,
+        x, weight, out, out, bias if bias is not None else out, out, out, out,
         1, n, k, k, x.stride(0), 0, weight.stride(0), out.stride(0), 0, 0,
         TOP_K=1, SCALE=SCALE_NONE, GROUP=GROUP, HAS_EXPERTS=False, FUSE_SILU=False, MUL_WEIGHT=False,
-        HAS_BIAS=bias is not None, BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=_precision(x.dtype),
+        HAS_BIAS=bias is not None, X_SCALE=False, BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PRECISION=_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
@@ -274,10 +304,10 @@ def expert_gemv(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, out: t
     n, k = w.shape[1], w.shape[2]
     cfg = config or moe_config(n, k)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), num_slots, 1)](
-        x, w, out, out, out, topk_ids, slot_weights if slot_weights is not None else out,
+        x, w, out, out, out, topk_ids, slot_weights if slot_weights is not None else out, out,
         num_slots, n, k, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0), 0, 0,
         TOP_K=top_k, SCALE=SCALE_NONE, GROUP=GROUP, HAS_EXPERTS=True, FUSE_SILU=fuse_silu,
-        MUL_WEIGHT=slot_weights is not None, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=cfg.block_n,
+        MUL_WEIGHT=slot_weights is not None, HAS_BIAS=False, X_SCALE=False, BLOCK_M=1, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 

@@ -22,8 +22,10 @@ activations are quantized dynamically (per token, or per token per 128-column gr
 weights; ``amax / 448`` as the checkpoints' dynamic scheme does) and the GEMM runs
 
     CUDA, M <= 64   common/kernels/triton_gemv.py: weight-only (W8A16), the e4m3 weight dequantized
-                    in registers, x not quantized (decode steps: bound by the weights' bytes; past
-                    16 rows K is split over programs, bench/gemv_tune.py)
+                    in registers, x not quantized (decode steps: bound by the weights' bytes): every
+                    weight up to 16 rows, past 16 the shapes where it measured faster
+                    (``triton_gemv.takes_rows``: up to 32 rows for weights up to 8,192 rows, up to
+                    64 for weights up to 4,096)
     CUDA, per-row   torch._scaled_mm with row-wise scales (scale_a [M, 1], scale_b [1, N], out bf16)
     CUDA, block     common/kernels/triton_fp8_gemm.py (per-token-group quant + block GEMM)
     otherwise       the torch reference: dequantize both, matmul in fp32, cast to x's dtype
@@ -161,10 +163,17 @@ def _can_scaled_mm(x: torch.Tensor, w: Fp8Weight) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and not w.shape[0] % 16 and not w.shape[1] % 16
 
 
+def _gemv_takes(rows: int, n: int) -> bool:
+    from kvferry.common.kernels import triton_gemv  # imports triton: only on CUDA
+
+    return triton_gemv.takes_rows(rows, n)
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ dequant(w).T + bias, with x quantized dynamically; the kernel by device and
     weight kind (module docstring)."""
-    if x.is_cuda and x.numel() // x.shape[-1] <= FP8_GEMV_MAX_ROWS:
+    rows = x.numel() // x.shape[-1]
+    if x.is_cuda and rows <= FP8_GEMV_MAX_ROWS and (rows <= 16 or _gemv_takes(rows, w.shape[0])):
         from kvferry.common.kernels import triton_gemv  # imports triton: only on CUDA
 
         flat = x.reshape(-1, x.shape[-1])

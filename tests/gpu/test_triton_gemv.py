@@ -106,18 +106,49 @@ def test_fp8_gemv_split_k_equals_reference(block, split_k, rows):
 
 
 @pytest.mark.parametrize("rows, n, k, block", [(32, 4096, 4096, None), (64, 4096, 14336, 128), (64, 28672, 4096, None),
-                                               (17, 6144, 4096, 128), (128, 4096, 4096, None)])
-def test_fp8_config_splits_k_for_narrow_weights(rows, n, k, block):
-    """Past 16 rows: whole groups a step, and a K split that gives the 132 SMs of an H100 about two
-    programs each without parts under four steps."""
+                                               (17, 6144, 4096, 128), (128, 4096, 4096, None), (8, 6144, 4096, None)])
+def test_fp8_config_splits_k_unless_the_weight_is_wide(rows, n, k, block):
+    """Several rows: whole groups a step (256 columns only for per-row scales), K split unless the
+    weight (gate-up) is wide, every part at least four steps deep."""
     cfg = triton_gemv.fp8_config(rows, n, k, block)
-    assert cfg.block_k == triton_gemv.GROUP
-    tiles = -(-n // cfg.block_n)
-    if cfg.split_k > 1:  # split only as far as two programs an SM
-        assert tiles * cfg.split_k <= 264
-    # and no further split fits both bounds
-    assert tiles * cfg.split_k * 2 > 264 or k // (2 * cfg.split_k) < 4 * cfg.block_k
+    assert cfg.block_k % triton_gemv.GROUP == 0 and (block is None or cfg.block_k == triton_gemv.GROUP)
+    assert (cfg.split_k == 1) == (n > 8192)
     assert k // cfg.split_k >= 4 * cfg.block_k
+
+
+def test_fp8_gemv_takes_the_shapes_it_measured_faster():
+    assert all(triton_gemv.takes_rows(rows, 28672) for rows in (1, 8, 16))
+    assert not triton_gemv.takes_rows(32, 28672) and triton_gemv.takes_rows(32, 6144)
+    assert triton_gemv.takes_rows(64, 4096) and not triton_gemv.takes_rows(64, 6144)
+    assert not triton_gemv.takes_rows(65, 4096)
+
+
+@pytest.mark.parametrize("rows, dtype", [(128, torch.float32), (64, HALF)])
+def test_fp8_gemv_fits_shared_memory(rows, dtype):
+    """A configuration whose x tile would overflow a block's shared memory (float32 at 128 rows, 256
+    columns a step, 4 stages) runs with fewer stages or a shallower step, and agrees."""
+    w = _weight(64, 512, None, seed=rows)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
+    cfg = triton_gemv.GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=2)
+    fitted, block_k = triton_gemv._fit(cfg, rows, x.element_size(), 256)
+    assert (fitted.num_stages, block_k) != (4, 256) or dtype != torch.float32
+    tol = _tol(dtype)
+    torch.testing.assert_close(triton_gemv.fp8_gemv(x, w.weight, w.scale, None, None, cfg).float().cpu(),
+                               fp8.reference_weight_only(x, w).float().cpu(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("rows", [2, 40])
+def test_fp8_gemv_with_an_fp8_x_equals_the_w8a8_reference(rows):
+    """x quantized per token (e4m3, W8A8): the dot on FP8 tensor cores, both scales applied after."""
+    w = _weight(96, 384, None, seed=rows)
+    x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(rows)).to(DEVICE, HALF)
+    xq, xs = fp8.per_token_quant(x)
+    got = triton_gemv.fp8_gemv(xq, w.weight, w.scale, None, x_scale=xs, out_dtype=HALF)
+    assert got.dtype == HALF
+    tol = _tol(HALF)
+    torch.testing.assert_close(got.float().cpu(), fp8.reference_linear(x, w).float().cpu(), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="an e4m3 x takes per-row weight scales"):
+        triton_gemv.fp8_gemv(xq, w.weight, w.scale[:, None].expand(96, 3).contiguous(), 128, x_scale=xs)
 
 
 def test_fp8_linear_sends_no_more_rows_than_the_kernel_takes():
