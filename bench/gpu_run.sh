@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|prefix-ttft|extend|
-#                          xfer-threads|fp8-a|fp8-b|fp8-rows|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
+#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -336,6 +336,42 @@ if [[ $what == fp8-rows ]]; then
   done
   timeout ${TUNE_TIMEOUT:-70} python3 bench/gemv_tune.py --cases fp8 --rows ${TUNE_ROWS:-64} --w8a8 --narrow \
     2>>"$out/moe-engine.err" | tee -a "$out/gemv-tune.jsonl" | cut -c1-160
+fi
+if [[ $what == decode-fusions ]]; then
+  # the final pass over the same tree: the GPU tests of the new kernels and routes while every checkpoint builds;
+  # bench/engine.py on the 8B preset (bf16, FP8 per channel with its W8A8 route past 16 rows against the old bound
+  # of 16, FP8 blocks, FP8 weights + FP8 KV) and both MoE presets; then the varlen flash call's causal flag broken
+  # on purpose (tests/MUTATIONS.md) and its tests run against the break
+  fp8_build channel block &
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) &
+  done
+  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -v -p no:cacheprovider --tb=short \
+    tests/gpu/test_triton_gemv.py -k "${FINAL_K:-fp8_x or past_16 or fits or split_k or normalises or softmax_topk or latent_rows or tiny_deepseek or graphs}" \
+    tests/gpu/test_triton_fused.py tests/gpu/test_triton_moe.py tests/gpu/test_triton_mla.py \
+    tests/gpu/test_engine_graphs.py tests/gpu/test_deepseek_graphs.py > "$out/final-tests.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/final-tests.txt" | tail -12
+  wait
+  budget="--kv-budget-gib 16"
+  ENGINE_TIMEOUT=45 fp8_engine bf16 --model $m8b/target --batches 1,8,64 --contexts 1024 --prefill "" $budget
+  ENGINE_TIMEOUT=70 fp8_engine fp8-channel --model $fp8c/target --batches 1,8,32,64 --contexts 1024 --prefill "" \
+    --fp8-gemv-rows 16 --profile 64 $budget
+  ENGINE_TIMEOUT=45 fp8_engine fp8-block --model $fp8b/target --batches 1,8,64 --contexts 1024 --prefill "" $budget
+  ENGINE_TIMEOUT=45 fp8_engine fp8-channel+fp8-kv --model $fp8c/target --batches 1,64 --contexts 1024 --prefill "" \
+    --kv-cache-dtype fp8_e4m3 $budget
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    timeout 45 python3 bench/engine.py --model /tmp/$preset/target --batches 1,8,64 --contexts 1024 --prefill "" \
+      --profile 1 $budget 2>>"$out/moe-engine.err" | sed "s/^{/{\"preset\": \"$preset\", /" \
+      | tee -a "$out/moe-engine.jsonl" | cut -c1-200
+  done
+  f=common/layers/attn_backend.py
+  cp $f /tmp/attn_backend.py.orig
+  sed -i 's/plan.max_query, max_k, 0.0, True, False/plan.max_query, max_k, 0.0, False, False/' $f
+  if ! cmp -s $f /tmp/attn_backend.py.orig; then
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_triton_attention.py -k long_chunks_after_a_prefix \
+      2>&1 | tail -3 | sed 's/^/mutation (varlen causal off): /' | tee "$out/mutation.txt"
+  fi
+  cp /tmp/attn_backend.py.orig $f
 fi
 if [[ $what == moe-e2e ]]; then
   # issue 29: the MoE (Qwen3-MoE) and MLA (DeepSeek) presets disaggregated against colocated in bench/e2e.py

@@ -146,7 +146,7 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale,
         tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def fp8_config(num_rows: int, n: int, k: int, block: int | None) -> GemvConfig:
+def fp8_config(num_rows: int, n: int, k: int, block: int | None, fp8_x: bool = False) -> GemvConfig:
     """The tile configuration for an FP8 weight [n, k] times ``num_rows`` rows, from
     bench/gemv_tune.py (bench/RESULTS.md: one row on an H200, "Decode-sized GEMMs"; 16 to 64 rows
     on an H100, "The FP8 GEMV past 16 rows").
@@ -157,7 +157,12 @@ def fp8_config(num_rows: int, n: int, k: int, block: int | None) -> GemvConfig:
     with per-row scales), 3 stages, K split over 4 programs (8 for the deep down projection past
     16 rows) unless the weight is wide enough (gate-up) to give every SM programs of its own; 32
     weight rows a program up to 16 rows, 64 past (128 for gate-up), where x's tile outweighs the
-    weight's."""
+    weight's. With an e4m3 x (``fp8_x``, W8A8) 64 weight rows a program, 256 columns a step, K split
+    in 4 for the deep down projection, in 2 for the narrow o projection, else whole (the H100
+    sweep's winners at 64 rows)."""
+    if fp8_x:
+        return GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=3,
+                          split_k=4 if k > 8192 else 2 if n <= 4096 else 1)
     if num_rows == 1:
         if n > 8192:
             return GemvConfig(block_n=16, block_k=256, num_warps=4)
@@ -170,10 +175,10 @@ def fp8_config(num_rows: int, n: int, k: int, block: int | None) -> GemvConfig:
 
 
 def takes_rows(num_rows: int, n: int) -> bool:
-    """Whether ``fp8_gemv`` beats what it replaces (torch._scaled_mm after the activation quant, or the
-    W8A8 block GEMM) for ``num_rows`` rows of an [n, .] weight, as the H100 sweep measured: 1.3-3.0x
-    up to 16 rows; past 16 only for the narrower weights (gate-up at 32 and 64 rows and q/k/v at
-    64 measured 0.73-1.0x)."""
+    """Whether the weight-only ``fp8_gemv`` beats what it replaces for ``num_rows`` rows of an [n, .]
+    block-scaled weight (the W8A8 block GEMM) or per-row-scaled one (torch._scaled_mm after the
+    activation quant), as the H100 sweep measured: 1.3-3.0x up to 16 rows; past 16 only for the
+    narrower weights (gate-up at 32 and 64 rows and q/k/v at 64 measured 0.72-1.0x)."""
     return num_rows <= 16 or (num_rows <= 32 and n <= 8192) or (num_rows <= 64 and n <= 4096)
 
 
@@ -232,7 +237,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
         raise ValueError("fp8_gemv: an e4m3 x takes per-row weight scales and at least 2 rows")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    cfg = config or fp8_config(num_rows, n, k, block)
+    cfg = config or fp8_config(num_rows, n, k, block, x_scale is not None)
     block_m = 1 if num_rows == 1 else max(16, triton.next_power_of_2(num_rows))
     block_k = cfg.block_k if block_m == 1 or block is None else GROUP  # tl.dot over block scales: one group a step
     if block_m > 1:

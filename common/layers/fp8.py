@@ -21,17 +21,18 @@ a TP slice of a row-parallel block weight must start on a multiple of 128 (refus
 activations are quantized dynamically (per token, or per token per 128-column group for block
 weights; ``amax / 448`` as the checkpoints' dynamic scheme does) and the GEMM runs
 
-    CUDA, M <= 64   common/kernels/triton_gemv.py: weight-only (W8A16), the e4m3 weight dequantized
-                    in registers, x not quantized (decode steps: bound by the weights' bytes): every
-                    weight up to 16 rows, past 16 the shapes where it measured faster
-                    (``triton_gemv.takes_rows``: up to 32 rows for weights up to 8,192 rows, up to
-                    64 for weights up to 4,096)
+    CUDA, M <= 16   common/kernels/triton_gemv.py: weight-only (W8A16), the e4m3 weight dequantized
+                    in registers, x not quantized (decode steps: bound by the weights' bytes); block
+                    scales up to 64 rows where it measured faster than the block GEMM
+                    (``triton_gemv.takes_rows``)
+    CUDA, per-row,  per-token quant + the same kernel's dot on FP8 tensor cores (W8A8; 1.05-1.43x
+      M <= 64       _scaled_mm at 64 rows on an H100, the quant included)
     CUDA, per-row   torch._scaled_mm with row-wise scales (scale_a [M, 1], scale_b [1, N], out bf16)
     CUDA, block     common/kernels/triton_fp8_gemm.py (per-token-group quant + block GEMM)
     otherwise       the torch reference: dequantize both, matmul in fp32, cast to x's dtype
 
 The CPU path is W8A8 at every M, so CPU pairs and colocated CPU engines agree with each other;
-on CUDA a decode step's linears are the more exact W8A16 (``reference_weight_only``).
+on CUDA a decode step's linears are the more exact W8A16 (``reference_weight_only``) up to 16 rows.
 """
 
 from __future__ import annotations
@@ -170,26 +171,32 @@ def _gemv_takes(rows: int, n: int) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ dequant(w).T + bias, with x quantized dynamically; the kernel by device and
-    weight kind (module docstring)."""
+    """x [..., in] @ dequant(w).T + bias, with x quantized dynamically; the kernel by device, rows
+    and weight kind (module docstring)."""
     rows = x.numel() // x.shape[-1]
-    if x.is_cuda and rows <= FP8_GEMV_MAX_ROWS and (rows <= 16 or _gemv_takes(rows, w.shape[0])):
+    flat = x.reshape(-1, x.shape[-1])
+    if x.is_cuda and flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    if x.is_cuda and rows <= FP8_GEMV_MAX_ROWS and (rows <= 16 or (w.block is not None and _gemv_takes(rows, w.shape[0]))):
         from kvferry.common.kernels import triton_gemv  # imports triton: only on CUDA
 
-        flat = x.reshape(-1, x.shape[-1])
         out = triton_gemv.fp8_gemv(flat, w.weight, w.scale, w.block, bias)
         return out.reshape(*x.shape[:-1], w.shape[0])
     if w.block is not None and x.is_cuda:
         from kvferry.common.kernels import triton_fp8_gemm  # imports triton: only on CUDA
 
-        flat = x.reshape(-1, x.shape[-1])
         out = triton_fp8_gemm.w8a8_block_linear(flat, w.weight, w.scale, w.block, bias)
+        return out.reshape(*x.shape[:-1], w.shape[0])
+    if x.is_cuda and rows <= FP8_GEMV_MAX_ROWS:  # per-row scales, 17 to 64 rows: W8A8 through the GEMV's dot path
+        from kvferry.common.kernels import triton_fp8_gemm, triton_gemv  # imports triton: only on CUDA
+
+        xq, xs = triton_fp8_gemm.per_token_quant(flat)
+        out = triton_gemv.fp8_gemv(xq, w.weight, w.scale, None, bias, x_scale=xs, out_dtype=x.dtype)
         return out.reshape(*x.shape[:-1], w.shape[0])
     if w.block is None and _can_scaled_mm(x, w):
         from kvferry.common.kernels import triton_fp8_gemm  # imports triton: only on CUDA
 
-        flat = x.reshape(-1, x.shape[-1])
-        xq, xs = triton_fp8_gemm.per_token_quant(flat if flat.stride(-1) == 1 else flat.contiguous())
+        xq, xs = triton_fp8_gemm.per_token_quant(flat)
         out = torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale[None, :], out_dtype=torch.bfloat16)
         out = out if bias is None else out + bias
         return out.reshape(*x.shape[:-1], w.shape[0])

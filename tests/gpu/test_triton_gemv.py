@@ -71,6 +71,27 @@ def test_fp8_linear_takes_the_gemv_for_decode_rows(block):
     torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("block", [None, 128])
+def test_fp8_linear_past_16_rows(block):
+    """40 rows on the device: per-row scales W8A8 through the GEMV's FP8 dot (as reference_linear),
+    block scales of a narrow weight weight-only (takes_rows)."""
+    w = _weight(96, 256, block, seed=6)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE, HALF)
+    if block is None:
+        want = fp8.reference_linear(x, w)
+        if DEVICE == "cpu":
+            xq, xs = fp8.per_token_quant(x)
+            got = triton_gemv.fp8_gemv(xq, w.weight, w.scale, None, x_scale=xs, out_dtype=HALF)
+        else:
+            got = fp8.fp8_linear(x, w)
+    else:
+        assert triton_gemv.takes_rows(40, 96)
+        want = fp8.reference_weight_only(x, w)
+        got = fp8.fp8_linear(x, w) if DEVICE == "cuda" else triton_gemv.fp8_gemv(x, w.weight, w.scale, block)
+    tol = _tol(HALF)
+    torch.testing.assert_close(got.float().cpu(), want.float().cpu(), rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
 @pytest.mark.parametrize("shape", [(40, 96), (1000, 600), (24, 2048), (9000, 300)])
 def test_dense_gemv(dtype, shape):
