@@ -12,7 +12,9 @@ device, before step N's tokens are read: ``step_ms_overlap``). The roofline is t
 bytes a step must read (weights, without the embedding table, plus the context's K/V) over the
 HBM bandwidth of a large device-to-device copy (bytes read + written per second); for a MoE model
 the weights are the dense ones plus, per sparse layer, the experts a batch touches in expectation
-(``bench/_roofline.py``; the rows name the count and its source). Prefill: one prompt through
+(``bench/_roofline.py``; the rows name the count and its source), and beside it the roofline of
+the experts the router actually chose for the batch (``experts_routed_per_layer``, from one eager
+step: a random checkpoint's router sends a batch to fewer experts than uniform routing). Prefill: one prompt through
 ``ModelRunner.prefill``; TFLOP/s (2 x weights each token multiplies through x tokens + causal
 attention) against a large bf16 matmul, or for an FP8 checkpoint against an FP8 ``torch._scaled_mm``
 of the same size (both measured every run: ``matmul_tflops``, ``fp8_matmul_tflops``). FP8 weights
@@ -38,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emit, git_hash, hardware  # noqa: E402
 from bench._roofline import (WeightBytes, active_params_per_token, decode_roofline_ms,  # noqa: E402
-                            moe_decode_fields, split_weights)
+                            decode_weight_bytes, moe_decode_fields, split_weights)
 
 
 def ceilings(device) -> tuple[float, float, float]:
@@ -88,6 +90,7 @@ def decode_case(runner, a, batch: int, context: int, weights: WeightBytes, kv_to
     for s in seqs:
         s.num_cached, s.output_ids = context, [11]
     runner.decode(seqs)  # warm-up
+    touched = routed_experts(runner, seqs) if weights.is_moe else None
     started = time.perf_counter()
     for _ in range(a.steps):
         runner.decode(seqs)  # each step ends in a host sync (the sampled tokens)
@@ -97,13 +100,41 @@ def decode_case(runner, a, batch: int, context: int, weights: WeightBytes, kv_to
     overlap_ms = overlapped_ms(runner, seqs, a.steps)
     for s in seqs:
         runner.release(s)
-    roofline_ms = decode_roofline_ms(weights, batch, batch * (context + a.steps) * kv_token_bytes, bw)
+    kv_bytes = batch * (context + a.steps) * kv_token_bytes
+    roofline_ms = decode_roofline_ms(weights, batch, kv_bytes, bw)
+    routed = {}
+    if touched is not None:  # the experts this batch's router chose (random weights route unevenly)
+        routed_ms = (decode_weight_bytes(weights, touched) + kv_bytes) / bw / 1e6
+        routed = {"experts_routed_per_layer": round(touched, 2), "roofline_ms_routed": round(routed_ms, 3),
+                  "ratio_overlap_vs_routed_roofline": round(overlap_ms / routed_ms, 3)}
     return {"mode": "decode", "batch": batch, "context_tokens": context, "step_ms": round(step_ms, 3),
-            "roofline_ms": round(roofline_ms, 3), **moe_decode_fields(weights, batch),
+            "roofline_ms": round(roofline_ms, 3), **moe_decode_fields(weights, batch), **routed,
             "ratio_vs_roofline": round(step_ms / roofline_ms, 3),
             "tokens_per_s": round(batch * 1e3 / step_ms, 1), "step_ms_overlap": round(overlap_ms, 3),
             "ratio_overlap_vs_roofline": round(overlap_ms / roofline_ms, 3),
             "tokens_per_s_overlap": round(batch * 1e3 / overlap_ms, 1)}
+
+
+def routed_experts(runner, seqs) -> float | None:
+    """The mean number of distinct experts a sparse layer's router picks for ``seqs``' next tokens,
+    from one eager step (graphs set aside) with ``select_experts`` observed; None when the model
+    routes elsewhere (DeepSeek-V3's grouped router)."""
+    attn, target = runner.target.model.attn, runner.target
+    counts = []
+    select = attn.select_experts
+
+    def observed(logits, top_k, *args, **kwargs):
+        weights, ids = select(logits, top_k, *args, **kwargs)
+        counts.append(ids.unique().numel())
+        return weights, ids
+
+    attn.select_experts, graphs, target.graphs = observed, target.graphs, []
+    try:
+        runner.decode(seqs)
+    finally:
+        del attn.select_experts  # the class's method again
+        target.graphs = graphs
+    return sum(counts) / len(counts) if counts else None
 
 
 def overlapped_ms(runner, seqs, steps: int) -> float:
