@@ -74,6 +74,13 @@ def timed(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
+def last_token(seq) -> int:
+    """The token a sequence decodes next in the timed steps: a different one per sequence, so that a
+    MoE router sees a batch of distinct tokens (one shared token sends the whole batch to the same
+    experts: the step then reads k experts a layer, not the batch's spread)."""
+    return (13 * int(seq.request_id[1:]) + 11) % 500 + 5
+
+
 def sequences(runner, batch: int, context: int, new_tokens: int):
     from kvferry.common.engine.sequence import Sequence
     from kvferry.common.sampling.sampler import SamplingParams
@@ -88,7 +95,7 @@ def sequences(runner, batch: int, context: int, new_tokens: int):
 def decode_case(runner, a, batch: int, context: int, weights: WeightBytes, kv_token_bytes: int, bw: float) -> dict:
     seqs = sequences(runner, batch, context, a.steps + 8)
     for s in seqs:
-        s.num_cached, s.output_ids = context, [11]
+        s.num_cached, s.output_ids = context, [last_token(s)]
     runner.decode(seqs)  # warm-up
     touched = routed_experts(runner, seqs) if weights.is_moe else None
     started = time.perf_counter()
@@ -96,7 +103,7 @@ def decode_case(runner, a, batch: int, context: int, weights: WeightBytes, kv_to
         runner.decode(seqs)  # each step ends in a host sync (the sampled tokens)
     step_ms = (time.perf_counter() - started) * 1e3 / a.steps
     for s in seqs:
-        s.num_cached, s.output_ids = context, [11]
+        s.num_cached, s.output_ids = context, [last_token(s)]
     overlap_ms = overlapped_ms(runner, seqs, a.steps)
     for s in seqs:
         runner.release(s)
@@ -225,7 +232,7 @@ def profile_case(runner, batch: int, context: int, steps: int = 10, limit: int =
 
     seqs = sequences(runner, batch, context, steps + 16)
     for s in seqs:
-        s.num_cached, s.output_ids = context, [11]
+        s.num_cached, s.output_ids = context, [last_token(s)]
     for _ in range(3):
         runner.decode(seqs)
     torch.cuda.synchronize()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|prefix-ttft|extend|
-#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
+#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -372,6 +372,22 @@ if [[ $what == decode-fusions ]]; then
       2>&1 | tail -3 | sed 's/^/mutation (varlen causal off): /' | tee "$out/mutation.txt"
   fi
   cp /tmp/attn_backend.py.orig $f
+fi
+if [[ $what == moe-routed ]]; then
+  # both MoE presets' decode steps with a distinct token per sequence (bench/engine.py's last_token: before, every
+  # sequence decoded the same token and the router sent the whole batch to the same experts), beside the roofline of
+  # the experts routed; meanwhile the W8A8 route's tests against the CPU reference
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    ( timeout 200 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) &
+  done
+  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_triton_gemv.py::test_fp8_linear_past_16_rows \
+    tests/gpu/test_triton_fp8_gemm.py::test_scaled_mm_path_equals_reference 2>&1 | tail -4 | tee "$out/routed-tests.txt"
+  wait
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    timeout 50 python3 bench/engine.py --model /tmp/$preset/target --batches 1,8,64 --contexts 1024 --prefill "" \
+      --kv-budget-gib 16 2>>"$out/moe-routed.err" | sed "s/^{/{\"preset\": \"$preset\", /" \
+      | tee -a "$out/moe-routed.jsonl" | cut -c1-120
+  done
 fi
 if [[ $what == moe-e2e ]]; then
   # issue 29: the MoE (Qwen3-MoE) and MLA (DeepSeek) presets disaggregated against colocated in bench/e2e.py

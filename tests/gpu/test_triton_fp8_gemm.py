@@ -115,11 +115,12 @@ def test_block_linear_equals_reference(shape):
 
 
 @pytest.mark.skipif(INTERPRETED, reason="torch._scaled_mm needs a CUDA device (sm89+); the interpreter has none")
-@pytest.mark.parametrize("m", [17, 33])
+@pytest.mark.parametrize("m", [17, 33, 65])
 def test_scaled_mm_path_equals_reference(m):
-    """Per-channel weights on CUDA above the GEMV's 16 rows (``test_triton_gemv.py``) go through
-    torch._scaled_mm with row-wise scales; it multiplies
-    the same e4m3 values and scales as the reference, so they differ by one bf16 rounding."""
+    """Per-channel weights on CUDA above the weight-only GEMV's 16 rows go W8A8: the per-token quant,
+    then the GEMV's FP8 dot up to 64 rows (``test_triton_gemv.py``), torch._scaled_mm with row-wise
+    scales past; either multiplies the same e4m3 values and scales as the reference, so they differ
+    by one bf16 rounding."""
     q, scale = fp8.quantize_rows(torch.randn(256, 512) * 0.05)
     w = fp8.Fp8Weight(256, 512, None, torch.device(DEVICE))
     w.weight.copy_(q)
