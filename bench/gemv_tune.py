@@ -6,8 +6,9 @@ beside what they replace, in the same run.
 Cases (one JSON line each), Llama-3.1-8B's projections and the two MoE presets' experts:
   fp8-row / fp8-block  an e4m3 weight [N, K] with per-row or 128 x 128 block scales times M rows
                        (--rows, default 1 to 128; the K split is swept too; --w8a8: past 16 rows
-                       also with x quantized per token, the dot on FP8 tensor cores); baseline: what the step ran before (per-token quant +
-                       torch._scaled_mm for per-row, the Triton W8A8 block GEMM for block)
+                       also with x quantized per token, the dot on FP8 tensor cores); baseline:
+                       what the step ran before (per-token quant + torch._scaled_mm for per-row,
+                       the Triton W8A8 block GEMM for block)
   bf16                 the same [N, K] in bf16 at M 1 through ``gemv`` (no scales);
                        baseline: cuBLAS (F.linear), what the bf16 step runs
   moe                  one sparse layer's experts for T tokens (T * k <= 32): ``moe_gemv`` (both

@@ -18,10 +18,9 @@ kernels (``common/kernels/triton_fused.py``) on the triton path. So do a sparse 
 (``select_experts``) and experts (``fused_moe``: ``common/layers/moe.py``'s references on torch,
 ``common/kernels/triton_moe.py`` on triton).
 ``linear`` of an FP8 weight (``common/layers/fp8.py``) goes to ``fp8_linear`` on both, which picks its
-kernel by device. MLA (``common/layers/mla.py``) makes and stores its latent rows (norm, rope)
-through ``mla_rows`` and reads them through ``mla_attend`` (torch: the compositions, ``index_put_``
-and ``attention.paged_attention`` over the latent as one KV head; triton:
-``common/kernels/triton_mla.py``, the rows in one launch), and, for its expanded prefill,
+kernel by device. MLA (``common/layers/mla.py``) makes and stores its latent rows through
+``mla_rows`` and reads them through ``mla_attend`` (torch: ``mla.latent_rows_ref`` and the paged
+attention over the latent as one KV head; triton: ``common/kernels/triton_mla.py``), and, for its expanded prefill,
 gathers a chunk's cached prefix rows with ``mla_prefix`` (one ``index_select`` of its pages on both).
 
 A plan has ``positions`` [T], ``last_index`` [B], ``query_lens`` and ``starts`` (host lists: new and
@@ -39,7 +38,7 @@ import numpy as np
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
-from kvferry.common.layers import attention, moe, rope
+from kvferry.common.layers import attention, mla, moe, rope
 from kvferry.common.kernels.h2d import to_device
 from kvferry.common.layers.fp8 import Fp8Weight, fp8_linear
 from kvferry.common.kernels.kv_quant import dequantize, round_trip
@@ -92,8 +91,7 @@ class TorchBackend:
 
     def rope_store(self, q, k, v, cos_sin, k_cache, v_cache, plan, k_scale: float = 1.0,
                    v_scale: float = 1.0, qk_norm=None) -> torch.Tensor:
-        """Rotates q and k (after the per-head RMSNorm ``qk_norm`` = (q weight, k weight, eps), when
-        given), stores k and v; returns q."""
+        """Rotates q and k (RMS-normalised per head first by ``qk_norm`` = (wq, wk, eps)), stores k, v."""
         cos, sin = cos_sin
         if qk_norm is not None:
             q, k = rms_norm(q, qk_norm[0], qk_norm[2]), rms_norm(k, qk_norm[1], qk_norm[2])
@@ -125,23 +123,9 @@ class TorchBackend:
     def fused_moe(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
         return moe.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
-    @staticmethod
-    def select_experts(logits, top_k: int, renormalize: bool, scale: float = 1.0, eps: float = 0.0,
-                       out_dtype=None):
-        return moe.select_experts(logits, top_k, renormalize, scale, eps, out_dtype)
+    select_experts = staticmethod(moe.select_experts)
 
-    @staticmethod
-    def mla_rows(kv_a, q_pe, cos_sin, norm, eps: float, rotary, cache=None, plan=None):
-        """kv_a [T, L + R] (kv_a_proj's output), q_pe [T, H, R] -> (roped q_pe, cache rows
-        [rms_norm(latent) | roped k_pe]); the rows stored into the latent cache [num_pages,
-        page_size, L + R] at the plan's (page, row) when a cache is given. ``rotary``: the layer's
-        ``mla.LatentRope``."""
-        cos, sin = cos_sin
-        latent, k_pe = kv_a.split([kv_a.shape[1] - q_pe.shape[2], q_pe.shape[2]], -1)
-        rows = torch.cat((rms_norm(latent, norm, eps), rotary.apply(k_pe[:, None], cos, sin)[:, 0]), -1)
-        if cache is not None:
-            cache.index_put_((plan.write_pages, plan.write_rows), rows.to(cache.dtype))
-        return rotary.apply(q_pe, cos, sin), rows
+    mla_rows = staticmethod(mla.latent_rows_ref)
 
     @staticmethod
     def mla_attend(q, cache, plan, latent_dim: int, scale: float) -> torch.Tensor:
@@ -300,17 +284,14 @@ class TritonBackend:
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
         return self.moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
 
-    def select_experts(self, logits, top_k: int, renormalize: bool, scale: float = 1.0, eps: float = 0.0,
-                       out_dtype=None):
+    def select_experts(self, logits, top_k: int, renormalize: bool, scale=1.0, eps=0.0, out_dtype=None):
         """As ``moe.select_experts``, in one launch (``triton_moe.softmax_topk``)."""
         return self.moe.softmax_topk(logits, top_k, renormalize, out_dtype or logits.dtype, scale, eps)
 
     def mla_rows(self, kv_a, q_pe, cos_sin, norm, eps: float, rotary, cache=None, plan=None):
-        """As ``TorchBackend.mla_rows``, in one launch (``triton_mla.latent_rows``)."""
-        cos, sin = cos_sin
-        store = cache is not None
-        return self.mla.latent_rows(kv_a, q_pe, cos, sin, norm, eps, rotary.is_interleaved, cache,
-                                    plan.write_pages if store else None, plan.write_rows if store else None)
+        """As ``mla.latent_rows_ref``, in one launch (``triton_mla.latent_rows``)."""
+        pages, rows = (plan.write_pages, plan.write_rows) if cache is not None else (None, None)
+        return self.mla.latent_rows(kv_a, q_pe, *cos_sin, norm, eps, rotary.is_interleaved, cache, pages, rows)
 
     def mla_attend(self, q, cache, plan: TritonPlan, latent_dim: int, scale: float) -> torch.Tensor:
         """As ``TorchBackend.mla_attend``; always through the paged kernels (no dense prefill: SDPA's

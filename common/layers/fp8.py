@@ -177,7 +177,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
     flat = x.reshape(-1, x.shape[-1])
     if x.is_cuda and flat.stride(-1) != 1:
         flat = flat.contiguous()
-    if x.is_cuda and rows <= FP8_GEMV_MAX_ROWS and (rows <= 16 or (w.block is not None and _gemv_takes(rows, w.shape[0]))):
+    weight_only = rows <= 16 or (w.block is not None and _gemv_takes(rows, w.shape[0]))
+    if x.is_cuda and rows <= FP8_GEMV_MAX_ROWS and weight_only:
         from kvferry.common.kernels import triton_gemv  # imports triton: only on CUDA
 
         out = triton_gemv.fp8_gemv(flat, w.weight, w.scale, w.block, bias)

@@ -129,6 +129,20 @@ class LatentRope:
         return rope.apply_rotary(x, cos, sin)
 
 
+def latent_rows_ref(kv_a: torch.Tensor, q_pe: torch.Tensor, cos_sin, norm: torch.Tensor, eps: float,
+                    rotary: LatentRope, cache: torch.Tensor | None = None, plan=None) -> tuple[torch.Tensor, ...]:
+    """kv_a [T, L + R] (kv_a_proj's output), q_pe [T, H, R] -> (roped q_pe, cache rows
+    [rms_norm(latent) | roped k_pe]); the rows stored into the latent cache [num_pages, page_size,
+    L + R] at the plan's (page, row) when a cache is given. The torch backend's ``mla_rows`` and
+    the reference of ``triton_mla.latent_rows``."""
+    cos, sin = cos_sin
+    latent, k_pe = kv_a.split([kv_a.shape[1] - q_pe.shape[2], q_pe.shape[2]], -1)
+    rows = torch.cat((rms_norm(latent, norm, eps), rotary.apply(k_pe[:, None], cos, sin)[:, 0]), -1)
+    if cache is not None:
+        cache.index_put_((plan.write_pages, plan.write_rows), rows.to(cache.dtype))
+    return rotary.apply(q_pe, cos, sin), rows
+
+
 class MlaAttention(nn.Module):
     """One layer's MLA weights (Hugging Face names in ``hf_tensor_map``) and its forward."""
 

@@ -52,10 +52,17 @@ from kvferry.common.models.llama import SeqChunk, TokenFeed, check_chunks
 logger = logging.getLogger(__name__)
 
 
-def route(logits: torch.Tensor, spec: DeepseekSpec, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] fp32 -> (weights [T, k] fp32, expert ids [T, k]), as the module docstring says."""
+def route(logits: torch.Tensor, spec: DeepseekSpec, bias: torch.Tensor | None,
+          backend=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] fp32 -> (weights [T, k] fp32, expert ids [T, k]), as the module docstring
+    says. V2's greedy softmax top-k goes through ``backend.select_experts`` when a backend is given
+    (one launch on the Triton backend; its ids in descending order of weight)."""
     num_tokens, num_experts = logits.shape
     is_v3 = spec.version == 3
+    if backend is not None and not is_v3 and spec.topk_method == "greedy":
+        normalise = spec.norm_topk_prob and spec.num_experts_per_tok > 1
+        return backend.select_experts(logits, spec.num_experts_per_tok, normalise,
+                                      1.0 if normalise else spec.routed_scaling_factor, 1e-20, torch.float32)
     scores = logits.sigmoid() if is_v3 else logits.softmax(dim=-1, dtype=torch.float32)
     choice = scores + bias if is_v3 else scores
     if spec.topk_method != "greedy":
@@ -131,14 +138,7 @@ class MoeBlock(nn.Module):
 
     def forward(self, h: torch.Tensor, attn) -> torch.Tensor:
         """h [T, hidden] -> [T, hidden]: each token's k experts, weighted, plus the shared experts."""
-        logits = F.linear(h.float(), self.gate_weight)
-        s = self.spec
-        if s.version == 2 and s.topk_method == "greedy":  # softmax top-k: one launch on the Triton backend
-            normalise = s.norm_topk_prob and s.num_experts_per_tok > 1
-            weights, ids = attn.select_experts(logits, s.num_experts_per_tok, normalise,
-                                               1.0 if normalise else s.routed_scaling_factor, 1e-20, torch.float32)
-        else:
-            weights, ids = route(logits, s, self.score_bias)  # [T, k] each
+        weights, ids = route(F.linear(h.float(), self.gate_weight), self.spec, self.score_bias, attn)  # [T, k] each
         # ids index w13/w2 directly: this rank holds every expert (rank_experts)
         out = attn.fused_moe(h, self.w13, self.w2, weights, ids)
         return out if self.shared is None else out + self.shared(h, attn)

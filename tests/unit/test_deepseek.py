@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import random
 
@@ -234,10 +235,25 @@ def test_router_equals_transformers():
                 bias.normal_(std=0.1)
             _, ref_weights, ref_ids = router(x)
         spec = ModelConfig.from_dict(hf_config.to_dict() | {"architectures": [architecture]}).deepseek
-        weights, ids = route(x @ router.weight.T, spec, bias)
-        order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
-        assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order)), extra
-        assert torch.allclose(weights.gather(1, order), ref_weights.gather(1, ref_order), rtol=1e-5), extra
+        for backend in (None, TorchBackend()):  # V2 greedy: the backend's select_experts
+            weights, ids = route(x @ router.weight.T, spec, bias, backend)
+            order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
+            assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order)), extra
+            assert torch.allclose(weights.gather(1, order), ref_weights.gather(1, ref_order), rtol=1e-5), extra
+            assert weights.dtype == torch.float32
+    # V2 greedy with norm_topk_prob (DeepSeek's reference normalises; transformers ignores the flag):
+    # the backend's one-launch router against route's own composition
+    spec = ModelConfig.from_dict(transformers.DeepseekV2Config(
+        hidden_size=hidden, n_routed_experts=experts, num_experts_per_tok=3, num_attention_heads=2,
+        num_key_value_heads=2, topk_method="greedy", norm_topk_prob=True).to_dict()
+        | {"architectures": ["DeepseekV2ForCausalLM"]}).deepseek
+    logits = torch.randn(32, experts)
+    spec_plain = dataclasses.replace(spec, topk_method="group_limited_greedy", n_group=1, topk_group=1)
+    want_w, want_ids = route(logits, spec_plain, None)  # the composition (one group: the same choice)
+    got_w, got_ids = route(logits, spec, None, TorchBackend())
+    order, want_order = got_ids.argsort(-1), want_ids.argsort(-1)
+    assert torch.equal(got_ids.gather(1, order), want_ids.gather(1, want_order))
+    assert torch.allclose(got_w.gather(1, order), want_w.gather(1, want_order), rtol=1e-6)
 
 
 def test_yarn_matches_transformers():
