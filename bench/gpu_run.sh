@@ -307,22 +307,25 @@ if [[ $what == decode-gemms ]]; then
       2>>"$out/moe-engine.err" | sed "s/^{/{\"preset\": \"$preset\", /" | tee -a "$out/moe-engine.jsonl"
   done
 fi
+build_and_test() {  # result file, a -k expression, test paths: the tests (-v, so that a timeout still names them)
+  # while /tmp/m8b, both FP8 checkpoints and both MoE presets build
+  local file=$1 expr=$2; shift 2
+  fp8_build channel block &
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) &
+  done
+  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -v -p no:cacheprovider --tb=short -k "$expr" "$@" > "$out/$file" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/$file" | tail -12
+  wait
+}
 if [[ $what == fp8-rows ]]; then
   # issues 28/29: the weight-only FP8 GEMV past 16 rows (the K split, its shapes by takes_rows) and the one-launch
   # q/k norm, router and MLA rows: their GPU tests while every checkpoint builds; then the 8B decode steps with the
   # GEMV's row bound at its default and at 16 side by side, one decode step's CUDA kernels (--profile) for bf16,
   # both FP8 formats and both MoE presets, and last the GEMV sweep at 64 rows with x in FP8 beside it (--w8a8)
-  fp8_build channel block &
-  for preset in qwen3-30b-a3b deepseek-v2-lite; do
-    ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) &
-  done
-  timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -v -p no:cacheprovider --tb=short \
-    "tests/gpu/test_triton_gemv.py" -k "${ROWS_K:-split_k or fits or fp8_x or takes or config or 40 or 128 or dense}" \
-    tests/gpu/test_triton_fused.py tests/gpu/test_triton_moe.py tests/gpu/test_triton_mla.py \
-    tests/gpu/test_engine_graphs.py::test_fp8_weights_graphs_agree tests/gpu/test_deepseek_graphs.py ${ROWS_TESTS:-} \
-    > "$out/fp8-rows-tests.txt" 2>&1
-  grep -E "FAILED|ERROR|passed|failed" "$out/fp8-rows-tests.txt" | tail -12
-  wait
+  build_and_test fp8-rows-tests.txt "${ROWS_K:-split_k or fits or fp8_x or takes or config or 40 or 128 or dense}" \
+    tests/gpu/test_triton_gemv.py tests/gpu/test_triton_fused.py tests/gpu/test_triton_moe.py tests/gpu/test_triton_mla.py \
+    tests/gpu/test_engine_graphs.py::test_fp8_weights_graphs_agree tests/gpu/test_deepseek_graphs.py
   budget="--kv-budget-gib 16"
   ENGINE_TIMEOUT=50 fp8_engine bf16 --model $m8b/target --batches 1,64 --contexts 1024 --prefill "" --profile 1,64 $budget
   ENGINE_TIMEOUT=80 fp8_engine fp8-channel --model $fp8c/target --batches ${ROWS_BATCHES:-1,8,32,64} \
@@ -342,16 +345,10 @@ if [[ $what == decode-fusions ]]; then
   # bench/engine.py on the 8B preset (bf16, FP8 per channel with its W8A8 route past 16 rows against the old bound
   # of 16, FP8 blocks, FP8 weights + FP8 KV) and both MoE presets; then the varlen flash call's causal flag broken
   # on purpose (tests/MUTATIONS.md) and its tests run against the break
-  fp8_build channel block &
-  for preset in qwen3-30b-a3b deepseek-v2-lite; do
-    ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) &
-  done
-  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -v -p no:cacheprovider --tb=short \
-    tests/gpu/test_triton_gemv.py -k "${FINAL_K:-fp8_x or past_16 or fits or split_k or normalises or softmax_topk or latent_rows or tiny_deepseek or graphs}" \
-    tests/gpu/test_triton_fused.py tests/gpu/test_triton_moe.py tests/gpu/test_triton_mla.py \
-    tests/gpu/test_engine_graphs.py tests/gpu/test_deepseek_graphs.py > "$out/final-tests.txt" 2>&1
-  grep -E "FAILED|ERROR|passed|failed" "$out/final-tests.txt" | tail -12
-  wait
+  build_and_test final-tests.txt \
+    "${FINAL_K:-fp8_x or past_16 or fits or split_k or normalises or softmax_topk or latent_rows or tiny_deepseek or graphs}" \
+    tests/gpu/test_triton_gemv.py tests/gpu/test_triton_fused.py tests/gpu/test_triton_moe.py tests/gpu/test_triton_mla.py \
+    tests/gpu/test_engine_graphs.py tests/gpu/test_deepseek_graphs.py
   budget="--kv-budget-gib 16"
   ENGINE_TIMEOUT=45 fp8_engine bf16 --model $m8b/target --batches 1,8,64 --contexts 1024 --prefill "" $budget
   ENGINE_TIMEOUT=70 fp8_engine fp8-channel --model $fp8c/target --batches 1,8,32,64 --contexts 1024 --prefill "" \
