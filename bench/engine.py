@@ -255,6 +255,12 @@ def profile_case(runner, batch: int, context: int, steps: int = 10, limit: int =
                         for e in rows[:limit]]}
 
 
+def recapture(runner) -> None:
+    """Every CUDA graph of the target captured again (after a switch that changes its kernels)."""
+    for graphs in runner.target.graphs:
+        graphs.capture()
+
+
 def with_fp8_gemv_rows(runner, a, base: dict, weights: WeightBytes, kv_token_bytes: int, bw: float,
                        max_tokens: int) -> None:
     """The decode steps again for each bound of ``--fp8-gemv-rows`` (graphs recaptured), then the default back."""
@@ -263,16 +269,14 @@ def with_fp8_gemv_rows(runner, a, base: dict, weights: WeightBytes, kv_token_byt
     default = fp8.FP8_GEMV_MAX_ROWS
     for rows in map(int, a.fp8_gemv_rows.split(",")):
         fp8.FP8_GEMV_MAX_ROWS = rows
-        for graphs in runner.target.graphs:
-            graphs.capture()
+        recapture(runner)
         for context in map(int, a.contexts.split(",")):
             for batch in map(int, a.batches.split(",")):
                 if batch * (context + a.steps + 24) <= max_tokens:
                     emit({**base, "fp8_gemv_max_rows": rows,
                           **decode_case(runner, a, batch, context, weights, kv_token_bytes, bw)})
     fp8.FP8_GEMV_MAX_ROWS = default
-    for graphs in runner.target.graphs:
-        graphs.capture()
+    recapture(runner)
 
 
 def with_gemv(runner, a, base: dict, weights: WeightBytes, kv_token_bytes: int, bw: float) -> None:
@@ -282,13 +286,11 @@ def with_gemv(runner, a, base: dict, weights: WeightBytes, kv_token_bytes: int, 
     model = runner.target.model
     default = model.attn.use_gemv
     model.attn.use_gemv = not default
-    for graphs in runner.target.graphs:
-        graphs.capture()
+    recapture(runner)
     for context in map(int, a.contexts.split(",")):
         emit({**base, "gemv": not default, **decode_case(runner, a, 1, context, weights, kv_token_bytes, bw)})
     model.attn.use_gemv = default
-    for graphs in runner.target.graphs:
-        graphs.capture()
+    recapture(runner)
 
 
 def main() -> None:

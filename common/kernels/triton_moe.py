@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kvferry.common.kernels.triton_fused import silu_mul
-from kvferry.common.kernels.triton_gemv import MOE_GEMV_MAX_SLOTS, moe_gemv
+from kvferry.common.kernels.triton_gemv import MOE_GEMV_MAX_SLOTS, SHARED_MEMORY_BYTES, moe_gemv
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,9 +89,6 @@ GEMM_CONFIGS: dict[tuple[int, int], tuple[GemmConfig, ...]] = {
     (2 * 768, 2048): _QWEN3_30B, (2048, 768): _QWEN3_30B,  # (N, K) of w13 and of w2
     (2 * 1408, 2048): _DEEPSEEK_V2_LITE, (2048, 1408): _DEEPSEEK_V2_LITE,
 }
-
-
-SHARED_MEMORY_BYTES = 232448  # H100/H200: 227 KiB a block
 
 
 def fit_shared_memory(config: GemmConfig, element_bytes: int) -> GemmConfig:
