@@ -114,10 +114,13 @@ def prefill_is_past(note: AbortNote | None) -> bool:
     (a killed process closes its connection; a restarted one never had the room). A frozen or
     cut-off prefill is neither, however long the hold: a timer alone would hand its pages to
     another request, and the prefill could WRITE into them when it wakes.
+
+    Only a ping stamped strictly after the abort left counts: one stamped at the same clock reading
+    may have been sent before it (the clock's resolution, or a clock that did not move).
     """
     if note is None or note.is_lost or not note.link.is_connected:
         return True
-    return note.sent_at is not None and note.link.last_pong_t >= note.sent_at
+    return note.sent_at is not None and note.link.last_pong_t > note.sent_at
 
 
 class Quarantine:

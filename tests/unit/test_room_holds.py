@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from types import SimpleNamespace
 
 import pytest
 from nixl import _bindings as nixl_bindings
@@ -16,6 +17,7 @@ from kvferry.common.wire import messages as wire
 from kvferry.common.errors import FailCode, TransferError, fail_code_of
 from kvferry.common.transport.nixl import NixlEngine
 from kvferry.common.transport.nixl_types import XferState
+from kvferry.decode_worker.holds import AbortNote, prefill_is_past
 from tests.unit.control_plane import Prefill, run, until
 from tests.unit.test_decode_receiver import Receiver
 
@@ -190,6 +192,23 @@ def test_forever_hold_ends_only_at_restart():
         assert decode.released == [2] and decode.counter("kvferry_pages_quarantined") == 0
     # a hold time a loaded machine cannot outrun between the room's hold and its UNSAFE word
     scenario(body, receiver_kwargs={"quarantine_s": 2.0})
+
+
+def test_a_pong_stamped_when_the_abort_left_does_not_end_its_hold():
+    """The hold's timer ends only once the prefill has read the abort: a pong for a ping stamped
+    strictly after the abort left. A ping stamped at the same clock reading may have gone before the
+    abort (the page-rule machine found it: ping, abort, both at one reading; the pong then freed the
+    pages while the WRITE the prefill could not cancel was in flight). Fails with ``>=``."""
+    link = SimpleNamespace(is_connected=True, last_pong_t=0.0)
+    note = AbortNote(link)
+    assert not prefill_is_past(note)  # the abort has not left
+    note.sent_at = 100.0
+    for pong_t, past in [(99.0, False), (100.0, False), (100.000001, True)]:
+        link.last_pong_t = pong_t
+        assert prefill_is_past(note) is past, pong_t
+    link.is_connected = False  # nothing more can reach the prefill: a closed connection took the abort or not
+    link.last_pong_t = 0.0
+    assert prefill_is_past(note)
 
 
 # -- item 5: a room's result counts only from the link it was asked over -------------------------------
