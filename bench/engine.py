@@ -219,6 +219,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--fp8-gemv-rows", default="",
                     help="FP8 checkpoints: decode again with each of these bounds on the weight-only GEMV's rows")
+    ap.add_argument("--fp8-unfused-quant", action="store_true",
+                    help="FP8 per-channel checkpoints: decode (and profile, prefill) again with the per-token quant "
+                         "as its own kernel, not fused into the norms and silu (fp8.FUSE_TOKEN_QUANT off)")
     ap.add_argument("--profile", default="", help="batches whose decode step's CUDA kernels to list (first context)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"),
                     help="the KV pool's dtype (fp8_e4m3: one byte per element, the roofline counts it so)")
@@ -279,6 +282,28 @@ def with_fp8_gemv_rows(runner, a, base: dict, weights: WeightBytes, kv_token_byt
     recapture(runner)
 
 
+def with_unfused_quant(runner, a, base: dict, weights: WeightBytes, kv_token_bytes: int, bw: float,
+                       max_tokens: int, prefill_peak: float) -> None:
+    """The decode steps, profiles and prefills again with the per-token quant as its own launch
+    (``fp8.FUSE_TOKEN_QUANT`` off, graphs recaptured), then fused again. Lines say ``fp8_fuse_quant``."""
+    from kvferry.common.layers import fp8
+
+    fp8.FUSE_TOKEN_QUANT = False
+    recapture(runner)
+    off = {**base, "fp8_fuse_quant": False}
+    for context in map(int, a.contexts.split(",")):
+        for batch in map(int, a.batches.split(",")):
+            if batch * (context + a.steps + 24) <= max_tokens:
+                emit({**off, **decode_case(runner, a, batch, context, weights, kv_token_bytes, bw)})
+    for batch in (map(int, a.profile.split(",")) if a.profile else []):
+        emit({**off, **profile_case(runner, batch, int(a.contexts.split(",")[0]))})
+    for tokens in (map(int, a.prefill.split(",")) if a.prefill else []):
+        emit({**off, **prefill_case(runner, tokens, active_params_per_token(weights), runner.target.model.config,
+                                    prefill_peak)})
+    fp8.FUSE_TOKEN_QUANT = True
+    recapture(runner)
+
+
 def with_gemv(runner, a, base: dict, weights: WeightBytes, kv_token_bytes: int, bw: float) -> None:
     """Batch 1 again with the other choice for every one-row bf16 projection (graphs recaptured):
     cuBLAS when the backend runs the Triton GEMV (its CUDA default), else the GEMV. ``"gemv"`` says
@@ -327,6 +352,8 @@ def main() -> None:
     from kvferry.common.layers import fp8
 
     fp8_rows = fp8.FP8_GEMV_MAX_ROWS
+    if not plain:
+        base["fp8_fuse_quant"] = fp8.FUSE_TOKEN_QUANT
     if model.attn.name == "triton" and plain:
         for record in gemv_cases(model):
             emit({**base, **record})
@@ -351,10 +378,11 @@ def main() -> None:
         with_fp8_gemv_rows(runner, a, base, weights, kv_token_bytes, bw, max_tokens)
     for batch in (map(int, a.profile.split(",")) if a.profile else []):
         emit({**base, **profile_case(runner, batch, int(a.contexts.split(",")[0]))})
+    prefill_peak = peak if plain else fp8_peak  # against the peak of the GEMMs the weights run on
     for tokens in (map(int, a.prefill.split(",")) if a.prefill else []):
-        # against the peak of the GEMMs the weights run on: FP8 for FP8 checkpoints
-        emit({**base, **prefill_case(runner, tokens, active_params_per_token(weights), model.config,
-                                     peak if model.config.quantization is None else fp8_peak)})
+        emit({**base, **prefill_case(runner, tokens, active_params_per_token(weights), model.config, prefill_peak)})
+    if a.fp8_unfused_quant and not plain:
+        with_unfused_quant(runner, a, base, weights, kv_token_bytes, bw, max_tokens, prefill_peak)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|prefix-ttft|extend|
-#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
+#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -369,6 +369,30 @@ if [[ $what == decode-fusions ]]; then
       2>&1 | tail -3 | sed 's/^/mutation (varlen causal off): /' | tee "$out/mutation.txt"
   fi
   cp /tmp/attn_backend.py.orig $f
+fi
+if [[ $what == fused-quant ]]; then
+  # issue 28: the per-token quant of the W8A8 linears fused into the norm and silu kernels that feed them: their GPU
+  # tests (bit for bit against the separate quant) while the checkpoints build; the 8B FP8 per-channel decode steps
+  # and the 8k prefill fused and unfused side by side (--fp8-unfused-quant), a batch-64 step's kernels both ways;
+  # then both MoE presets' batch-64 step profiles with a distinct token per sequence
+  fp8_build channel &
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) &
+  done
+  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -v -p no:cacheprovider --tb=short \
+    -k "${FUSED_K:-quantizes_its_rows or fused_into or token_quant or scaled_mm_path or past_16 or fp8_x or fp8_weights_graphs or rms_norm or silu}" \
+    tests/gpu/test_triton_fused.py tests/gpu/test_engine_graphs.py tests/gpu/test_triton_fp8_gemm.py \
+    tests/gpu/test_triton_gemv.py tests/unit/test_fp8_gemm.py > "$out/fused-quant-tests.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/fused-quant-tests.txt" | tail -12
+  wait
+  budget="--kv-budget-gib 16"
+  ENGINE_TIMEOUT=150 fp8_engine fp8-channel --model /tmp/m8b-fp8c/target --batches ${FUSED_BATCHES:-1,32,64} \
+    --contexts 1024 --prefill 8192 --profile 64 --fp8-unfused-quant $budget | cut -c1-160
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    timeout 60 python3 bench/engine.py --model /tmp/$preset/target --batches 64 --contexts 1024 --prefill "" \
+      --profile 64 $budget 2>>"$out/moe-engine.err" | sed "s/^{/{\"preset\": \"$preset\", /" \
+      | tee -a "$out/moe-engine.jsonl" | cut -c1-160
+  done
 fi
 if [[ $what == moe-routed ]]; then
   # both MoE presets' decode steps with a distinct token per sequence (bench/engine.py's last_token: before, every

@@ -9,6 +9,10 @@
   by the layer's scales into an FP8 pool, as ``triton_attention.store_kv``);
 - ``silu_mul``: ``silu(gate) * up`` of the fused gate-up projection.
 
+``add_rms_norm`` and ``silu_mul`` with ``quant`` also quantize each output row per token (e4m3,
+``amax / 448``, bit for bit as ``triton_fp8_gemm.per_token_quant`` would), for the W8A8 linear they
+feed (``fp8.takes_token_quant``): one launch instead of two.
+
 Each matches its torch composition to within one rounding of the model dtype (``tests/gpu``).
 """
 
@@ -19,12 +23,28 @@ import triton
 import triton.language as tl
 
 from kvferry.common.kernels.kv_quant import is_quantized
+from kvferry.common.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX, TokenQuantized
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_MIN_AMAX = tl.constexpr(MIN_AMAX)
 from kvferry.common.kernels.triton_attention import quantize_tile
 
 
 @triton.jit
-def _add_rms_norm_kernel(x, delta, out_x, out_h, weight, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
-                         HAS_DELTA: tl.constexpr):
+def _quantize_row(v, q_row, s, row, cols, mask):
+    """Stores row ``row`` (``v``: its values in the model dtype, 0 where masked) as e4m3 at q_row and
+    its scale at s[row], as ``triton_fp8_gemm.per_token_quant`` quantizes it (``amax / 448``, IEEE
+    division)."""
+    v32 = v.to(tl.float32)
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(v32), 0), _MIN_AMAX), _FP8_MAX)
+    qv = tl.clamp(tl.div_rn(v32, scale), -_FP8_MAX, _FP8_MAX)
+    tl.store(q_row + cols, qv.to(q_row.dtype.element_ty), mask=mask)
+    tl.store(s + row, scale)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x, delta, out_x, out_h, weight, eps, hq, hs, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+                         HAS_DELTA: tl.constexpr, QUANT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     mask = i < HIDDEN
@@ -35,18 +55,33 @@ def _add_rms_norm_kernel(x, delta, out_x, out_h, weight, eps, HIDDEN: tl.constex
     v32 = v.to(tl.float32)
     normed = (v32 * tl.rsqrt(tl.sum(v32 * v32, 0) / HIDDEN + eps)).to(v.dtype)
     w = tl.load(weight + i, mask=mask, other=0.0)
-    tl.store(out_h + row * HIDDEN + i, (w.to(tl.float32) * normed.to(tl.float32)).to(v.dtype), mask=mask)
+    h = (w.to(tl.float32) * normed.to(tl.float32)).to(v.dtype)
+    tl.store(out_h + row * HIDDEN + i, h, mask=mask)
+    if QUANT:
+        _quantize_row(h, hq + row * HIDDEN, hs, row, i, mask)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """x, delta: [T, hidden] contiguous -> (x + delta, rms_norm(x + delta)); delta None: (x, rms_norm(x))."""
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, quant: bool = False):
+    """x, delta: [T, hidden] contiguous -> (x + delta, rms_norm(x + delta)); delta None: (x, rms_norm(x)).
+    ``quant``: the normed rows also quantized per token -> (x + delta, ``fp8.TokenQuantized``)."""
     num_rows, hidden = x.shape
     out_x = torch.empty_like(x) if delta is not None else x
     out_h = torch.empty_like(x)
+    hq, hs = _quant_outputs(x, hidden, quant)
     block = triton.next_power_of_2(hidden)
-    _add_rms_norm_kernel[(num_rows,)](x, delta if delta is not None else x, out_x, out_h, weight, eps, HIDDEN=hidden,
-                                      BLOCK=block, HAS_DELTA=delta is not None, num_warps=8 if block >= 4096 else 4)
-    return out_x, out_h
+    if num_rows:
+        _add_rms_norm_kernel[(num_rows,)](x, delta if delta is not None else x, out_x, out_h, weight, eps, hq, hs,
+                                          HIDDEN=hidden, BLOCK=block, HAS_DELTA=delta is not None, QUANT=quant,
+                                          num_warps=8 if block >= 4096 else 4)
+    return out_x, (TokenQuantized(out_h, hq, hs) if quant else out_h)
+
+
+def _quant_outputs(x: torch.Tensor, width: int, quant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The e4m3 rows [T, width] and fp32 scales [T, 1] a ``quant`` kernel writes (else placeholders)."""
+    if not quant:
+        return x, x
+    return (torch.empty(x.shape[0], width, dtype=FP8_DTYPE, device=x.device),
+            torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device))
 
 
 @triton.jit
@@ -135,7 +170,9 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up, out, INTER: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_up, out, q, s, INTER: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr):
+    """``silu(gate) * up`` of BLOCK columns of a row; QUANT: the whole row (BLOCK >= INTER), also
+    quantized per token."""
     row = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = i < INTER
@@ -143,13 +180,21 @@ def _silu_mul_kernel(gate_up, out, INTER: tl.constexpr, BLOCK: tl.constexpr):
     u = tl.load(gate_up + row * 2 * INTER + INTER + i, mask=mask, other=0.0)
     g32 = g.to(tl.float32)
     act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype)  # F.silu rounds to the dtype before the product
-    tl.store(out + row * INTER + i, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+    h = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+    tl.store(out + row * INTER + i, h, mask=mask)
+    if QUANT:
+        _quantize_row(h, q + row * INTER, s, row, i, mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [T, 2 * I] contiguous -> silu(gate) * up [T, I]."""
+def silu_mul(gate_up: torch.Tensor, quant: bool = False):
+    """gate_up [T, 2 * I] contiguous -> silu(gate) * up [T, I]; ``quant``: also quantized per token
+    (one program a row) -> ``fp8.TokenQuantized``."""
     num_rows, width = gate_up.shape
     inter = width // 2
     out = torch.empty(num_rows, inter, dtype=gate_up.dtype, device=gate_up.device)
-    _silu_mul_kernel[(num_rows, triton.cdiv(inter, 1024))](gate_up, out, INTER=inter, BLOCK=1024, num_warps=4)
-    return out
+    q, s = _quant_outputs(gate_up, inter, quant)
+    if num_rows:
+        block = triton.next_power_of_2(inter) if quant else 1024
+        _silu_mul_kernel[(num_rows, triton.cdiv(inter, block))](gate_up, out, q, s, INTER=inter, BLOCK=block,
+                                                                 QUANT=quant, num_warps=min(16, max(4, block // 1024)))
+    return TokenQuantized(out, q, s) if quant else out

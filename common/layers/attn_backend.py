@@ -18,7 +18,9 @@ kernels (``common/kernels/triton_fused.py``) on the triton path. So do a sparse 
 (``select_experts``) and experts (``fused_moe``: ``common/layers/moe.py``'s references on torch,
 ``common/kernels/triton_moe.py`` on triton).
 ``linear`` of an FP8 weight (``common/layers/fp8.py``) goes to ``fp8_linear`` on both, which picks its
-kernel by device. MLA (``common/layers/mla.py``) makes and stores its latent rows through
+kernel by device. ``add_norm`` and ``silu_mul`` take ``feeds``, the weight of the linear their output
+feeds: on the triton path, where that linear quantizes its input per token (W8A8 with per-row
+scales), they quantize it in the same launch and hand over ``fp8.TokenQuantized``. MLA (``common/layers/mla.py``) makes and stores its latent rows through
 ``mla_rows`` and reads them through ``mla_attend`` (torch: ``mla.latent_rows_ref`` and the paged
 attention over the latent as one KV head; triton: ``common/kernels/triton_mla.py``), and, for its expanded prefill,
 gathers a chunk's cached prefix rows with ``mla_prefix`` (one ``index_select`` of its pages on both).
@@ -40,7 +42,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from kvferry.common.layers import attention, mla, moe, rope
 from kvferry.common.kernels.h2d import to_device
-from kvferry.common.layers.fp8 import Fp8Weight, fp8_linear
+from kvferry.common.layers.fp8 import Fp8Weight, TokenQuantized, fp8_linear, takes_token_quant
 from kvferry.common.kernels.kv_quant import dequantize, round_trip
 from kvferry.common.layers.norm import rms_norm
 
@@ -99,12 +101,14 @@ class TorchBackend:
         return rope.apply_rotary(q, cos, sin)
 
     @staticmethod
-    def add_norm(x, delta, weight, eps):
+    def add_norm(x, delta, weight, eps, feeds=None):
+        """(x + delta, rms_norm(x + delta)); ``feeds``: the weight of the linear the norm feeds (used on
+        the triton path only, ``TritonBackend.add_norm``)."""
         x = x if delta is None else x + delta
         return x, rms_norm(x, weight, eps)
 
     @staticmethod
-    def silu_mul(gate_up) -> torch.Tensor:
+    def silu_mul(gate_up, feeds=None) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
 
@@ -266,17 +270,21 @@ class TritonBackend:
         return self.fused.rope_store(q, k, v, cos, sin, k_cache, v_cache, plan.write_pages, plan.write_rows,
                                      k_scale, v_scale, qk_norm)
 
-    def add_norm(self, x, delta, weight, eps):
-        return self.fused.add_rms_norm(x, delta, weight, eps)
+    def add_norm(self, x, delta, weight, eps, feeds=None):
+        """As ``TorchBackend.add_norm`` in one launch; the normed rows come quantized too
+        (``fp8.TokenQuantized``) when ``feeds``, the weight of the linear they feed, takes them so."""
+        return self.fused.add_rms_norm(x, delta, weight, eps, quant=takes_token_quant(feeds, x))
 
-    def silu_mul(self, gate_up) -> torch.Tensor:
-        return self.fused.silu_mul(gate_up)
+    def silu_mul(self, gate_up, feeds=None):
+        """As ``TorchBackend.silu_mul`` in one launch; quantized too as ``add_norm`` says."""
+        return self.fused.silu_mul(gate_up, quant=takes_token_quant(feeds, gate_up))
 
     def linear(self, x, weight, bias=None) -> torch.Tensor:
         # use_gemv (on CUDA): one row through triton_gemv.gemv instead of cuBLAS; bench/engine.py
         # measures the batch-1 step both ways.
         if isinstance(weight, Fp8Weight):
             return fp8_linear(x, weight, bias)
+        x = x.rows if isinstance(x, TokenQuantized) else x
         if x.shape[0] == 1 and self.use_gemv:
             return self.gemv.gemv(x, weight, bias)
         return torch.nn.functional.linear(x, weight, bias)

@@ -37,6 +37,8 @@ on CUDA a decode step's linears are the more exact W8A16 (``reference_weight_onl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -170,35 +172,76 @@ def _gemv_takes(rows: int, n: int) -> bool:
     return triton_gemv.takes_rows(rows, n)
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ dequant(w).T + bias, with x quantized dynamically; the kernel by device, rows
-    and weight kind (module docstring)."""
+@dataclass(frozen=True)
+class TokenQuantized:
+    """Activation rows [T, K] in the model dtype with their per-token quantization
+    (``per_token_quant``: e4m3 ``q`` [T, K], fp32 ``scale`` [T, 1]), made in one launch by the
+    kernel that produced the rows (``triton_fused.add_rms_norm``/``silu_mul`` with ``quant``), so the
+    FP8 linear they feed runs no quantization kernel of its own. ``fp8_linear`` takes either part;
+    any other consumer takes ``rows``."""
+
+    rows: torch.Tensor
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.rows.shape
+
+
+FUSE_TOKEN_QUANT = True  # producers quantize what feeds a W8A8 per-row linear (bench/engine.py --fp8-fuse-quant A/B)
+
+
+def route(x: torch.Tensor, w: Fp8Weight, rows: int) -> str:
+    """Which GEMM ``fp8_linear`` runs for ``rows`` rows of ``x`` (module docstring): ``gemv``
+    (weight-only), ``block``, ``gemv_w8a8``, ``scaled_mm`` or ``reference``."""
+    if not x.is_cuda:
+        return "reference"
+    weight_only = rows <= 16 or (w.block is not None and _gemv_takes(rows, w.shape[0]))
+    if rows <= FP8_GEMV_MAX_ROWS and weight_only:
+        return "gemv"
+    if w.block is not None:
+        return "block"
+    if rows <= FP8_GEMV_MAX_ROWS:  # per-row scales, 17 to 64 rows: W8A8 through the GEMV's dot path
+        return "gemv_w8a8"
+    return "scaled_mm" if _can_scaled_mm(x, w) else "reference"
+
+
+def takes_token_quant(w, x: torch.Tensor) -> bool:
+    """Whether a linear of weight ``w`` quantizes ``x`` [T, K] per token on the GPU (W8A8 with
+    per-row scales): then the kernel producing ``x`` may hand it over quantized (``TokenQuantized``)."""
+    return (FUSE_TOKEN_QUANT and isinstance(w, Fp8Weight) and w.block is None and x.is_cuda and x.dim() == 2
+            and route(x, w, x.shape[0]) in ("gemv_w8a8", "scaled_mm"))
+
+
+def fp8_linear(x: torch.Tensor | TokenQuantized, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ dequant(w).T + bias, with x quantized dynamically (unless it comes quantized,
+    ``TokenQuantized``); the kernel by device, rows and weight kind (module docstring)."""
+    quantized = x if isinstance(x, TokenQuantized) else None
+    x = x.rows if quantized is not None else x
     rows = x.numel() // x.shape[-1]
     flat = x.reshape(-1, x.shape[-1])
     if x.is_cuda and flat.stride(-1) != 1:
         flat = flat.contiguous()
-    weight_only = rows <= 16 or (w.block is not None and _gemv_takes(rows, w.shape[0]))
-    if x.is_cuda and rows <= FP8_GEMV_MAX_ROWS and weight_only:
+    how = route(x, w, rows)
+    if how == "gemv":
         from kvferry.common.kernels import triton_gemv  # imports triton: only on CUDA
 
         out = triton_gemv.fp8_gemv(flat, w.weight, w.scale, w.block, bias)
         return out.reshape(*x.shape[:-1], w.shape[0])
-    if w.block is not None and x.is_cuda:
+    if how == "block":
         from kvferry.common.kernels import triton_fp8_gemm  # imports triton: only on CUDA
 
         out = triton_fp8_gemm.w8a8_block_linear(flat, w.weight, w.scale, w.block, bias)
         return out.reshape(*x.shape[:-1], w.shape[0])
-    if x.is_cuda and rows <= FP8_GEMV_MAX_ROWS:  # per-row scales, 17 to 64 rows: W8A8 through the GEMV's dot path
-        from kvferry.common.kernels import triton_fp8_gemm, triton_gemv  # imports triton: only on CUDA
+    if how == "reference":
+        return reference_linear(x, w, bias)
+    from kvferry.common.kernels import triton_fp8_gemm, triton_gemv  # imports triton: only on CUDA
 
-        xq, xs = triton_fp8_gemm.per_token_quant(flat)
+    xq, xs = (quantized.q, quantized.scale) if quantized is not None else triton_fp8_gemm.per_token_quant(flat)
+    if how == "gemv_w8a8":
         out = triton_gemv.fp8_gemv(xq, w.weight, w.scale, None, bias, x_scale=xs, out_dtype=x.dtype)
-        return out.reshape(*x.shape[:-1], w.shape[0])
-    if w.block is None and _can_scaled_mm(x, w):
-        from kvferry.common.kernels import triton_fp8_gemm  # imports triton: only on CUDA
-
-        xq, xs = triton_fp8_gemm.per_token_quant(flat)
+    else:
         out = torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale[None, :], out_dtype=torch.bfloat16)
         out = out if bias is None else out + bias
-        return out.reshape(*x.shape[:-1], w.shape[0])
-    return reference_linear(x, w, bias)
+    return out.reshape(*x.shape[:-1], w.shape[0])

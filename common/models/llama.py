@@ -100,13 +100,20 @@ class DecoderLayer(nn.Module):
         """Residual stream x [T, hidden] and the previous layer's output ``delta`` (None before layer
         0) -> (x + delta, this layer's output); writes this layer's K/V of the T new tokens."""
         eps = self.config.rms_norm_eps
-        x, h = attn.add_norm(x, delta, self.input_norm, eps)
-        x, h = attn.add_norm(x, self._attention(h, cos_sin, kv, plan, attn), self.post_norm, eps)
+        x, h = attn.add_norm(x, delta, self.input_norm, eps, feeds=self.qkv_weight)
+        x, h = attn.add_norm(x, self._attention(h, cos_sin, kv, plan, attn), self.post_norm, eps,
+                             feeds=self._mlp_input_weight())
         return x, self._mlp(h, attn)
+
+    def _mlp_input_weight(self):
+        """The weight of the one linear that reads the MLP's input (an FP8 one may take it quantized,
+        ``attn_backend``); None for an MLP whose input goes elsewhere too (a router)."""
+        return self.gate_up_weight
 
     def _mlp(self, h: torch.Tensor, attn) -> torch.Tensor:
         gate_up = attn.linear(h, self.gate_up_weight, self.gate_up_bias)
-        return self._row_parallel(attn.silu_mul(gate_up), self.down_weight, self.down_bias, attn)
+        return self._row_parallel(attn.silu_mul(gate_up, feeds=self.down_weight), self.down_weight, self.down_bias,
+                                  attn)
 
     def _row_parallel(self, x: torch.Tensor, weight, bias, attn) -> torch.Tensor:
         """x @ weight.T + bias; at TP > 1 the ranks' partial sums are added by one all_reduce (the

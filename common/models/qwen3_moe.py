@@ -27,6 +27,9 @@ class MoeDecoderLayer(DecoderLayer):
     def _init_mlp(self, dtype: torch.dtype, device: torch.device) -> None:
         self.moe = SparseMoe(self.config, self.layer, dtype, device, self.shard)
 
+    def _mlp_input_weight(self):
+        return None  # the router reads it too
+
     def _mlp(self, h: torch.Tensor, attn) -> torch.Tensor:
         return self._sum_ranks(self.moe(h, attn))
 

@@ -76,6 +76,34 @@ def test_fp8_weights_graphs_agree(tmp_path, quantize):
     assert all(len(out) == 10 for out in want)
 
 
+@pytest.mark.parametrize("num_tokens", [40, 100])
+def test_fp8_quant_fused_into_the_norms_and_silu(tmp_path, monkeypatch, num_tokens):
+    """bf16, per-channel FP8: past 16 rows the qkv, gate-up and down linears take their input
+    quantized by the norm or silu kernel that made it (``fp8.TokenQuantized``), so only o_proj runs
+    the separate per-token quant; the logits equal those of the separate quant bit for bit (the same
+    e4m3 values, then the same GEMM: the GEMV's FP8 dot at 40 rows, ``_scaled_mm`` at 100)."""
+    from kvferry.common.kernels import triton_fp8_gemm
+    from kvferry.common.layers import fp8
+    from kvferry.common.models.tiny import make_tiny_model
+
+    target, _ = make_tiny_model(tmp_path / "fp8", seed=0, quantize="fp8-channel")
+    runner = build_runner(target, device="cuda:0", dtype="bfloat16", max_total_tokens=4096, disable_cuda_graph=True)
+    slot = runner.target
+    calls = []
+    separate = triton_fp8_gemm.per_token_quant
+    monkeypatch.setattr(triton_fp8_gemm, "per_token_quant", lambda x: calls.append(x.shape) or separate(x))
+    prompt = [random.Random(3).randrange(5, 512) for _ in range(num_tokens)]
+    pages = list(range(-(-num_tokens // slot.kv.page_size)))
+    logits = {}
+    for fused in (True, False):
+        monkeypatch.setattr(fp8, "FUSE_TOKEN_QUANT", fused)
+        calls.clear()
+        logits[fused] = slot.model.forward([SeqChunk(prompt, 0, pages)], slot.kv).clone()
+        num_layers = slot.model.config.num_hidden_layers
+        assert len(calls) == num_layers * (1 if fused else 4), (fused, calls)
+    assert torch.equal(logits[True], logits[False])
+
+
 def test_graph_replay_equals_eager_forward(tiny_models):
     target, _ = tiny_models
     runner = build_runner(target, device="cuda:0", dtype="float32", max_total_tokens=4096, cuda_graph_max_bs=4)

@@ -99,3 +99,40 @@ def test_silu_mul(dtype):
     gate_up = torch.randn(3, 2 * 1500).to(dtype).to(DEVICE)
     gate, up = gate_up.chunk(2, dim=-1)
     _close(triton_fused.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+# -- per-token quantization fused into the producer of a W8A8 linear's input ------------------------------------
+def _same_as_separate_quant(got, rows):
+    """``got`` (a TokenQuantized) holds ``rows`` and exactly what the separate kernel makes of them
+    (``triton_fp8_gemm.per_token_quant``), whose scales are the CPU reference's bit for bit."""
+    from kvferry.common.kernels import triton_fp8_gemm
+    from kvferry.common.layers import fp8
+
+    assert isinstance(got, fp8.TokenQuantized)
+    assert torch.equal(got.rows, rows)
+    want_q, want_s = triton_fp8_gemm.per_token_quant(rows)
+    assert got.q.dtype == fp8.FP8_DTYPE and got.q.shape == rows.shape and got.scale.shape == (rows.shape[0], 1)
+    assert torch.equal(got.scale, want_s)
+    assert torch.equal(got.q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(got.scale.cpu(), fp8.per_token_quant(rows.cpu())[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_add_rms_norm_quantizes_its_rows(dtype, hidden):
+    x, delta = (torch.randn(5, hidden).to(dtype).to(DEVICE) * 4 for _ in range(2))
+    x[1] = -delta[1]  # an all-zero row: the scale clamps to MIN_AMAX / 448, every value quantizes to 0
+    weight = torch.rand(hidden).to(dtype).to(DEVICE) + 0.5
+    want_x, want_h = triton_fused.add_rms_norm(x, delta, weight, 1e-5)
+    got_x, got = triton_fused.add_rms_norm(x, delta, weight, 1e-5, quant=True)
+    assert torch.equal(got_x, want_x)
+    _same_as_separate_quant(got, want_h)
+    _, got = triton_fused.add_rms_norm(x, None, weight, 1e-5, quant=True)
+    _same_as_separate_quant(got, triton_fused.add_rms_norm(x, None, weight, 1e-5)[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [1500] + ([] if DEVICE == "cpu" else [14336]))
+def test_silu_mul_quantizes_its_rows(dtype, inter):
+    gate_up = (torch.randn(3, 2 * inter) * 3).to(dtype).to(DEVICE)
+    _same_as_separate_quant(triton_fused.silu_mul(gate_up, quant=True), triton_fused.silu_mul(gate_up))

@@ -122,3 +122,48 @@ def test_backend_linear_dispatches_on_the_weight(make, backend):
     plain = x.float() @ w.dequantize().t()
     assert not torch.equal(got.float(), plain.to(torch.bfloat16).float())
     torch.testing.assert_close(got.float(), plain, rtol=0.1, atol=0.1)
+
+
+class _CudaRows:
+    """What ``fp8.route`` reads of an activation on CUDA (no CUDA device needed)."""
+
+    def __init__(self, rows: int, k: int, dtype=torch.bfloat16):
+        self.shape, self.dtype, self.is_cuda = torch.Size((rows, k)), dtype, True
+
+    def dim(self) -> int:
+        return 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the routes past 16 rows ask triton_gemv")
+def test_route_and_which_routes_take_a_fused_token_quant(monkeypatch):
+    """The route table of the module docstring, and that exactly the W8A8 per-row routes (the
+    GEMV's FP8 dot, _scaled_mm) take their input quantized by its producer; the switch turns it off."""
+    channel, block = channel_weight(256, 512)[0], block_weight(256, 512)[0]
+    routes = {rows: fp8.route(_CudaRows(rows, 512), channel, rows) for rows in (1, 16, 17, 64, 65, 4096)}
+    assert routes == {1: "gemv", 16: "gemv", 17: "gemv_w8a8", 64: "gemv_w8a8", 65: "scaled_mm", 4096: "scaled_mm"}
+    assert fp8.route(_CudaRows(65, 512, torch.float32), channel, 65) == "reference"  # _scaled_mm wants bf16
+    assert fp8.route(_CudaRows(16, 512), block, 16) == "gemv"
+    assert fp8.route(_CudaRows(65, 512), block, 65) == "block"
+    assert fp8.route(torch.zeros(40, 512), channel, 40) == "reference"  # CPU
+    takes = {rows: fp8.takes_token_quant(channel, _CudaRows(rows, 512)) for rows in (16, 17, 64, 65)}
+    assert takes == {16: False, 17: True, 64: True, 65: True}
+    assert not fp8.takes_token_quant(block, _CudaRows(65, 512))  # per-group scales: its own quant
+    assert not fp8.takes_token_quant(torch.zeros(256, 512), _CudaRows(40, 512))  # a bf16 weight
+    assert not fp8.takes_token_quant(None, _CudaRows(40, 512))
+    assert not fp8.takes_token_quant(channel, torch.zeros(40, 512))  # CPU
+    monkeypatch.setattr(fp8, "FUSE_TOKEN_QUANT", False)
+    assert not fp8.takes_token_quant(channel, _CudaRows(40, 512))
+
+
+@pytest.mark.parametrize("backend", list(_backends()), ids=lambda b: b.name)
+def test_a_token_quantized_input_reaches_every_linear_as_its_rows_or_its_quant(backend):
+    """``fp8.TokenQuantized`` (what a fused norm or silu hands a W8A8 linear) is taken by an FP8
+    linear, by a plain one (its rows), and its rows are what the CPU reference quantizes."""
+    w, _ = channel_weight(40, 136)
+    x = torch.randn(20, 136).to(torch.bfloat16)
+    q, s = fp8.per_token_quant(x)
+    carried = fp8.TokenQuantized(x, q, s)
+    assert carried.shape == x.shape
+    assert torch.equal(backend.linear(carried, w, None), backend.linear(x, w, None))
+    plain = torch.randn(24, 136).to(torch.bfloat16)
+    assert torch.equal(backend.linear(carried if backend.name == "triton" else x, plain), x @ plain.t())
