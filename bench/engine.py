@@ -222,6 +222,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--fp8-unfused-quant", action="store_true",
                     help="FP8 per-channel checkpoints: decode (and profile, prefill) again with the per-token quant "
                          "as its own kernel, not fused into the norms and silu (fp8.FUSE_TOKEN_QUANT off)")
+    ap.add_argument("--silu-quant-config", default="",
+                    help="BLOCK,WARPS of the silu kernel that also quantizes (triton_fused.SILU_QUANT_BLOCK/_WARPS)")
     ap.add_argument("--profile", default="", help="batches whose decode step's CUDA kernels to list (first context)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"),
                     help="the KV pool's dtype (fp8_e4m3: one byte per element, the roofline counts it so)")
@@ -335,6 +337,10 @@ def main() -> None:
     per_layer = cfg.deepseek.latent_width if cfg.deepseek is not None else 2 * cfg.num_key_value_heads * cfg.head_dim
     kv_token_bytes = cfg.num_hidden_layers * per_layer * elem_bytes
     max_tokens = int(a.kv_budget_gib * 2**30 // kv_token_bytes)
+    if a.silu_quant_config:
+        from kvferry.common.kernels import triton_fused
+
+        triton_fused.SILU_QUANT_BLOCK, triton_fused.SILU_QUANT_WARPS = map(int, a.silu_quant_config.split(","))
     started = time.perf_counter()
     runner = build_runner(a.model, device=a.device, dtype=a.dtype, max_total_tokens=max_tokens,
                           attention_backend=a.attention_backend, disable_cuda_graph=a.disable_cuda_graph,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|prefix-ttft|extend|
-#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
+#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -393,6 +393,23 @@ if [[ $what == fused-quant ]]; then
       --profile 64 $budget 2>>"$out/moe-engine.err" | sed "s/^{/{\"preset\": \"$preset\", /" \
       | tee -a "$out/moe-engine.jsonl" | cut -c1-160
   done
+fi
+if [[ $what == fused-tune ]]; then
+  # issue 28: the fused quant kernels' launch configurations beside the separate pair (bench/fused_quant.py), while the
+  # FP8 checkpoint builds; then the 8B FP8 per-channel decode steps fused (with the silu configuration that won at 64
+  # rows) and unfused side by side, a batch-64 step's kernels both ways
+  fp8_build channel &
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_triton_fused.py 2>&1 | tail -2 | tee "$out/fused-tests.txt"
+  timeout 120 python3 bench/fused_quant.py --rows ${TUNE_ROWS:-32,64,1024} 2>>"$out/fused-quant.err" \
+    | tee -a "$out/fused-quant.jsonl" | cut -c1-220
+  wait
+  silu=$(python3 -c 'import json, sys
+best = [json.loads(l)["best"] for l in open(sys.argv[1]) if "\"silu\"" in l and json.loads(l)["rows"] == 64]
+print(",".join(map(str, best[0])) if best else "")' "$out/fused-quant.jsonl")
+  echo "silu quant config: ${silu:-default}"
+  ENGINE_TIMEOUT=150 fp8_engine fp8-channel --model /tmp/m8b-fp8c/target --batches ${FUSED_BATCHES:-1,32,64} \
+    --contexts 1024 --prefill 8192 --profile 64 --fp8-unfused-quant ${silu:+--silu-quant-config $silu} \
+    --kv-budget-gib 16 | cut -c1-160
 fi
 if [[ $what == moe-routed ]]; then
   # both MoE presets' decode steps with a distinct token per sequence (bench/engine.py's last_token: before, every

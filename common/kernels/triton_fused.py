@@ -61,7 +61,8 @@ def _add_rms_norm_kernel(x, delta, out_x, out_h, weight, eps, hq, hs, HIDDEN: tl
         _quantize_row(h, hq + row * HIDDEN, hs, row, i, mask)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, quant: bool = False):
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, quant: bool = False,
+                 num_warps: int | None = None):
     """x, delta: [T, hidden] contiguous -> (x + delta, rms_norm(x + delta)); delta None: (x, rms_norm(x)).
     ``quant``: the normed rows also quantized per token -> (x + delta, ``fp8.TokenQuantized``)."""
     num_rows, hidden = x.shape
@@ -72,7 +73,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     if num_rows:
         _add_rms_norm_kernel[(num_rows,)](x, delta if delta is not None else x, out_x, out_h, weight, eps, hq, hs,
                                           HIDDEN=hidden, BLOCK=block, HAS_DELTA=delta is not None, QUANT=quant,
-                                          num_warps=8 if block >= 4096 else 4)
+                                          num_warps=num_warps or (8 if block >= 4096 else 4))
     return out_x, (TokenQuantized(out_h, hq, hs) if quant else out_h)
 
 
@@ -170,31 +171,63 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up, out, q, s, INTER: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr):
-    """``silu(gate) * up`` of BLOCK columns of a row; QUANT: the whole row (BLOCK >= INTER), also
-    quantized per token."""
-    row = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+def _silu_mul_tile(gate_up, row, i, INTER: tl.constexpr):
     mask = i < INTER
     g = tl.load(gate_up + row * 2 * INTER + i, mask=mask, other=0.0)
     u = tl.load(gate_up + row * 2 * INTER + INTER + i, mask=mask, other=0.0)
     g32 = g.to(tl.float32)
     act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype)  # F.silu rounds to the dtype before the product
-    h = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+    return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up, out, INTER: tl.constexpr, BLOCK: tl.constexpr):
+    """``silu(gate) * up`` of BLOCK columns of a row."""
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    h, mask = _silu_mul_tile(gate_up, row, i, INTER)
     tl.store(out + row * INTER + i, h, mask=mask)
-    if QUANT:
+
+
+@triton.jit
+def _silu_mul_quant_kernel(gate_up, out, q, s, INTER: tl.constexpr, BLOCK: tl.constexpr):
+    """``silu(gate) * up`` of a whole row, also quantized per token: in registers when BLOCK covers
+    the row, else in two passes of BLOCK columns (the second recomputes each tile)."""
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    if BLOCK >= INTER:
+        h, mask = _silu_mul_tile(gate_up, row, i, INTER)
+        tl.store(out + row * INTER + i, h, mask=mask)
         _quantize_row(h, q + row * INTER, s, row, i, mask)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, INTER, BLOCK):
+            h, mask = _silu_mul_tile(gate_up, row, start + i, INTER)
+            tl.store(out + row * INTER + start + i, h, mask=mask)
+            amax = tl.maximum(amax, tl.abs(h.to(tl.float32)))
+        scale = tl.div_rn(tl.maximum(tl.max(amax, 0), _MIN_AMAX), _FP8_MAX)
+        for start in range(0, INTER, BLOCK):
+            h, mask = _silu_mul_tile(gate_up, row, start + i, INTER)
+            qv = tl.clamp(tl.div_rn(h.to(tl.float32), scale), -_FP8_MAX, _FP8_MAX)
+            tl.store(q + row * INTER + start + i, qv.to(q.dtype.element_ty), mask=mask)
+        tl.store(s + row, scale)
 
 
-def silu_mul(gate_up: torch.Tensor, quant: bool = False):
+SILU_QUANT_BLOCK = 16384  # columns a program holds at once with ``quant`` (bench/fused_quant.py)
+SILU_QUANT_WARPS = 16
+
+
+def silu_mul(gate_up: torch.Tensor, quant: bool = False, block: int | None = None, num_warps: int | None = None):
     """gate_up [T, 2 * I] contiguous -> silu(gate) * up [T, I]; ``quant``: also quantized per token
-    (one program a row) -> ``fp8.TokenQuantized``."""
+    (one program a row, ``block`` columns at once) -> ``fp8.TokenQuantized``."""
     num_rows, width = gate_up.shape
     inter = width // 2
     out = torch.empty(num_rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     q, s = _quant_outputs(gate_up, inter, quant)
-    if num_rows:
-        block = triton.next_power_of_2(inter) if quant else 1024
-        _silu_mul_kernel[(num_rows, triton.cdiv(inter, block))](gate_up, out, q, s, INTER=inter, BLOCK=block,
-                                                                 QUANT=quant, num_warps=min(16, max(4, block // 1024)))
+    if num_rows and quant:
+        block = min(block or SILU_QUANT_BLOCK, triton.next_power_of_2(inter))
+        _silu_mul_quant_kernel[(num_rows,)](gate_up, out, q, s, INTER=inter, BLOCK=block,
+                                            num_warps=num_warps or min(SILU_QUANT_WARPS, max(4, block // 1024)))
+    elif num_rows:
+        _silu_mul_kernel[(num_rows, triton.cdiv(inter, 1024))](gate_up, out, INTER=inter, BLOCK=1024, num_warps=4)
     return TokenQuantized(out, q, s) if quant else out

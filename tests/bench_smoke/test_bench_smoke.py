@@ -119,3 +119,13 @@ def test_router_policies_bench_prints_one_json_line_per_pair():
     # the decode held each conversation's previous prompt and answer, the prefill its previous prompt
     assert sticky["decode_history_hit_fraction"] == sticky["decode_history_hit_bound"] > 0
     assert sticky["prefill_history_hit_fraction"] == sticky["prefill_history_hit_bound"] > 0
+
+
+def test_fused_quant_bench_checks_every_configuration_against_the_separate_pair():
+    """``--dry-run``: tiny widths under Triton's interpreter; each configuration's output is compared
+    with the separate kernel + per-token quant before it is timed (a mismatch fails the run)."""
+    records = run_bench("fused_quant.py", "--dry-run", "--rows", "3")
+    assert [(r["case"], r["rows"]) for r in records] == [("norm", 3), ("silu", 3)]
+    for r in records:
+        assert r["bench"] == "fused_quant" and {"best", "best_us", "default_us", "baseline_us", "git"} <= r.keys()
+        assert r["best_us"] == min(r["all"].values())

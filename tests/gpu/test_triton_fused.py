@@ -135,4 +135,5 @@ def test_add_rms_norm_quantizes_its_rows(dtype, hidden):
 @pytest.mark.parametrize("inter", [1500] + ([] if DEVICE == "cpu" else [14336]))
 def test_silu_mul_quantizes_its_rows(dtype, inter):
     gate_up = (torch.randn(3, 2 * inter) * 3).to(dtype).to(DEVICE)
-    _same_as_separate_quant(triton_fused.silu_mul(gate_up, quant=True), triton_fused.silu_mul(gate_up))
+    for block in (None, 512):  # the whole row in registers, and two passes of 512 columns
+        _same_as_separate_quant(triton_fused.silu_mul(gate_up, quant=True, block=block), triton_fused.silu_mul(gate_up))
