@@ -213,8 +213,10 @@ def _silu_mul_quant_kernel(gate_up, out, q, s, INTER: tl.constexpr, BLOCK: tl.co
         tl.store(s + row, scale)
 
 
-SILU_QUANT_BLOCK = 16384  # columns a program holds at once with ``quant`` (bench/fused_quant.py)
-SILU_QUANT_WARPS = 16
+# columns a program holds at once with ``quant``, and its warps: the fastest of bench/fused_quant.py's sweep at 32
+# and 64 rows of 14,336 on an H100 (6.1 us against 9.5-10 for silu_mul + per_token_quant; bench/RESULTS.md)
+SILU_QUANT_BLOCK = 16384
+SILU_QUANT_WARPS = 32
 
 
 def silu_mul(gate_up: torch.Tensor, quant: bool = False, block: int | None = None, num_warps: int | None = None):
@@ -227,7 +229,7 @@ def silu_mul(gate_up: torch.Tensor, quant: bool = False, block: int | None = Non
     if num_rows and quant:
         block = min(block or SILU_QUANT_BLOCK, triton.next_power_of_2(inter))
         _silu_mul_quant_kernel[(num_rows,)](gate_up, out, q, s, INTER=inter, BLOCK=block,
-                                            num_warps=num_warps or min(SILU_QUANT_WARPS, max(4, block // 1024)))
+                                            num_warps=num_warps or min(SILU_QUANT_WARPS, max(4, block // 512)))
     elif num_rows:
         _silu_mul_kernel[(num_rows, triton.cdiv(inter, 1024))](gate_up, out, INTER=inter, BLOCK=1024, num_warps=4)
     return TokenQuantized(out, q, s) if quant else out

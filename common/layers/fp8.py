@@ -31,6 +31,11 @@ weights; ``amax / 448`` as the checkpoints' dynamic scheme does) and the GEMM ru
     CUDA, block     common/kernels/triton_fp8_gemm.py (per-token-group quant + block GEMM)
     otherwise       the torch reference: dequantize both, matmul in fp32, cast to x's dtype
 
+On the W8A8 per-row routes the input may come quantized already (``TokenQuantized``): the triton
+backend's norm and silu kernels quantize what they make for such a linear in the same launch
+(``takes_token_quant``; ``FUSE_TOKEN_QUANT`` turns it off for A/B runs), bit for bit as the separate
+``per_token_quant`` kernel would.
+
 The CPU path is W8A8 at every M, so CPU pairs and colocated CPU engines agree with each other;
 on CUDA a decode step's linears are the more exact W8A16 (``reference_weight_only``) up to 16 rows.
 """
