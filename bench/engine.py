@@ -222,6 +222,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--fp8-unfused-quant", action="store_true",
                     help="FP8 per-channel checkpoints: decode (and profile, prefill) again with the per-token quant "
                          "as its own kernel, not fused into the norms and silu (fp8.FUSE_TOKEN_QUANT off)")
+    ap.add_argument("--moe-align-torch", action="store_true",
+                    help="MoE models: decode (and profile, prefill) again with the slots sorted by torch ops "
+                         "instead of the one-launch counting sort (triton_moe.ALIGN_KERNEL_MAX_SLOTS 0)")
     ap.add_argument("--silu-quant-config", default="",
                     help="BLOCK,WARPS of the silu kernel that also quantizes (triton_fused.SILU_QUANT_BLOCK/_WARPS)")
     ap.add_argument("--profile", default="", help="batches whose decode step's CUDA kernels to list (first context)")
@@ -284,26 +287,20 @@ def with_fp8_gemv_rows(runner, a, base: dict, weights: WeightBytes, kv_token_byt
     recapture(runner)
 
 
-def with_unfused_quant(runner, a, base: dict, weights: WeightBytes, kv_token_bytes: int, bw: float,
-                       max_tokens: int, prefill_peak: float) -> None:
-    """The decode steps, profiles and prefills again with the per-token quant as its own launch
-    (``fp8.FUSE_TOKEN_QUANT`` off, graphs recaptured), then fused again. Lines say ``fp8_fuse_quant``."""
-    from kvferry.common.layers import fp8
-
-    fp8.FUSE_TOKEN_QUANT = False
+def rerun(runner, a, base: dict, weights: WeightBytes, kv_token_bytes: int, bw: float, max_tokens: int,
+          prefill_peak: float) -> None:
+    """The decode steps, profiles and prefills again (graphs recaptured first), each line with ``base``:
+    for a switch set before the call (``--fp8-unfused-quant``, ``--moe-align-torch``)."""
     recapture(runner)
-    off = {**base, "fp8_fuse_quant": False}
     for context in map(int, a.contexts.split(",")):
         for batch in map(int, a.batches.split(",")):
             if batch * (context + a.steps + 24) <= max_tokens:
-                emit({**off, **decode_case(runner, a, batch, context, weights, kv_token_bytes, bw)})
+                emit({**base, **decode_case(runner, a, batch, context, weights, kv_token_bytes, bw)})
     for batch in (map(int, a.profile.split(",")) if a.profile else []):
-        emit({**off, **profile_case(runner, batch, int(a.contexts.split(",")[0]))})
+        emit({**base, **profile_case(runner, batch, int(a.contexts.split(",")[0]))})
     for tokens in (map(int, a.prefill.split(",")) if a.prefill else []):
-        emit({**off, **prefill_case(runner, tokens, active_params_per_token(weights), runner.target.model.config,
-                                    prefill_peak)})
-    fp8.FUSE_TOKEN_QUANT = True
-    recapture(runner)
+        emit({**base, **prefill_case(runner, tokens, active_params_per_token(weights), runner.target.model.config,
+                                     prefill_peak)})
 
 
 def with_gemv(runner, a, base: dict, weights: WeightBytes, kv_token_bytes: int, bw: float) -> None:
@@ -364,6 +361,8 @@ def main() -> None:
         for record in gemv_cases(model):
             emit({**base, **record})
     moe = model.config.moe
+    if a.moe_align_torch:
+        base["moe_align"] = "kernel"
     # FP8 linears keep their e4m3 weight and fp32 scales as buffers (common/layers/fp8.py): the bytes a step reads
     tensors = [*model.named_parameters(), *model.named_buffers()]
     weights = split_weights([(name, p.numel(), p.element_size()) for name, p in tensors
@@ -387,8 +386,20 @@ def main() -> None:
     prefill_peak = peak if plain else fp8_peak  # against the peak of the GEMMs the weights run on
     for tokens in (map(int, a.prefill.split(",")) if a.prefill else []):
         emit({**base, **prefill_case(runner, tokens, active_params_per_token(weights), model.config, prefill_peak)})
-    if a.fp8_unfused_quant and not plain:
-        with_unfused_quant(runner, a, base, weights, kv_token_bytes, bw, max_tokens, prefill_peak)
+    again = (weights, kv_token_bytes, bw, max_tokens, prefill_peak)
+    if a.fp8_unfused_quant and not plain:  # the per-token quant as its own launch, not in the norms and silu
+        fp8.FUSE_TOKEN_QUANT = False
+        rerun(runner, a, {**base, "fp8_fuse_quant": False}, *again)
+        fp8.FUSE_TOKEN_QUANT = True
+        recapture(runner)
+    if a.moe_align_torch and (moe or model.config.deepseek):  # the slots sorted by torch ops, not _align_kernel
+        from kvferry.common.kernels import triton_moe
+
+        kernel_max = triton_moe.ALIGN_KERNEL_MAX_SLOTS
+        triton_moe.ALIGN_KERNEL_MAX_SLOTS = 0
+        rerun(runner, a, {**base, "moe_align": "torch"}, *again)
+        triton_moe.ALIGN_KERNEL_MAX_SLOTS = kernel_max
+        recapture(runner)
 
 
 if __name__ == "__main__":

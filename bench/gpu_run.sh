@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|prefix-ttft|extend|
-#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
+#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -410,6 +410,23 @@ print(",".join(map(str, best[0])) if best else "")' "$out/fused-quant.jsonl")
   ENGINE_TIMEOUT=150 fp8_engine fp8-channel --model /tmp/m8b-fp8c/target --batches ${FUSED_BATCHES:-1,32,64} \
     --contexts 1024 --prefill 8192 --profile 64 --fp8-unfused-quant ${silu:+--silu-quant-config $silu} \
     --kv-budget-gib 16 | cut -c1-160
+fi
+if [[ $what == moe-align ]]; then
+  # issue 29: the MoE slots sorted by expert in one launch (triton_moe._align_kernel) for decode-sized batches: the MoE
+  # kernel tests and DeepSeek's graphs while both presets build; then both presets' decode steps with the kernel and with
+  # the torch sort side by side (--moe-align-torch), a batch-64 step's kernels both ways
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) &
+  done
+  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -v -p no:cacheprovider --tb=short tests/gpu/test_triton_moe.py \
+    tests/gpu/test_deepseek_graphs.py > "$out/moe-align-tests.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/moe-align-tests.txt" | tail -12
+  wait
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    timeout 120 python3 bench/engine.py --model /tmp/$preset/target --batches ${ALIGN_BATCHES:-8,64} --contexts 1024 \
+      --prefill "" --profile 64 --moe-align-torch --kv-budget-gib 16 2>>"$out/moe-engine.err" \
+      | sed "s/^{/{\"preset\": \"$preset\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-160
+  done
 fi
 if [[ $what == moe-routed ]]; then
   # both MoE presets' decode steps with a distinct token per sequence (bench/engine.py's last_token: before, every

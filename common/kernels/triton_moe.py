@@ -11,7 +11,8 @@ A token slot is ``t * k + j``: token t's j-th expert. Over T tokens and k expert
     grouped GEMM  act[slot] @ w2[e].T * weight[slot] -> [T * k, H] (fp32)
     sum over the k slots of each token              -> [T, H]
 
-No host sync anywhere: the sort runs as torch ops on the device, and P is bounded by shapes alone
+No host sync anywhere: the sort runs on the device (one counting-sort launch for decode-sized slot
+counts, torch ops past them), and P is bounded by shapes alone
 (at most min(T * k, E) experts have a slot, each wasting under BLOCK_M rows of padding), so the
 grid is fixed and a CUDA graph can capture the whole block.
 
@@ -31,13 +32,72 @@ from kvferry.common.kernels.triton_fused import silu_mul
 from kvferry.common.kernels.triton_gemv import MOE_GEMV_MAX_SLOTS, SHARED_MEMORY_BYTES, moe_gemv
 
 
+ALIGN_KERNEL_MAX_SLOTS = 2048  # up to this many slots align_by_expert is one launch (_align_kernel)
+
+
+def _align_bound(num_slots: int, num_experts: int, block_m: int) -> int:
+    """P: every slot, plus under ``block_m`` rows of padding for each expert that can have a slot."""
+    return triton.cdiv(num_slots + min(num_slots, num_experts) * (block_m - 1), block_m) * block_m
+
+
+@triton.jit
+def _align_kernel(ids, sorted_slots, block_experts, S, E, BOUND, NUM_BLOCKS, BLOCK_S: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``align_by_expert`` in one program, a counting sort: the experts' slot counts, their padded
+    starts (an exclusive cumsum), every row set to the sentinel S, then each slot written at its
+    expert's start plus its rank among that expert's slots (the earlier chunks' count, plus the
+    earlier slots of its chunk), then each block's expert (how many experts end at or before it)."""
+    e = tl.arange(0, BLOCK_E)
+    j = tl.arange(0, BLOCK_S)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for s0 in range(0, S, BLOCK_S):
+        x = tl.load(ids + s0 + j, mask=s0 + j < S, other=BLOCK_E)  # past S: no expert's bin
+        counts += tl.sum((x[:, None] == e[None, :]).to(tl.int32), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    for p0 in range(0, BOUND, BLOCK_S):
+        tl.store(sorted_slots + p0 + j, S, mask=p0 + j < BOUND)
+    tl.debug_barrier()  # the sentinels land before any slot overwrites them
+    seen = tl.zeros((BLOCK_E,), dtype=tl.int32)  # each expert's slots in the chunks before
+    for s0 in range(0, S, BLOCK_S):
+        x = tl.load(ids + s0 + j, mask=s0 + j < S, other=BLOCK_E)
+        hot = x[:, None] == e[None, :]  # [BLOCK_S, BLOCK_E]
+        base = tl.sum(tl.where(hot, (starts + seen)[None, :], 0), 1)
+        earlier = tl.sum(((x[:, None] == x[None, :]) & (j[None, :] < j[:, None])).to(tl.int32), 1)
+        tl.store(sorted_slots + base + earlier, s0 + j, mask=s0 + j < S)
+        seen += tl.sum(hot.to(tl.int32), 0)
+    real = e < E
+    for b0 in range(0, NUM_BLOCKS, BLOCK_S):
+        b = b0 + j
+        expert = tl.sum(((ends[None, :] <= (b * BLOCK_M)[:, None]) & real[None, :]).to(tl.int32), 1)
+        tl.store(block_experts + b, tl.where(expert < E, expert, -1), mask=b < NUM_BLOCKS)
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted_slots [P] int64, block_experts [P // block_m] int64).
 
     Invariants: every slot in [0, T * k) appears exactly once in ``sorted_slots``; every other entry
     is T * k; each block of ``block_m`` entries holds slots of the one expert ``block_experts[b]``
     (ascending expert order, slot order within an expert), and a block with no slot has expert -1.
+    Up to ``ALIGN_KERNEL_MAX_SLOTS`` slots (decode batches) one launch (``_align_kernel``), else
+    about a dozen torch ops (``align_by_expert_torch``): both give the same tensors.
     """
+    num_slots = topk_ids.numel()
+    if num_slots > ALIGN_KERNEL_MAX_SLOTS or num_slots == 0:
+        return align_by_expert_torch(topk_ids, num_experts, block_m)
+    bound = _align_bound(num_slots, num_experts, block_m)
+    sorted_slots = torch.empty(bound, dtype=torch.int64, device=topk_ids.device)
+    block_experts = torch.empty(bound // block_m, dtype=torch.int64, device=topk_ids.device)
+    block_e = triton.next_power_of_2(num_experts)
+    _align_kernel[(1,)](topk_ids.flatten(), sorted_slots, block_experts, num_slots, num_experts, bound,
+                        bound // block_m, BLOCK_S=max(16, min(128, 16384 // block_e)), BLOCK_E=block_e,
+                        BLOCK_M=block_m, num_warps=4)
+    return sorted_slots, block_experts
+
+
+def align_by_expert_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``align_by_expert`` as torch ops on the device (a stable argsort by expert): any slot count."""
     flat = topk_ids.flatten()
     num_slots = flat.numel()
     # a scatter, not bincount: bincount on CUDA reads its maximum back to the host
@@ -50,7 +110,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     # a slot's row: its expert's first padded row + its rank among that expert's slots
     rank = torch.arange(num_slots, device=flat.device) - (torch.cumsum(counts, 0) - counts)[experts]
     rows = (padded_ends - padded)[experts] + rank
-    bound = triton.cdiv(num_slots + min(num_slots, num_experts) * (block_m - 1), block_m) * block_m
+    bound = _align_bound(num_slots, num_experts, block_m)
     sorted_slots = torch.full((bound,), num_slots, dtype=torch.int64, device=flat.device)
     sorted_slots[rows] = order
     block_starts = torch.arange(0, bound, block_m, device=flat.device)
