@@ -225,6 +225,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--moe-align-torch", action="store_true",
                     help="MoE models: decode (and profile, prefill) again with the slots sorted by torch ops "
                          "instead of the one-launch counting sort (triton_moe.ALIGN_KERNEL_MAX_SLOTS 0)")
+    ap.add_argument("--moe-align-warps", type=int, default=0, help="warps of the one-launch slot sort (triton_moe.ALIGN_WARPS)")
     ap.add_argument("--silu-quant-config", default="",
                     help="BLOCK,WARPS of the silu kernel that also quantizes (triton_fused.SILU_QUANT_BLOCK/_WARPS)")
     ap.add_argument("--profile", default="", help="batches whose decode step's CUDA kernels to list (first context)")
@@ -334,6 +335,10 @@ def main() -> None:
     per_layer = cfg.deepseek.latent_width if cfg.deepseek is not None else 2 * cfg.num_key_value_heads * cfg.head_dim
     kv_token_bytes = cfg.num_hidden_layers * per_layer * elem_bytes
     max_tokens = int(a.kv_budget_gib * 2**30 // kv_token_bytes)
+    if a.moe_align_warps:
+        from kvferry.common.kernels import triton_moe
+
+        triton_moe.ALIGN_WARPS = a.moe_align_warps
     if a.silu_quant_config:
         from kvferry.common.kernels import triton_fused
 

@@ -418,13 +418,18 @@ if [[ $what == moe-align ]]; then
   for preset in qwen3-30b-a3b deepseek-v2-lite; do
     ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) &
   done
-  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -v -p no:cacheprovider --tb=short tests/gpu/test_triton_moe.py \
-    tests/gpu/test_deepseek_graphs.py > "$out/moe-align-tests.txt" 2>&1
+  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -v -p no:cacheprovider --tb=short -k "${ALIGN_K:-align or tiny or graphs}" \
+    tests/gpu/test_triton_moe.py tests/gpu/test_deepseek_graphs.py > "$out/moe-align-tests.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/moe-align-tests.txt" | tail -12
+  timeout 90 python3 bench/moe_align.py 2>>"$out/moe-engine.err" | tee -a "$out/moe-align.jsonl" | cut -c1-220
+  warps=$(python3 -c 'import json, sys
+best = [json.loads(l)["best_warps"] for l in open(sys.argv[1]) if json.loads(l)["slots"] == 512]
+print(best[0] if best else "")' "$out/moe-align.jsonl")
+  echo "align warps: ${warps:-default}"
   wait
   for preset in qwen3-30b-a3b deepseek-v2-lite; do
     timeout 120 python3 bench/engine.py --model /tmp/$preset/target --batches ${ALIGN_BATCHES:-8,64} --contexts 1024 \
-      --prefill "" --profile 64 --moe-align-torch --kv-budget-gib 16 2>>"$out/moe-engine.err" \
+      --prefill "" --profile 64 --moe-align-torch ${warps:+--moe-align-warps $warps} --kv-budget-gib 16 2>>"$out/moe-engine.err" \
       | sed "s/^{/{\"preset\": \"$preset\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-160
   done
 fi

@@ -33,6 +33,7 @@ from kvferry.common.kernels.triton_gemv import MOE_GEMV_MAX_SLOTS, SHARED_MEMORY
 
 
 ALIGN_KERNEL_MAX_SLOTS = 2048  # up to this many slots align_by_expert is one launch (_align_kernel)
+ALIGN_WARPS = 4
 
 
 def _align_bound(num_slots: int, num_experts: int, block_m: int) -> int:
@@ -42,7 +43,7 @@ def _align_bound(num_slots: int, num_experts: int, block_m: int) -> int:
 
 @triton.jit
 def _align_kernel(ids, sorted_slots, block_experts, S, E, BOUND, NUM_BLOCKS, BLOCK_S: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_FILL: tl.constexpr):
     """``align_by_expert`` in one program, a counting sort: the experts' slot counts, their padded
     starts (an exclusive cumsum), every row set to the sentinel S, then each slot written at its
     expert's start plus its rank among that expert's slots (the earlier chunks' count, plus the
@@ -51,30 +52,32 @@ def _align_kernel(ids, sorted_slots, block_experts, S, E, BOUND, NUM_BLOCKS, BLO
     j = tl.arange(0, BLOCK_S)
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
     for s0 in range(0, S, BLOCK_S):
-        x = tl.load(ids + s0 + j, mask=s0 + j < S, other=BLOCK_E)  # past S: no expert's bin
+        x = tl.load(ids + s0 + j, mask=s0 + j < S, other=BLOCK_E).to(tl.int32)  # past S: no expert's bin
         counts += tl.sum((x[:, None] == e[None, :]).to(tl.int32), 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     starts = ends - padded
-    for p0 in range(0, BOUND, BLOCK_S):
-        tl.store(sorted_slots + p0 + j, S, mask=p0 + j < BOUND)
+    f = tl.arange(0, BLOCK_FILL)
+    for p0 in range(0, BOUND, BLOCK_FILL):
+        tl.store(sorted_slots + p0 + f, S, mask=p0 + f < BOUND)
     tl.debug_barrier()  # the sentinels land before any slot overwrites them
     seen = tl.zeros((BLOCK_E,), dtype=tl.int32)  # each expert's slots in the chunks before
     for s0 in range(0, S, BLOCK_S):
-        x = tl.load(ids + s0 + j, mask=s0 + j < S, other=BLOCK_E)
+        x = tl.load(ids + s0 + j, mask=s0 + j < S, other=BLOCK_E).to(tl.int32)
         hot = x[:, None] == e[None, :]  # [BLOCK_S, BLOCK_E]
         base = tl.sum(tl.where(hot, (starts + seen)[None, :], 0), 1)
         earlier = tl.sum(((x[:, None] == x[None, :]) & (j[None, :] < j[:, None])).to(tl.int32), 1)
         tl.store(sorted_slots + base + earlier, s0 + j, mask=s0 + j < S)
         seen += tl.sum(hot.to(tl.int32), 0)
     real = e < E
-    for b0 in range(0, NUM_BLOCKS, BLOCK_S):
-        b = b0 + j
+    for b0 in range(0, NUM_BLOCKS, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
         expert = tl.sum(((ends[None, :] <= (b * BLOCK_M)[:, None]) & real[None, :]).to(tl.int32), 1)
         tl.store(block_experts + b, tl.where(expert < E, expert, -1), mask=b < NUM_BLOCKS)
 
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                    num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted_slots [P] int64, block_experts [P // block_m] int64).
 
     Invariants: every slot in [0, T * k) appears exactly once in ``sorted_slots``; every other entry
@@ -90,9 +93,12 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     sorted_slots = torch.empty(bound, dtype=torch.int64, device=topk_ids.device)
     block_experts = torch.empty(bound // block_m, dtype=torch.int64, device=topk_ids.device)
     block_e = triton.next_power_of_2(num_experts)
+    cap = max(16, 16384 // block_e)  # a [slots, experts] tile of at most 16K elements
     _align_kernel[(1,)](topk_ids.flatten(), sorted_slots, block_experts, num_slots, num_experts, bound,
-                        bound // block_m, BLOCK_S=max(16, min(128, 16384 // block_e)), BLOCK_E=block_e,
-                        BLOCK_M=block_m, num_warps=4)
+                        bound // block_m, BLOCK_S=min(cap, 128, max(16, triton.next_power_of_2(num_slots))),
+                        BLOCK_E=block_e, BLOCK_M=block_m,
+                        BLOCK_B=min(cap, 128, max(16, triton.next_power_of_2(bound // block_m))), BLOCK_FILL=1024,
+                        num_warps=num_warps or ALIGN_WARPS)
     return sorted_slots, block_experts
 
 

@@ -129,3 +129,10 @@ def test_fused_quant_bench_checks_every_configuration_against_the_separate_pair(
     for r in records:
         assert r["bench"] == "fused_quant" and {"best", "best_us", "default_us", "baseline_us", "git"} <= r.keys()
         assert r["best_us"] == min(r["all"].values())
+
+
+def test_moe_align_bench_checks_the_kernel_against_the_torch_sort():
+    """``--dry-run`` under Triton's interpreter: each warp count's tensors equal the torch path's."""
+    records = run_bench("moe_align.py", "--dry-run", "--cases", "64x128x16,300x64x16", "--warps", "4")
+    assert [(r["slots"], r["experts"], r["block_m"]) for r in records] == [(64, 128, 16), (300, 64, 16)]
+    assert all(r["bench"] == "moe_align" and r["best_warps"] == 4 and "torch_us" in r for r in records)
