@@ -11,7 +11,7 @@
 
 ``add_rms_norm`` and ``silu_mul`` with ``quant`` also quantize each output row per token (e4m3,
 ``amax / 448``, bit for bit as ``triton_fp8_gemm.per_token_quant`` would), for the W8A8 linear they
-feed (``fp8.takes_token_quant``): one launch instead of two.
+feed (``fp8.takes_token_quant``): one launch instead of two (``quant_rows.TokenQuantized``).
 
 Each matches its torch composition to within one rounding of the model dtype (``tests/gpu``).
 """
@@ -23,11 +23,12 @@ import triton
 import triton.language as tl
 
 from kvferry.common.kernels.kv_quant import is_quantized
-from kvferry.common.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX, TokenQuantized
+from kvferry.common.kernels.quant_rows import TokenQuantized
+from kvferry.common.kernels.triton_attention import quantize_tile
+from kvferry.common.kernels.triton_fp8_gemm import FP8_MAX, MIN_AMAX
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
-from kvferry.common.kernels.triton_attention import quantize_tile
 
 
 @triton.jit
@@ -81,7 +82,7 @@ def _quant_outputs(x: torch.Tensor, width: int, quant: bool) -> tuple[torch.Tens
     """The e4m3 rows [T, width] and fp32 scales [T, 1] a ``quant`` kernel writes (else placeholders)."""
     if not quant:
         return x, x
-    return (torch.empty(x.shape[0], width, dtype=FP8_DTYPE, device=x.device),
+    return (torch.empty(x.shape[0], width, dtype=torch.float8_e4m3fn, device=x.device),
             torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device))
 
 

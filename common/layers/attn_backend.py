@@ -17,13 +17,13 @@ with Qwen3's q/k norm, ``silu_mul``, ``linear``): the torch compositions on the 
 kernels (``common/kernels/triton_fused.py``) on the triton path. So do a sparse MoE block's router
 (``select_experts``) and experts (``fused_moe``: ``common/layers/moe.py``'s references on torch,
 ``common/kernels/triton_moe.py`` on triton).
-``linear`` of an FP8 weight (``common/layers/fp8.py``) goes to ``fp8_linear`` on both, which picks its
-kernel by device. ``add_norm`` and ``silu_mul`` take ``feeds``, the weight of the linear their output
-feeds: on the triton path, where that linear quantizes its input per token (W8A8 with per-row
-scales), they quantize it in the same launch and hand over ``fp8.TokenQuantized``. MLA (``common/layers/mla.py``) makes and stores its latent rows through
-``mla_rows`` and reads them through ``mla_attend`` (torch: ``mla.latent_rows_ref`` and the paged
-attention over the latent as one KV head; triton: ``common/kernels/triton_mla.py``), and, for its expanded prefill,
-gathers a chunk's cached prefix rows with ``mla_prefix`` (one ``index_select`` of its pages on both).
+``linear`` of an FP8 weight (``common/layers/fp8.py``) goes to ``fp8_linear`` on both, which picks
+its kernel by device; ``add_norm``/``silu_mul`` take ``feeds``, the weight their output feeds (triton:
+quantized in the same launch for a W8A8 per-row linear). MLA (``common/layers/mla.py``) makes and
+stores its latent rows through ``mla_rows`` and reads them through ``mla_attend`` (torch:
+``mla.latent_rows_ref`` and the paged attention over the latent as one KV head; triton:
+``common/kernels/triton_mla.py``); its expanded prefill gathers a chunk's cached prefix rows with
+``mla_prefix`` (one ``index_select`` of its pages on both).
 
 A plan has ``positions`` [T], ``last_index`` [B], ``query_lens`` and ``starts`` (host lists: new and
 cached tokens per chunk; ``starts`` is None in a CUDA graph's static plan, whose values change
@@ -101,16 +101,13 @@ class TorchBackend:
         return rope.apply_rotary(q, cos, sin)
 
     @staticmethod
-    def add_norm(x, delta, weight, eps, feeds=None):
-        """(x + delta, rms_norm(x + delta)); ``feeds``: the weight of the linear the norm feeds (used on
-        the triton path only, ``TritonBackend.add_norm``)."""
+    def add_norm(x, delta, weight, eps, feeds=None):  # feeds: see TritonBackend.add_norm
         x = x if delta is None else x + delta
         return x, rms_norm(x, weight, eps)
 
     @staticmethod
     def silu_mul(gate_up, feeds=None) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return torch.nn.functional.silu(gate) * up
+        return torch.nn.functional.silu(gate_up.chunk(2, dim=-1)[0]) * gate_up.chunk(2, dim=-1)[1]
 
     @staticmethod
     def linear(x, weight, bias=None) -> torch.Tensor:
@@ -127,9 +124,7 @@ class TorchBackend:
     def fused_moe(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
         return moe.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
-    select_experts = staticmethod(moe.select_experts)
-
-    mla_rows = staticmethod(mla.latent_rows_ref)
+    select_experts, mla_rows = staticmethod(moe.select_experts), staticmethod(mla.latent_rows_ref)
 
     @staticmethod
     def mla_attend(q, cache, plan, latent_dim: int, scale: float) -> torch.Tensor:
@@ -271,12 +266,10 @@ class TritonBackend:
                                      k_scale, v_scale, qk_norm)
 
     def add_norm(self, x, delta, weight, eps, feeds=None):
-        """As ``TorchBackend.add_norm`` in one launch; the normed rows come quantized too
-        (``fp8.TokenQuantized``) when ``feeds``, the weight of the linear they feed, takes them so."""
+        """In one launch; quantized too (``fp8.TokenQuantized``) if ``feeds``, the weight it feeds, takes that."""
         return self.fused.add_rms_norm(x, delta, weight, eps, quant=takes_token_quant(feeds, x))
 
-    def silu_mul(self, gate_up, feeds=None):
-        """As ``TorchBackend.silu_mul`` in one launch; quantized too as ``add_norm`` says."""
+    def silu_mul(self, gate_up, feeds=None):  # quantized too as add_norm says
         return self.fused.silu_mul(gate_up, quant=takes_token_quant(feeds, gate_up))
 
     def linear(self, x, weight, bias=None) -> torch.Tensor:

@@ -42,12 +42,11 @@ on CUDA a decode step's linears are the more exact W8A16 (``reference_weight_onl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from kvferry.common.errors import ModelLoadError
+from kvferry.common.kernels.quant_rows import TokenQuantized
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value
@@ -175,23 +174,6 @@ def _gemv_takes(rows: int, n: int) -> bool:
     from kvferry.common.kernels import triton_gemv  # imports triton: only on CUDA
 
     return triton_gemv.takes_rows(rows, n)
-
-
-@dataclass(frozen=True)
-class TokenQuantized:
-    """Activation rows [T, K] in the model dtype with their per-token quantization
-    (``per_token_quant``: e4m3 ``q`` [T, K], fp32 ``scale`` [T, 1]), made in one launch by the
-    kernel that produced the rows (``triton_fused.add_rms_norm``/``silu_mul`` with ``quant``), so the
-    FP8 linear they feed runs no quantization kernel of its own. ``fp8_linear`` takes either part;
-    any other consumer takes ``rows``."""
-
-    rows: torch.Tensor
-    q: torch.Tensor
-    scale: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.rows.shape
 
 
 FUSE_TOKEN_QUANT = True  # producers quantize what feeds a W8A8 per-row linear (bench/engine.py --fp8-fuse-quant A/B)
