@@ -225,9 +225,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--moe-align-torch", action="store_true",
                     help="MoE models: decode (and profile, prefill) again with the slots sorted by torch ops "
                          "instead of the one-launch counting sort (triton_moe.ALIGN_KERNEL_MAX_SLOTS 0)")
-    ap.add_argument("--moe-sum-torch", action="store_true",
-                    help="MoE models: decode (and profile) again with moe_gemv's k-slot sum as torch ops instead of "
-                         "inside its down projection (triton_gemv.MOE_SUM_IN_KERNEL off)")
     ap.add_argument("--moe-align-warps", type=int, default=0, help="warps of the one-launch slot sort (triton_moe.ALIGN_WARPS)")
     ap.add_argument("--silu-quant-config", default="",
                     help="BLOCK,WARPS of the silu kernel that also quantizes (triton_fused.SILU_QUANT_BLOCK/_WARPS)")
@@ -371,8 +368,6 @@ def main() -> None:
     moe = model.config.moe
     if a.moe_align_torch:
         base["moe_align"] = "kernel"
-    if a.moe_sum_torch:
-        base["moe_sum"] = "kernel"
     # FP8 linears keep their e4m3 weight and fp32 scales as buffers (common/layers/fp8.py): the bytes a step reads
     tensors = [*model.named_parameters(), *model.named_buffers()]
     weights = split_weights([(name, p.numel(), p.element_size()) for name, p in tensors
@@ -401,13 +396,6 @@ def main() -> None:
         fp8.FUSE_TOKEN_QUANT = False
         rerun(runner, a, {**base, "fp8_fuse_quant": False}, *again)
         fp8.FUSE_TOKEN_QUANT = True
-        recapture(runner)
-    if a.moe_sum_torch and (moe or model.config.deepseek):  # the k-slot sum and cast after the down GEMV
-        from kvferry.common.kernels import triton_gemv
-
-        triton_gemv.MOE_SUM_IN_KERNEL = False
-        rerun(runner, a, {**base, "moe_sum": "torch"}, *again)
-        triton_gemv.MOE_SUM_IN_KERNEL = True
         recapture(runner)
     if a.moe_align_torch and (moe or model.config.deepseek):  # the slots sorted by torch ops, not _align_kernel
         from kvferry.common.kernels import triton_moe

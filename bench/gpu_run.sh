@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|prefix-ttft|extend|
-#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|moe-sum|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
+#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -430,23 +430,6 @@ print(best[0] if best else "")' "$out/moe-align.jsonl")
   for preset in qwen3-30b-a3b deepseek-v2-lite; do
     timeout 120 python3 bench/engine.py --model /tmp/$preset/target --batches ${ALIGN_BATCHES:-8,64} --contexts 1024 \
       --prefill "" --profile 64 --moe-align-torch ${warps:+--moe-align-warps $warps} --kv-budget-gib 16 2>>"$out/moe-engine.err" \
-      | sed "s/^{/{\"preset\": \"$preset\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-160
-  done
-fi
-if [[ $what == moe-sum ]]; then
-  # issue 29: moe_gemv (batch-1-sized MoE) sums a token's k slots inside its down projection: the GEMV and MoE tests
-  # while both presets build, then both presets' small-batch decode steps with the sum in the kernel and as torch ops
-  # (--moe-sum-torch) side by side, batch 1 read again after batch 4, and a batch-1 step's kernels both ways
-  for preset in qwen3-30b-a3b deepseek-v2-lite; do
-    ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) &
-  done
-  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -v -p no:cacheprovider --tb=short -k "${SUM_K:-moe or tiny or graphs}" \
-    tests/gpu/test_triton_gemv.py tests/gpu/test_triton_moe.py tests/gpu/test_deepseek_graphs.py > "$out/moe-sum-tests.txt" 2>&1
-  grep -E "FAILED|ERROR|passed|failed" "$out/moe-sum-tests.txt" | tail -12
-  wait
-  for preset in qwen3-30b-a3b deepseek-v2-lite; do
-    timeout 120 python3 bench/engine.py --model /tmp/$preset/target --batches ${SUM_BATCHES:-1,4,1} --contexts 1024 \
-      --prefill "" --profile 1 --moe-sum-torch --kv-budget-gib 16 2>>"$out/moe-engine.err" \
       | sed "s/^{/{\"preset\": \"$preset\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-160
   done
 fi

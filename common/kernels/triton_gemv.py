@@ -15,8 +15,7 @@ weights, and what matters is streaming them at the HBM rate with nothing else in
   program row per slot reads its expert's weights directly by ``topk_ids``, so there is no sort
   by expert (``align_by_expert``: about fifteen small launches per sparse layer) and no padding of
   each expert's rows to a tensor-core tile. The down projection reads silu(gate) * up straight
-  from the gate-up rows, weights each slot in fp32 and sums a token's k slots in the same launch
-  (``_moe_down_sum_kernel``). A batch whose tokens share experts reads a
+  from the gate-up rows and weights each slot in fp32. A batch whose tokens share experts reads a
   shared expert once per slot instead of once: at T * k <= 32 that costs less than the sort.
 
 Programs: axis 0 over BLOCK_N output columns, axis 1 over row blocks (BLOCK_M rows of x; a MoE
@@ -318,39 +317,6 @@ def expert_gemv(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, out: t
         BLOCK_K=cfg.block_k, PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-@triton.jit
-def _moe_down_sum_kernel(gate_up, w, out, experts, slot_weights, N, K, stride_xm, stride_we, stride_wn, stride_om,
-                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[t, n] = sum over j < TOP_K of weight[s] * (silu(gate) * up)[s] . w[expert[s], n], s = t * TOP_K + j:
-    each slot's dot as ``_gemv_kernel`` computes it (FUSE_SILU, MUL_WEIGHT), summed in fp32 in slot
-    order, rounded once to out's dtype (``moe_gemv``'s down projection, sum and cast in one launch)."""
-    pid_n = tl.program_id(0)
-    t = tl.program_id(1).to(tl.int64)
-    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    col_ok = cols < N
-    ks = tl.arange(0, BLOCK_K)
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        slot = t * TOP_K + j
-        w_rows = w + tl.load(experts + slot).to(tl.int64) * stride_we + cols[:, None] * stride_wn
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + ks
-            k_ok = k < K
-            g = tl.load(gate_up + slot * stride_xm + k, mask=k_ok, other=0.0)
-            u = tl.load(gate_up + slot * stride_xm + K + k, mask=k_ok, other=0.0)
-            g32 = g.to(tl.float32)
-            act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype)
-            xv = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
-            wv = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.sum(wv.to(tl.float32) * xv.to(tl.float32)[None, :], 1)
-        total += acc * tl.load(slot_weights + slot).to(tl.float32)
-    tl.store(out + t * stride_om + cols, total.to(out.dtype.element_ty), mask=col_ok)
-
-
-MOE_SUM_IN_KERNEL = True  # moe_gemv's down projection sums the k slots itself (bench/engine.py --moe-sum-torch A/B)
-
-
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
              topk_ids: torch.Tensor, configs: tuple[GemvConfig, GemvConfig] | None = None) -> torch.Tensor:
     """``triton_moe.fused_moe`` for T * k <= MOE_GEMV_MAX_SLOTS: x [T, H], w13 [E, 2I, H],
@@ -364,20 +330,10 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     w13, w2 = w13.contiguous(), w2.contiguous()
     ids = topk_ids.flatten().contiguous()
     gate_up = torch.empty(num_slots, w13.shape[1], dtype=x.dtype, device=x.device)
+    down = torch.empty(num_slots, w2.shape[1], dtype=torch.float32, device=x.device)
     if num_slots == 0:
         return torch.zeros(num_tokens, w2.shape[1], dtype=x.dtype, device=x.device)
     cfg13, cfg2 = configs or (None, None)
     expert_gemv(x, w13, ids, gate_up, top_k, False, None, cfg13)
-    slot_weights = topk_weights.flatten().contiguous()
-    if MOE_SUM_IN_KERNEL:
-        n, k = w2.shape[1], w2.shape[2]
-        cfg = cfg2 or moe_config(n, k)
-        out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
-        _moe_down_sum_kernel[(triton.cdiv(n, cfg.block_n), num_tokens)](
-            gate_up, w2, out, ids, slot_weights, n, k, gate_up.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-            TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
-        return out
-    down = torch.empty(num_slots, w2.shape[1], dtype=torch.float32, device=x.device)
-    expert_gemv(gate_up, w2, ids, down, 1, True, slot_weights, cfg2)
+    expert_gemv(gate_up, w2, ids, down, 1, True, topk_weights.flatten().contiguous(), cfg2)
     return down.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)

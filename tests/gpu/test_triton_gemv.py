@@ -189,10 +189,7 @@ def test_fp8_gemv_refuses_prefill_rows():
 
 @pytest.mark.parametrize("num_tokens, num_experts, top_k", [(1, 8, 2), (1, 16, 8), (4, 8, 8), (3, 64, 6)])
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
-@pytest.mark.parametrize("sum_in_kernel", [True, False])
-def test_moe_gemv_equals_reference(num_tokens, num_experts, top_k, dtype, sum_in_kernel, monkeypatch):
-    """The down projection summing the k slots in its own launch (the default), or per slot then torch's sum."""
-    monkeypatch.setattr(triton_gemv, "MOE_SUM_IN_KERNEL", sum_in_kernel)
+def test_moe_gemv_equals_reference(num_tokens, num_experts, top_k, dtype):
     # hidden 80 and inter 48: not multiples of the blocks, so the K and N masks are exercised
     g = torch.Generator().manual_seed(num_tokens * 100 + top_k)
     hidden, inter = 80, 48
