@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|prefix-ttft|extend|
-#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
+#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|summary|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -431,6 +431,22 @@ print(best[0] if best else "")' "$out/moe-align.jsonl")
     timeout 120 python3 bench/engine.py --model /tmp/$preset/target --batches ${ALIGN_BATCHES:-8,64} --contexts 1024 \
       --prefill "" --profile 64 --moe-align-torch ${warps:+--moe-align-warps $warps} --kv-budget-gib 16 2>>"$out/moe-engine.err" \
       | sed "s/^{/{\"preset\": \"$preset\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-160
+  done
+fi
+if [[ $what == summary ]]; then
+  # issues 28/29 in one short pass (an H200 when one is lent): the 8B FP8 per-channel decode steps with the quant fused
+  # and unfused, both MoE presets with the one-launch slot sort and the torch sort, side by side; batch 1 read last
+  fp8_build channel &
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) &
+  done
+  wait
+  ENGINE_TIMEOUT=100 fp8_engine fp8-channel --model /tmp/m8b-fp8c/target --batches 64,1 --contexts 1024 --prefill "" \
+    --fp8-unfused-quant --kv-budget-gib 16 | cut -c1-120
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    timeout 60 python3 bench/engine.py --model /tmp/$preset/target --batches 64,8,1 --contexts 1024 --prefill "" \
+      --moe-align-torch --kv-budget-gib 16 2>>"$out/moe-engine.err" | sed "s/^{/{\"preset\": \"$preset\", /" \
+      | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   done
 fi
 if [[ $what == moe-routed ]]; then
