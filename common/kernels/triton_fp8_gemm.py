@@ -20,21 +20,34 @@ import triton.language as tl
 
 FP8_MAX = 448.0
 MIN_AMAX = 1e-12
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_MIN_AMAX = tl.constexpr(MIN_AMAX)
+
+
+# div_rn: IEEE-rounded division, as torch divides (Triton's "/" is approximate on CUDA), so scales
+# and quantized values equal the reference's bit for bit. Every dynamic activation quant uses these
+# two (this module's kernels and triton_fused's norm and silu with ``quant``).
+@triton.jit
+def e4m3_scale(amax):
+    """The scale of values whose largest magnitude is ``amax`` (fp32): ``max(amax, MIN_AMAX) / 448``."""
+    return tl.div_rn(tl.maximum(amax, _MIN_AMAX), _FP8_MAX)
 
 
 @triton.jit
-def _group_quant_kernel(x, q, s, K, stride_x, stride_q, stride_s, GROUP: tl.constexpr, FP8_MAX: tl.constexpr,
-                        MIN_AMAX: tl.constexpr):
+def e4m3_quantize(v, scale, dtype: tl.constexpr):
+    """fp32 ``v`` divided by ``scale``, clamped to e4m3's range, cast to ``dtype`` (float8e4nv)."""
+    return tl.clamp(tl.div_rn(v, scale), -_FP8_MAX, _FP8_MAX).to(dtype)
+
+
+@triton.jit
+def _group_quant_kernel(x, q, s, K, stride_x, stride_q, stride_s, GROUP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)
     mask = cols < K
     v = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    # div_rn: IEEE-rounded division, as torch divides (Triton's "/" is approximate on CUDA), so
-    # scales and quantized values equal the reference's bit for bit.
-    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(v), 0), MIN_AMAX), FP8_MAX)
-    qv = tl.clamp(tl.div_rn(v, scale), -FP8_MAX, FP8_MAX)
-    tl.store(q + row * stride_q + cols, qv.to(q.dtype.element_ty), mask=mask)
+    scale = e4m3_scale(tl.max(tl.abs(v), 0))
+    tl.store(q + row * stride_q + cols, e4m3_quantize(v, scale, q.dtype.element_ty), mask=mask)
     tl.store(s + row * stride_s + g, scale)
 
 
@@ -45,14 +58,12 @@ def per_token_group_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tens
     q = torch.empty((num_rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((num_rows, num_groups), dtype=torch.float32, device=x.device)
     if num_rows:
-        _group_quant_kernel[(num_rows, num_groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), GROUP=group,
-                                                    FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX)
+        _group_quant_kernel[(num_rows, num_groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), GROUP=group)
     return q, s
 
 
 @triton.jit
-def _token_quant_kernel(x, q, s, K, stride_x, stride_q, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
-                        MIN_AMAX: tl.constexpr):
+def _token_quant_kernel(x, q, s, K, stride_x, stride_q, BLOCK: tl.constexpr):
     """One row per program: its amax over K in BLOCK chunks, then the row quantized with it."""
     row = tl.program_id(0).to(tl.int64)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -60,13 +71,12 @@ def _token_quant_kernel(x, q, s, K, stride_x, stride_q, BLOCK: tl.constexpr, FP8
         cols = start + tl.arange(0, BLOCK)
         v = tl.load(x + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
-    scale = tl.div_rn(tl.maximum(tl.max(amax, 0), MIN_AMAX), FP8_MAX)
+    scale = e4m3_scale(tl.max(amax, 0))
     for start in range(0, K, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < K
         v = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        qv = tl.clamp(tl.div_rn(v, scale), -FP8_MAX, FP8_MAX)
-        tl.store(q + row * stride_q + cols, qv.to(q.dtype.element_ty), mask=mask)
+        tl.store(q + row * stride_q + cols, e4m3_quantize(v, scale, q.dtype.element_ty), mask=mask)
     tl.store(s + row, scale)
 
 
@@ -78,8 +88,7 @@ def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((num_rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
     if num_rows:
-        _token_quant_kernel[(num_rows,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK=1024, FP8_MAX=FP8_MAX,
-                                         MIN_AMAX=MIN_AMAX)
+        _token_quant_kernel[(num_rows,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK=1024)
     return q, s
 
 

@@ -25,10 +25,7 @@ import triton.language as tl
 from kvferry.common.kernels.kv_quant import is_quantized
 from kvferry.common.kernels.quant_rows import TokenQuantized
 from kvferry.common.kernels.triton_attention import quantize_tile
-from kvferry.common.kernels.triton_fp8_gemm import FP8_MAX, MIN_AMAX
-
-_FP8_MAX = tl.constexpr(FP8_MAX)
-_MIN_AMAX = tl.constexpr(MIN_AMAX)
+from kvferry.common.kernels.triton_fp8_gemm import e4m3_quantize, e4m3_scale
 
 
 @triton.jit
@@ -37,9 +34,8 @@ def _quantize_row(v, q_row, s, row, cols, mask):
     its scale at s[row], as ``triton_fp8_gemm.per_token_quant`` quantizes it (``amax / 448``, IEEE
     division)."""
     v32 = v.to(tl.float32)
-    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(v32), 0), _MIN_AMAX), _FP8_MAX)
-    qv = tl.clamp(tl.div_rn(v32, scale), -_FP8_MAX, _FP8_MAX)
-    tl.store(q_row + cols, qv.to(q_row.dtype.element_ty), mask=mask)
+    scale = e4m3_scale(tl.max(tl.abs(v32), 0))
+    tl.store(q_row + cols, e4m3_quantize(v32, scale, q_row.dtype.element_ty), mask=mask)
     tl.store(s + row, scale)
 
 
@@ -206,11 +202,11 @@ def _silu_mul_quant_kernel(gate_up, out, q, s, INTER: tl.constexpr, BLOCK: tl.co
             h, mask = _silu_mul_tile(gate_up, row, start + i, INTER)
             tl.store(out + row * INTER + start + i, h, mask=mask)
             amax = tl.maximum(amax, tl.abs(h.to(tl.float32)))
-        scale = tl.div_rn(tl.maximum(tl.max(amax, 0), _MIN_AMAX), _FP8_MAX)
+        scale = e4m3_scale(tl.max(amax, 0))
         for start in range(0, INTER, BLOCK):
             h, mask = _silu_mul_tile(gate_up, row, start + i, INTER)
-            qv = tl.clamp(tl.div_rn(h.to(tl.float32), scale), -_FP8_MAX, _FP8_MAX)
-            tl.store(q + row * INTER + start + i, qv.to(q.dtype.element_ty), mask=mask)
+            tl.store(q + row * INTER + start + i, e4m3_quantize(h.to(tl.float32), scale, q.dtype.element_ty),
+                     mask=mask)
         tl.store(s + row, scale)
 
 
