@@ -17,13 +17,12 @@ with Qwen3's q/k norm, ``silu_mul``, ``linear``): the torch compositions on the 
 kernels (``common/kernels/triton_fused.py``) on the triton path. So do a sparse MoE block's router
 (``select_experts``) and experts (``fused_moe``: ``common/layers/moe.py``'s references on torch,
 ``common/kernels/triton_moe.py`` on triton).
-``linear`` of an FP8 weight (``common/layers/fp8.py``) goes to ``fp8_linear`` on both, which picks
-its kernel by device; ``add_norm``/``silu_mul`` take ``feeds``, the weight their output feeds (triton:
-quantized in the same launch for a W8A8 per-row linear). MLA (``common/layers/mla.py``) makes and
-stores its latent rows through ``mla_rows`` and reads them through ``mla_attend`` (torch:
-``mla.latent_rows_ref`` and the paged attention over the latent as one KV head; triton:
-``common/kernels/triton_mla.py``); its expanded prefill gathers a chunk's cached prefix rows with
-``mla_prefix`` (one ``index_select`` of its pages on both).
+``linear`` of an FP8 weight (``common/layers/fp8.py``) goes to ``fp8_linear`` on both (kernel by
+device); ``add_norm``/``silu_mul`` take ``feeds``, the weight their output feeds (triton: quantized in
+the same launch for a W8A8 per-row linear). MLA (``common/layers/mla.py``) makes and stores its latent
+rows through ``mla_rows``, reads them through ``mla_attend`` (torch: ``mla.latent_rows_ref`` and the
+paged attention over the latent as one KV head; triton: ``common/kernels/triton_mla.py``) and, for its
+expanded prefill, gathers a chunk's cached prefix rows with ``mla_prefix`` (``index_select``, both).
 
 A plan has ``positions`` [T], ``last_index`` [B], ``query_lens`` and ``starts`` (host lists: new and
 cached tokens per chunk; ``starts`` is None in a CUDA graph's static plan, whose values change
@@ -107,7 +106,8 @@ class TorchBackend:
 
     @staticmethod
     def silu_mul(gate_up, feeds=None) -> torch.Tensor:
-        return torch.nn.functional.silu(gate_up.chunk(2, dim=-1)[0]) * gate_up.chunk(2, dim=-1)[1]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
 
     @staticmethod
     def linear(x, weight, bias=None) -> torch.Tensor:

@@ -176,7 +176,7 @@ def _gemv_takes(rows: int, n: int) -> bool:
     return triton_gemv.takes_rows(rows, n)
 
 
-FUSE_TOKEN_QUANT = True  # producers quantize what feeds a W8A8 per-row linear (bench/engine.py --fp8-fuse-quant A/B)
+FUSE_TOKEN_QUANT = True  # producers quantize what feeds a W8A8 per-row linear (bench/engine.py --fp8-unfused-quant)
 
 
 def route(x: torch.Tensor, w: Fp8Weight, rows: int) -> str:
