@@ -279,11 +279,7 @@ def with_fp8_gemv_rows(runner, a, base: dict, weights: WeightBytes, kv_token_byt
     for rows in map(int, a.fp8_gemv_rows.split(",")):
         fp8.FP8_GEMV_MAX_ROWS = rows
         recapture(runner)
-        for context in map(int, a.contexts.split(",")):
-            for batch in map(int, a.batches.split(",")):
-                if batch * (context + a.steps + 24) <= max_tokens:
-                    emit({**base, "fp8_gemv_max_rows": rows,
-                          **decode_case(runner, a, batch, context, weights, kv_token_bytes, bw)})
+        decode_cases(runner, a, {**base, "fp8_gemv_max_rows": rows}, weights, kv_token_bytes, bw, max_tokens)
     fp8.FP8_GEMV_MAX_ROWS = default
     recapture(runner)
 
@@ -293,10 +289,25 @@ def rerun(runner, a, base: dict, weights: WeightBytes, kv_token_bytes: int, bw: 
     """The decode steps, profiles and prefills again (graphs recaptured first), each line with ``base``:
     for a switch set before the call (``--fp8-unfused-quant``, ``--moe-align-torch``)."""
     recapture(runner)
+    decode_cases(runner, a, base, weights, kv_token_bytes, bw, max_tokens)
+    profile_and_prefill_cases(runner, a, base, weights, prefill_peak)
+
+
+def decode_cases(runner, a, base: dict, weights: WeightBytes, kv_token_bytes: int, bw: float, max_tokens: int,
+                 say_skipped: bool = False) -> None:
+    """One line per --contexts x --batches decode case the pool holds (a "skipped" line for the others
+    when ``say_skipped``)."""
     for context in map(int, a.contexts.split(",")):
         for batch in map(int, a.batches.split(",")):
             if batch * (context + a.steps + 24) <= max_tokens:
                 emit({**base, **decode_case(runner, a, batch, context, weights, kv_token_bytes, bw)})
+            elif say_skipped:
+                emit({**base, "mode": "decode", "batch": batch, "context_tokens": context,
+                      "skipped": f"needs {batch * context} KV tokens, the pool holds {max_tokens}"})
+
+
+def profile_and_prefill_cases(runner, a, base: dict, weights: WeightBytes, prefill_peak: float) -> None:
+    """One line per --profile batch (a decode step's kernels) and per --prefill length."""
     for batch in (map(int, a.profile.split(",")) if a.profile else []):
         emit({**base, **profile_case(runner, batch, int(a.contexts.split(",")[0]))})
     for tokens in (map(int, a.prefill.split(",")) if a.prefill else []):
@@ -379,23 +390,14 @@ def main() -> None:
     first = int(a.batches.split(",")[0]), int(a.contexts.split(",")[0])
     if first[0] * (first[1] + a.steps + 24) <= max_tokens:
         decode_case(runner, a, *first, weights, kv_token_bytes, bw)
-    for context in map(int, a.contexts.split(",")):
-        for batch in map(int, a.batches.split(",")):
-            if batch * (context + a.steps + 24) > max_tokens:
-                emit({**base, "mode": "decode", "batch": batch, "context_tokens": context,
-                      "skipped": f"needs {batch * context} KV tokens, the pool holds {max_tokens}"})
-                continue
-            emit({**base, **({"fp8_gemv_max_rows": fp8_rows} if not plain else {}),
-                  **decode_case(runner, a, batch, context, weights, kv_token_bytes, bw)})
+    decode_cases(runner, a, {**base, **({"fp8_gemv_max_rows": fp8_rows} if not plain else {})}, weights,
+                 kv_token_bytes, bw, max_tokens, say_skipped=True)
     if model.attn.name == "triton" and runner.target.graphs and plain:
         with_gemv(runner, a, base, weights, kv_token_bytes, bw)
     if a.fp8_gemv_rows and not plain:
         with_fp8_gemv_rows(runner, a, base, weights, kv_token_bytes, bw, max_tokens)
-    for batch in (map(int, a.profile.split(",")) if a.profile else []):
-        emit({**base, **profile_case(runner, batch, int(a.contexts.split(",")[0]))})
     prefill_peak = peak if plain else fp8_peak  # against the peak of the GEMMs the weights run on
-    for tokens in (map(int, a.prefill.split(",")) if a.prefill else []):
-        emit({**base, **prefill_case(runner, tokens, active_params_per_token(weights), model.config, prefill_peak)})
+    profile_and_prefill_cases(runner, a, base, weights, prefill_peak)
     again = (weights, kv_token_bytes, bw, max_tokens, prefill_peak)
     if a.fp8_unfused_quant and not plain:  # the per-token quant as its own launch, not in the norms and silu
         fp8.FUSE_TOKEN_QUANT = False
