@@ -225,6 +225,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--moe-align-torch", action="store_true",
                     help="MoE models: decode (and profile, prefill) again with the slots sorted by torch ops "
                          "instead of the one-launch counting sort (triton_moe.ALIGN_KERNEL_MAX_SLOTS 0)")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="decode (and profile, prefill) again with every Triton kernel launched without programmatic "
+                         "dependent launch (kernels.pdl off), side by side")
     ap.add_argument("--moe-align-warps", type=int, default=0, help="warps of the one-launch slot sort (triton_moe.ALIGN_WARPS)")
     ap.add_argument("--silu-quant-config", default="",
                     help="BLOCK,WARPS of the silu kernel that also quantizes (triton_fused.SILU_QUANT_BLOCK/_WARPS)")
@@ -335,6 +338,7 @@ def main() -> None:
 
     from kvferry.common.engine.factory import build_runner
     from kvferry.common.models.config import ModelConfig
+    from kvferry.common.kernels import pdl
 
     if not a.device.startswith("cuda") or not torch.cuda.is_available():
         raise SystemExit(f"bench/engine.py measures a CUDA device against its roofline; got --device {a.device}")
@@ -366,7 +370,7 @@ def main() -> None:
             "capture_s": round(sum(g.capture_s for g in runner.target.graphs), 2),
             "hbm_gb_s": round(bw, 1), "matmul_tflops": round(peak, 1), "fp8_matmul_tflops": round(fp8_peak, 1),
             "model": Path(a.model).name,
-            "hw": hardware([a.device]), "git": git_hash()}
+            "hw": hardware([a.device]), "git": git_hash(), "pdl": pdl.enabled()}
     plain = model.config.quantization is None  # the Triton GEMV reads bf16 weights
     from kvferry.common.layers import fp8
 
@@ -403,6 +407,11 @@ def main() -> None:
         fp8.FUSE_TOKEN_QUANT = False
         rerun(runner, a, {**base, "fp8_fuse_quant": False}, *again)
         fp8.FUSE_TOKEN_QUANT = True
+        recapture(runner)
+    if a.no_pdl and pdl.enabled():  # every kernel launched as it was before PDL: each grid waits for the last
+        pdl.set_enabled(False)
+        rerun(runner, a, {**base, "pdl": False}, *again)
+        pdl.set_enabled(None)
         recapture(runner)
     if a.moe_align_torch and (moe or model.config.deepseek):  # the slots sorted by torch ops, not _align_kernel
         from kvferry.common.kernels import triton_moe

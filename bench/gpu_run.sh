@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|prefix-ttft|extend|
-#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|summary|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
+#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|summary|pdl|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -447,6 +447,28 @@ if [[ $what == summary ]]; then
     timeout 60 python3 bench/engine.py --model /tmp/$preset/target --batches 64,8,1 --contexts 1024 --prefill "" \
       --moe-align-torch --kv-budget-gib 16 2>>"$out/moe-engine.err" | sed "s/^{/{\"preset\": \"$preset\", /" \
       | tee -a "$out/moe-engine.jsonl" | cut -c1-120
+  done
+fi
+if [[ $what == pdl ]]; then
+  # every Triton kernel of a step launched with programmatic dependent launch (kernels/pdl.py) against the same kernels
+  # launched plainly (--no-pdl: graphs recaptured), side by side: the 8B FP8 per-channel step at batch 64 and 1, both
+  # MoE presets at 64, 8 and 1, with batch 1's kernels listed both ways; meanwhile the tests that replay graphs
+  fp8_build channel &
+  build=$!
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) &
+  done
+  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pdl.py tests/unit/test_pdl.py \
+    tests/gpu/test_engine_graphs.py tests/gpu/test_deepseek_graphs.py tests/gpu/test_triton_gemv.py \
+    tests/gpu/test_triton_fused.py tests/gpu/test_triton_moe.py > "$out/pdl-tests.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/pdl-tests.txt" | tail -12
+  wait
+  ENGINE_TIMEOUT=${PDL_FP8_TIMEOUT:-120} fp8_engine fp8-channel --model /tmp/m8b-fp8c/target --batches 64,1 --contexts 1024 \
+    --prefill "" --profile 1 --no-pdl --kv-budget-gib 16 | cut -c1-120
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    timeout ${PDL_MOE_TIMEOUT:-75} python3 bench/engine.py --model /tmp/$preset/target --batches 64,8,1 --contexts 1024 \
+      --prefill "" --profile 1 --no-pdl --kv-budget-gib 16 2>>"$out/moe-engine.err" \
+      | sed "s/^{/{\"preset\": \"$preset\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   done
 fi
 if [[ $what == moe-routed ]]; then

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
+
 from kvferry.common.kernels.kv_quant import FP8_E4M3_MAX, is_quantized
 
 # A finite "minus infinity" for running maxima: exp(m_old - m_new) stays 0 or 1, never NaN.
@@ -57,7 +59,9 @@ def _dequantize(tile, scale, out_ty: tl.constexpr, QUANT: tl.constexpr):
 @triton.jit
 def _store_kv_kernel(k, v, k_cache, v_cache, pages, rows, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cp, stride_cr, stride_ch, k_inv_scale, v_inv_scale, NUM_HEADS: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     page = tl.load(pages + t).to(tl.int64)
     if page >= 0:
@@ -80,7 +84,9 @@ def _decode_split_kernel(q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_ls
                          stride_cp, stride_cr, stride_ch, stride_pb, scale_log2, window, num_splits,
                          k_scale, v_scale, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr):
+                         BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_len = tl.load(kv_lens + b).to(tl.int32)
     split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
@@ -124,7 +130,8 @@ def _decode_split_kernel(q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_ls
 
 @triton.jit
 def _decode_merge_kernel(mid_o, mid_lse, o, stride_ob, stride_oh, num_splits, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+                         BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b, head = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     base = (b * tl.num_programs(1) + head) * num_splits
@@ -149,7 +156,8 @@ def _extend_kernel(q, o, k_cache, v_cache, page_table, q_starts, q_lens, prefix_
                    stride_ot, stride_oh, stride_cp, stride_cr, stride_ch, stride_pb, scale_log2, window,
                    k_scale, v_scale, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-                   QUANT: tl.constexpr):
+                   QUANT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_head = head // GROUP
     q_len = tl.load(q_lens + b).to(tl.int32)
@@ -220,7 +228,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         k, v, k_cache, v_cache, pages, rows, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), 1.0 / k_scale, 1.0 / v_scale, NUM_HEADS=num_heads,
         HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        QUANT=is_quantized(k_cache.dtype))
+        QUANT=is_quantized(k_cache.dtype), **pdl_kw())
 
 
 def num_decode_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
@@ -247,10 +255,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), scale * _LOG2E,
         window or 0, num_splits, k_scale, v_scale, GROUP=group, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=32 if block_d > 128 else 64,
-        PRECISION=_precision(q.dtype), QUANT=is_quantized(k_cache.dtype), num_warps=4, num_stages=2)
+        PRECISION=_precision(q.dtype), QUANT=is_quantized(k_cache.dtype), num_warps=4, num_stages=2, **pdl_kw())
     out = torch.empty_like(q)
     _decode_merge_kernel[(batch, num_heads)](
-        mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d)
+        mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d, **pdl_kw())
     return out
 
 
@@ -273,5 +281,5 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         scale * _LOG2E, window or 0, k_scale, v_scale, GROUP=num_heads // num_kv_heads, PAGE_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=_precision(q.dtype),
-        QUANT=is_quantized(k_cache.dtype), num_warps=8 if block_m == 128 else 4, num_stages=2)
+        QUANT=is_quantized(k_cache.dtype), num_warps=8 if block_m == 128 else 4, num_stages=2, **pdl_kw())
     return out

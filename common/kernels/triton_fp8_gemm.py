@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
+
 FP8_MAX = 448.0
 MIN_AMAX = 1e-12
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -40,7 +42,8 @@ def e4m3_quantize(v, scale, dtype: tl.constexpr):
 
 
 @triton.jit
-def _group_quant_kernel(x, q, s, K, stride_x, stride_q, stride_s, GROUP: tl.constexpr):
+def _group_quant_kernel(x, q, s, K, stride_x, stride_q, stride_s, GROUP: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)
@@ -58,13 +61,15 @@ def per_token_group_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tens
     q = torch.empty((num_rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((num_rows, num_groups), dtype=torch.float32, device=x.device)
     if num_rows:
-        _group_quant_kernel[(num_rows, num_groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), GROUP=group)
+        _group_quant_kernel[(num_rows, num_groups)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), GROUP=group,
+                                                    **pdl_kw())
     return q, s
 
 
 @triton.jit
-def _token_quant_kernel(x, q, s, K, stride_x, stride_q, BLOCK: tl.constexpr):
+def _token_quant_kernel(x, q, s, K, stride_x, stride_q, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """One row per program: its amax over K in BLOCK chunks, then the row quantized with it."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, K, BLOCK):
@@ -88,14 +93,15 @@ def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((num_rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
     if num_rows:
-        _token_quant_kernel[(num_rows,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK=1024)
+        _token_quant_kernel[(num_rows,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK=1024, **pdl_kw())
     return q, s
 
 
 @triton.jit
 def _block_gemm_kernel(a, b, c, scale_a, scale_b, bias, M, N, K, stride_am, stride_bn, stride_cm, stride_sam,
                        stride_sbn, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -130,7 +136,7 @@ def w8a8_block_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tenso
     _block_gemm_kernel[grid](xq, weight, out, x_scale, w_scale, bias if bias is not None else out, num_rows, n, k,
                              xq.stride(0), weight.stride(0), out.stride(0), x_scale.stride(0), w_scale.stride(0),
                              HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block,
-                             num_warps=4, num_stages=3)
+                             num_warps=4, num_stages=3, **pdl_kw())
     return out
 
 

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
+
 from kvferry.common.kernels.kv_quant import is_quantized
 from kvferry.common.kernels.quant_rows import TokenQuantized
 from kvferry.common.kernels.triton_attention import quantize_tile
@@ -41,7 +43,8 @@ def _quantize_row(v, q_row, s, row, cols, mask):
 
 @triton.jit
 def _add_rms_norm_kernel(x, delta, out_x, out_h, weight, eps, hq, hs, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
-                         HAS_DELTA: tl.constexpr, QUANT: tl.constexpr):
+                         HAS_DELTA: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     mask = i < HIDDEN
@@ -70,7 +73,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     if num_rows:
         _add_rms_norm_kernel[(num_rows,)](x, delta if delta is not None else x, out_x, out_h, weight, eps, hq, hs,
                                           HIDDEN=hidden, BLOCK=block, HAS_DELTA=delta is not None, QUANT=quant,
-                                          num_warps=num_warps or (8 if block >= 4096 else 4))
+                                          num_warps=num_warps or (8 if block >= 4096 else 4), **pdl_kw())
     return out_x, (TokenQuantized(out_h, hq, hs) if quant else out_h)
 
 
@@ -112,7 +115,8 @@ def _rope_store_kernel(q, k, v, q_out, cos, sin, k_cache, v_cache, pages, rows, 
                        stride_kh, stride_vt, stride_vh, stride_cp, stride_cr, stride_ch, k_inv_scale, v_inv_scale,
                        q_norm, k_norm, eps, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                        BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                       QUANT: tl.constexpr, HAS_NORM: tl.constexpr):
+                       QUANT: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cos_t, sin_t = cos + t * 2 * HALF, sin + t * 2 * HALF
     q_lo, q_hi, q_mask = _rotate(q + t * stride_qt, stride_qh, cos_t, sin_t, q_norm, eps, NUM_Q_HEADS, HALF, BLOCK_QH,
@@ -163,7 +167,7 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
         1.0 / v_scale, *(qk_norm if qk_norm is not None else (q, q, 0.0)), NUM_Q_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_QH=triton.next_power_of_2(num_heads),
         BLOCK_KH=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=triton.next_power_of_2(half),
-        QUANT=is_quantized(k_cache.dtype), HAS_NORM=qk_norm is not None, num_warps=4)
+        QUANT=is_quantized(k_cache.dtype), HAS_NORM=qk_norm is not None, num_warps=4, **pdl_kw())
     return q_out
 
 
@@ -178,8 +182,9 @@ def _silu_mul_tile(gate_up, row, i, INTER: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up, out, INTER: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_up, out, INTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """``silu(gate) * up`` of BLOCK columns of a row."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     h, mask = _silu_mul_tile(gate_up, row, i, INTER)
@@ -187,9 +192,10 @@ def _silu_mul_kernel(gate_up, out, INTER: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_quant_kernel(gate_up, out, q, s, INTER: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_quant_kernel(gate_up, out, q, s, INTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """``silu(gate) * up`` of a whole row, also quantized per token: in registers when BLOCK covers
     the row, else in two passes of BLOCK columns (the second recomputes each tile)."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     if BLOCK >= INTER:
@@ -226,7 +232,9 @@ def silu_mul(gate_up: torch.Tensor, quant: bool = False, block: int | None = Non
     if num_rows and quant:
         block = min(block or SILU_QUANT_BLOCK, triton.next_power_of_2(inter))
         _silu_mul_quant_kernel[(num_rows,)](gate_up, out, q, s, INTER=inter, BLOCK=block,
-                                            num_warps=num_warps or min(SILU_QUANT_WARPS, max(4, block // 512)))
+                                            num_warps=num_warps or min(SILU_QUANT_WARPS, max(4, block // 512)),
+                                            **pdl_kw())
     elif num_rows:
-        _silu_mul_kernel[(num_rows, triton.cdiv(inter, 1024))](gate_up, out, INTER=inter, BLOCK=1024, num_warps=4)
+        _silu_mul_kernel[(num_rows, triton.cdiv(inter, 1024))](gate_up, out, INTER=inter, BLOCK=1024, num_warps=4,
+                                                               **pdl_kw())
     return TokenQuantized(out, q, s) if quant else out

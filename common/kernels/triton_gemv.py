@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
+
 FP8_GEMV_MAX_ROWS = 128  # the most rows fp8_gemv takes; fp8.FP8_GEMV_MAX_ROWS says how many fp8_linear sends here
 MOE_GEMV_MAX_SLOTS = 32
 GROUP = 128  # block-FP8 group along K
@@ -57,7 +59,8 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale,
                  M, N, K, K_PER, stride_xm, stride_we, stride_wn, stride_om, stride_os, stride_sn,
                  TOP_K: tl.constexpr, SCALE: tl.constexpr, GROUP: tl.constexpr, HAS_EXPERTS: tl.constexpr,
                  FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, X_SCALE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """out[r, n] = sum_k act(x)[row(r), k] * w[expert(r), n, k] * scale (+ bias) (* slot weight).
 
     Rows r: BLOCK_M consecutive rows of x (dense), or one MoE slot per program (HAS_EXPERTS,
@@ -66,6 +69,7 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale,
     X_SCALE: x is e4m3 with a scale per row (``x_scale`` [M]); the dot then runs on FP8 tensor cores.
     Axis 2 splits K into K_PER-wide parts (a multiple of BLOCK_K): part p writes its fp32 sum
     (scaled, no bias) at out + p * stride_os, and ``_split_sum_kernel`` adds the parts."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -259,17 +263,20 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
         TOP_K=1, SCALE=SCALE_ROW if block is None else SCALE_BLOCK, GROUP=GROUP, HAS_EXPERTS=False,
         FUSE_SILU=False, MUL_WEIGHT=False, HAS_BIAS=has_bias, X_SCALE=x_scale is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, PRECISION=_precision(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kw())
     if split > 1:
         total = num_rows * n
         _split_sum_kernel[(triton.cdiv(total, 1024),)](parts, bias if bias is not None else out, out, total, n,
-                                                     SPLIT=split, HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
+                                                     SPLIT=split, HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4,
+                                                     **pdl_kw())
     return out
 
 
 @triton.jit
-def _split_sum_kernel(parts, bias, out, TOTAL, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _split_sum_kernel(parts, bias, out, TOTAL, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """out.flat[i] = sum_p parts[p].flat[i] (+ bias[i % N]), parts [SPLIT, M, N] fp32, in part order."""
+    pdl_enter(PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < TOTAL
     acc = tl.load(parts + i, mask=ok, other=0.0)
@@ -297,7 +304,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         TOP_K=1, SCALE=SCALE_NONE, GROUP=GROUP, HAS_EXPERTS=False, FUSE_SILU=False, MUL_WEIGHT=False,
         HAS_BIAS=bias is not None, X_SCALE=False, BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION=_precision(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kw())
     return out
 
 
@@ -314,7 +321,8 @@ def expert_gemv(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, out: t
         num_slots, n, k, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0), 0, 0,
         TOP_K=top_k, SCALE=SCALE_NONE, GROUP=GROUP, HAS_EXPERTS=True, FUSE_SILU=fuse_silu,
         MUL_WEIGHT=slot_weights is not None, HAS_BIAS=False, X_SCALE=False, BLOCK_M=1, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_K=cfg.block_k, PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_kw())
 
 
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
+
 # the dense kernels' constants, dot precision and split merge (the merge is per head and width-blind)
 from kvferry.common.kernels.triton_attention import _LOG2E, _NEG, _decode_merge_kernel, _precision
 
@@ -58,7 +60,9 @@ def _rope_pair(src, cos, sin, j, mask, HALF: tl.constexpr, INTERLEAVED: tl.const
 def _latent_rows_kernel(kv_a, q_pe, cos, sin, norm, rows, q_out, cache, pages, slots, eps, stride_kv, stride_qt,
                         stride_qh, stride_rt, stride_ot, stride_oh, stride_cp, stride_cr, NUM_HEADS: tl.constexpr,
                         LATENT: tl.constexpr, HALF: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
-                        BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, STORE: tl.constexpr):
+                        BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, STORE: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     ty = rows.dtype.element_ty
     src = kv_a + t * stride_kv
@@ -122,7 +126,7 @@ def latent_rows(kv_a: torch.Tensor, q_pe: torch.Tensor, cos: torch.Tensor, sin: 
         q_out.stride(0), q_out.stride(1), cache.stride(0) if store else 0, cache.stride(1) if store else 0,
         NUM_HEADS=num_heads, LATENT=latent_dim, HALF=half, BLOCK_L=triton.next_power_of_2(latent_dim),
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HALF=triton.next_power_of_2(half),
-        INTERLEAVED=interleaved, STORE=store, num_warps=4)
+        INTERLEAVED=interleaved, STORE=store, num_warps=4, **pdl_kw())
     return q_out, rows
 
 
@@ -145,7 +149,9 @@ def _score(q_lat, q_pe, cache, offs, n_mask, LATENT: tl.constexpr, ROPE: tl.cons
 def _decode_split_kernel(q, cache, page_table, kv_lens, mid_o, mid_lse, stride_qb, stride_qh, stride_cp, stride_cr,
                          stride_pb, scale_log2, num_splits, NUM_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b, head_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_len = tl.load(kv_lens + b).to(tl.int32)
     split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
@@ -186,7 +192,9 @@ def _decode_split_kernel(q, cache, page_table, kv_lens, mid_o, mid_lse, stride_q
 def _extend_kernel(q, o, cache, page_table, q_starts, q_lens, prefix_lens, stride_qt, stride_qh, stride_ot,
                    stride_oh, stride_cp, stride_cr, stride_pb, scale_log2, NUM_HEADS: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b, block = tl.program_id(0), tl.program_id(1)
     q_len = tl.load(q_lens + b).to(tl.int32)
     q_start = tl.load(q_starts + b).to(tl.int64)
@@ -259,10 +267,10 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Ten
         q, cache, page_table, kv_lens, mid_o, mid_lse, q.stride(0), q.stride(1), cache.stride(0), cache.stride(1),
         page_table.stride(0), scale * _LOG2E, num_splits, NUM_HEADS=num_heads, PAGE_SIZE=cache.shape[1],
         LATENT=latent_dim, ROPE=rope_dim, BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_R=block_r,
-        BLOCK_N=32 if block_l > 128 else 64, PRECISION=_precision(q.dtype), num_warps=4, num_stages=2)
+        BLOCK_N=32 if block_l > 128 else 64, PRECISION=_precision(q.dtype), num_warps=4, num_stages=2, **pdl_kw())
     out = q.new_empty(batch, num_heads, latent_dim)
     _decode_merge_kernel[(batch, num_heads)](
-        mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, HEAD_DIM=latent_dim, BLOCK_D=block_l)
+        mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, HEAD_DIM=latent_dim, BLOCK_D=block_l, **pdl_kw())
     return out
 
 
@@ -284,5 +292,5 @@ def extend_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Ten
         out.stride(1), cache.stride(0), cache.stride(1), page_table.stride(0), scale * _LOG2E, NUM_HEADS=num_heads,
         PAGE_SIZE=cache.shape[1], LATENT=latent_dim, ROPE=rope_dim, BLOCK_M=block_m, BLOCK_N=32 if is_wide else 64,
         BLOCK_L=block_l, BLOCK_R=block_r, PRECISION=_precision(q.dtype), num_warps=8 if block_l > 128 else 4,
-        num_stages=2)
+        num_stages=2, **pdl_kw())
     return out

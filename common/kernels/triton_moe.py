@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
+
 from kvferry.common.kernels.triton_fused import silu_mul
 from kvferry.common.kernels.triton_gemv import MOE_GEMV_MAX_SLOTS, SHARED_MEMORY_BYTES, moe_gemv
 
@@ -46,11 +48,13 @@ def _align_bound(num_slots: int, num_experts: int, block_m: int) -> int:
 
 @triton.jit
 def _align_kernel(ids, sorted_slots, block_experts, S, E, BOUND, NUM_BLOCKS, BLOCK_S: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_FILL: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_FILL: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """``align_by_expert`` in one program, a counting sort: the experts' slot counts, their padded
     starts (an exclusive cumsum), every row set to the sentinel S, then each slot written at its
     expert's start plus its rank among that expert's slots (the earlier chunks' count, plus the
     earlier slots of its chunk), then each block's expert (how many experts end at or before it)."""
+    pdl_enter(PDL)
     e = tl.arange(0, BLOCK_E)
     j = tl.arange(0, BLOCK_S)
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
@@ -101,7 +105,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int,
                         bound // block_m, BLOCK_S=min(cap, 128, max(16, triton.next_power_of_2(num_slots))),
                         BLOCK_E=block_e, BLOCK_M=block_m,
                         BLOCK_B=min(cap, 128, max(16, triton.next_power_of_2(bound // block_m))), BLOCK_FILL=1024,
-                        num_warps=num_warps or ALIGN_WARPS)
+                        num_warps=num_warps or ALIGN_WARPS, **pdl_kw())
     return sorted_slots, block_experts
 
 
@@ -188,12 +192,13 @@ def _grouped_gemm_kernel(a, b, c, sorted_slots, block_experts, weights, N, K, nu
                          stride_am, stride_be, stride_bn, stride_cm,
                          MUL_WEIGHT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+                         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     """c[slot, n] = a[slot // top_k] . b[expert, n] (* weights[slot]) for one block of BLOCK_M slots
     and BLOCK_N columns (top_k 1: a row per slot). A 1-D grid of num_pid_m x cdiv(N, BLOCK_N)
     programs, in bands of GROUP_M row blocks: a band's programs run together and share its A rows
     and its experts' B columns in L2. top_k is a runtime value so that one compiled kernel serves
     every model's k (the division is BLOCK_M integer ops a program)."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     band = GROUP_M * num_pid_n
@@ -242,7 +247,7 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_sl
         MUL_WEIGHT=weights is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_kw())
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -271,7 +276,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 @triton.jit
 def _softmax_topk_kernel(logits, weights, ids, E, stride_l, scale, eps, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_K: tl.constexpr, RENORM: tl.constexpr):
+                         BLOCK_K: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     ok = e < E
@@ -308,5 +314,6 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype:
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     _softmax_topk_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0), scale, eps, TOP_K=top_k,
                                         BLOCK_E=triton.next_power_of_2(num_experts),
-                                        BLOCK_K=triton.next_power_of_2(top_k), RENORM=renormalize, num_warps=4)
+                                        BLOCK_K=triton.next_power_of_2(top_k), RENORM=renormalize, num_warps=4,
+                                        **pdl_kw())
     return weights, ids

@@ -1,0 +1,107 @@
+"""Programmatic dependent launch (``common/kernels/pdl.py``): off where it cannot run, and the rule
+that makes it safe holds in the source: a kernel launched with ``pdl_kw()`` waits for the kernel
+before it (``pdl_enter(PDL)``) before it touches any tensor.
+
+The GPU side (a step's logits with PDL equal those without, bit for bit) is ``tests/gpu/test_pdl.py``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from kvferry.common.kernels import pdl
+
+KERNELS = Path(__file__).resolve().parents[2] / "common" / "kernels"
+
+
+def test_off_on_cpu_and_under_the_interpreter():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine: tests/gpu/test_pdl.py covers PDL on")
+    # the CPU suite has no CUDA device (and tests/conftest.py sets TRITON_INTERPRET=1)
+    assert not pdl.available()
+    assert pdl.set_enabled(True) is False
+    assert pdl.kw() == {}
+    assert pdl.set_enabled(None) is False and pdl.kw() == {}
+
+
+def test_env_switch_turns_it_off(monkeypatch):
+    monkeypatch.setenv("KVFERRY_PDL", "0")
+    assert not pdl.available()
+
+
+def _jit_kernels(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+    def jitted(fn: ast.FunctionDef) -> bool:
+        for d in fn.decorator_list:
+            target = d.func if isinstance(d, ast.Call) else d
+            if isinstance(target, ast.Attribute) and target.attr == "jit":
+                return True
+        return False
+
+    return {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and jitted(n)}
+
+
+def _first_statement(fn: ast.FunctionDef) -> ast.stmt:
+    body = fn.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+        body = body[1:]
+    return body[0]
+
+
+def _enters_first(fn: ast.FunctionDef) -> bool:
+    first = _first_statement(fn)
+    return (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+            and isinstance(first.value.func, ast.Name) and first.value.func.id == "pdl_enter"
+            and [a.id for a in first.value.args if isinstance(a, ast.Name)] == ["PDL"])
+
+
+def _pdl_launches(tree: ast.Module) -> list[tuple[str, int]]:
+    """(kernel name, line) of every ``kernel[grid](..., **pdl_kw())``."""
+    out = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)):
+            continue
+        spread = [k.value for k in node.keywords if k.arg is None]
+        if any(isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "pdl_kw" for v in spread):
+            out.append((node.func.value.id if isinstance(node.func.value, ast.Name) else ast.unparse(node.func.value),
+                        node.lineno))
+    return out
+
+
+def test_every_kernel_launched_with_pdl_waits_first():
+    """A kernel launched with PDL may start while the kernel before it still runs: it must wait
+    (``pdl_enter(PDL)``, its first statement, in every program) before reading or writing anything.
+    Any kernel here launched with ``pdl_kw()`` that does not is a race on the GPU."""
+    kernels: dict[str, ast.FunctionDef] = {}
+    launches = []
+    for path in sorted(KERNELS.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        kernels.update(_jit_kernels(tree))
+        launches += [(name, f"{path.name}:{line}") for name, line in _pdl_launches(tree)]
+    assert len(launches) >= 20, launches  # the step's kernels: norms, rope, attention, GEMV, MoE, MLA, quant
+    for name, where in launches:
+        assert name in kernels, f"{where}: {name} launched with pdl_kw() is not a @triton.jit kernel here"
+        fn = kernels[name]
+        params = [a.arg for a in fn.args.args]
+        assert "PDL" in params, f"{where}: {name} launched with pdl_kw() takes no PDL constexpr"
+        assert _enters_first(fn), f"{where}: {name} launched with pdl_kw() does not call pdl_enter(PDL) first"
+
+
+def test_the_rule_check_catches_a_kernel_that_does_not_wait():
+    src = '''
+import triton
+@triton.jit
+def _k(x, PDL: tl.constexpr = False):
+    """doc"""
+    y = tl.load(x)
+    pdl_enter(PDL)
+def launch(x):
+    _k[(1,)](x, **pdl_kw())
+'''
+    tree = ast.parse(src)
+    fn = _jit_kernels(tree)["_k"]
+    assert _pdl_launches(tree) == [("_k", 9)]
+    assert not _enters_first(fn)
