@@ -225,9 +225,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--moe-align-torch", action="store_true",
                     help="MoE models: decode (and profile, prefill) again with the slots sorted by torch ops "
                          "instead of the one-launch counting sort (triton_moe.ALIGN_KERNEL_MAX_SLOTS 0)")
-    ap.add_argument("--no-pdl", action="store_true",
-                    help="decode (and profile, prefill) again with every Triton kernel launched without programmatic "
-                         "dependent launch (kernels.pdl off), side by side")
+    ap.add_argument("--pdl-ab", action="store_true",
+                    help="decode (and profile, prefill) again with the Triton kernels' programmatic dependent launch "
+                         "in order 1 (each waits, then lets the next be scheduled; no weight prefetch) and off, "
+                         "side by side with the default (order 2: kernels.pdl)")
     ap.add_argument("--moe-align-warps", type=int, default=0, help="warps of the one-launch slot sort (triton_moe.ALIGN_WARPS)")
     ap.add_argument("--silu-quant-config", default="",
                     help="BLOCK,WARPS of the silu kernel that also quantizes (triton_fused.SILU_QUANT_BLOCK/_WARPS)")
@@ -370,7 +371,7 @@ def main() -> None:
             "capture_s": round(sum(g.capture_s for g in runner.target.graphs), 2),
             "hbm_gb_s": round(bw, 1), "matmul_tflops": round(peak, 1), "fp8_matmul_tflops": round(fp8_peak, 1),
             "model": Path(a.model).name,
-            "hw": hardware([a.device]), "git": git_hash(), "pdl": pdl.enabled()}
+            "hw": hardware([a.device]), "git": git_hash(), "pdl": pdl.mode()}
     plain = model.config.quantization is None  # the Triton GEMV reads bf16 weights
     from kvferry.common.layers import fp8
 
@@ -408,9 +409,10 @@ def main() -> None:
         rerun(runner, a, {**base, "fp8_fuse_quant": False}, *again)
         fp8.FUSE_TOKEN_QUANT = True
         recapture(runner)
-    if a.no_pdl and pdl.enabled():  # every kernel launched as it was before PDL: each grid waits for the last
-        pdl.set_enabled(False)
-        rerun(runner, a, {**base, "pdl": False}, *again)
+    if a.pdl_ab and pdl.enabled():  # order 1, then every kernel launched plainly: each grid waits for the last
+        for on, early in ((True, False), (False, True)):
+            pdl.set_enabled(on, early=early)
+            rerun(runner, a, {**base, "pdl": pdl.mode()}, *again)
         pdl.set_enabled(None)
         recapture(runner)
     if a.moe_align_torch and (moe or model.config.deepseek):  # the slots sorted by torch ops, not _align_kernel

@@ -35,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
+from kvferry.common.kernels.pdl import enter as pdl_enter, enter_prefetching as pdl_enter_prefetching
+from kvferry.common.kernels.pdl import kw as pdl_kw
 
 FP8_GEMV_MAX_ROWS = 128  # the most rows fp8_gemv takes; fp8.FP8_GEMV_MAX_ROWS says how many fp8_linear sends here
 MOE_GEMV_MAX_SLOTS = 32
@@ -60,7 +61,7 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale,
                  TOP_K: tl.constexpr, SCALE: tl.constexpr, GROUP: tl.constexpr, HAS_EXPERTS: tl.constexpr,
                  FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, X_SCALE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                 PDL: tl.constexpr = False):
+                 PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0, LINE: tl.constexpr = 128):
     """out[r, n] = sum_k act(x)[row(r), k] * w[expert(r), n, k] * scale (+ bias) (* slot weight).
 
     Rows r: BLOCK_M consecutive rows of x (dense), or one MoE slot per program (HAS_EXPERTS,
@@ -68,8 +69,13 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale,
     (2K wide) and the row read is silu(gate) * up, rounded to x's dtype as ``silu_mul`` rounds.
     X_SCALE: x is e4m3 with a scale per row (``x_scale`` [M]); the dot then runs on FP8 tensor cores.
     Axis 2 splits K into K_PER-wide parts (a multiple of BLOCK_K): part p writes its fp32 sum
-    (scaled, no bias) at out + p * stride_os, and ``_split_sum_kernel`` adds the parts."""
-    pdl_enter(PDL)
+    (scaled, no bias) at out + p * stride_os, and ``_split_sum_kernel`` adds the parts.
+    PDL order 2: the first PREFETCH BLOCK_K steps of the program's weight rows are asked of L2 (LINE
+    elements a line) before the wait; not for MoE slots, whose expert a kernel before chose."""
+    if HAS_EXPERTS:
+        pdl_enter(PDL)
+    else:
+        pdl_enter_prefetching(PDL, w, stride_wn, N, K, K_PER, BLOCK_N, BLOCK_K, PREFETCH, LINE)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -179,6 +185,15 @@ def fp8_config(num_rows: int, n: int, k: int, block: int | None, fp8_x: bool = F
     return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=3, split_k=split)
 
 
+PREFETCH_BYTES = 16384  # weight bytes a program asks of L2 before its PDL wait (pdl.enter_prefetching)
+
+
+def prefetch_steps(block_n: int, block_k: int, k_per: int, elem_bytes: int) -> int:
+    """BLOCK_K steps of its weight rows a program prefetches before its PDL wait: up to
+    ``PREFETCH_BYTES``, at least one, at most its part of K."""
+    return max(1, min(triton.cdiv(k_per, block_k), PREFETCH_BYTES // (block_n * block_k * elem_bytes)))
+
+
 def takes_rows(num_rows: int, n: int) -> bool:
     """Whether the weight-only ``fp8_gemv`` beats what it replaces for ``num_rows`` rows of an [n, .]
     block-scaled weight (the W8A8 block GEMM) or per-row-scaled one (torch._scaled_mm after the
@@ -263,6 +278,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
         TOP_K=1, SCALE=SCALE_ROW if block is None else SCALE_BLOCK, GROUP=GROUP, HAS_EXPERTS=False,
         FUSE_SILU=False, MUL_WEIGHT=False, HAS_BIAS=has_bias, X_SCALE=x_scale is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, PRECISION=_precision(x.dtype),
+        PREFETCH=prefetch_steps(cfg.block_n, block_k, k_per, weight.element_size()), LINE=128 // weight.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kw())
     if split > 1:
         total = num_rows * n
@@ -303,8 +319,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         1, n, k, k, x.stride(0), 0, weight.stride(0), out.stride(0), 0, 0,
         TOP_K=1, SCALE=SCALE_NONE, GROUP=GROUP, HAS_EXPERTS=False, FUSE_SILU=False, MUL_WEIGHT=False,
         HAS_BIAS=bias is not None, X_SCALE=False, BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PRECISION=_precision(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kw())
+        PRECISION=_precision(x.dtype), PREFETCH=prefetch_steps(cfg.block_n, cfg.block_k, k, weight.element_size()),
+        LINE=128 // weight.element_size(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kw())
     return out
 
 

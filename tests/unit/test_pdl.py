@@ -51,11 +51,21 @@ def _first_statement(fn: ast.FunctionDef) -> ast.stmt:
     return body[0]
 
 
+ENTRIES = ("pdl_enter", "pdl_enter_prefetching")  # pdl.enter, and pdl.enter_prefetching for a weight-streaming GEMM
+
+
+def _is_entry(stmt: ast.stmt) -> bool:
+    """``pdl_enter(PDL)`` / ``pdl_enter_prefetching(PDL, ...)``, or an ``if`` on a constexpr whose
+    branches each begin with one."""
+    if isinstance(stmt, ast.If):
+        return bool(stmt.orelse) and _is_entry(stmt.body[0]) and _is_entry(stmt.orelse[0])
+    return (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
+            and isinstance(stmt.value.func, ast.Name) and stmt.value.func.id in ENTRIES
+            and isinstance(stmt.value.args[0], ast.Name) and stmt.value.args[0].id == "PDL")
+
+
 def _enters_first(fn: ast.FunctionDef) -> bool:
-    first = _first_statement(fn)
-    return (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
-            and isinstance(first.value.func, ast.Name) and first.value.func.id == "pdl_enter"
-            and [a.id for a in first.value.args if isinstance(a, ast.Name)] == ["PDL"])
+    return _is_entry(_first_statement(fn))
 
 
 def _pdl_launches(tree: ast.Module) -> list[tuple[str, int]]:
@@ -105,3 +115,15 @@ def launch(x):
     fn = _jit_kernels(tree)["_k"]
     assert _pdl_launches(tree) == [("_k", 9)]
     assert not _enters_first(fn)
+    branch = ast.parse("if E:\n    pdl_enter(PDL)\nelse:\n    y = tl.load(x)\n").body[0]
+    assert not _is_entry(branch)  # a branch that touches memory before it waits
+    assert _is_entry(ast.parse("if E:\n    pdl_enter(PDL)\nelse:\n    pdl_enter_prefetching(PDL, w)\n").body[0])
+
+
+def test_prefetch_stays_within_its_budget():
+    from kvferry.common.kernels import triton_gemv
+
+    assert triton_gemv.prefetch_steps(8, 1024, 4096, 1) == 2  # FP8 qkv at one row: 16 KiB of its 32
+    assert triton_gemv.prefetch_steps(64, 256, 3584, 1) == 1
+    assert triton_gemv.prefetch_steps(64, 256, 256, 2) == 1  # at least one step
+    assert triton_gemv.prefetch_steps(4, 1024, 1024, 1) == 1  # at most its part of K
