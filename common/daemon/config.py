@@ -52,6 +52,8 @@ class CommonConfig:
     cuda_graph_max_bs: int = flag(128, help="largest decode batch captured as a CUDA graph (buckets 1, 2, 4, ... "
                                             "up to it; larger batches run eagerly)")
     disable_cuda_graph: bool = flag(False, help="run decode steps eagerly on CUDA (no graphs captured)")
+    disable_pdl: bool = flag(False, help="launch the Triton kernels without programmatic dependent launch (on by "
+                                         "default on sm_90+: each kernel's start overlaps the end of the one before)")
     max_running_requests: int = flag(64, help="requests decoded (or rooms held) at once")
     max_queued_requests: int = flag(256, help="requests waiting beyond that; more get HTTP 503")
     api_key: str | None = flag(None, help="require 'Authorization: Bearer KEY' on HTTP (health stays open)")

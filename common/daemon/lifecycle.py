@@ -124,7 +124,7 @@ def run(daemon: Daemon) -> int:
 def daemon_main(argv: list[str] | None, config_cls: type, prog: str, make_daemon) -> int:
     """The whole ``__main__`` of a daemon: config from flags and env, logging, then ``run``."""
     from kvferry.common.daemon.flags import parse_config
-    from kvferry.common.daemon.start import settle
+    from kvferry.common.daemon.start import apply_kernel_options, settle
     from kvferry.common.errors import ConfigError
     from kvferry.common.daemon.log import configure
 
@@ -135,4 +135,5 @@ def daemon_main(argv: list[str] | None, config_cls: type, prog: str, make_daemon
     except ConfigError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
+    apply_kernel_options(config)
     return run(make_daemon(config))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from pathlib import Path
 
 from kvferry.common.daemon.config import CommonConfig
@@ -144,3 +145,13 @@ def settle(config: CommonConfig) -> CommonConfig:
     if config.max_total_tokens == 0:
         changes["max_total_tokens"] = auto_tokens(config, target, configs)
     return dataclasses.replace(config, **changes)
+
+
+def apply_kernel_options(config: CommonConfig) -> None:
+    """Process-wide kernel settings from ``config``: ``--disable-pdl`` turns programmatic dependent
+    launch off for this process's kernels and, through the environment, for its TP ranks'."""
+    if config.disable_pdl:
+        from kvferry.common.kernels import pdl
+
+        os.environ["KVFERRY_PDL"] = "0"
+        pdl.set_enabled(False)

@@ -127,3 +127,22 @@ def test_prefetch_stays_within_its_budget():
     assert triton_gemv.prefetch_steps(64, 256, 3584, 1) == 1
     assert triton_gemv.prefetch_steps(64, 256, 256, 2) == 1  # at least one step
     assert triton_gemv.prefetch_steps(4, 1024, 1024, 1) == 1  # at most its part of K
+
+
+def test_disable_pdl_flag_turns_it_off_here_and_for_tp_ranks(monkeypatch, tmp_path):
+    from kvferry.common.daemon.flags import parse_config
+    from kvferry.common.daemon.start import apply_kernel_options
+    from kvferry.decode_worker.config import DecodeConfig
+
+    monkeypatch.setenv("KVFERRY_PDL", "1")  # restored after the test, whatever apply_kernel_options sets
+    config = parse_config(DecodeConfig, ["--model", str(tmp_path)], env={})
+    assert config.disable_pdl is False
+    apply_kernel_options(config)
+    assert __import__("os").environ["KVFERRY_PDL"] == "1"
+    config = parse_config(DecodeConfig, ["--model", str(tmp_path), "--disable-pdl"], env={})
+    try:
+        apply_kernel_options(config)
+        assert __import__("os").environ["KVFERRY_PDL"] == "0"  # inherited by the TP worker processes
+        assert not pdl.enabled() and pdl.kw() == {}
+    finally:
+        pdl.set_enabled(None)
