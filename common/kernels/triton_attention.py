@@ -30,9 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
-
 from kvferry.common.kernels.kv_quant import FP8_E4M3_MAX, is_quantized
+from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
 
 # A finite "minus infinity" for running maxima: exp(m_old - m_new) stays 0 or 1, never NaN.
 _NEG = tl.constexpr(-1.0e30)

@@ -22,9 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
-
 from kvferry.common.kernels.kv_quant import is_quantized
+from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
 from kvferry.common.kernels.quant_rows import TokenQuantized
 from kvferry.common.kernels.triton_attention import quantize_tile
 from kvferry.common.kernels.triton_fp8_gemm import e4m3_quantize, e4m3_scale

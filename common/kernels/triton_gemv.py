@@ -69,7 +69,7 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale,
     (2K wide) and the row read is silu(gate) * up, rounded to x's dtype as ``silu_mul`` rounds.
     X_SCALE: x is e4m3 with a scale per row (``x_scale`` [M]); the dot then runs on FP8 tensor cores.
     Axis 2 splits K into K_PER-wide parts (a multiple of BLOCK_K): part p writes its fp32 sum
-    (scaled, no bias) at out + p * stride_os, and ``_split_sum_kernel`` adds the parts.
+    (scaled, no bias) at out + p * stride_os, and ``_sum_parts_kernel`` adds the parts.
     PDL order 2: the first PREFETCH BLOCK_K steps of the program's weight rows are asked of L2 (LINE
     elements a line) before the wait; not for MoE slots, whose expert a kernel before chose."""
     if HAS_EXPERTS:
@@ -281,26 +281,53 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
         PREFETCH=prefetch_steps(cfg.block_n, block_k, k_per, weight.element_size()), LINE=128 // weight.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kw())
     if split > 1:
-        total = num_rows * n
-        _split_sum_kernel[(triton.cdiv(total, 1024),)](parts, bias if bias is not None else out, out, total, n,
-                                                     SPLIT=split, HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4,
-                                                     **pdl_kw())
+        sum_parts(parts, split, n, num_rows * n, out, bias=bias)
     return out
 
 
 @triton.jit
-def _split_sum_kernel(parts, bias, out, TOTAL, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-                      PDL: tl.constexpr = False):
-    """out.flat[i] = sum_p parts[p].flat[i] (+ bias[i % N]), parts [SPLIT, M, N] fp32, in part order."""
+def _sum_parts_kernel(parts, bias, extra, out, TOTAL, N, stride_row, stride_part, SPLIT: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """out.flat[i] (row r = i // N, column c = i % N) = round(sum_p parts[r * stride_row + p * stride_part + c]
+    (+ bias[c])), fp32 parts added in part order; HAS_EXTRA: then + extra.flat[i], rounded again (as
+    torch adds two tensors of out's dtype). Split-K parts [SPLIT, M, N]: stride_row N, stride_part
+    M * N; a MoE token's k slots [T, k, N]: stride_row k * N, stride_part N."""
     pdl_enter(PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < TOTAL
-    acc = tl.load(parts + i, mask=ok, other=0.0)
+    base = parts + (i // N) * stride_row + i % N
+    acc = tl.load(base, mask=ok, other=0.0)
     for p in tl.static_range(1, SPLIT):
-        acc += tl.load(parts + p * TOTAL + i, mask=ok, other=0.0)
+        acc += tl.load(base + p * stride_part, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias + i % N, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out + i, acc.to(out.dtype.element_ty), mask=ok)
+    r = acc.to(out.dtype.element_ty)
+    if HAS_EXTRA:
+        r = (r.to(tl.float32) + tl.load(extra + i, mask=ok, other=0.0).to(tl.float32)).to(out.dtype.element_ty)
+    tl.store(out + i, r, mask=ok)
+
+
+def sum_parts(parts: torch.Tensor, num_parts: int, stride_row: int, stride_part: int, out: torch.Tensor,
+              bias: torch.Tensor | None = None, extra: torch.Tensor | None = None) -> torch.Tensor:
+    """``_sum_parts_kernel`` into ``out`` [M, N] (contiguous) from fp32 ``parts``."""
+    total, n = out.numel(), out.shape[-1]
+    if total:
+        _sum_parts_kernel[(triton.cdiv(total, 1024),)](
+            parts, bias if bias is not None else out, extra if extra is not None else out, out, total, n, stride_row,
+            stride_part, SPLIT=num_parts, HAS_BIAS=bias is not None, HAS_EXTRA=extra is not None, BLOCK=1024,
+            num_warps=4, **pdl_kw())
+    return out
+
+
+def slot_sum(down: torch.Tensor, top_k: int, dtype: torch.dtype, extra: torch.Tensor | None = None) -> torch.Tensor:
+    """A MoE block's weighted slots [T * k, H] fp32 -> [T, H] in ``dtype``: each token's k slots
+    summed in slot order, rounded (+ ``extra`` [T, H], e.g. the shared experts', rounded again), one
+    launch where torch's sum and cast were two."""
+    num_tokens = down.shape[0] // top_k
+    out = torch.empty(num_tokens, down.shape[1], dtype=dtype, device=down.device)
+    if extra is not None and not extra.is_contiguous():
+        extra = extra.contiguous()
+    return sum_parts(down, top_k, top_k * down.shape[1], down.shape[1], out, extra=extra)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -342,10 +369,11 @@ def expert_gemv(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, out: t
 
 
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-             topk_ids: torch.Tensor, configs: tuple[GemvConfig, GemvConfig] | None = None) -> torch.Tensor:
+             topk_ids: torch.Tensor, configs: tuple[GemvConfig, GemvConfig] | None = None,
+             extra: torch.Tensor | None = None) -> torch.Tensor:
     """``triton_moe.fused_moe`` for T * k <= MOE_GEMV_MAX_SLOTS: x [T, H], w13 [E, 2I, H],
     w2 [E, H, I] -> [T, H] in x's dtype (gate-up rounded to x's dtype, the weighted down
-    projection in fp32, summed over the k slots, then rounded)."""
+    projection in fp32, summed over the k slots, then rounded; + ``extra`` [T, H], rounded)."""
     num_tokens, top_k = topk_ids.shape
     num_slots = num_tokens * top_k
     if num_slots > MOE_GEMV_MAX_SLOTS:
@@ -356,8 +384,9 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     gate_up = torch.empty(num_slots, w13.shape[1], dtype=x.dtype, device=x.device)
     down = torch.empty(num_slots, w2.shape[1], dtype=torch.float32, device=x.device)
     if num_slots == 0:
-        return torch.zeros(num_tokens, w2.shape[1], dtype=x.dtype, device=x.device)
+        out = torch.zeros(num_tokens, w2.shape[1], dtype=x.dtype, device=x.device)
+        return out if extra is None else out + extra
     cfg13, cfg2 = configs or (None, None)
     expert_gemv(x, w13, ids, gate_up, top_k, False, None, cfg13)
     expert_gemv(gate_up, w2, ids, down, 1, True, topk_weights.flatten().contiguous(), cfg2)
-    return down.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+    return slot_sum(down, top_k, x.dtype, extra)

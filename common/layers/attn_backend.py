@@ -121,8 +121,8 @@ class TorchBackend:
         return attention.paged_attention(q, k_cache, v_cache, plan, window, scale, k_scale, v_scale)
 
     @staticmethod
-    def fused_moe(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
-        return moe.fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+    def fused_moe(x, w13, w2, topk_weights, topk_ids, extra=None) -> torch.Tensor:  # + extra: the shared experts'
+        return moe.fused_moe_ref(x, w13, w2, topk_weights, topk_ids, extra)
 
     select_experts, mla_rows = staticmethod(moe.select_experts), staticmethod(mla.latent_rows_ref)
 
@@ -282,8 +282,8 @@ class TritonBackend:
             return self.gemv.gemv(x, weight, bias)
         return torch.nn.functional.linear(x, weight, bias)
 
-    def fused_moe(self, x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
-        return self.moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, extra=None) -> torch.Tensor:
+        return self.moe.fused_moe(x, w13, w2, topk_weights, topk_ids, extra)  # the add in the slot sum's launch
 
     def select_experts(self, logits, top_k: int, renormalize: bool, scale=1.0, eps=0.0, out_dtype=None):
         """As ``moe.select_experts``, in one launch (``triton_moe.softmax_topk``)."""

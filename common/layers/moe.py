@@ -53,13 +53,14 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_ids: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights and topk_ids [T, k] -> [T, H] in x's dtype:
     ``sum_j topk_weights[t, j] * down(silu(gate(x[t])) * up(x[t]))`` of expert ``topk_ids[t, j]``.
 
     Token slots are sorted by expert, then one gate-up and one down matmul per expert that has a
     slot (at most E of them); each expert's matmuls round to x's dtype as an ``nn.Linear`` does, and
-    the weighted sum accumulates in fp32, experts in ascending order."""
+    the weighted sum accumulates in fp32, experts in ascending order. ``extra`` [T, H] (DeepSeek's
+    shared experts) is added to the rounded sum, as torch adds two tensors of x's dtype."""
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     order, counts = sort_by_expert(topk_ids, num_experts)
     flat_weights = topk_weights.flatten()
@@ -74,7 +75,7 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, w2[expert])
         out.index_add_(0, tokens, y.float() * flat_weights[slots, None].float())
-    return out.to(x.dtype)
+    return out.to(x.dtype) if extra is None else out.to(x.dtype) + extra
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:

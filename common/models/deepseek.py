@@ -140,8 +140,7 @@ class MoeBlock(nn.Module):
         """h [T, hidden] -> [T, hidden]: each token's k experts, weighted, plus the shared experts."""
         weights, ids = route(F.linear(h.float(), self.gate_weight), self.spec, self.score_bias, attn)  # [T, k] each
         # ids index w13/w2 directly: this rank holds every expert (rank_experts)
-        out = attn.fused_moe(h, self.w13, self.w2, weights, ids)
-        return out if self.shared is None else out + self.shared(h, attn)
+        return attn.fused_moe(h, self.w13, self.w2, weights, ids, None if self.shared is None else self.shared(h, attn))
 
 
 class DeepseekLayer(nn.Module):

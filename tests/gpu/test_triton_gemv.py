@@ -199,13 +199,30 @@ def test_moe_gemv_equals_reference(num_tokens, num_experts, top_k, dtype):
     weights, ids = select_experts(torch.randn(num_tokens, num_experts, generator=g), top_k, renormalize=True)
     x, w13, w2, weights = (t.to(DEVICE, dtype) for t in (x, w13, w2, weights))
     ids = ids.to(DEVICE)
-    got = triton_gemv.moe_gemv(x, w13, w2, weights, ids)
-    want = fused_moe_ref(x, w13, w2, weights, ids)
+    extra = torch.randn(num_tokens, hidden, generator=g).to(DEVICE, dtype)  # DeepSeek's shared experts'
+    got = triton_gemv.moe_gemv(x, w13, w2, weights, ids, extra=extra)
+    want = fused_moe_ref(x, w13, w2, weights, ids, extra)
     assert got.shape == want.shape and got.dtype == dtype
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     else:
         torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-2)
+
+
+@pytest.mark.parametrize("num_tokens, top_k, hidden", [(1, 8, 2048), (3, 6, 80), (40, 2, 1030)])
+def test_slot_sum_adds_each_tokens_slots_in_order(num_tokens, top_k, hidden):
+    """One launch: each token's k fp32 slots added in slot order, rounded, then + extra rounded,
+    bit for bit as the same sequence of torch ops."""
+    g = torch.Generator().manual_seed(top_k)
+    down = torch.randn(num_tokens * top_k, hidden, generator=g).to(DEVICE)
+    extra = torch.randn(num_tokens, hidden, generator=g).to(DEVICE, HALF)
+    slots = down.view(num_tokens, top_k, hidden)
+    acc = slots[:, 0].clone()
+    for j in range(1, top_k):
+        acc = acc + slots[:, j]
+    assert torch.equal(triton_gemv.slot_sum(down, top_k, HALF), acc.to(HALF))
+    assert torch.equal(triton_gemv.slot_sum(down, top_k, HALF, extra), acc.to(HALF) + extra)
+    assert torch.equal(triton_gemv.slot_sum(down, top_k, torch.float32), acc)
 
 
 def test_moe_gemv_refuses_many_slots():
