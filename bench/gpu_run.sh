@@ -459,7 +459,7 @@ if [[ $what == pdl ]]; then
     ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) &
   done
   timeout ${TESTS_TIMEOUT:-180} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pdl.py tests/unit/test_pdl.py \
-    tests/gpu/test_engine_graphs.py tests/gpu/test_deepseek_graphs.py tests/gpu/test_triton_gemv.py \
+    tests/gpu/test_engine_graphs.py tests/gpu/test_deepseek_graphs.py tests/gpu/test_triton_gemv.py tests/gpu/test_triton_moe.py \
     > "$out/pdl-tests.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/pdl-tests.txt" | tail -12
   wait
