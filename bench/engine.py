@@ -227,8 +227,8 @@ def parse_args() -> argparse.Namespace:
                          "instead of the one-launch counting sort (triton_moe.ALIGN_KERNEL_MAX_SLOTS 0)")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="decode (and profile, prefill) again with the Triton kernels' programmatic dependent launch "
-                         "in order 1 (each waits, then lets the next be scheduled; no weight prefetch) and off, "
-                         "side by side with the default (order 2: kernels.pdl)")
+                         "in order 2 (each lets the next be scheduled, then waits; the GEMV prefetches weights "
+                         "meanwhile) and off, side by side with the default (order 1: kernels.pdl)")
     ap.add_argument("--moe-align-warps", type=int, default=0, help="warps of the one-launch slot sort (triton_moe.ALIGN_WARPS)")
     ap.add_argument("--silu-quant-config", default="",
                     help="BLOCK,WARPS of the silu kernel that also quantizes (triton_fused.SILU_QUANT_BLOCK/_WARPS)")
@@ -409,8 +409,8 @@ def main() -> None:
         rerun(runner, a, {**base, "fp8_fuse_quant": False}, *again)
         fp8.FUSE_TOKEN_QUANT = True
         recapture(runner)
-    if a.pdl_ab and pdl.enabled():  # order 1, then every kernel launched plainly: each grid waits for the last
-        for on, early in ((True, False), (False, True)):
+    if a.pdl_ab and pdl.enabled():  # order 2, then every kernel launched plainly: each grid waits for the last
+        for on, early in ((True, True), (False, False)):
             pdl.set_enabled(on, early=early)
             rerun(runner, a, {**base, "pdl": pdl.mode()}, *again)
         pdl.set_enabled(None)

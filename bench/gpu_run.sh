@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|prefix-ttft|extend|
-#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|summary|pdl|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
+#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|summary|pdl|pdl-tests|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -448,6 +448,11 @@ if [[ $what == summary ]]; then
       --moe-align-torch --kv-budget-gib 16 2>>"$out/moe-engine.err" | sed "s/^{/{\"preset\": \"$preset\", /" \
       | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   done
+fi
+if [[ $what == pdl-tests ]]; then  # PDL's correctness on the GPU: every order against plain launches, bit for bit
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pdl.py tests/unit/test_pdl.py \
+    tests/gpu/test_triton_gemv.py tests/gpu/test_triton_moe.py tests/gpu/test_deepseek_graphs.py \
+    tests/gpu/test_engine_graphs.py 2>&1 | tee "$out/pdl-tests.txt" | tail -15
 fi
 if [[ $what == pdl ]]; then
   # every Triton kernel of a step launched with programmatic dependent launch (kernels/pdl.py), against the same

@@ -35,7 +35,7 @@ import os
 import triton
 import triton.language as tl
 
-_state: dict = {"enabled": None, "early": True, "kw": None}  # enabled None: decide on first use (available())
+_state: dict = {"enabled": None, "early": False, "kw": None}  # enabled None: decide on first use (available())
 
 
 def available() -> bool:
@@ -54,7 +54,7 @@ def available() -> bool:
     return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
-def set_enabled(flag: bool | None, early: bool = True) -> bool:
+def set_enabled(flag: bool | None, early: bool = False) -> bool:
     """Turns PDL on (where ``available()``), off, or back to the default (None), in order 2
     (``early``) or 1; returns whether it is on. Graphs captured before keep their launches."""
     _state["enabled"] = None if flag is None else bool(flag and available())
