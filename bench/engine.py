@@ -26,7 +26,9 @@ line per configuration; combinations whose KV does not fit are skipped with a li
 ``fp8_gemv_max_rows``), side by side with the default. ``--profile`` adds, for those batches at the
 first context, one line of the CUDA kernels of a decode step (``torch.profiler`` over graph
 replays): per kernel name its µs and launches per step, and the step's kernel time against its
-wall time (the gap is launch latency and idle).
+wall time (the gap is launch latency and idle). ``--pdl-ab`` reruns every case with the Triton kernels'
+programmatic dependent launch in order 2 and off (``pdl`` on each line: 1 the default, 2, 0 off);
+with PDL a kernel's profiled time includes its wait for the kernel before it.
 """
 
 from __future__ import annotations
