@@ -33,11 +33,13 @@ def _inputs(num_tokens, num_experts, top_k, hidden, inter, dtype, seed=0):
 def test_fused_moe_matches_reference(num_tokens, num_experts, top_k, dtype):
     # hidden 48 and inter 24 are not multiples of the kernel's blocks: the K and N masks are exercised
     x, w13, w2, weights, ids = _inputs(num_tokens, num_experts, top_k, 48, 24, dtype, seed=num_tokens)
+    got = triton_moe.fused_moe(x, w13, w2, weights, ids)
+    want = fused_moe_ref(x, w13, w2, weights, ids)
+    assert got.shape == want.shape and got.dtype == dtype
+    # the shared experts' output, added to the rounded sum in the slot sum's launch, rounded as torch adds
     shared = torch.randn(num_tokens, 48, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
-    for extra in (None, shared):  # the shared experts' output, added in the slot sum's launch
-        got = triton_moe.fused_moe(x, w13, w2, weights, ids, extra)
-        want = fused_moe_ref(x, w13, w2, weights, ids, extra)
-        assert got.shape == want.shape and got.dtype == dtype
+    assert torch.equal(triton_moe.fused_moe(x, w13, w2, weights, ids, shared), got + shared)
+    assert torch.equal(fused_moe_ref(x, w13, w2, weights, ids, shared), want + shared)
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     else:
