@@ -14,13 +14,14 @@ ask L2 for the program's first weight tiles. Since each kernel waits for the one
 waited for its own, a kernel's wait covers everything before it in the stream. Kernels launched
 without PDL (torch's, cuBLAS's) wait for their predecessor as usual.
 
-Two orders (``PDL``, a constexpr):
-- 1: wait, then let the next kernel be scheduled (``gdc_launch_dependents``): at most two grids
-  are resident at once, the running one and the next, waiting;
-- 2 (``EARLY``, the default): let the next kernel be scheduled first, then wait. The next kernel's
-  programs are placed as soon as all of this one's have started, so a GEMM's weight prefetch
-  overlaps the small kernels before it. Still safe: a kernel finishes only after its own wait, so
-  waiting for the kernel before covers every kernel before that.
+Two orders (``PDL``, a constexpr; 0 is off):
+- 1 (the default): wait, then let the next kernel be scheduled (``gdc_launch_dependents``): at
+  most two grids are resident at once, the running one and the next, waiting;
+- 2 (``set_enabled(True, early=True)``, for A/B runs: ``bench/engine.py --pdl-ab``): let the next
+  kernel be scheduled first, then wait, and a GEMV asks L2 for its first weight tiles meanwhile.
+  Still safe: a kernel finishes only after its own wait, so waiting for the kernel before covers
+  every kernel before that. On an H100 it was slower than order 1 at FP8 batch 1 (3.86 against
+  3.53 ms; bench/RESULTS.md, "Programmatic dependent launch").
 
 ``kw()`` is what a launch site adds: ``PDL`` and ``launch_pdl=True`` (Triton's launch option) where
 PDL is on, nothing otherwise. It is on where the current CUDA device is sm_90 or newer, Triton has
@@ -72,6 +73,11 @@ def enabled() -> bool:
 def mode() -> int:
     """The ``PDL`` constexpr launches get: 0 off, 1 wait first, 2 schedule the next kernel first."""
     return (2 if _state["early"] else 1) if enabled() else 0
+
+
+def prefetching() -> bool:
+    """Whether a GEMV asks L2 for weights before its wait (order 2)."""
+    return mode() == 2
 
 
 def kw() -> dict:

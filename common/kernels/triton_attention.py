@@ -59,7 +59,7 @@ def _dequantize(tile, scale, out_ty: tl.constexpr, QUANT: tl.constexpr):
 def _store_kv_kernel(k, v, k_cache, v_cache, pages, rows, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cp, stride_cr, stride_ch, k_inv_scale, v_inv_scale, NUM_HEADS: tl.constexpr,
                      HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     t = tl.program_id(0)
     page = tl.load(pages + t).to(tl.int64)
@@ -84,7 +84,7 @@ def _decode_split_kernel(q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_ls
                          k_scale, v_scale, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_len = tl.load(kv_lens + b).to(tl.int32)
@@ -129,7 +129,7 @@ def _decode_split_kernel(q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_ls
 
 @triton.jit
 def _decode_merge_kernel(mid_o, mid_lse, o, stride_ob, stride_oh, num_splits, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK_D: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     b, head = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -155,7 +155,7 @@ def _extend_kernel(q, o, k_cache, v_cache, page_table, q_starts, q_lens, prefix_
                    stride_ot, stride_oh, stride_cp, stride_cr, stride_ch, stride_pb, scale_log2, window,
                    k_scale, v_scale, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-                   QUANT: tl.constexpr, PDL: tl.constexpr = False):
+                   QUANT: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     b, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_head = head // GROUP

@@ -42,7 +42,7 @@ def e4m3_quantize(v, scale, dtype: tl.constexpr):
 
 
 @triton.jit
-def _group_quant_kernel(x, q, s, K, stride_x, stride_q, stride_s, GROUP: tl.constexpr, PDL: tl.constexpr = False):
+def _group_quant_kernel(x, q, s, K, stride_x, stride_q, stride_s, GROUP: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -67,7 +67,7 @@ def per_token_group_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tens
 
 
 @triton.jit
-def _token_quant_kernel(x, q, s, K, stride_x, stride_q, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _token_quant_kernel(x, q, s, K, stride_x, stride_q, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
     """One row per program: its amax over K in BLOCK chunks, then the row quantized with it."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -100,7 +100,7 @@ def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @triton.jit
 def _block_gemm_kernel(a, b, c, scale_a, scale_b, bias, M, N, K, stride_am, stride_bn, stride_cm, stride_sam,
                        stride_sbn, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                       BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)

@@ -42,7 +42,7 @@ def _quantize_row(v, q_row, s, row, cols, mask):
 
 @triton.jit
 def _add_rms_norm_kernel(x, delta, out_x, out_h, weight, eps, hq, hs, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
-                         HAS_DELTA: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False):
+                         HAS_DELTA: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
@@ -114,7 +114,7 @@ def _rope_store_kernel(q, k, v, q_out, cos, sin, k_cache, v_cache, pages, rows, 
                        stride_kh, stride_vt, stride_vh, stride_cp, stride_cr, stride_ch, k_inv_scale, v_inv_scale,
                        q_norm, k_norm, eps, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                        BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                       QUANT: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr = False):
+                       QUANT: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cos_t, sin_t = cos + t * 2 * HALF, sin + t * 2 * HALF
@@ -181,7 +181,7 @@ def _silu_mul_tile(gate_up, row, i, INTER: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up, out, INTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _silu_mul_kernel(gate_up, out, INTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
     """``silu(gate) * up`` of BLOCK columns of a row."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -191,7 +191,7 @@ def _silu_mul_kernel(gate_up, out, INTER: tl.constexpr, BLOCK: tl.constexpr, PDL
 
 
 @triton.jit
-def _silu_mul_quant_kernel(gate_up, out, q, s, INTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _silu_mul_quant_kernel(gate_up, out, q, s, INTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
     """``silu(gate) * up`` of a whole row, also quantized per token: in registers when BLOCK covers
     the row, else in two passes of BLOCK columns (the second recomputes each tile)."""
     pdl_enter(PDL)

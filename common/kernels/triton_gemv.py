@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from kvferry.common.kernels.pdl import enter as pdl_enter, enter_prefetching as pdl_enter_prefetching
-from kvferry.common.kernels.pdl import kw as pdl_kw
+from kvferry.common.kernels.pdl import kw as pdl_kw, prefetching as pdl_prefetching
 
 FP8_GEMV_MAX_ROWS = 128  # the most rows fp8_gemv takes; fp8.FP8_GEMV_MAX_ROWS says how many fp8_linear sends here
 MOE_GEMV_MAX_SLOTS = 32
@@ -61,7 +61,7 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale,
                  TOP_K: tl.constexpr, SCALE: tl.constexpr, GROUP: tl.constexpr, HAS_EXPERTS: tl.constexpr,
                  FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, X_SCALE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                 PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0, LINE: tl.constexpr = 128):
+                 PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, LINE: tl.constexpr = 128):
     """out[r, n] = sum_k act(x)[row(r), k] * w[expert(r), n, k] * scale (+ bias) (* slot weight).
 
     Rows r: BLOCK_M consecutive rows of x (dense), or one MoE slot per program (HAS_EXPERTS,
@@ -190,7 +190,10 @@ PREFETCH_BYTES = 16384  # weight bytes a program asks of L2 before its PDL wait 
 
 def prefetch_steps(block_n: int, block_k: int, k_per: int, elem_bytes: int) -> int:
     """BLOCK_K steps of its weight rows a program prefetches before its PDL wait: up to
-    ``PREFETCH_BYTES``, at least one, at most its part of K."""
+    ``PREFETCH_BYTES``, at least one, at most its part of K; 0 unless PDL runs in order 2 (no
+    kernel variants for a value that is not used)."""
+    if not pdl_prefetching():
+        return 0
     return max(1, min(triton.cdiv(k_per, block_k), PREFETCH_BYTES // (block_n * block_k * elem_bytes)))
 
 
@@ -287,15 +290,20 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
 
 @triton.jit
 def _sum_parts_kernel(parts, bias, extra, out, TOTAL, N, stride_row, stride_part, SPLIT: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                      HAS_BIAS: tl.constexpr, HAS_EXTRA: tl.constexpr, PACKED: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = 0):
     """out.flat[i] (row r = i // N, column c = i % N) = round(sum_p parts[r * stride_row + p * stride_part + c]
     (+ bias[c])), fp32 parts added in part order; HAS_EXTRA: then + extra.flat[i], rounded again (as
     torch adds two tensors of out's dtype). Split-K parts [SPLIT, M, N]: stride_row N, stride_part
-    M * N; a MoE token's k slots [T, k, N]: stride_row k * N, stride_part N."""
+    M * N; a MoE token's k slots [T, k, N]: stride_row k * N, stride_part N. PACKED: stride_row is N
+    (no division by N)."""
     pdl_enter(PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < TOTAL
-    base = parts + (i // N) * stride_row + i % N
+    if PACKED:
+        base = parts + i
+    else:
+        base = parts + (i // N) * stride_row + i % N
     acc = tl.load(base, mask=ok, other=0.0)
     for p in tl.static_range(1, SPLIT):
         acc += tl.load(base + p * stride_part, mask=ok, other=0.0)
@@ -314,8 +322,8 @@ def sum_parts(parts: torch.Tensor, num_parts: int, stride_row: int, stride_part:
     if total:
         _sum_parts_kernel[(triton.cdiv(total, 1024),)](
             parts, bias if bias is not None else out, extra if extra is not None else out, out, total, n, stride_row,
-            stride_part, SPLIT=num_parts, HAS_BIAS=bias is not None, HAS_EXTRA=extra is not None, BLOCK=1024,
-            num_warps=4, **pdl_kw())
+            stride_part, SPLIT=num_parts, HAS_BIAS=bias is not None, HAS_EXTRA=extra is not None,
+            PACKED=stride_row == n, BLOCK=1024, num_warps=4, **pdl_kw())
     return out
 
 

@@ -61,7 +61,7 @@ def _latent_rows_kernel(kv_a, q_pe, cos, sin, norm, rows, q_out, cache, pages, s
                         stride_qh, stride_rt, stride_ot, stride_oh, stride_cp, stride_cr, NUM_HEADS: tl.constexpr,
                         LATENT: tl.constexpr, HALF: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
                         BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, STORE: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     ty = rows.dtype.element_ty
@@ -150,7 +150,7 @@ def _decode_split_kernel(q, cache, page_table, kv_lens, mid_o, mid_lse, stride_q
                          stride_pb, scale_log2, num_splits, NUM_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     b, head_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_len = tl.load(kv_lens + b).to(tl.int32)
@@ -193,7 +193,7 @@ def _extend_kernel(q, o, cache, page_table, q_starts, q_lens, prefix_lens, strid
                    stride_oh, stride_cp, stride_cr, stride_pb, scale_log2, NUM_HEADS: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-                   PDL: tl.constexpr = False):
+                   PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     b, block = tl.program_id(0), tl.program_id(1)
     q_len = tl.load(q_lens + b).to(tl.int32)

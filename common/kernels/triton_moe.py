@@ -48,7 +48,7 @@ def _align_bound(num_slots: int, num_experts: int, block_m: int) -> int:
 @triton.jit
 def _align_kernel(ids, sorted_slots, block_experts, S, E, BOUND, NUM_BLOCKS, BLOCK_S: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_FILL: tl.constexpr,
-                  PDL: tl.constexpr = False):
+                  PDL: tl.constexpr = 0):
     """``align_by_expert`` in one program, a counting sort: the experts' slot counts, their padded
     starts (an exclusive cumsum), every row set to the sentinel S, then each slot written at its
     expert's start plus its rank among that expert's slots (the earlier chunks' count, plus the
@@ -191,7 +191,7 @@ def _grouped_gemm_kernel(a, b, c, sorted_slots, block_experts, weights, N, K, nu
                          stride_am, stride_be, stride_bn, stride_cm,
                          MUL_WEIGHT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+                         GROUP_M: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = 0):
     """c[slot, n] = a[slot // top_k] . b[expert, n] (* weights[slot]) for one block of BLOCK_M slots
     and BLOCK_N columns (top_k 1: a row per slot). A 1-D grid of num_pid_m x cdiv(N, BLOCK_N)
     programs, in bands of GROUP_M row blocks: a band's programs run together and share its A rows
@@ -276,7 +276,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 @triton.jit
 def _softmax_topk_kernel(logits, weights, ids, E, stride_l, scale, eps, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_K: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK_K: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)

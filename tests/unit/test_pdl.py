@@ -120,9 +120,11 @@ def launch(x):
     assert _is_entry(ast.parse("if E:\n    pdl_enter(PDL)\nelse:\n    pdl_enter_prefetching(PDL, w)\n").body[0])
 
 
-def test_prefetch_stays_within_its_budget():
+def test_prefetch_stays_within_its_budget(monkeypatch):
     from kvferry.common.kernels import triton_gemv
 
+    assert triton_gemv.prefetch_steps(8, 1024, 4096, 1) == 0  # only in order 2 (off on CPU; order 1 by default)
+    monkeypatch.setattr(triton_gemv, "pdl_prefetching", lambda: True)
     assert triton_gemv.prefetch_steps(8, 1024, 4096, 1) == 2  # FP8 qkv at one row: 16 KiB of its 32
     assert triton_gemv.prefetch_steps(64, 256, 3584, 1) == 1
     assert triton_gemv.prefetch_steps(64, 256, 256, 2) == 1  # at least one step
