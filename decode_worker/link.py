@@ -57,6 +57,13 @@ _TRANSITIONS: dict[LinkState, frozenset[LinkState]] = {
 }
 
 
+REGISTER_RETRY_S = 0.05  # after a socket swap: the pause before registering again when the prefill says "retry"
+
+
+class _SocketReplaced(Exception):
+    """A register's socket was replaced before its ack came: register again on the new one."""
+
+
 class PrefillLink:
     def __init__(self, host: str, port: int, receiver: LinkOwner, *, client_keys: dict | None = None):
         self.host, self.port = host, port
@@ -68,6 +75,7 @@ class PrefillLink:
         self.ack: wire.RegisterAck | None = None
         self.decode_id = ""
         self._ack_future: asyncio.Future | None = None
+        self._ack_client: BootstrapClient | None = None  # the socket the pending register went out on
         self._register_lock = asyncio.Lock()
         self._last_pong = time.monotonic()
         self.last_pong_t = 0.0  # send time (this clock) of the latest ping the prefill answered
@@ -107,22 +115,41 @@ class PrefillLink:
                     self._move(LinkState.LOST)
 
     async def _register(self, timeout_s: float) -> wire.RegisterAck:
-        """Send each rank's register in turn and await its ack; rank 0's (last) is the verdict."""
+        """Send each rank's register in turn and await its ack; rank 0's (last) is the verdict. The
+        prefill binds the decode id to the connection a register came on: when ``_rebuild_socket``
+        replaces the socket meanwhile, the registration starts again on the new one."""
         deadline = time.monotonic() + timeout_s
-        msgs = self.receiver.register_msg()
-        for msg in [msgs] if isinstance(msgs, wire.Register) else msgs:
-            self.decode_id = msg.decode_id
-            ack = await self._register_one(msg, max(deadline - time.monotonic(), 0.0), timeout_s)
-        return self._accept(ack)
+        swapped = False
+        while True:
+            client, ack = self.client, None
+            try:
+                msgs = self.receiver.register_msg()
+                for msg in [msgs] if isinstance(msgs, wire.Register) else msgs:
+                    self.decode_id = msg.decode_id
+                    ack = await self._register_one(msg, max(deadline - time.monotonic(), 0.0), timeout_s)
+            except _SocketReplaced:
+                ack = None
+            except PeerUnavailableError as exc:  # after a swap: the replaced socket's may still be under way
+                if not swapped or exc.code is not FailCode.OVERLOADED or time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(REGISTER_RETRY_S)
+                continue
+            if ack is not None and client is self.client:
+                return self._accept(ack)
+            swapped = True  # the next attempt's send and ack wait are bounded by the same deadline
+            logger.info("socket to prefill peer=%s replaced during registration: registering again", self.address)
 
     async def _register_one(self, msg: wire.Register, remaining_s: float, timeout_s: float) -> wire.RegisterAck:
-        self._ack_future = asyncio.get_running_loop().create_future()
-        await self.client.send(msg, timeout_s=remaining_s)
+        self._ack_future = future = asyncio.get_running_loop().create_future()
+        self._ack_client = self.client
         try:
-            ack = await wait_for(self._ack_future, remaining_s)
+            await self._ack_client.send(msg, timeout_s=remaining_s)
+            ack = await wait_for(future, remaining_s)
         except asyncio.TimeoutError:
             raise PeerUnavailableError(f"prefill {self.address} did not answer register within {timeout_s:.1f}s "
                                        f"(is a prefill listening on that bootstrap port?)") from None
+        finally:
+            self._ack_future = None  # nothing waits for another ack (a replaced socket's is not set on it)
         if not ack.accepted and ack.fail_code in (FailCode.OVERLOADED, FailCode.TIMEOUT):
             raise PeerUnavailableError(f"prefill {self.address} could not register this decode now: {ack.error}",
                                        code=ack.fail_code)  # the next request tries again (LOST)
@@ -194,9 +221,9 @@ class PrefillLink:
                 continue
             if msg is None:
                 continue
-            self._dispatch(msg)
+            self._dispatch(msg, client)
 
-    def _dispatch(self, msg) -> None:
+    def _dispatch(self, msg, client: BootstrapClient | None = None) -> None:
         if isinstance(msg, ProtocolError):
             self.receiver.metrics.protocol_errors.inc()
             logger.warning("malformed frame from prefill peer=%s: %s", self.address, msg)
@@ -209,7 +236,8 @@ class PrefillLink:
             return
         self._last_pong = time.monotonic()
         if isinstance(msg, wire.RegisterAck):
-            if self._ack_future is not None and not self._ack_future.done():
+            # only an ack read on the socket its register went out on (a replaced socket's is void)
+            if self._ack_future is not None and not self._ack_future.done() and client in (None, self._ack_client):
                 self._ack_future.set_result(msg)
             elif self.ack is not None and msg.prefill_id != self.ack.prefill_id:
                 self._forget()
@@ -262,6 +290,9 @@ class PrefillLink:
                        self.address, self._num_failed_pings)
         old, self.client = self.client, BootstrapClient(self.host, self.port, **self._client_keys)
         self.client.start()
+        self._forget()  # the prefill knows the old socket's connection only: register again on this one
+        if self._ack_future is not None and not self._ack_future.done():
+            self._ack_future.set_exception(_SocketReplaced())
         # Reads and sends in flight may still be polling the old socket (each with a timeout of a
         # few seconds at most); closing it under them would leave their polls hanging.
         self._retired.append(old)
@@ -272,7 +303,6 @@ class PrefillLink:
             self._retired.remove(client)
             client.close()
         self._num_failed_pings = 0
-        self._forget()
 
     async def close(self) -> None:
         for task in self._tasks:
