@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -231,6 +232,10 @@ def parse_args() -> argparse.Namespace:
                     help="decode (and profile, prefill) again with the Triton kernels' programmatic dependent launch "
                          "in order 2 (each lets the next be scheduled, then waits; the GEMV prefetches weights "
                          "meanwhile) and off, side by side with the default (order 1: kernels.pdl)")
+    ap.add_argument("--attn-merge-ab", action="store_true",
+                    help="decode (and profile, prefill) again with the decode attention's splits merged by a second "
+                         "kernel, side by side with the default (merged by each head's last split program: "
+                         "triton_attention.FUSED_MERGE)")
     ap.add_argument("--moe-align-warps", type=int, default=0, help="warps of the one-launch slot sort (triton_moe.ALIGN_WARPS)")
     ap.add_argument("--silu-quant-config", default="",
                     help="BLOCK,WARPS of the silu kernel that also quantizes (triton_fused.SILU_QUANT_BLOCK/_WARPS)")
@@ -276,18 +281,28 @@ def recapture(runner) -> None:
         graphs.capture()
 
 
+@contextmanager
+def switched(runner, owner, name: str, value):
+    """``owner.name`` is ``value`` inside the block; the default is set back after it and the graphs are
+    captured again (``rerun`` captures them with the switch on)."""
+    default = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, default)
+        recapture(runner)
+
+
 def with_fp8_gemv_rows(runner, a, base: dict, weights: WeightBytes, kv_token_bytes: int, bw: float,
                        max_tokens: int) -> None:
     """The decode steps again for each bound of ``--fp8-gemv-rows`` (graphs recaptured), then the default back."""
     from kvferry.common.layers import fp8
 
-    default = fp8.FP8_GEMV_MAX_ROWS
     for rows in map(int, a.fp8_gemv_rows.split(",")):
-        fp8.FP8_GEMV_MAX_ROWS = rows
-        recapture(runner)
-        decode_cases(runner, a, {**base, "fp8_gemv_max_rows": rows}, weights, kv_token_bytes, bw, max_tokens)
-    fp8.FP8_GEMV_MAX_ROWS = default
-    recapture(runner)
+        with switched(runner, fp8, "FP8_GEMV_MAX_ROWS", rows):
+            recapture(runner)
+            decode_cases(runner, a, {**base, "fp8_gemv_max_rows": rows}, weights, kv_token_bytes, bw, max_tokens)
 
 
 def rerun(runner, a, base: dict, weights: WeightBytes, kv_token_bytes: int, bw: float, max_tokens: int,
@@ -325,14 +340,11 @@ def with_gemv(runner, a, base: dict, weights: WeightBytes, kv_token_bytes: int, 
     """Batch 1 again with the other choice for every one-row bf16 projection (graphs recaptured):
     cuBLAS when the backend runs the Triton GEMV (its CUDA default), else the GEMV. ``"gemv"`` says
     which one the line ran."""
-    model = runner.target.model
-    default = model.attn.use_gemv
-    model.attn.use_gemv = not default
-    recapture(runner)
-    for context in map(int, a.contexts.split(",")):
-        emit({**base, "gemv": not default, **decode_case(runner, a, 1, context, weights, kv_token_bytes, bw)})
-    model.attn.use_gemv = default
-    recapture(runner)
+    attn = runner.target.model.attn
+    with switched(runner, attn, "use_gemv", not attn.use_gemv):
+        recapture(runner)
+        for context in map(int, a.contexts.split(",")):
+            emit({**base, "gemv": attn.use_gemv, **decode_case(runner, a, 1, context, weights, kv_token_bytes, bw)})
 
 
 def main() -> None:
@@ -386,6 +398,8 @@ def main() -> None:
     moe = model.config.moe
     if a.moe_align_torch:
         base["moe_align"] = "kernel"
+    if a.attn_merge_ab:
+        base["attn_merge"] = "fused"
     # FP8 linears keep their e4m3 weight and fp32 scales as buffers (common/layers/fp8.py): the bytes a step reads
     tensors = [*model.named_parameters(), *model.named_buffers()]
     weights = split_weights([(name, p.numel(), p.element_size()) for name, p in tensors
@@ -407,10 +421,13 @@ def main() -> None:
     profile_and_prefill_cases(runner, a, base, weights, prefill_peak)
     again = (weights, kv_token_bytes, bw, max_tokens, prefill_peak)
     if a.fp8_unfused_quant and not plain:  # the per-token quant as its own launch, not in the norms and silu
-        fp8.FUSE_TOKEN_QUANT = False
-        rerun(runner, a, {**base, "fp8_fuse_quant": False}, *again)
-        fp8.FUSE_TOKEN_QUANT = True
-        recapture(runner)
+        with switched(runner, fp8, "FUSE_TOKEN_QUANT", False):
+            rerun(runner, a, {**base, "fp8_fuse_quant": False}, *again)
+    if a.attn_merge_ab and model.attn.name == "triton":  # the splits merged by a second kernel
+        from kvferry.common.kernels import triton_attention
+
+        with switched(runner, triton_attention, "FUSED_MERGE", False):
+            rerun(runner, a, {**base, "attn_merge": "kernel"}, *again)
     if a.pdl_ab and pdl.enabled():  # order 2, then every kernel launched plainly: each grid waits for the last
         for on, early in ((True, True), (False, False)):
             pdl.set_enabled(on, early=early)
@@ -420,11 +437,8 @@ def main() -> None:
     if a.moe_align_torch and (moe or model.config.deepseek):  # the slots sorted by torch ops, not _align_kernel
         from kvferry.common.kernels import triton_moe
 
-        kernel_max = triton_moe.ALIGN_KERNEL_MAX_SLOTS
-        triton_moe.ALIGN_KERNEL_MAX_SLOTS = 0
-        rerun(runner, a, {**base, "moe_align": "torch"}, *again)
-        triton_moe.ALIGN_KERNEL_MAX_SLOTS = kernel_max
-        recapture(runner)
+        with switched(runner, triton_moe, "ALIGN_KERNEL_MAX_SLOTS", 0):
+            rerun(runner, a, {**base, "moe_align": "torch"}, *again)
 
 
 if __name__ == "__main__":
