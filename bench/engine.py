@@ -236,6 +236,9 @@ def parse_args() -> argparse.Namespace:
                     help="decode (and profile, prefill) again with the decode attention's splits merged by a second "
                          "kernel, side by side with the default (merged by each head's last split program: "
                          "triton_attention.FUSED_MERGE)")
+    ap.add_argument("--greedy-graph-ab", action="store_true",
+                    help="decode (and profile) again with the greedy picks made by torch ops after the graph, side by "
+                         "side with the default (picked in the decode graph's greedy head: ModelRunner.greedy_in_graph)")
     ap.add_argument("--moe-align-warps", type=int, default=0, help="warps of the one-launch slot sort (triton_moe.ALIGN_WARPS)")
     ap.add_argument("--silu-quant-config", default="",
                     help="BLOCK,WARPS of the silu kernel that also quantizes (triton_fused.SILU_QUANT_BLOCK/_WARPS)")
@@ -400,6 +403,8 @@ def main() -> None:
         base["moe_align"] = "kernel"
     if a.attn_merge_ab:
         base["attn_merge"] = "fused"
+    if a.greedy_graph_ab:
+        base["greedy"] = "graph"
     # FP8 linears keep their e4m3 weight and fp32 scales as buffers (common/layers/fp8.py): the bytes a step reads
     tensors = [*model.named_parameters(), *model.named_buffers()]
     weights = split_weights([(name, p.numel(), p.element_size()) for name, p in tensors
@@ -434,6 +439,9 @@ def main() -> None:
             rerun(runner, a, {**base, "pdl": pdl.mode()}, *again)
         pdl.set_enabled(None)
         recapture(runner)
+    if a.greedy_graph_ab and runner.target.graphs:  # the greedy picks by torch ops after each replay
+        with switched(runner, runner, "greedy_in_graph", False):
+            rerun(runner, a, {**base, "greedy": "torch"}, *again)
     if a.moe_align_torch and (moe or model.config.deepseek):  # the slots sorted by torch ops, not _align_kernel
         from kvferry.common.kernels import triton_moe
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|prefix-ttft|extend|
-#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|summary|pdl|pdl-tests|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
+#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|summary|pdl|pdl-tests|launch|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -473,6 +473,28 @@ if [[ $what == pdl ]]; then
   for preset in qwen3-30b-a3b deepseek-v2-lite; do
     timeout ${PDL_MOE_TIMEOUT:-85} python3 bench/engine.py --model /tmp/$preset/target --batches 64,8,1 --contexts 1024 \
       --prefill "" --profile 1 --pdl-ab --kv-budget-gib 16 2>>"$out/moe-engine.err" \
+      | sed "s/^{/{\"preset\": \"$preset\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
+  done
+fi
+if [[ $what == launch ]]; then
+  # decode attention merged in its last split programs (one launch a layer) and the greedy picks in the decode
+  # graph (no sampling op launched by the runner), each against the old way in the same process (--attn-merge-ab,
+  # --greedy-graph-ab: graphs recaptured): the 8B FP8 per-channel step at batch 64 and 1, both MoE presets at 64, 8
+  # and 1, batch 1's kernels listed; meanwhile the attention, graph and overlap tests
+  fp8_build channel &
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) &
+  done
+  timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_triton_attention.py \
+    tests/gpu/test_triton_mla.py tests/gpu/test_overlap.py tests/gpu/test_host_syncs.py tests/gpu/test_pdl.py \
+    tests/gpu/test_engine_graphs.py tests/gpu/test_deepseek_graphs.py > "$out/launch-tests.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/launch-tests.txt" | tail -12
+  wait
+  ENGINE_TIMEOUT=${LAUNCH_FP8_TIMEOUT:-150} fp8_engine fp8-channel --model /tmp/m8b-fp8c/target --batches 64,1 \
+    --contexts 1024 --prefill "" --profile 1 --attn-merge-ab --greedy-graph-ab --kv-budget-gib 16 | cut -c1-120
+  for preset in qwen3-30b-a3b deepseek-v2-lite; do
+    timeout ${LAUNCH_MOE_TIMEOUT:-85} python3 bench/engine.py --model /tmp/$preset/target --batches 64,8,1 --contexts 1024 \
+      --prefill "" --profile 1 --attn-merge-ab --greedy-graph-ab --kv-budget-gib 16 2>>"$out/moe-engine.err" \
       | sed "s/^{/{\"preset\": \"$preset\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   done
 fi

@@ -11,7 +11,10 @@ device, over static input buffers::
 
 A step with n sequences copies its inputs into the first rows (the rest are padding: page -1
 stores nothing, kv_len 0 and q 0 attend to nothing), replays the smallest bucket that holds n, and
-returns the first n sequences' logits of that bucket. Larger batches and other shapes run eagerly. Only the Triton backend is captured: it never syncs the host and reads
+returns the first n sequences' logits of that bucket. A decode bucket (q = 1) also has a greedy
+head, captured as a second graph over its logits: the argmax tokens and their logprobs in
+``sampler.greedy_picks``' ops, so an all-greedy step (``run_greedy``) launches no sampling op of
+its own; a step that samples otherwise replays the forward only. Larger batches and other shapes run eagerly. Only the Triton backend is captured: it never syncs the host and reads
 pages through the static table (the torch path builds index tensors of data-dependent shapes).
 Every architecture's ``run`` takes the bucket's ``static_plan``: Llama's family, Qwen3-MoE and
 DeepSeek (MLA through ``triton_mla``, its MoE through ``fused_moe``, a router without host syncs).
@@ -27,6 +30,7 @@ import numpy as np
 import torch
 
 from kvferry.common.layers.attn_backend import TritonPlan, pack_chunks, unpack
+from kvferry.common.sampling.sampler import greedy_picks
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +61,8 @@ class StepGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_s = 0.0
         self.outputs: dict[int, torch.Tensor | list[torch.Tensor]] = {}
+        self.heads: dict[int, torch.cuda.CUDAGraph] = {}  # q = 1: the greedy head over each bucket's logits
+        self.picks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # its tokens [B] and pairs [B, 2]
 
     def can_run(self, chunks, all_logits: bool) -> bool:
         q = self.tokens_per_seq
@@ -83,6 +89,13 @@ class StepGraphs:
                 self.outputs[batch] = self._forward(batch)
             self.pool = graph.pool() if self.pool is None else self.pool
             self.graphs[batch] = graph
+            if self.tokens_per_seq == 1:
+                greedy_picks(self.outputs[batch])  # warm-up outside the capture
+                head = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(head, pool=self.pool):
+                    tokens, logprobs = greedy_picks(self.outputs[batch])
+                    self.picks[batch] = tokens, torch.stack([tokens.double(), logprobs.double()], dim=1)
+                self.heads[batch] = head
         torch.cuda.synchronize(self.kv.device)
         took_s = self.capture_s = time.perf_counter() - started
         logger.info("captured CUDA graphs model=%s tokens_per_seq=%d batch_sizes=%s max_context_tokens=%d in %.2f s",
@@ -93,6 +106,20 @@ class StepGraphs:
         """Logits of n <= max batch chunks of ``tokens_per_seq`` tokens: [n, vocab] fp32 (q = 1) or
         a list of n [q, vocab] (q > 1). ``feed`` (``llama.TokenFeed``, q = 1) puts device tokens
         into the static input after the host rows are copied."""
+        return self.outputs[self._replay(chunks, feed)][:len(chunks)]
+
+    def run_greedy(self, chunks, feed=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q = 1: the greedy picks of n chunks, as ``Sampler.sample`` makes them for greedy rows with
+        nothing to adjust: (tokens [n] int64, pairs [n, 2] float64 of token id and logprob). Views of
+        the bucket's static buffers: its next greedy replay overwrites them, so read them (or queue
+        a copy) before that."""
+        batch = self._replay(chunks, feed)
+        self.heads[batch].replay()
+        tokens, pairs = self.picks[batch]
+        return tokens[:len(chunks)], pairs[:len(chunks)]
+
+    def _replay(self, chunks, feed) -> int:
+        """Stage ``chunks``' inputs, replay the smallest bucket that holds them; returns that bucket."""
         num, q = len(chunks), self.tokens_per_seq
         batch = next(b for b in self.sizes if b >= num)
         token_inputs, seq_inputs, table = graph_inputs(chunks, self.kv.page_size, batch)
@@ -105,7 +132,7 @@ class StepGraphs:
         if feed is not None:
             self.token_inputs[:, 0].index_copy_(0, feed.rows, feed.values)
         self.graphs[batch].replay()
-        return self.outputs[batch][:num]
+        return batch
 
 
 def static_plan(token_inputs: torch.Tensor, seq_inputs: torch.Tensor, page_table: torch.Tensor,

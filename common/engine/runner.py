@@ -22,7 +22,7 @@ from kvferry.common.cache.kv_cache import PageAllocator
 from kvferry.common.cache.pool import KvPool
 from kvferry.common.kernels.h2d import to_device
 from kvferry.common.models.llama import SeqChunk, TokenFeed
-from kvferry.common.sampling.penalties import TokenHistory
+from kvferry.common.sampling.penalties import TokenHistory, has_adjustments
 from kvferry.common.sampling.sampler import Sampler, probs
 from kvferry.common.sampling.top_logprobs import TopK, attach, prompt_tops, spec_tops, to_host, top_logprobs, with_tops
 
@@ -49,6 +49,16 @@ class ModelSlot:
                 self.model.check(chunks, self.kv)
                 return graphs.run(chunks, feed)
         return self.model.forward(chunks, self.kv, all_logits=all_logits, feed=feed)
+
+    def greedy(self, chunks: list[SeqChunk], feed: TokenFeed | None = None):
+        """(tokens [n], pairs [n, 2]) of a decode step whose rows all pick greedily with nothing to
+        adjust, from a captured graph and its greedy head (``StepGraphs.run_greedy``); None where no
+        graph runs ``chunks`` (the caller then samples from ``forward``'s logits)."""
+        for graphs in self.graphs:
+            if graphs.heads and graphs.can_run(chunks, False):
+                self.model.check(chunks, self.kv)
+                return graphs.run_greedy(chunks, feed)
+        return None
 
     def copy_page(self, src: int, dst: int) -> None:
         """Page ``dst`` of every region becomes a copy of page ``src``, on every TP rank."""
@@ -89,6 +99,16 @@ class PendingStep:
         ready.record()
         return cls(seqs, tokens, host, ready, tops)
 
+    @classmethod
+    def of_picks(cls, seqs: list[Sequence], tokens: torch.Tensor, pairs: torch.Tensor) -> "PendingStep":
+        """A step whose graph picked greedily (``ModelSlot.greedy``): ``pairs`` [B, 2] float64 (token,
+        logprob) go to the host in one copy queued now, before the next replay overwrites them."""
+        host = torch.empty(pairs.shape, dtype=pairs.dtype, pin_memory=True)
+        host.copy_(pairs, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(seqs, tokens, host.t(), ready)
+
     def result(self) -> list[list[tuple[int, float]]]:
         """Each sequence's (token, logprob), after the step's one host sync."""
         if self.ready is not None:
@@ -98,6 +118,8 @@ class PendingStep:
 
 
 class ModelRunner(Admission):
+    greedy_in_graph = True  # all-greedy decode steps pick in the graph's greedy head (bench/engine.py A/Bs it)
+
     def __init__(self, target: ModelSlot, draft: ModelSlot | None = None, *, spec_k: int = 4):
         self.target = target
         self.draft = draft
@@ -193,6 +215,11 @@ class ModelRunner(Admission):
         chunks = [SeqChunk([0 if id(s) in rows else s.last_token], s.num_cached, s.pages) for s in seqs]
         feed = _feed([i for i, s in enumerate(seqs) if id(s) in rows], [rows[id(s)] for s in seqs if id(s) in rows],
                      prev.tokens if prev is not None else None)
+        picks = self.target.greedy(chunks, feed) if self.greedy_in_graph and _plain_greedy(seqs) else None
+        if picks is not None:  # sampled in the graph: no sampling op launched from here
+            for s in seqs:
+                s.num_cached += 1
+            return PendingStep.of_picks(seqs, *picks)
         logits = mask_logits(self.target.forward(chunks, feed=feed), [s.grammar for s in seqs])
         tops = top_logprobs(logits, [s.top_logprobs_num for s in seqs])
         tokens, logprobs = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
@@ -291,13 +318,33 @@ def _greedy_verdicts(seqs: list[Sequence], proposals: list[list[int]],
     return out
 
 
+def _plain_greedy(seqs: list[Sequence]) -> bool:
+    """Every row picks its argmax with nothing to change first: no sampling, penalty, bias,
+    min_tokens, grammar or top logprobs (``Sampler.sample``'s ``greedy_picks`` case)."""
+    return all(s.params.is_greedy and s.grammar is None and s.top_logprobs_num == 0 and not has_adjustments(s.params)
+               for s in seqs)
+
+
 def _feed(dst: list[int], src: list[int], tokens: torch.Tensor | None) -> TokenFeed | None:
     """Rows ``dst`` of the next batch take ``tokens[src]``; the common case (the same sequences
     in the same order) needs no gather."""
     if not dst:
         return None
     values = tokens[:len(src)] if src == list(range(len(src))) else tokens.index_select(0, to_device(src, tokens.device))
-    return TokenFeed(to_device(dst, tokens.device), values)
+    rows = _first_rows(len(dst), tokens.device) if dst == list(range(len(dst))) else to_device(dst, tokens.device)
+    return TokenFeed(rows, values)
+
+
+_ROWS: dict[torch.device, torch.Tensor] = {}
+
+
+def _first_rows(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` on ``device`` as a view of one kept tensor: a step fed in the same order as the
+    step before (the common case) copies no row indices up."""
+    rows = _ROWS.get(device)
+    if rows is None or rows.numel() < n:
+        rows = _ROWS[device] = torch.arange(max(n, 256), dtype=torch.int64, device=device)
+    return rows[:n]
 
 
 def _pairs(tokens: torch.Tensor, logprobs: torch.Tensor) -> list[tuple[int, float]]:

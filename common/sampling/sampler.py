@@ -221,14 +221,29 @@ class Sampler:
             raise ValueError(f"batch mismatch: {logits.shape[0]} logit rows, {len(params)} "
                              f"params, {len(generators)} generators")
         logits = logits.float()
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        if adjust is None and not sampled:
+            return greedy_picks(logits)
         chosen = logits if adjust is None else adjust.apply(logits)
         token_ids = chosen.argmax(dim=-1)
-        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled:
             rows = to_device(sampled, logits.device)
             p = probs(chosen[rows], [params[i] for i in sampled])
             token_ids[rows] = sample_from_probs(p, [generators[i] for i in sampled])
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, token_ids[:, None]).squeeze(-1)
+        logprobs = _logprobs_of(logits, token_ids)
         if adjust is not None:
             adjust.record(token_ids)
         return token_ids, logprobs
+
+
+def greedy_picks(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logits [B, V] -> (argmax token ids [B], their logprobs [B]): ``Sampler.sample`` for
+    greedy rows with nothing to adjust. The decode graphs capture these same ops
+    (``cuda_graph.StepGraphs``), so a step picks the same tokens and logprobs either way."""
+    token_ids = logits.argmax(dim=-1)
+    return token_ids, _logprobs_of(logits, token_ids)
+
+
+def _logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """log_softmax of the raw logits at each row's token (temperature-free, as SGLang reports it)."""
+    return torch.log_softmax(logits, dim=-1).gather(-1, token_ids[:, None]).squeeze(-1)

@@ -57,3 +57,41 @@ def test_launch_fed_from_the_step_before_makes_no_host_sync(runner):
     finally:
         for s in seqs:
             runner.release(s)
+
+
+def _overlapped_greedy(runner, steps: int = 6) -> list[tuple[str, int, float]]:
+    """Overlapped greedy steps over three sequences; from step 3 on, the batch is two of them in
+    reverse order (the feed gathers rows from the step before). Returns every (request, token, logprob)."""
+    params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
+    seqs = [Sequence(f"g{i}", [7 + i] * (18 + 5 * i), params) for i in range(3)]
+    for s in seqs:
+        runner.admit(s)
+    out = []
+    try:
+        runner.prefill(seqs)
+        prev, batch = None, seqs
+        for step in range(steps):
+            if step == 3:
+                batch = seqs[::-2]
+            launched = runner.launch_decode(batch, prev)
+            for s, pairs in zip(prev.seqs if prev else [], prev.result() if prev else []):
+                s.output_ids.append(pairs[0][0])
+                out.append((s.request_id, *pairs[0]))
+            prev = launched
+        out.extend((s.request_id, *pairs[0]) for s, pairs in zip(prev.seqs, prev.result()))
+    finally:
+        for s in seqs:
+            runner.release(s)
+    return out
+
+
+def test_greedy_picked_in_the_graph_equals_sampling_its_logits(runner):
+    """An all-greedy step picks in the decode graph's greedy head (no sampling op launched by the
+    runner): the same tokens and logprobs, bit for bit, as sampling the graph's logits."""
+    in_graph = _overlapped_greedy(runner)
+    runner.greedy_in_graph = False
+    try:
+        sampled = _overlapped_greedy(runner)
+    finally:
+        del runner.greedy_in_graph  # the class default again
+    assert len(in_graph) == 15 and in_graph == sampled
