@@ -38,6 +38,7 @@ from bench._common import emit, git_hash, hardware  # noqa: E402
 DEVICE = "cuda"
 DTYPE = torch.bfloat16  # float16 under the interpreter (--dry-run), which has no bfloat16
 LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+LM_HEAD = {"lm_head": (128256, 4096)}  # bf16 in the FP8 checkpoints too (their ignore lists keep it)
 MOE = {"qwen3-30b-a3b": (128, 8, 2048, 768), "deepseek-v2-lite": (64, 6, 2048, 1408)}  # E, k, hidden, inter
 
 
@@ -119,7 +120,8 @@ def fp8_cases(args, base: dict) -> None:
     from kvferry.common.kernels import triton_fp8_gemm, triton_gemv
     from kvferry.common.layers import fp8
 
-    for (name, (n, k)), block, rows in itertools.product(LLAMA_8B.items(), (None, 128), map(int, args.rows.split(","))):
+    blocks = [None if kind == "row" else 128 for kind in args.scales.split(",")]
+    for (name, (n, k)), block, rows in itertools.product(_chosen(LLAMA_8B, args), blocks, map(int, args.rows.split(","))):
         w = (torch.randn(n, k, device=DEVICE) * 0.02)
         if block is None:
             q, scale = fp8.quantize_rows(w.cpu())
@@ -162,7 +164,7 @@ def fp8_cases(args, base: dict) -> None:
 def bf16_cases(args, base: dict) -> None:
     from kvferry.common.kernels import triton_gemv
 
-    for name, (n, k) in LLAMA_8B.items():
+    for name, (n, k) in _chosen({**LLAMA_8B, **LM_HEAD}, args):
         w = torch.randn(n, k, device=DEVICE, dtype=DTYPE) * 0.02
         x = torch.randn(1, k, device=DEVICE, dtype=DTYPE)
         nbytes = w.numel() * 2
@@ -173,6 +175,11 @@ def bf16_cases(args, base: dict) -> None:
         emit({**base, "case": "bf16", "weight": name, "shape": [n, k], "rows": 1, "bytes": nbytes, **result,
               "baseline": "cublas", "baseline_us": round(base_us, 2), "baseline_gbps": round(nbytes / base_us / 1e3, 1),
               "speedup_vs_baseline": round(base_us / result["best_us"], 3)})
+
+
+def _chosen(shapes: dict, args) -> list:
+    """The (name, shape) items of ``shapes`` that --weights names (all without it)."""
+    return [(name, shape) for name, shape in shapes.items() if not args.weights or name in args.weights.split(",")]
 
 
 def moe_cases(args, base: dict) -> None:
@@ -230,16 +237,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a few configurations only")
     ap.add_argument("--cases", default="fp8,bf16,moe")
     ap.add_argument("--rows", default="1,4,8,16,32,64,128", help="the fp8 cases' row counts")
+    ap.add_argument("--weights", default="", help="only these of qkv,o,gate_up,down,lm_head (lm_head: bf16 only)")
+    ap.add_argument("--scales", default="row,block", help="the fp8 cases' scale kinds: row, block or both")
     ap.add_argument("--narrow", action="store_true", help="past 16 rows, only the tiles that won the full sweep")
     ap.add_argument("--w8a8", action="store_true",
                     help="past 16 rows, also the GEMV with x quantized per token (fp8-row-w8a8 lines)")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on CPU under TRITON_INTERPRET=1 (set it): checks the logic, times nothing")
     args = ap.parse_args()
-    global DEVICE, DTYPE, LLAMA_8B, MOE
+    global DEVICE, DTYPE, LLAMA_8B, LM_HEAD, MOE
     if args.dry_run:
         DEVICE, DTYPE, args.quick, args.iters = "cpu", torch.float16, True, 1
-        LLAMA_8B = {"qkv": (96, 256), "down": (64, 384)}
+        LLAMA_8B, LM_HEAD = {"qkv": (96, 256), "down": (64, 384)}, {"lm_head": (512, 128)}
         MOE = {"tiny": (8, 4, 64, 48)}
     elif not torch.cuda.is_available():
         raise SystemExit("bench/gemv_tune.py times CUDA kernels; no CUDA device here")
