@@ -39,6 +39,9 @@ DEVICE = "cuda"
 DTYPE = torch.bfloat16  # float16 under the interpreter (--dry-run), which has no bfloat16
 LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LM_HEAD = {"lm_head": (128256, 4096)}  # bf16 in the FP8 checkpoints too (their ignore lists keep it)
+# the MoE presets' one-row bf16 projections outside the experts: Qwen3-30B-A3B's attention and lm_head, DeepSeek-V2-Lite's lm_head
+MOE_DENSE = {"qwen3_qkv": (5120, 2048), "qwen3_o": (2048, 4096), "qwen3_lm_head": (151936, 2048),
+             "dsv2_lm_head": (102400, 2048)}
 MOE = {"qwen3-30b-a3b": (128, 8, 2048, 768), "deepseek-v2-lite": (64, 6, 2048, 1408)}  # E, k, hidden, inter
 
 
@@ -164,7 +167,7 @@ def fp8_cases(args, base: dict) -> None:
 def bf16_cases(args, base: dict) -> None:
     from kvferry.common.kernels import triton_gemv
 
-    for name, (n, k) in _chosen({**LLAMA_8B, **LM_HEAD}, args):
+    for name, (n, k) in _chosen({**LLAMA_8B, **LM_HEAD, **MOE_DENSE}, args):
         w = torch.randn(n, k, device=DEVICE, dtype=DTYPE) * 0.02
         x = torch.randn(1, k, device=DEVICE, dtype=DTYPE)
         nbytes = w.numel() * 2
@@ -186,7 +189,7 @@ def moe_cases(args, base: dict) -> None:
     from kvferry.common.kernels import triton_gemv, triton_moe
     from kvferry.common.layers.moe import select_experts
 
-    for (name, (experts, top_k, hidden, inter)), tokens in itertools.product(MOE.items(), (1, 2, 4)):
+    for (name, (experts, top_k, hidden, inter)), tokens in itertools.product(MOE.items(), map(int, args.tokens.split(","))):
         if tokens * top_k > triton_gemv.MOE_GEMV_MAX_SLOTS:
             continue
         w13 = torch.randn(experts, 2 * inter, hidden, device=DEVICE, dtype=DTYPE) * 0.02
@@ -232,12 +235,15 @@ def moe_cases(args, base: dict) -> None:
 
 
 def main() -> None:
+    global DEVICE, DTYPE, LLAMA_8B, LM_HEAD, MOE_DENSE, MOE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--quick", action="store_true", help="a few configurations only")
     ap.add_argument("--cases", default="fp8,bf16,moe")
     ap.add_argument("--rows", default="1,4,8,16,32,64,128", help="the fp8 cases' row counts")
-    ap.add_argument("--weights", default="", help="only these of qkv,o,gate_up,down,lm_head (lm_head: bf16 only)")
+    ap.add_argument("--weights", default="",
+                    help="only these of qkv,o,gate_up,down and (bf16 cases only) lm_head," + ",".join(MOE_DENSE))
+    ap.add_argument("--tokens", default="1,2,4", help="the moe cases' token counts")
     ap.add_argument("--scales", default="row,block", help="the fp8 cases' scale kinds: row, block or both")
     ap.add_argument("--narrow", action="store_true", help="past 16 rows, only the tiles that won the full sweep")
     ap.add_argument("--w8a8", action="store_true",
@@ -245,10 +251,10 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on CPU under TRITON_INTERPRET=1 (set it): checks the logic, times nothing")
     args = ap.parse_args()
-    global DEVICE, DTYPE, LLAMA_8B, LM_HEAD, MOE
     if args.dry_run:
         DEVICE, DTYPE, args.quick, args.iters = "cpu", torch.float16, True, 1
         LLAMA_8B, LM_HEAD = {"qkv": (96, 256), "down": (64, 384)}, {"lm_head": (512, 128)}
+        MOE_DENSE = {}
         MOE = {"tiny": (8, 4, 64, 48)}
     elif not torch.cuda.is_available():
         raise SystemExit("bench/gemv_tune.py times CUDA kernels; no CUDA device here")

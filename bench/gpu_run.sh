@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|prefix-ttft|extend|
-#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|summary|pdl|pdl-tests|launch|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
+#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|summary|pdl|pdl-tests|launch|gemv-one-row|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -497,6 +497,12 @@ if [[ $what == launch ]]; then
       --prefill "" --profile 1 --attn-merge-ab --greedy-graph-ab --kv-budget-gib 16 2>>"$out/moe-engine.err" \
       | sed "s/^{/{\"preset\": \"$preset\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   done
+fi
+if [[ $what == gemv-one-row ]]; then
+  # the one-row GEMVs of the batch-1 steps over the sweep, in CUDA graphs: the 8B FP8 projections (per-row scales) and
+  # lm_head, the MoE presets' attention and lm_head, and their experts at one token
+  timeout ${TUNE_TIMEOUT:-280} python3 bench/gemv_tune.py --cases bf16,moe,fp8 --rows 1 --scales row --tokens 1 \
+    --iters 20 2>>"$out/gemv-one-row.err" | tee -a "$out/gemv-one-row.jsonl" | cut -c1-250
 fi
 if [[ $what == moe-routed ]]; then
   # both MoE presets' decode steps with a distinct token per sequence (bench/engine.py's last_token: before, every
