@@ -42,12 +42,11 @@ from kvferry.common.cache.mla_cache import LatentCache
 from kvferry.common.errors import ConfigError
 from kvferry.common.layers.attn_backend import make_backend
 from kvferry.common.layers.mla import LatentRope, MlaAttention, _param
-from kvferry.common.layers.norm import rms_norm
 from kvferry.common.layers.tp_layers import Slice, TensorSlot, TpShard, rank_experts
 from kvferry.common.plan.tp import HeadRange
 from kvferry.common.models.config import ModelConfig
 from kvferry.common.models.deepseek_config import DeepseekSpec
-from kvferry.common.models.llama import SeqChunk, TokenFeed, check_chunks
+from kvferry.common.models.llama import SeqChunk, TokenFeed, check_chunks, final_norm
 
 logger = logging.getLogger(__name__)
 
@@ -259,10 +258,8 @@ class DeepseekForCausalLM(nn.Module):
             x, delta = layer(x, delta, self.rotary, cos_sin, kv, plan, self.attn)
         if self.shard.tp_rank > 0:
             return None  # the latent rows are written; rank 0 alone computes logits
-        x = x + delta
-        if not all_logits:
-            x = x.index_select(0, plan.last_index)
-        logits = self.attn.linear(rms_norm(x, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        h = final_norm(self.attn, x, delta, plan, self.norm, self.config.rms_norm_eps, all_logits)
+        logits = self.attn.linear(h, self.lm_head).float()
         return list(logits.split(plan.query_lens)) if all_logits else logits
 
     def check(self, chunks: list[SeqChunk], kv: LatentCache) -> None:

@@ -22,7 +22,6 @@ from kvferry.common.layers.attn_backend import make_backend
 from kvferry.common.layers.fp8 import linear_weight
 from kvferry.common.models.config import ModelConfig
 from kvferry.common.cache.kv_cache import KvCache
-from kvferry.common.layers.norm import rms_norm
 from kvferry.common.layers.tp_layers import ScaleSlot, TensorSlot, TpShard, layer_tensor_map
 
 logger = logging.getLogger(__name__)
@@ -227,11 +226,9 @@ class LlamaForCausalLM(nn.Module):
             x, delta = layer(x, delta, cos_sin, kv, plan, self.attn)
         if self.shard.tp_rank > 0:
             return None  # the KV is written; rank 0 alone computes logits
-        x = x + delta
-        if not all_logits:
-            x = x.index_select(0, plan.last_index)
+        h = final_norm(self.attn, x, delta, plan, self.norm, self.config.rms_norm_eps, all_logits)
         # Logits in the model dtype then fp32, as transformers does, so greedy picks agree with it.
-        logits = self.attn.linear(rms_norm(x, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        logits = self.attn.linear(h, self.lm_head).float()
         return list(logits.split(plan.query_lens)) if all_logits else logits
 
     def check(self, chunks: list[SeqChunk], kv: KvCache) -> None:
@@ -244,6 +241,16 @@ class LlamaForCausalLM(nn.Module):
         """The KV pool this architecture reads: K and V per layer (``common/cache/kv_cache.py``;
         ``pool_options`` are its model_name, layout, head_start, num_kv_heads, k_scales, v_scales)."""
         return KvCache(config, num_pages, page_size, dtype, device, **pool_options)
+
+
+def final_norm(attn, x: torch.Tensor, delta: torch.Tensor, plan, weight: torch.Tensor, eps: float,
+               all_logits: bool) -> torch.Tensor:
+    """The last residual add and the final RMSNorm (``attn.add_norm``: one launch on the Triton
+    backend) of the rows whose logits are wanted: every token's with ``all_logits``, else each
+    chunk's last (all of them when every chunk has one token, as in a decode step: no row gather)."""
+    if not all_logits and x.shape[0] != plan.last_index.shape[0]:
+        x, delta = x.index_select(0, plan.last_index), delta.index_select(0, plan.last_index)
+    return attn.add_norm(x, delta, weight, eps)[1]
 
 
 def check_chunks(config: ModelConfig, chunks: list[SeqChunk], kv) -> None:
