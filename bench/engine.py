@@ -232,13 +232,12 @@ def parse_args() -> argparse.Namespace:
                     help="decode (and profile, prefill) again with the Triton kernels' programmatic dependent launch "
                          "in order 2 (each lets the next be scheduled, then waits; the GEMV prefetches weights "
                          "meanwhile) and off, side by side with the default (order 1: kernels.pdl)")
-    ap.add_argument("--attn-merge-ab", action="store_true",
-                    help="decode (and profile, prefill) again with the decode attention's splits merged by a second "
-                         "kernel, side by side with the default (merged by each head's last split program: "
-                         "triton_attention.FUSED_MERGE)")
     ap.add_argument("--greedy-graph-ab", action="store_true",
                     help="decode (and profile) again with the greedy picks made by torch ops after the graph, side by "
                          "side with the default (picked in the decode graph's greedy head: ModelRunner.greedy_in_graph)")
+    ap.add_argument("--gemv-configs-ab", action="store_true",
+                    help="decode (and profile) again with the one-row GEMV tiles of tree f277a6c (before the H100 "
+                         "sweep: triton_gemv.fp8_config / dense_config), side by side with the current ones")
     ap.add_argument("--moe-align-warps", type=int, default=0, help="warps of the one-launch slot sort (triton_moe.ALIGN_WARPS)")
     ap.add_argument("--silu-quant-config", default="",
                     help="BLOCK,WARPS of the silu kernel that also quantizes (triton_fused.SILU_QUANT_BLOCK/_WARPS)")
@@ -295,6 +294,31 @@ def switched(runner, owner, name: str, value):
     finally:
         setattr(owner, name, default)
         recapture(runner)
+
+
+CURRENT_FP8_CONFIG = None  # triton_gemv.fp8_config, set by main before --gemv-configs-ab swaps it
+
+
+def earlier_fp8_config(num_rows: int, n: int, k: int, block, fp8_x: bool = False):
+    """``triton_gemv.fp8_config`` as of tree f277a6c (one row: the H200 sweep's tiles), for --gemv-configs-ab."""
+    from kvferry.common.kernels import triton_gemv
+
+    if num_rows == 1 and not fp8_x:
+        if n > 8192:
+            return triton_gemv.GemvConfig(block_n=16, block_k=256, num_warps=4)
+        return triton_gemv.GemvConfig(block_n=4 if k >= 8192 else 8, block_k=1024, num_warps=4)
+    return CURRENT_FP8_CONFIG(num_rows, n, k, block, fp8_x)
+
+
+def earlier_dense_config(n: int, k: int):
+    """``triton_gemv.dense_config`` as of tree f277a6c, for --gemv-configs-ab."""
+    from kvferry.common.kernels import triton_gemv
+
+    if n > 8192:
+        return triton_gemv.GemvConfig(block_n=16, block_k=512, num_warps=4)
+    if n > 4096:
+        return triton_gemv.GemvConfig(block_n=4, block_k=1024, num_warps=4)
+    return triton_gemv.GemvConfig(block_n=8, block_k=1024, num_warps=8)
 
 
 def with_fp8_gemv_rows(runner, a, base: dict, weights: WeightBytes, kv_token_bytes: int, bw: float,
@@ -401,8 +425,6 @@ def main() -> None:
     moe = model.config.moe
     if a.moe_align_torch:
         base["moe_align"] = "kernel"
-    if a.attn_merge_ab:
-        base["attn_merge"] = "fused"
     if a.greedy_graph_ab:
         base["greedy"] = "graph"
     # FP8 linears keep their e4m3 weight and fp32 scales as buffers (common/layers/fp8.py): the bytes a step reads
@@ -428,17 +450,21 @@ def main() -> None:
     if a.fp8_unfused_quant and not plain:  # the per-token quant as its own launch, not in the norms and silu
         with switched(runner, fp8, "FUSE_TOKEN_QUANT", False):
             rerun(runner, a, {**base, "fp8_fuse_quant": False}, *again)
-    if a.attn_merge_ab and model.attn.name == "triton":  # the splits merged by a second kernel
-        from kvferry.common.kernels import triton_attention
-
-        with switched(runner, triton_attention, "FUSED_MERGE", False):
-            rerun(runner, a, {**base, "attn_merge": "kernel"}, *again)
     if a.pdl_ab and pdl.enabled():  # order 2, then every kernel launched plainly: each grid waits for the last
         for on, early in ((True, True), (False, False)):
             pdl.set_enabled(on, early=early)
             rerun(runner, a, {**base, "pdl": pdl.mode()}, *again)
         pdl.set_enabled(None)
         recapture(runner)
+    if a.gemv_configs_ab:  # the one-row tiles as they were before the H100 sweep
+        from kvferry.common.kernels import triton_gemv
+
+        global CURRENT_FP8_CONFIG
+        CURRENT_FP8_CONFIG = triton_gemv.fp8_config
+
+        with switched(runner, triton_gemv, "fp8_config", earlier_fp8_config), \
+                switched(runner, triton_gemv, "dense_config", earlier_dense_config):
+            rerun(runner, a, {**base, "gemv_configs": "f277a6c"}, *again)
     if a.greedy_graph_ab and runner.target.graphs:  # the greedy picks by torch ops after each replay
         with switched(runner, runner, "greedy_in_graph", False):
             rerun(runner, a, {**base, "greedy": "torch"}, *again)

@@ -6,12 +6,9 @@ Three kernels, each checked against the torch path (``common/layers/attention.py
   page skips the token (padding rows of a CUDA graph bucket).
 - ``decode_attention``: one query token per sequence, at position ``kv_lens[b] - 1``. Split-K: each
   (sequence, KV head, split) program scores its share of the context for all the query heads of
-  its KV head (GQA folded into the tile's rows), then the splits are merged by their log-sum-exp:
-  by the last program of each (sequence, KV head) to finish (``last_of_splits``: an atomic count
-  that program sets back to 0), so a decode's attention is one launch; ``FUSED_MERGE = False``
-  merges in a second kernel instead (the same arithmetic, bit for bit). The number of splits is
-  fixed per batch size, so a CUDA graph can capture it; each split's range comes from ``kv_lens``
-  at run time.
+  its KV head (GQA folded into the tile's rows), then a second kernel merges the splits by their
+  log-sum-exp. The number of splits is fixed per batch size, so a CUDA graph can capture it; each
+  split's range comes from ``kv_lens`` at run time.
 - ``extend_attention``: several query tokens per sequence after ``prefix_lens[b]`` cached ones,
   causal over prefix + themselves (chunked prefill, spec-dec verify, plain prefill when the prefix
   is 0). Their K/V must already be stored in the pages.
@@ -82,11 +79,11 @@ def _store_kv_kernel(k, v, k_cache, v_cache, pages, rows, stride_kt, stride_kh, 
 # specialize on (divisible by 16 or not), compiling the kernel again the first time a batch's width
 # changes class; a prefix-cache hit changes the widths a prefill sees from one turn to the next.
 @triton.jit(do_not_specialize=["stride_pb", "num_splits"])
-def _decode_split_kernel(q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_lse, o, counters, stride_qb,
-                         stride_qh, stride_ob, stride_oh, stride_cp, stride_cr, stride_ch, stride_pb, scale_log2,
-                         window, num_splits, k_scale, v_scale, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr, MERGE: tl.constexpr,
+def _decode_split_kernel(q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_lse, stride_qb, stride_qh,
+                         stride_cp, stride_cr, stride_ch, stride_pb, scale_log2, window, num_splits,
+                         k_scale, v_scale, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
                          PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -125,57 +122,9 @@ def _decode_split_kernel(q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_ls
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), _NEG)  # log2 units
-    rows = b * GROUP * tl.num_programs(1) + heads  # rows of mid_lse [B * Hq, num_splits]
-    base = rows * num_splits + split  # mid_o: [B, Hq, num_splits, D]
+    base = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split  # mid_o: [B, Hq, num_splits, D]
     tl.store(mid_o + base[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
     tl.store(mid_lse + base, lse, mask=g < GROUP)
-    if MERGE:
-        if last_of_splits(counters, b * tl.num_programs(1) + kv_head, num_splits):
-            num_used = tl.minimum(num_splits, tl.cdiv(kv_len, tl.maximum(split_len, 1)))  # past them: no keys
-            merge_rows(mid_o, mid_lse, o, b * stride_ob + heads * stride_oh, rows, g < GROUP, num_splits, num_used,
-                       HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_D)
-
-
-@triton.jit
-def last_of_splits(counters, slot, num_splits):
-    """Whether this program is the last of the ``num_splits`` programs of ``slot`` to have stored its
-    split: an atomic count (acquire-release, GPU scope) after a barrier, so that every thread's stores
-    come before it and the last program's loads after it. The last one sets the count back to 0 for
-    the next launch (``split_counters`` starts it at 0)."""
-    tl.debug_barrier()
-    done = tl.atomic_add(counters + slot, 1, sem="acq_rel", scope="gpu")
-    is_last = done == num_splits - 1
-    if is_last:
-        tl.store(counters + slot, 0)
-    return is_last
-
-
-@triton.jit
-def merge_rows(mid_o, mid_lse, o, o_offs, rows, row_ok, num_splits, num_used, WIDTH: tl.constexpr,
-               BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, CHUNK: tl.constexpr):
-    """o[o_offs[r] + d] = the splits of row ``rows[r]`` (mid_lse [rows, num_splits] in log2 units,
-    mid_o [rows, num_splits, WIDTH]) weighted by their softmax mass, in split order, CHUNK columns at
-    a time: ``_decode_merge_kernel``'s arithmetic for BLOCK_R rows. Only the first ``num_used``
-    splits are read: the others hold no keys (weight 0, and skipping them changes no bit)."""
-    at = rows.to(tl.int64) * num_splits
-    for c0 in tl.static_range(0, BLOCK_W, CHUNK):
-        d = c0 + tl.arange(0, CHUNK)
-        mask = row_ok[:, None] & (d[None, :] < WIDTH)
-        m = tl.full([BLOCK_R], _NEG, tl.float32)
-        total = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, CHUNK], tl.float32)
-        for split in range(num_used):
-            lse = tl.load(mid_lse + at + split, mask=row_ok, other=_NEG, cache_modifier=".cg")
-            part = tl.load(mid_o + (at + split)[:, None] * WIDTH + d[None, :], mask=mask, other=0.0,
-                           cache_modifier=".cg")
-            m_new = tl.maximum(m, lse)
-            alpha = tl.exp2(m - m_new)
-            weight = tl.where(lse > _NEG, tl.exp2(lse - m_new), 0.0)
-            acc = acc * alpha[:, None] + weight[:, None] * part
-            total = total * alpha + weight
-            m = m_new
-        out = acc / tl.where(total > 0, total, 1.0)[:, None]  # a padding row (kv_len 0) gets zeros
-        tl.store(o + o_offs[:, None] + d[None, :], out.to(o.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -299,39 +248,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = num_heads // num_kv_heads
     mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
-    fused = FUSED_MERGE
-    counters = split_counters(q.device, batch * num_kv_heads) if fused else out
     block_d = max(16, triton.next_power_of_2(head_dim))
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_lse, out, counters, q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
-        scale * _LOG2E, window or 0, num_splits, k_scale, v_scale, GROUP=group, PAGE_SIZE=k_cache.shape[1],
-        HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=32 if block_d > 128 else 64, PRECISION=_precision(q.dtype), QUANT=is_quantized(k_cache.dtype),
-        MERGE=fused, num_warps=4, num_stages=2, **pdl_kw())
-    if not fused:
-        _decode_merge_kernel[(batch, num_heads)](
-            mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            **pdl_kw())
+        q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_lse, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), scale * _LOG2E,
+        window or 0, num_splits, k_scale, v_scale, GROUP=group, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=32 if block_d > 128 else 64,
+        PRECISION=_precision(q.dtype), QUANT=is_quantized(k_cache.dtype), num_warps=4, num_stages=2, **pdl_kw())
+    out = torch.empty_like(q)
+    _decode_merge_kernel[(batch, num_heads)](
+        mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d, **pdl_kw())
     return out
-
-
-FUSED_MERGE = True  # decode attention merges its splits in its last programs (one launch); False: a second kernel
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []  # outgrown counters: a captured graph may still hold their address
-
-
-def split_counters(device: torch.device, slots: int) -> torch.Tensor:
-    """The device's int32 split counts for ``last_of_splits``, at least ``slots`` of them, all 0
-    between launches (each launch's last programs set theirs back). Allocated once per device (4,096:
-    a graph bucket's 128 sequences times 32 KV heads); a bigger eager batch gets a bigger buffer."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < slots:
-        if counters is not None:
-            _RETIRED.append(counters)
-        counters = _COUNTERS[device] = torch.zeros(max(slots, 4096), dtype=torch.int32, device=device)
-    return counters
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,

@@ -158,12 +158,11 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale,
 
 
 def fp8_config(num_rows: int, n: int, k: int, block: int | None, fp8_x: bool = False) -> GemvConfig:
-    """The tile configuration for an FP8 weight [n, k] times ``num_rows`` rows, from
-    bench/gemv_tune.py (bench/RESULTS.md: one row on an H200, "Decode-sized GEMMs"; 16 to 64 rows
-    on an H100, "The FP8 GEMV past 16 rows").
+    """The tile configuration for an FP8 weight [n, k] times ``num_rows`` rows, from bench/gemv_tune.py
+    (bench/RESULTS.md: 16 to 64 rows on an H100, "The FP8 GEMV past 16 rows").
 
-    One row streams 1,024 columns a step over 8 weight rows a program (4 for the 14,336-deep down
-    projection, so that enough programs run), a wide weight (gate-up) 256 columns over 16 rows.
+    One row: 1,024 columns a step over 8 weight rows, 4 warps (deep down, narrow o); else 512 columns,
+    8 warps, over 16 rows (q/k/v) or 32 (gate-up): the H100 one-row sweep's winners (RESULTS.md).
     Several rows share each weight tile through tl.dot, 128 columns a step (256 for 17 to 32 rows
     with per-row scales), 3 stages, K split over 4 programs (8 for the deep down projection past
     16 rows) unless the weight is wide enough (gate-up) to give every SM programs of its own; 32
@@ -175,9 +174,9 @@ def fp8_config(num_rows: int, n: int, k: int, block: int | None, fp8_x: bool = F
         return GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=3,
                           split_k=4 if k > 8192 else 2 if n <= 4096 else 1)
     if num_rows == 1:
-        if n > 8192:
-            return GemvConfig(block_n=16, block_k=256, num_warps=4)
-        return GemvConfig(block_n=4 if k >= 8192 else 8, block_k=1024, num_warps=4)
+        if k >= 8192 or n <= 4096:
+            return GemvConfig(block_n=8, block_k=1024, num_warps=4)
+        return GemvConfig(block_n=32 if n > 8192 else 16, block_k=512, num_warps=8)
     wide = n > 8192
     split = 1 if wide else 8 if k > 8192 and num_rows > 16 else 4
     block_k = 256 if 16 < num_rows <= 32 and block is None else GROUP
@@ -223,12 +222,13 @@ def _fit(cfg: GemvConfig, block_m: int, x_bytes: int, block_k: int) -> tuple[Gem
 
 
 def dense_config(n: int, k: int) -> GemvConfig:
-    """One row times a bf16/fp16 weight [n, k] (``gemv``), from the same sweep: 1,024 columns a step
-    (512 for a wide weight), 4-16 weight rows a program, 8 warps for the narrow ones."""
+    """One row times a bf16/fp16 weight [n, k] (``gemv``), from the same sweeps: 1,024 columns a step
+    over 4-8 weight rows, 8 warps (512 over 16, 4 warps, for a wide weight); q/k/v with K <= 2,048
+    (Qwen3-30B-A3B): 256 columns over 8 rows, 4 warps."""
     if n > 8192:
         return GemvConfig(block_n=16, block_k=512, num_warps=4)
     if n > 4096:
-        return GemvConfig(block_n=4, block_k=1024, num_warps=4)
+        return GemvConfig(block_n=8, block_k=256, num_warps=4) if k <= 2048 else GemvConfig(4, 1024, 8)
     return GemvConfig(block_n=8, block_k=1024, num_warps=8)
 
 

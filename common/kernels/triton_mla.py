@@ -18,9 +18,7 @@ one tile would be padded to 1024). Three kernels, checked against the torch path
   the token: padding rows of a CUDA graph bucket), and its q_pe roped, in one launch.
 - ``decode_attention``: one query token per sequence, at position ``kv_lens[b] - 1``. Split-K: a
   program per (sequence, block of heads, split) scores its share of the context for those heads,
-  then the last program of each (sequence, block of heads) to finish combines the splits by their
-  log-sum-exp (``triton_attention``'s ``last_of_splits`` and ``merge_rows``; its ``FUSED_MERGE``
-  switch also governs this kernel: off, its merge kernel runs as a second launch). The split count
+  then ``triton_attention``'s merge kernel combines the splits by their log-sum-exp. The split count
   depends on the batch size only (a CUDA graph keeps it); a split's range comes from ``kv_lens``.
 - ``extend_attention``: several query tokens per sequence after ``prefix_lens[b]`` cached ones,
   causal (prefill, chunked prefill, spec-dec verify). The tile's rows are (token, head) pairs,
@@ -42,9 +40,7 @@ import triton.language as tl
 from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
 
 # the dense kernels' constants, dot precision and split merge (the merge is per head and width-blind)
-from kvferry.common.kernels import triton_attention
-from kvferry.common.kernels.triton_attention import (_LOG2E, _NEG, _decode_merge_kernel, _precision, last_of_splits,
-                                                     merge_rows, split_counters)
+from kvferry.common.kernels.triton_attention import _LOG2E, _NEG, _decode_merge_kernel, _precision
 
 
 @triton.jit
@@ -150,11 +146,10 @@ def _score(q_lat, q_pe, cache, offs, n_mask, LATENT: tl.constexpr, ROPE: tl.cons
 
 # stride_pb (the page table's width) and num_splits vary from batch to batch: no recompiles for them
 @triton.jit(do_not_specialize=["stride_pb", "num_splits"])
-def _decode_split_kernel(q, cache, page_table, kv_lens, mid_o, mid_lse, o, counters, stride_qb, stride_qh,
-                         stride_ob, stride_oh, stride_cp, stride_cr, stride_pb, scale_log2, num_splits,
-                         NUM_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PRECISION: tl.constexpr, MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+def _decode_split_kernel(q, cache, page_table, kv_lens, mid_o, mid_lse, stride_qb, stride_qh, stride_cp, stride_cr,
+                         stride_pb, scale_log2, num_splits, NUM_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                         LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                          PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     b, head_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -188,15 +183,9 @@ def _decode_split_kernel(q, cache, page_table, kv_lens, mid_o, mid_lse, o, count
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), _NEG)  # log2 units
-    rows = b * NUM_HEADS + heads  # rows of mid_lse [B * H, num_splits]
-    base = rows * num_splits + split  # mid_o: [B, H, num_splits, L]
+    base = (b * NUM_HEADS + heads) * num_splits + split  # mid_o: [B, H, num_splits, L]
     tl.store(mid_o + base[:, None] * LATENT + lat[None, :], out, mask=h_mask[:, None] & (lat[None, :] < LATENT))
     tl.store(mid_lse + base, lse, mask=h_mask)
-    if MERGE:
-        if last_of_splits(counters, b * tl.num_programs(1) + head_block, num_splits):
-            num_used = tl.minimum(num_splits, tl.cdiv(kv_len, tl.maximum(split_len, 1)))  # past them: no keys
-            merge_rows(mid_o, mid_lse, o, b * stride_ob + heads * stride_oh, rows, h_mask, num_splits, num_used,
-                       LATENT, BLOCK_H, BLOCK_L, MERGE_CHUNK)
 
 
 @triton.jit(do_not_specialize=["stride_pb"])
@@ -274,19 +263,14 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Ten
     block_h = 16  # tl.dot's smallest tile; more heads per program would cut the splits a batch can use
     mid_o = torch.empty(batch, num_heads, num_splits, latent_dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, triton.cdiv(num_heads, block_h), num_splits)](
+        q, cache, page_table, kv_lens, mid_o, mid_lse, q.stride(0), q.stride(1), cache.stride(0), cache.stride(1),
+        page_table.stride(0), scale * _LOG2E, num_splits, NUM_HEADS=num_heads, PAGE_SIZE=cache.shape[1],
+        LATENT=latent_dim, ROPE=rope_dim, BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_R=block_r,
+        BLOCK_N=32 if block_l > 128 else 64, PRECISION=_precision(q.dtype), num_warps=4, num_stages=2, **pdl_kw())
     out = q.new_empty(batch, num_heads, latent_dim)
-    head_blocks, fused = triton.cdiv(num_heads, block_h), triton_attention.FUSED_MERGE
-    counters = split_counters(q.device, batch * head_blocks) if fused else out
-    _decode_split_kernel[(batch, head_blocks, num_splits)](
-        q, cache, page_table, kv_lens, mid_o, mid_lse, out, counters, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), cache.stride(0), cache.stride(1), page_table.stride(0), scale * _LOG2E, num_splits,
-        NUM_HEADS=num_heads, PAGE_SIZE=cache.shape[1], LATENT=latent_dim, ROPE=rope_dim, BLOCK_H=block_h,
-        BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_N=32 if block_l > 128 else 64, PRECISION=_precision(q.dtype),
-        MERGE=fused, MERGE_CHUNK=min(block_l, 128), num_warps=4, num_stages=2, **pdl_kw())  # merged 128 columns at a time
-    if not fused:
-        _decode_merge_kernel[(batch, num_heads)](
-            mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, HEAD_DIM=latent_dim, BLOCK_D=block_l,
-            **pdl_kw())
+    _decode_merge_kernel[(batch, num_heads)](
+        mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, HEAD_DIM=latent_dim, BLOCK_D=block_l, **pdl_kw())
     return out
 
 

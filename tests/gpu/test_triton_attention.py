@@ -113,30 +113,6 @@ def test_decode_long_split_k(layout, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_merge_in_the_last_split_equals_the_merge_kernel(dtype, monkeypatch):
-    """The last program of each (sequence, KV head) merges the splits (one launch) with the merge
-    kernel's arithmetic: the same bits, with a padding row (kv_len 0), a window, and splits that
-    hold no keys; its counters are back at 0 after each launch, so a second launch equals the first."""
-    kv_lens, page_size, (num_heads, num_kv_heads), head_dim = [0, 3, 40, 130, 300], 16, (6, 3), 40
-    pool = Pool("page-major", sum(-(-n // page_size) for n in kv_lens) + 7, page_size, num_kv_heads, head_dim, dtype)
-    table = _padded_table([t or [0] for t in pool.tables(kv_lens)])
-    q = torch.randn(len(kv_lens), num_heads, head_dim).to(dtype).to(DEVICE)
-    lens = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
-    splits = triton_attention.num_decode_splits(len(kv_lens), num_kv_heads, NUM_SMS)
-    for window in (None, 32):
-        def run():
-            return triton_attention.decode_attention(q, pool.k, pool.v, table, lens, 0.125, window, splits)
-
-        fused, again = run(), run()
-        assert torch.count_nonzero(triton_attention.split_counters(q.device, 1)) == 0
-        monkeypatch.setattr(triton_attention, "FUSED_MERGE", False)
-        separate = run()
-        monkeypatch.setattr(triton_attention, "FUSED_MERGE", True)
-        assert torch.equal(fused, separate) and torch.equal(again, fused)
-        assert torch.count_nonzero(fused[0]) == 0  # the padding row
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_window_and_odd_head_dim(dtype):
     _check_decode("page-major", 16, [5, 40, 130], dtype, heads=(6, 3), head_dim=40, window=32)
 

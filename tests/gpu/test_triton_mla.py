@@ -131,26 +131,6 @@ def test_decode_partial_head_tile_and_padding_rows(dtype):
     _check_decode("layer-major", 4, [2, 33, 70], dtype, num_heads=20, latent_dim=64, num_padding=2)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_merge_in_the_last_split_equals_the_merge_kernel(dtype, monkeypatch):
-    """As for dense attention: the fused merge (the last program of each head block; the latent in
-    chunks of up to 128 columns) equals the merge kernel bit for bit, and its counters are back at 0."""
-    kv_lens, latent_dim, width = [2, 33, 70, 0], 64, 80
-    pool = _pool("layer-major", 4, kv_lens, width, dtype)
-    table = _padded_table(pool.tables(kv_lens))
-    q = _query(len(kv_lens), 20, width, dtype)
-    splits = triton_attention.num_decode_splits(len(kv_lens), 1, NUM_SMS)
-
-    def run():
-        return triton_mla.decode_attention(q, pool.cache, table, _ints(kv_lens), latent_dim, 0.1, splits)
-
-    fused, again = run(), run()
-    assert torch.count_nonzero(triton_attention.split_counters(q.device, 1)) == 0
-    monkeypatch.setattr(triton_attention, "FUSED_MERGE", False)
-    assert torch.equal(fused, run()) and torch.equal(again, fused)
-    assert torch.count_nonzero(fused[-1]) == 0  # the padding row
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page_size", [4, 16])
