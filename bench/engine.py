@@ -427,6 +427,8 @@ def main() -> None:
         base["moe_align"] = "kernel"
     if a.greedy_graph_ab:
         base["greedy"] = "graph"
+    if a.gemv_configs_ab:
+        base["gemv_configs"] = "sweep"
     # FP8 linears keep their e4m3 weight and fp32 scales as buffers (common/layers/fp8.py): the bytes a step reads
     tensors = [*model.named_parameters(), *model.named_buffers()]
     weights = split_weights([(name, p.numel(), p.element_size()) for name, p in tensors
