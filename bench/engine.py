@@ -296,18 +296,19 @@ def switched(runner, owner, name: str, value):
         recapture(runner)
 
 
-CURRENT_FP8_CONFIG = None  # triton_gemv.fp8_config, set by main before --gemv-configs-ab swaps it
+def earlier_fp8_config(current):
+    """``triton_gemv.fp8_config`` as of tree f277a6c (one row: the H200 sweep's tiles; ``current``, the
+    function it stands in for, past one row), for --gemv-configs-ab."""
+    from kvferry.common.kernels.triton_gemv import GemvConfig
 
+    def config(num_rows: int, n: int, k: int, block, fp8_x: bool = False):
+        if num_rows == 1 and not fp8_x:
+            if n > 8192:
+                return GemvConfig(block_n=16, block_k=256, num_warps=4)
+            return GemvConfig(block_n=4 if k >= 8192 else 8, block_k=1024, num_warps=4)
+        return current(num_rows, n, k, block, fp8_x)
 
-def earlier_fp8_config(num_rows: int, n: int, k: int, block, fp8_x: bool = False):
-    """``triton_gemv.fp8_config`` as of tree f277a6c (one row: the H200 sweep's tiles), for --gemv-configs-ab."""
-    from kvferry.common.kernels import triton_gemv
-
-    if num_rows == 1 and not fp8_x:
-        if n > 8192:
-            return triton_gemv.GemvConfig(block_n=16, block_k=256, num_warps=4)
-        return triton_gemv.GemvConfig(block_n=4 if k >= 8192 else 8, block_k=1024, num_warps=4)
-    return CURRENT_FP8_CONFIG(num_rows, n, k, block, fp8_x)
+    return config
 
 
 def earlier_dense_config(n: int, k: int):
@@ -461,10 +462,7 @@ def main() -> None:
     if a.gemv_configs_ab:  # the one-row tiles as they were before the H100 sweep
         from kvferry.common.kernels import triton_gemv
 
-        global CURRENT_FP8_CONFIG
-        CURRENT_FP8_CONFIG = triton_gemv.fp8_config
-
-        with switched(runner, triton_gemv, "fp8_config", earlier_fp8_config), \
+        with switched(runner, triton_gemv, "fp8_config", earlier_fp8_config(triton_gemv.fp8_config)), \
                 switched(runner, triton_gemv, "dense_config", earlier_dense_config):
             rerun(runner, a, {**base, "gemv_configs": "f277a6c"}, *again)
     if a.greedy_graph_ab and runner.target.graphs:  # the greedy picks by torch ops after each replay

@@ -217,16 +217,16 @@ class ModelRunner(Admission):
                      prev.tokens if prev is not None else None)
         picks = self.target.greedy(chunks, feed) if self.greedy_in_graph and _plain_greedy(seqs) else None
         if picks is not None:  # sampled in the graph: no sampling op launched from here
-            for s in seqs:
-                s.num_cached += 1
-            return PendingStep.of_picks(seqs, *picks)
-        logits = mask_logits(self.target.forward(chunks, feed=feed), [s.grammar for s in seqs])
-        tops = top_logprobs(logits, [s.top_logprobs_num for s in seqs])
-        tokens, logprobs = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                                               decode_adjust(seqs, self.history))
+            step = PendingStep.of_picks(seqs, *picks)
+        else:
+            logits = mask_logits(self.target.forward(chunks, feed=feed), [s.grammar for s in seqs])
+            tops = top_logprobs(logits, [s.top_logprobs_num for s in seqs])
+            tokens, logprobs = self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                                                   decode_adjust(seqs, self.history))
+            step = PendingStep.of(seqs, tokens, logprobs, tops)
         for s in seqs:
             s.num_cached += 1
-        return PendingStep.of(seqs, tokens, logprobs, tops)
+        return step
 
     def _spec_step(self, seqs: list[Sequence]) -> list[list[tuple[int, float]]]:
         k = self.spec_k
