@@ -352,6 +352,7 @@ def cached_world(monkeypatch):
 def test_cached_pages_are_never_written_freed_or_evicted_under_a_write(cached_world):
     for key in STATS:
         STATS[key] = 0
-    run_state_machine_as_test(CachedPageRuleMachine, settings=_settings(150))
+    # derandomized: the coverage check above the rule (every cached path taken) must not hang on a seed
+    run_state_machine_as_test(CachedPageRuleMachine, settings=_settings(150, derandomize=True))
     assert all(STATS.values()), STATS  # the cached paths were taken, not only the base machine's
     print(STATS)
