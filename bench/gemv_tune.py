@@ -81,11 +81,13 @@ def hbm_gbps() -> float:
     return 2 * (4 << 30) / us / 1e3
 
 
-def gemv_configs(dot: bool, quick: bool, rows: int = 1, narrow: bool = False):
+def gemv_configs(dot: bool, quick: bool, rows: int = 1, narrow: bool = False, wide: bool = False):
     from kvferry.common.kernels.triton_gemv import GemvConfig
 
     splits = (1,)
-    if rows > 16:  # past 16 rows: wider weight tiles, K split over programs
+    if wide:  # the W8A8 dot past 16 rows: wider tiles, 8 warps, deeper K steps and pipelines
+        ns, ks, warps, stages, splits = (64, 128, 256), (128, 256, 512), (4, 8), (3, 4), (1, 2, 4, 8)
+    elif rows > 16:  # past 16 rows: wider weight tiles, K split over programs
         ns, ks, warps, stages, splits = (32, 64, 128), (128, 256), (4,), (3, 4), (1, 2, 4, 8)
         if narrow:  # the tiles that won a full sweep on an H100 (bench/RESULTS.md)
             ns, stages = (64, 128), (3,)
@@ -134,6 +136,9 @@ def fp8_cases(args, base: dict) -> None:
         q, scale = q.to(DEVICE), scale.to(DEVICE).contiguous()
         x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
         nbytes = q.numel() + scale.numel() * 4
+        if args.w8a8_wide and rows > 16 and block is None:
+            w8a8_kernel_case(args, base, name, q, scale, x, nbytes)
+            continue
         default = triton_gemv.fp8_config(rows, n, k, block)
         configs = [c for c in gemv_configs(rows > 1, args.quick, rows, args.narrow)
                    if rows == 1 or block is None or c.block_k == triton_gemv.GROUP]  # the dot path: one group a step
@@ -162,6 +167,23 @@ def fp8_cases(args, base: dict) -> None:
                   "speedup_vs_baseline": round(base_us / a8["best_us"], 3),
                   "speedup_vs_w8a16": round(result["best_us"] / a8["best_us"], 3),
                   "note": "best_us includes the per-token quant launch"})
+
+
+def w8a8_kernel_case(args, base: dict, name: str, q, scale, x, nbytes: int) -> None:
+    """The W8A8 dot alone (x quantized once, before: in the step the norms and silu hand it over
+    quantized) over the wide tiles, beside the default; x's per-token quant is timed on its own."""
+    from kvferry.common.kernels import triton_fp8_gemm, triton_gemv
+
+    (n, k), rows = q.shape, x.shape[0]
+    xq, xs = triton_fp8_gemm.per_token_quant(x)
+    default = triton_gemv.fp8_config(rows, n, k, None, fp8_x=True)
+    result = sweep(lambda cfg: triton_gemv.fp8_gemv(xq, q, scale, None, None, cfg, x_scale=xs, out_dtype=DTYPE),
+                   gemv_configs(True, args.quick, rows, wide=True), default, nbytes, args.iters)
+    quant_us = timed_us(lambda: triton_fp8_gemm.per_token_quant(x), args.iters)
+    emit({**base, "case": "fp8-row-w8a8-kernel", "weight": name, "shape": [n, k], "rows": rows, "bytes": nbytes,
+          **result, "speedup_vs_default": round(result["default_us"] / result["best_us"], 3),
+          "of_copy": round(nbytes / result["best_us"] / 1e3 / base["hbm_gbps"], 3) if base["hbm_gbps"] else 0.0,
+          "quant_us": round(quant_us, 2)})
 
 
 def bf16_cases(args, base: dict) -> None:
@@ -248,6 +270,9 @@ def main() -> None:
     ap.add_argument("--narrow", action="store_true", help="past 16 rows, only the tiles that won the full sweep")
     ap.add_argument("--w8a8", action="store_true",
                     help="past 16 rows, also the GEMV with x quantized per token (fp8-row-w8a8 lines)")
+    ap.add_argument("--w8a8-wide", action="store_true",
+                    help="past 16 rows (per-row scales), only the W8A8 dot, its x quantized beforehand, over wider "
+                         "tiles (fp8-row-w8a8-kernel lines)")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on CPU under TRITON_INTERPRET=1 (set it): checks the logic, times nothing")
     args = ap.parse_args()

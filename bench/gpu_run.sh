@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|prefix-ttft|extend|
-#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|summary|pdl|pdl-tests|launch|gemv-one-row|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
+#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|summary|pdl|pdl-tests|launch|gemv-one-row|tiles|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -505,6 +505,20 @@ if [[ $what == gemv-one-row || ( $what == launch && -n ${LAUNCH_TUNE:-} ) ]]; th
   # lm_head, the MoE presets' attention and lm_head, and their experts at one token
   timeout ${LAUNCH_TUNE:-${TUNE_TIMEOUT:-280}} python3 bench/gemv_tune.py --cases bf16,moe,fp8 --rows 1 --scales row --tokens 1 \
     --iters 20 2>>"$out/gemv-one-row.err" | tee -a "$out/gemv-one-row.jsonl" | cut -c1-250
+fi
+if [[ $what == tiles ]]; then
+  # issue 28's batch-64 step: the W8A8 dot past 16 rows alone (x quantized beforehand, as the fused norms and silu hand
+  # it over) over wider tiles, and the decode attention's split kernel over its tiles and split counts, while the FP8
+  # checkpoint builds; then the 8B FP8 step without PDL (its kernels' times are then their own) at 64 and 1, listed
+  fp8_build channel > "$out/build.txt" 2>&1 &
+  build=$!
+  timeout ${TUNE_TIMEOUT:-240} python3 bench/gemv_tune.py --cases fp8 --rows ${TUNE_ROWS:-64} --scales row --w8a8-wide \
+    --iters 20 2>>"$out/tiles.err" | tee -a "$out/gemv-w8a8.jsonl" | cut -c1-250
+  timeout ${ATTN_TIMEOUT:-150} python3 bench/attn_tune.py --batches ${ATTN_BATCHES:-64,1,8} --contexts 1024 \
+    2>>"$out/tiles.err" | tee -a "$out/attn-tune.jsonl" | cut -c1-250
+  wait $build
+  KVFERRY_PDL=0 ENGINE_TIMEOUT=${TILES_ENGINE_TIMEOUT:-120} fp8_engine fp8-channel-no-pdl --model /tmp/m8b-fp8c/target \
+    --batches 64,1 --contexts 1024 --prefill "" --profile 64,1 --kv-budget-gib 16 | cut -c1-120
 fi
 if [[ $what == moe-routed ]]; then
   # both MoE presets' decode steps with a distinct token per sequence (bench/engine.py's last_token: before, every

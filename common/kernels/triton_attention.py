@@ -26,6 +26,8 @@ design these follow; the code is our own.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -230,6 +232,17 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         QUANT=is_quantized(k_cache.dtype), **pdl_kw())
 
 
+class DecodeTiles(NamedTuple):
+    """The split kernel's tiles: keys a step, warps, pipeline stages (``bench/attn_tune.py`` sweeps them)."""
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def decode_tiles(head_dim: int) -> DecodeTiles:
+    return DecodeTiles(block_n=32 if head_dim > 128 else 64)
+
+
 def num_decode_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
     """Splits of the context per (sequence, KV head): about 4 programs per SM, 1..32; depends only
     on the batch size, so a graph captured for a batch bucket keeps it."""
@@ -238,10 +251,11 @@ def num_decode_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      kv_lens: torch.Tensor, scale: float, window: int | None, num_splits: int,
-                     k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                     k_scale: float = 1.0, v_scale: float = 1.0, tiles: DecodeTiles | None = None) -> torch.Tensor:
     """q: [B, Hq, D] (the token at position kv_lens[b] - 1, K/V already stored); page_table:
     [B, max_pages] int; kv_lens: [B] int (0: padding row, output 0) -> [B, Hq, D] in q's dtype.
-    ``scale``: the softmax scale; ``k_scale``/``v_scale``: an FP8 pool's."""
+    ``scale``: the softmax scale; ``k_scale``/``v_scale``: an FP8 pool's; ``tiles``: the split
+    kernel's (``decode_tiles`` by default)."""
     _check_caches(k_cache, v_cache)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -249,12 +263,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
+    tiles = tiles or decode_tiles(block_d)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_lse, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), scale * _LOG2E,
         window or 0, num_splits, k_scale, v_scale, GROUP=group, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=32 if block_d > 128 else 64,
-        PRECISION=_precision(q.dtype), QUANT=is_quantized(k_cache.dtype), num_warps=4, num_stages=2, **pdl_kw())
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=tiles.block_n,
+        PRECISION=_precision(q.dtype), QUANT=is_quantized(k_cache.dtype), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **pdl_kw())
     out = torch.empty_like(q)
     _decode_merge_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d, **pdl_kw())
