@@ -238,6 +238,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--gemv-configs-ab", action="store_true",
                     help="decode (and profile) again with the one-row GEMV tiles of tree f277a6c (before the H100 "
                          "sweep: triton_gemv.fp8_config / dense_config), side by side with the current ones")
+    ap.add_argument("--split-sum-ab", action="store_true",
+                    help="decode (and profile) again with each K-split GEMV's parts summed by its own launch (sum_parts), "
+                         "side by side with the default (summed by the add_norm after o and down: defer_split_sums)")
     ap.add_argument("--moe-align-warps", type=int, default=0, help="warps of the one-launch slot sort (triton_moe.ALIGN_WARPS)")
     ap.add_argument("--silu-quant-config", default="",
                     help="BLOCK,WARPS of the silu kernel that also quantizes (triton_fused.SILU_QUANT_BLOCK/_WARPS)")
@@ -430,6 +433,8 @@ def main() -> None:
         base["greedy"] = "graph"
     if a.gemv_configs_ab:
         base["gemv_configs"] = "sweep"
+    if a.split_sum_ab:
+        base["split_sums"] = "norm"
     # FP8 linears keep their e4m3 weight and fp32 scales as buffers (common/layers/fp8.py): the bytes a step reads
     tensors = [*model.named_parameters(), *model.named_buffers()]
     weights = split_weights([(name, p.numel(), p.element_size()) for name, p in tensors
@@ -465,6 +470,9 @@ def main() -> None:
         with switched(runner, triton_gemv, "fp8_config", earlier_fp8_config(triton_gemv.fp8_config)), \
                 switched(runner, triton_gemv, "dense_config", earlier_dense_config):
             rerun(runner, a, {**base, "gemv_configs": "f277a6c"}, *again)
+    if a.split_sum_ab and model.attn.name == "triton":  # the split-K parts summed by a launch of their own
+        with switched(runner, model.attn, "defer_split_sums", False):
+            rerun(runner, a, {**base, "split_sums": "sum_parts"}, *again)
     if a.greedy_graph_ab and runner.target.graphs:  # the greedy picks by torch ops after each replay
         with switched(runner, runner, "greedy_in_graph", False):
             rerun(runner, a, {**base, "greedy": "torch"}, *again)

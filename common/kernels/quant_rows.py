@@ -1,9 +1,14 @@
-"""Activation rows that come quantized per token, for the W8A8 linear that reads them.
+"""Activation rows handed from one kernel to the next in a form the next one finishes.
 
-``triton_fused.add_rms_norm`` and ``silu_mul`` with ``quant`` make their output rows and, in the
-same launch, their per-token e4m3 quantization (``amax / 448`` a row, bit for bit as
-``triton_fp8_gemm.per_token_quant``); ``common/layers/fp8.fp8_linear`` then runs no quant kernel
-of its own. Plain torch: importable without Triton.
+- ``TokenQuantized``: ``triton_fused.add_rms_norm`` and ``silu_mul`` with ``quant`` make their
+  output rows and, in the same launch, their per-token e4m3 quantization (``amax / 448`` a row, bit
+  for bit as ``triton_fp8_gemm.per_token_quant``); ``common/layers/fp8.fp8_linear`` then runs no
+  quant kernel of its own.
+- ``SplitParts``: a K-split GEMV's fp32 parts not yet summed (``triton_gemv.fp8_gemv`` with
+  ``defer_sum``); the residual add and RMSNorm that reads the linear's output
+  (``triton_fused.add_rms_norm``) sums them in its own launch, so the split-K sum needs none.
+
+Plain torch: importable without Triton.
 """
 
 from __future__ import annotations
@@ -25,3 +30,25 @@ class TokenQuantized:
     @property
     def shape(self) -> torch.Size:
         return self.rows.shape
+
+
+@dataclass(frozen=True)
+class SplitParts:
+    """A linear's output [M, N] as its K-split parts: fp32 ``parts`` [S, M, N], summed in part order,
+    plus ``bias`` (or None), rounded to ``dtype``. ``triton_fused.add_rms_norm`` takes it as its
+    delta; any other consumer calls ``total()`` (``triton_gemv.sum_parts``: the same sum)."""
+
+    parts: torch.Tensor
+    bias: torch.Tensor | None
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.parts.shape[1:]
+
+    def total(self) -> torch.Tensor:
+        from kvferry.common.kernels.triton_gemv import sum_parts  # imports triton: only parts made on CUDA
+
+        num_parts, rows, n = self.parts.shape
+        out = torch.empty((rows, n), dtype=self.dtype, device=self.parts.device)
+        return sum_parts(self.parts, num_parts, n, rows * n, out, bias=self.bias)

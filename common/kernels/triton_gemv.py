@@ -22,7 +22,6 @@ Programs: axis 0 over BLOCK_N output columns, axis 1 over row blocks (BLOCK_M ro
 slot each). With BLOCK_M 1 each program is a dot product of x's row with BLOCK_N weight rows on
 the CUDA cores (``tl.sum``); with BLOCK_M >= 16 the rows share each weight tile through
 ``tl.dot``. Block scales are applied per 128-column group before the group's sum is added.
-
 The torch references: ``fp8.reference_weight_only``, F.linear and ``moe.fused_moe_ref``
 (``tests/gpu/test_triton_gemv.py``; TRITON_INTERPRET=1 runs the same tests on CPU).
 """
@@ -37,6 +36,7 @@ import triton.language as tl
 
 from kvferry.common.kernels.pdl import enter as pdl_enter, enter_prefetching as pdl_enter_prefetching
 from kvferry.common.kernels.pdl import kw as pdl_kw, prefetching as pdl_prefetching
+from kvferry.common.kernels.quant_rows import SplitParts
 
 FP8_GEMV_MAX_ROWS = 128  # the most rows fp8_gemv takes; fp8.FP8_GEMV_MAX_ROWS says how many fp8_linear sends here
 MOE_GEMV_MAX_SLOTS = 32
@@ -158,18 +158,14 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale,
 
 
 def fp8_config(num_rows: int, n: int, k: int, block: int | None, fp8_x: bool = False) -> GemvConfig:
-    """The tile configuration for an FP8 weight [n, k] times ``num_rows`` rows, from bench/gemv_tune.py
-    (bench/RESULTS.md: 16 to 64 rows on an H100, "The FP8 GEMV past 16 rows").
-
-    One row: 1,024 columns a step over 8 weight rows, 4 warps (deep down, narrow o); else 512 columns,
-    8 warps, over 16 rows (q/k/v) or 32 (gate-up): the H100 one-row sweep's winners (RESULTS.md).
-    Several rows share each weight tile through tl.dot, 128 columns a step (256 for 17 to 32 rows
-    with per-row scales), 3 stages, K split over 4 programs (8 for the deep down projection past
-    16 rows) unless the weight is wide enough (gate-up) to give every SM programs of its own; 32
-    weight rows a program up to 16 rows, 64 past (128 for gate-up), where x's tile outweighs the
-    weight's. With an e4m3 x (``fp8_x``, W8A8) 64 weight rows a program, 256 columns a step, K split
-    in 4 for the deep down projection, in 2 for the narrow o projection, else whole (the H100
-    sweep's winners at 64 rows)."""
+    """The tile configuration for an FP8 weight [n, k] times ``num_rows`` rows: bench/gemv_tune.py's
+    H100 sweeps (bench/RESULTS.md). One row: 1,024 columns a step over 8 weight rows, 4 warps (deep
+    down, narrow o); else 512 columns, 8 warps, over 16 rows (q/k/v) or 32 (gate-up). Several rows
+    share each weight tile through tl.dot, 128 columns a step (256 for 17 to 32 rows with per-row
+    scales), 3 stages, K split over 4 programs (8 for the deep down past 16 rows) unless the weight
+    is wide enough (gate-up) to give every SM programs of its own; 32 weight rows a program up to 16
+    rows, 64 past (128 for gate-up). An e4m3 x (``fp8_x``, W8A8): 64 weight rows, 256 columns a
+    step, K split in 4 for the deep down, in 2 for the narrow o, else whole."""
     if fp8_x:
         return GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=3,
                           split_k=4 if k > 8192 else 2 if n <= 4096 else 1)
@@ -244,12 +240,14 @@ def _precision(dtype: torch.dtype) -> str:
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int | None,
              bias: torch.Tensor | None = None, config: GemvConfig | None = None,
-             x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+             x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+             defer_sum: bool = False) -> torch.Tensor | SplitParts:
     """x [M, K] (M <= FP8_GEMV_MAX_ROWS, unit column stride) @ (weight [N, K] e4m3 * scale).T + bias
     -> [M, N] in x's dtype (``out_dtype``), fp32 accumulation. ``scale``: [N] per row, or
     [N, ceil(K/128)] with ``block`` 128. ``x_scale`` [M, 1]: x is e4m3 (W8A8, per-row scales only,
     M > 1). A ``split_k`` configuration sums its fp32 parts in a second launch (in a fixed order:
-    the result does not depend on which part finishes first)."""
+    the result does not depend on which part finishes first), or with ``defer_sum`` returns them
+    unsummed (``SplitParts``) for the consumer's launch to sum."""
     num_rows, k = x.shape
     n = weight.shape[0]
     if num_rows > FP8_GEMV_MAX_ROWS:
@@ -283,6 +281,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, PRECISION=_precision(x.dtype),
         PREFETCH=prefetch_steps(cfg.block_n, block_k, k_per, weight.element_size()), LINE=128 // weight.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kw())
+    if split > 1 and defer_sum:
+        return SplitParts(parts, bias, out.dtype)
     if split > 1:
         sum_parts(parts, split, n, num_rows * n, out, bias=bias)
     return out

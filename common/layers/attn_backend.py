@@ -73,8 +73,7 @@ def resolve_backend(name: str, device: torch.device) -> str:
 
 
 def make_backend(name: str, device: torch.device, num_kv_heads: int):
-    name = resolve_backend(name, device)
-    return TritonBackend(device, num_kv_heads) if name == "triton" else TorchBackend()
+    return TritonBackend(device, num_kv_heads) if resolve_backend(name, device) == "triton" else TorchBackend()
 
 
 class TorchBackend:
@@ -110,7 +109,7 @@ class TorchBackend:
         return torch.nn.functional.silu(gate) * up
 
     @staticmethod
-    def linear(x, weight, bias=None) -> torch.Tensor:
+    def linear(x, weight, bias=None, defer_sum: bool = False) -> torch.Tensor:  # defer_sum: TritonBackend's
         if isinstance(weight, Fp8Weight):
             return fp8_linear(x, weight, bias)
         return torch.nn.functional.linear(x, weight, bias)
@@ -232,6 +231,7 @@ class TritonBackend:
         # one-row bf16 projections through triton_gemv.gemv: the 8B batch-1 step 4.33 ms against
         # cuBLAS's 4.95 on an H200 (bench/RESULTS.md "Decode-sized GEMMs")
         self.use_gemv = is_cuda
+        self.defer_split_sums = True  # bench/engine.py --split-sum-ab: the step with sum_parts launches
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if is_cuda else 4
 
     def num_splits(self, batch: int) -> int:
@@ -272,11 +272,11 @@ class TritonBackend:
     def silu_mul(self, gate_up, feeds=None):  # quantized too as add_norm says
         return self.fused.silu_mul(gate_up, quant=takes_token_quant(feeds, gate_up))
 
-    def linear(self, x, weight, bias=None) -> torch.Tensor:
-        # use_gemv (on CUDA): one row through triton_gemv.gemv instead of cuBLAS; bench/engine.py
-        # measures the batch-1 step both ways.
+    def linear(self, x, weight, bias=None, defer_sum: bool = False) -> torch.Tensor:
+        # use_gemv (on CUDA): one row through triton_gemv.gemv, not cuBLAS (bench/engine.py measures both);
+        # defer_sum: the output feeds add_norm alone, which may sum a K-split GEMV's parts (SplitParts)
         if isinstance(weight, Fp8Weight):
-            return fp8_linear(x, weight, bias)
+            return fp8_linear(x, weight, bias, defer_sum and self.defer_split_sums)
         x = x.rows if isinstance(x, TokenQuantized) else x
         if x.shape[0] == 1 and self.use_gemv:
             return self.gemv.gemv(x, weight, bias)

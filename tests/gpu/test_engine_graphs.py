@@ -104,6 +104,38 @@ def test_fp8_quant_fused_into_the_norms_and_silu(tmp_path, monkeypatch, num_toke
     assert torch.equal(logits[True], logits[False])
 
 
+@pytest.mark.parametrize("quantize", ["fp8-channel", "fp8-block"])
+def test_fp8_split_sums_left_to_the_norms(tmp_path, monkeypatch, quantize):
+    """FP8 at TP 1: o's and down's K-split GEMV parts go unsummed to the add_norm after them, which
+    sums them in its launch (``SplitParts``). A decode step of 8 sequences then launches no
+    ``sum_parts``; a prompt's forward sums the last layer's parts once, before ``final_norm``
+    gathers its last row. Logits equal those of the summing path bit for bit."""
+    from kvferry.common.kernels import triton_gemv
+    from kvferry.common.models.tiny import make_tiny_model
+
+    target, _ = make_tiny_model(tmp_path / "fp8", seed=0, quantize=quantize)
+    runner = build_runner(target, device="cuda:0", dtype="bfloat16", max_total_tokens=4096, disable_cuda_graph=True)
+    slot = runner.target
+    calls = []
+    summed = triton_gemv.sum_parts
+    monkeypatch.setattr(triton_gemv, "sum_parts", lambda *a, **kw: calls.append(1) or summed(*a, **kw))
+    prompts = _prompts(8, seed=4)
+    tables = [list(range(i * 16, i * 16 + 16)) for i in range(len(prompts))]
+    got = {}
+    for defer in (True, False):
+        slot.model.attn.defer_split_sums = defer
+        calls.clear()
+        prefill = [slot.model.forward([SeqChunk(p[:8], 0, t)], slot.kv).clone() for p, t in zip(prompts, tables)]
+        prefill_calls = len(calls)
+        calls.clear()
+        step = slot.model.forward([SeqChunk([9], 8, t) for t in tables], slot.kv).clone()
+        got[defer] = (torch.cat(prefill), step, prefill_calls, len(calls))
+    assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
+    num_layers = slot.model.config.num_hidden_layers
+    assert got[False][3] >= num_layers and got[True][3] == 0, (got[True][2:], got[False][2:])
+    assert got[True][2] == len(prompts) < got[False][2]
+
+
 def test_graph_replay_equals_eager_forward(tiny_models):
     target, _ = tiny_models
     runner = build_runner(target, device="cuda:0", dtype="float32", max_total_tokens=4096, cuda_graph_max_bs=4)
