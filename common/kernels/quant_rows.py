@@ -36,7 +36,8 @@ class TokenQuantized:
 class SplitParts:
     """A linear's output [M, N] as its K-split parts: fp32 ``parts`` [S, M, N], summed in part order,
     plus ``bias`` (or None), rounded to ``dtype``. ``triton_fused.add_rms_norm`` takes it as its
-    delta; any other consumer calls ``total()`` (``triton_gemv.sum_parts``: the same sum)."""
+    delta; any other consumer calls ``total()`` (torch ops adding in ``triton_gemv.sum_parts``'s order:
+    the same fp32 adds, so the same bits)."""
 
     parts: torch.Tensor
     bias: torch.Tensor | None
@@ -47,8 +48,9 @@ class SplitParts:
         return self.parts.shape[1:]
 
     def total(self) -> torch.Tensor:
-        from kvferry.common.kernels.triton_gemv import sum_parts  # imports triton: only parts made on CUDA
-
-        num_parts, rows, n = self.parts.shape
-        out = torch.empty((rows, n), dtype=self.dtype, device=self.parts.device)
-        return sum_parts(self.parts, num_parts, n, rows * n, out, bias=self.bias)
+        acc = self.parts[0].clone()
+        for part in self.parts[1:]:
+            acc += part
+        if self.bias is not None:
+            acc += self.bias.float()
+        return acc.to(self.dtype)
