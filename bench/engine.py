@@ -241,6 +241,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--split-sum-ab", action="store_true",
                     help="decode (and profile) again with each K-split GEMV's parts summed by its own launch (sum_parts), "
                          "side by side with the default (summed by the add_norm after o and down: defer_split_sums)")
+    ap.add_argument("--silu-gemv-ab", action="store_true",
+                    help="FP8: decode (and profile) again with the silu kernel before the one-row down GEMV, side by side "
+                         "with the default (silu(gate) * up made by the GEMV as it reads the row: fp8.SILU_IN_GEMV)")
     ap.add_argument("--moe-align-warps", type=int, default=0, help="warps of the one-launch slot sort (triton_moe.ALIGN_WARPS)")
     ap.add_argument("--silu-quant-config", default="",
                     help="BLOCK,WARPS of the silu kernel that also quantizes (triton_fused.SILU_QUANT_BLOCK/_WARPS)")
@@ -435,6 +438,8 @@ def main() -> None:
         base["gemv_configs"] = "sweep"
     if a.split_sum_ab:
         base["split_sums"] = "norm"
+    if a.silu_gemv_ab and not plain:
+        base["silu"] = "gemv"
     # FP8 linears keep their e4m3 weight and fp32 scales as buffers (common/layers/fp8.py): the bytes a step reads
     tensors = [*model.named_parameters(), *model.named_buffers()]
     weights = split_weights([(name, p.numel(), p.element_size()) for name, p in tensors
@@ -473,6 +478,9 @@ def main() -> None:
     if a.split_sum_ab and model.attn.name == "triton":  # the split-K parts summed by a launch of their own
         with switched(runner, model.attn, "defer_split_sums", False):
             rerun(runner, a, {**base, "split_sums": "sum_parts"}, *again)
+    if a.silu_gemv_ab and not plain:  # the silu kernel before the one-row down GEMV
+        with switched(runner, fp8, "SILU_IN_GEMV", False):
+            rerun(runner, a, {**base, "silu": "kernel"}, *again)
     if a.greedy_graph_ab and runner.target.graphs:  # the greedy picks by torch ops after each replay
         with switched(runner, runner, "greedy_in_graph", False):
             rerun(runner, a, {**base, "greedy": "torch"}, *again)

@@ -7,6 +7,9 @@
 - ``SplitParts``: a K-split GEMV's fp32 parts not yet summed (``triton_gemv.fp8_gemv`` with
   ``defer_sum``); the residual add and RMSNorm that reads the linear's output
   (``triton_fused.add_rms_norm``) sums them in its own launch, so the split-K sum needs none.
+- ``GatedRows``: a fused gate-up's one row whose ``silu(gate) * up`` the one-row FP8 GEMV of the
+  down projection makes as it reads it (``triton_gemv.fp8_gemv`` with ``fuse_silu``), so the silu
+  kernel does not run.
 
 Plain torch: importable without Triton.
 """
@@ -54,3 +57,15 @@ class SplitParts:
         if self.bias is not None:
             acc += self.bias.float()
         return acc.to(self.dtype)
+
+
+@dataclass(frozen=True)
+class GatedRows:
+    """``gate_up`` [1, 2I] (gate then up) standing for silu(gate) * up [1, I]: only
+    ``fp8.fp8_linear`` takes it, and only where ``fp8.gated_rows`` made it (the one-row GEMV)."""
+
+    gate_up: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.gate_up.shape[0], self.gate_up.shape[1] // 2))

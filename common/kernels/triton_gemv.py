@@ -36,23 +36,14 @@ import triton.language as tl
 
 from kvferry.common.kernels.pdl import enter as pdl_enter, enter_prefetching as pdl_enter_prefetching
 from kvferry.common.kernels.pdl import kw as pdl_kw, prefetching as pdl_prefetching
+from kvferry.common.kernels.gemv_tiles import (FIT_HEADROOM_BYTES, GROUP, SHARED_MEMORY_BYTES, GemvConfig,  # noqa: F401
+                                                dense_config, fit as _fit, fp8_config, moe_config, takes_rows)
 from kvferry.common.kernels.quant_rows import SplitParts
 
 FP8_GEMV_MAX_ROWS = 128  # the most rows fp8_gemv takes; fp8.FP8_GEMV_MAX_ROWS says how many fp8_linear sends here
 MOE_GEMV_MAX_SLOTS = 32
-GROUP = 128  # block-FP8 group along K
-SHARED_MEMORY_BYTES = 232448  # H100/H200: 227 KiB a block (triton_moe fits its tiles to it too)
-FIT_HEADROOM_BYTES = 27 * 1024  # _fit leaves this for Triton's own scratch: the tiles get 200 KiB
 
 SCALE_NONE, SCALE_ROW, SCALE_BLOCK = 0, 1, 2
-
-
-class GemvConfig(NamedTuple):
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int = 3
-    split_k: int = 1  # programs along K (the dot path): each writes an fp32 partial, one more launch sums them
 
 
 @triton.jit
@@ -157,29 +148,6 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale,
         tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def fp8_config(num_rows: int, n: int, k: int, block: int | None, fp8_x: bool = False) -> GemvConfig:
-    """The tile configuration for an FP8 weight [n, k] times ``num_rows`` rows: bench/gemv_tune.py's
-    H100 sweeps (bench/RESULTS.md). One row: 1,024 columns a step over 8 weight rows, 4 warps (deep
-    down, narrow o); else 512 columns, 8 warps, over 16 rows (q/k/v) or 32 (gate-up). Several rows
-    share each weight tile through tl.dot, 128 columns a step (256 for 17 to 32 rows with per-row
-    scales), 3 stages, K split over 4 programs (8 for the deep down past 16 rows) unless the weight
-    is wide enough (gate-up) to give every SM programs of its own; 32 weight rows a program up to 16
-    rows, 64 past (128 for gate-up). An e4m3 x (``fp8_x``, W8A8): 64 weight rows, 256 columns a
-    step, K split in 4 for the deep down, in 2 for the narrow o, else whole."""
-    if fp8_x:
-        return GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=3,
-                          split_k=4 if k > 8192 else 2 if n <= 4096 else 1)
-    if num_rows == 1:
-        if k >= 8192 or n <= 4096:
-            return GemvConfig(block_n=8, block_k=1024, num_warps=4)
-        return GemvConfig(block_n=32 if n > 8192 else 16, block_k=512, num_warps=8)
-    wide = n > 8192
-    split = 1 if wide else 8 if k > 8192 and num_rows > 16 else 4
-    block_k = 256 if 16 < num_rows <= 32 and block is None else GROUP
-    block_n = 32 if num_rows <= 16 else 128 if wide else 64
-    return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=3, split_k=split)
-
-
 PREFETCH_BYTES = 16384  # weight bytes a program asks of L2 before its PDL wait (pdl.enter_prefetching)
 
 
@@ -192,48 +160,6 @@ def prefetch_steps(block_n: int, block_k: int, k_per: int, elem_bytes: int) -> i
     return max(1, min(triton.cdiv(k_per, block_k), PREFETCH_BYTES // (block_n * block_k * elem_bytes)))
 
 
-def takes_rows(num_rows: int, n: int) -> bool:
-    """Whether the weight-only ``fp8_gemv`` beats what it replaces for ``num_rows`` rows of an [n, .]
-    block-scaled weight (the W8A8 block GEMM) or per-row-scaled one (torch._scaled_mm after the
-    activation quant), as the H100 sweep measured: 1.3-3.0x up to 16 rows; past 16 only for the
-    narrower weights (gate-up at 32 and 64 rows and q/k/v at 64 measured 0.72-1.0x)."""
-    return num_rows <= 16 or (num_rows <= 32 and n <= 8192) or (num_rows <= 64 and n <= 4096)
-
-
-def _fit(cfg: GemvConfig, block_m: int, x_bytes: int, block_k: int) -> tuple[GemvConfig, int]:
-    """Fewer stages, then a shallower K step, until the pipelined x and weight tiles and the weight
-    tile converted to x's dtype fit a block's shared memory (float32 x at 128 rows would not)."""
-    def need(stages: int, bk: int) -> int:
-        return stages * (block_m * x_bytes + cfg.block_n) * bk + cfg.block_n * bk * x_bytes
-
-    stages = cfg.num_stages
-    while need(stages, block_k) > SHARED_MEMORY_BYTES - FIT_HEADROOM_BYTES:
-        if stages > 2:
-            stages -= 1
-        elif block_k > 32:
-            block_k //= 2
-        else:
-            break
-    return cfg._replace(num_stages=stages), block_k
-
-
-def dense_config(n: int, k: int) -> GemvConfig:
-    """One row times a bf16/fp16 weight [n, k] (``gemv``), from the same sweeps: 1,024 columns a step
-    over 4-8 weight rows, 8 warps (512 over 16, 4 warps, for a wide weight); q/k/v with K <= 2,048
-    (Qwen3-30B-A3B): 256 columns over 8 rows, 4 warps."""
-    if n > 8192:
-        return GemvConfig(block_n=16, block_k=512, num_warps=4)
-    if n > 4096:
-        return GemvConfig(block_n=8, block_k=256, num_warps=4) if k <= 2048 else GemvConfig(4, 1024, 8)
-    return GemvConfig(block_n=8, block_k=1024, num_warps=8)
-
-
-def moe_config(n: int, k: int) -> GemvConfig:
-    """The tile configuration of one MoE slot's [n, k] expert weight (bf16/fp16): in the sweep no
-    configuration beat this one by more than a few per cent on either preset's projections."""
-    return GemvConfig(block_n=16 if n <= 4096 else 32, block_k=256, num_warps=4)
-
-
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -241,15 +167,19 @@ def _precision(dtype: torch.dtype) -> str:
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int | None,
              bias: torch.Tensor | None = None, config: GemvConfig | None = None,
              x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-             defer_sum: bool = False) -> torch.Tensor | SplitParts:
+             defer_sum: bool = False, fuse_silu: bool = False) -> torch.Tensor | SplitParts:
     """x [M, K] (M <= FP8_GEMV_MAX_ROWS, unit column stride) @ (weight [N, K] e4m3 * scale).T + bias
     -> [M, N] in x's dtype (``out_dtype``), fp32 accumulation. ``scale``: [N] per row, or
     [N, ceil(K/128)] with ``block`` 128. ``x_scale`` [M, 1]: x is e4m3 (W8A8, per-row scales only,
     M > 1). A ``split_k`` configuration sums its fp32 parts in a second launch (in a fixed order:
     the result does not depend on which part finishes first), or with ``defer_sum`` returns them
-    unsummed (``SplitParts``) for the consumer's launch to sum."""
-    num_rows, k = x.shape
+    unsummed (``SplitParts``) for the consumer's launch to sum. ``fuse_silu`` (one row): x is a
+    gate-up row [1, 2K] and the GEMV reads silu(gate) * up, rounded as ``silu_mul`` rounds."""
+    num_rows, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
+    if x.shape[1] != (2 * k if fuse_silu else k) or (fuse_silu and (num_rows != 1 or x_scale is not None)):
+        raise ValueError(f"fp8_gemv: x {tuple(x.shape)} for a weight {tuple(weight.shape)}"
+                         + (" (fuse_silu takes one bf16/fp16 gate-up row)" if fuse_silu else ""))
     if num_rows > FP8_GEMV_MAX_ROWS:
         raise ValueError(f"fp8_gemv takes at most {FP8_GEMV_MAX_ROWS} rows, got {num_rows}")
     if block not in (None, GROUP):
@@ -277,7 +207,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
         x, weight, scale, parts, bias if has_bias else out, out, out, x_scale if x_scale is not None else out,
         num_rows, n, k, k_per, x.stride(0), 0, weight.stride(0), n, num_rows * n, scale.stride(0) if block else 0,
         TOP_K=1, SCALE=SCALE_ROW if block is None else SCALE_BLOCK, GROUP=GROUP, HAS_EXPERTS=False,
-        FUSE_SILU=False, MUL_WEIGHT=False, HAS_BIAS=has_bias, X_SCALE=x_scale is not None,
+        FUSE_SILU=fuse_silu, MUL_WEIGHT=False, HAS_BIAS=has_bias, X_SCALE=x_scale is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, PRECISION=_precision(x.dtype),
         PREFETCH=prefetch_steps(cfg.block_n, block_k, k_per, weight.element_size()), LINE=128 // weight.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kw())

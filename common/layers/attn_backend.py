@@ -41,7 +41,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from kvferry.common.layers import attention, mla, moe, rope
 from kvferry.common.kernels.h2d import to_device
-from kvferry.common.layers.fp8 import Fp8Weight, TokenQuantized, fp8_linear, takes_token_quant
+from kvferry.common.layers.fp8 import Fp8Weight, TokenQuantized, fp8_linear, gated_rows, takes_token_quant
 from kvferry.common.kernels.kv_quant import dequantize, round_trip
 from kvferry.common.layers.norm import rms_norm
 
@@ -269,8 +269,8 @@ class TritonBackend:
         """In one launch; quantized too (``fp8.TokenQuantized``) if ``feeds``, the weight it feeds, takes that."""
         return self.fused.add_rms_norm(x, delta, weight, eps, quant=takes_token_quant(feeds, x))
 
-    def silu_mul(self, gate_up, feeds=None):  # quantized too as add_norm says
-        return self.fused.silu_mul(gate_up, quant=takes_token_quant(feeds, gate_up))
+    def silu_mul(self, gate_up, feeds=None):  # quantized too as add_norm says; one row: left to the FP8 GEMV
+        return gated_rows(feeds, gate_up) or self.fused.silu_mul(gate_up, quant=takes_token_quant(feeds, gate_up))
 
     def linear(self, x, weight, bias=None, defer_sum: bool = False) -> torch.Tensor:
         # use_gemv (on CUDA): one row through triton_gemv.gemv, not cuBLAS (bench/engine.py measures both);

@@ -137,6 +137,39 @@ def test_fp8_split_sums_left_to_the_norms(tmp_path, monkeypatch, quantize):
     assert got[True][2] == 0 < got[False][2]
 
 
+@pytest.mark.parametrize("quantize", ["fp8-channel", "fp8-block"])
+def test_fp8_silu_left_to_the_one_row_down_gemv(tmp_path, monkeypatch, quantize):
+    """FP8, one row: silu_mul hands the gate-up row over (``GatedRows``) and the down projection's
+    GEMV makes silu(gate) * up as it reads it: no silu launch in a batch-1 decode step, and the
+    logits equal those of the silu kernel's path bit for bit. Two rows keep the silu kernel."""
+    from kvferry.common.kernels import triton_fused
+    from kvferry.common.layers import fp8
+    from kvferry.common.models.tiny import make_tiny_model
+
+    target, _ = make_tiny_model(tmp_path / "fp8", seed=0, quantize=quantize)
+    runner = build_runner(target, device="cuda:0", dtype="bfloat16", max_total_tokens=4096, disable_cuda_graph=True)
+    slot = runner.target
+    calls = []
+    silu_mul = triton_fused.silu_mul
+    monkeypatch.setattr(triton_fused, "silu_mul", lambda *a, **kw: calls.append(1) or silu_mul(*a, **kw))
+    prompts = _prompts(2, seed=6)
+    tables = [list(range(i * 16, i * 16 + 16)) for i in range(len(prompts))]
+    for p, t in zip(prompts, tables):
+        slot.model.forward([SeqChunk(p[:8], 0, t)], slot.kv)
+    num_layers = slot.model.config.num_hidden_layers
+    got = {}
+    for fused in (True, False):
+        monkeypatch.setattr(fp8, "SILU_IN_GEMV", fused)
+        calls.clear()
+        one = slot.model.forward([SeqChunk([9], 8, tables[0])], slot.kv).clone()
+        assert len(calls) == (0 if fused else num_layers), (fused, calls)
+        calls.clear()
+        two = slot.model.forward([SeqChunk([9], 8, t) for t in tables], slot.kv).clone()
+        assert len(calls) == num_layers
+        got[fused] = (one, two)
+    assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
+
+
 def test_graph_replay_equals_eager_forward(tiny_models):
     target, _ = tiny_models
     runner = build_runner(target, device="cuda:0", dtype="float32", max_total_tokens=4096, cuda_graph_max_bs=4)

@@ -204,6 +204,24 @@ def test_fp8_gemv_defers_its_split_sum(block, fp8_x):
     assert isinstance(whole, torch.Tensor) and torch.equal(whole, run(cfg._replace(split_k=1), False))
 
 
+@pytest.mark.parametrize("block", [None, 128])
+def test_fp8_gemv_makes_silu_of_a_gate_up_row(block):
+    """``fuse_silu``: one gate-up row [1, 2K] in, the GEMV of silu(gate) * up out, bit for bit as
+    ``triton_fused.silu_mul`` then the GEMV (the same rounded products, the same sums)."""
+    from kvferry.common.kernels import triton_fused
+
+    n, k = 72, 1100
+    w = _weight(n, k, block, seed=11)
+    gate_up = (torch.randn(1, 2 * k, generator=torch.Generator().manual_seed(3)) * 3).to(DEVICE, HALF)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(4)).to(DEVICE, HALF)
+    want = triton_gemv.fp8_gemv(triton_fused.silu_mul(gate_up), w.weight, w.scale, block, bias)
+    assert torch.equal(triton_gemv.fp8_gemv(gate_up, w.weight, w.scale, block, bias, fuse_silu=True), want)
+    with pytest.raises(ValueError, match="fuse_silu takes one"):
+        triton_gemv.fp8_gemv(gate_up.expand(2, -1).contiguous(), w.weight, w.scale, block, fuse_silu=True)
+    with pytest.raises(ValueError, match="for a weight"):
+        triton_gemv.fp8_gemv(gate_up, w.weight, w.scale, block)
+
+
 def test_fp8_linear_sends_no_more_rows_than_the_kernel_takes():
     assert 16 <= fp8.FP8_GEMV_MAX_ROWS <= triton_gemv.FP8_GEMV_MAX_ROWS
 

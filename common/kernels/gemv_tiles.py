@@ -1,0 +1,85 @@
+"""The tile tables of ``triton_gemv``'s kernels: which configuration a weight shape and row count
+get, measured by ``bench/gemv_tune.py`` (bench/RESULTS.md), and the fit of a configuration's tiles
+to a block's shared memory. Plain Python: importable without Triton.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+GROUP = 128  # block-FP8 group along K
+SHARED_MEMORY_BYTES = 232448  # H100/H200: 227 KiB a block (triton_moe fits its tiles to it too)
+FIT_HEADROOM_BYTES = 27 * 1024  # fit leaves this for Triton's own scratch: the tiles get 200 KiB
+
+
+class GemvConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 3
+    split_k: int = 1  # programs along K (the dot path): each writes an fp32 partial, one more launch sums them
+
+
+def fp8_config(num_rows: int, n: int, k: int, block: int | None, fp8_x: bool = False) -> GemvConfig:
+    """The tile configuration for an FP8 weight [n, k] times ``num_rows`` rows: bench/gemv_tune.py's
+    H100 sweeps (bench/RESULTS.md). One row: 1,024 columns a step over 8 weight rows, 4 warps (deep
+    down, narrow o); else 512 columns, 8 warps, over 16 rows (q/k/v) or 32 (gate-up). Several rows
+    share each weight tile through tl.dot, 128 columns a step (256 for 17 to 32 rows with per-row
+    scales), 3 stages, K split over 4 programs (8 for the deep down past 16 rows) unless the weight
+    is wide enough (gate-up) to give every SM programs of its own; 32 weight rows a program up to 16
+    rows, 64 past (128 for gate-up). An e4m3 x (``fp8_x``, W8A8): 64 weight rows, 256 columns a
+    step, K split in 4 for the deep down, in 2 for the narrow o, else whole."""
+    if fp8_x:
+        return GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=3,
+                          split_k=4 if k > 8192 else 2 if n <= 4096 else 1)
+    if num_rows == 1:
+        if k >= 8192 or n <= 4096:
+            return GemvConfig(block_n=8, block_k=1024, num_warps=4)
+        return GemvConfig(block_n=32 if n > 8192 else 16, block_k=512, num_warps=8)
+    wide = n > 8192
+    split = 1 if wide else 8 if k > 8192 and num_rows > 16 else 4
+    block_k = 256 if 16 < num_rows <= 32 and block is None else GROUP
+    block_n = 32 if num_rows <= 16 else 128 if wide else 64
+    return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=3, split_k=split)
+
+
+def takes_rows(num_rows: int, n: int) -> bool:
+    """Whether the weight-only ``fp8_gemv`` beats what it replaces for ``num_rows`` rows of an [n, .]
+    block-scaled weight (the W8A8 block GEMM) or per-row-scaled one (torch._scaled_mm after the
+    activation quant), as the H100 sweep measured: 1.3-3.0x up to 16 rows; past 16 only for the
+    narrower weights (gate-up at 32 and 64 rows and q/k/v at 64 measured 0.72-1.0x)."""
+    return num_rows <= 16 or (num_rows <= 32 and n <= 8192) or (num_rows <= 64 and n <= 4096)
+
+
+def fit(cfg: GemvConfig, block_m: int, x_bytes: int, block_k: int) -> tuple[GemvConfig, int]:
+    """Fewer stages, then a shallower K step, until the pipelined x and weight tiles and the weight
+    tile converted to x's dtype fit a block's shared memory (float32 x at 128 rows would not)."""
+    def need(stages: int, bk: int) -> int:
+        return stages * (block_m * x_bytes + cfg.block_n) * bk + cfg.block_n * bk * x_bytes
+
+    stages = cfg.num_stages
+    while need(stages, block_k) > SHARED_MEMORY_BYTES - FIT_HEADROOM_BYTES:
+        if stages > 2:
+            stages -= 1
+        elif block_k > 32:
+            block_k //= 2
+        else:
+            break
+    return cfg._replace(num_stages=stages), block_k
+
+
+def dense_config(n: int, k: int) -> GemvConfig:
+    """One row times a bf16/fp16 weight [n, k] (``gemv``), from the same sweeps: 1,024 columns a step
+    over 4-8 weight rows, 8 warps (512 over 16, 4 warps, for a wide weight); q/k/v with K <= 2,048
+    (Qwen3-30B-A3B): 256 columns over 8 rows, 4 warps."""
+    if n > 8192:
+        return GemvConfig(block_n=16, block_k=512, num_warps=4)
+    if n > 4096:
+        return GemvConfig(block_n=8, block_k=256, num_warps=4) if k <= 2048 else GemvConfig(4, 1024, 8)
+    return GemvConfig(block_n=8, block_k=1024, num_warps=8)
+
+
+def moe_config(n: int, k: int) -> GemvConfig:
+    """The tile configuration of one MoE slot's [n, k] expert weight (bf16/fp16): in the sweep no
+    configuration beat this one by more than a few per cent on either preset's projections."""
+    return GemvConfig(block_n=16 if n <= 4096 else 32, block_k=256, num_warps=4)
