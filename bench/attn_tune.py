@@ -3,7 +3,8 @@ split counts, beside the current default, in CUDA graphs.
 
     python bench/attn_tune.py [--batches 1,8,64,128] [--contexts 1024,8192] [--iters 20]
 
-One JSON line per (batch, context): Llama-3.1-8B's attention shape (32 query heads, 8 KV heads,
+One JSON line per (batch, context) (with ``by_splits``: the fastest tiles of every split count
+and fewest keys a split): Llama-3.1-8B's attention shape (32 query heads, 8 KV heads,
 head dim 128), bf16 pages of 16 tokens spread at random over a page-major pool. Each line: the
 fastest (tiles, splits) and its µs and GB/s (the K and V bytes the step reads, over the time),
 the default's, and both as fractions of the HBM bandwidth of a 4 GiB device copy measured in the
@@ -44,8 +45,8 @@ def case(batch: int, context: int, device: str, dtype, seed: int = 0):
 def configs(quick: bool):
     from kvferry.common.kernels.triton_attention import DecodeTiles
 
-    ns, warps, stages = ((32, 64), (4,), (2,)) if quick else ((32, 64, 128), (4, 8), (2, 3, 4))
-    return [DecodeTiles(n, w, s) for n, w, s in itertools.product(ns, warps, stages)]
+    ns, warps, stages, mins = ((32, 64), (4,), (2,), (0, 64)) if quick else ((32, 64, 128), (4, 8), (2, 3, 4), (0, 256))
+    return [DecodeTiles(n, w, s, m) for n, w, s, m in itertools.product(ns, warps, stages, mins)]
 
 
 def main() -> None:
@@ -79,9 +80,9 @@ def main() -> None:
         def run(tiles, splits):
             return ta.decode_attention(q, k, v, table, lens, scale, None, splits, tiles=tiles)
 
-        default = (ta.decode_tiles(HEAD_DIM), default_splits)
+        default = (ta.decode_tiles(HEAD_DIM, default_splits), default_splits)
         want = run(*default)
-        best = None
+        best, by_splits = None, {}
         for tiles, splits in itertools.product(configs(args.quick), sorted({default_splits, *map(int, args.splits.split(","))})):
             try:
                 got = run(tiles, splits)
@@ -92,6 +93,9 @@ def main() -> None:
             us = gemv_tune.timed_us(lambda: run(tiles, splits), args.iters)
             if best is None or us < best[2]:
                 best = (tiles, splits, us)
+            key = f"{splits}/{tiles.min_split}"  # the fastest tiles of each split count and fewest keys a split
+            if key not in by_splits or us < by_splits[key][-1]:
+                by_splits[key] = [tiles.block_n, tiles.num_warps, tiles.num_stages, round(us, 2)]
         default_us = gemv_tune.timed_us(lambda: run(*default), args.iters)
 
         def frac(us: float) -> float:
@@ -101,7 +105,8 @@ def main() -> None:
               "best": {**best[0]._asdict(), "splits": best[1]}, "best_us": round(best[2], 2),
               "best_of_copy": frac(best[2]),
               "default": {**default[0]._asdict(), "splits": default[1]}, "default_us": round(default_us, 2),
-              "default_of_copy": frac(default_us), "speedup": round(default_us / best[2], 3)})
+              "default_of_copy": frac(default_us), "speedup": round(default_us / best[2], 3),
+              "by_splits": by_splits, "by_splits_key": "splits/min_split: [block_n, warps, stages, us]"})
 
 
 if __name__ == "__main__":

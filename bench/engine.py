@@ -238,12 +238,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--gemv-configs-ab", action="store_true",
                     help="decode (and profile) again with the one-row GEMV tiles of tree f277a6c (before the H100 "
                          "sweep: triton_gemv.fp8_config / dense_config), side by side with the current ones")
-    ap.add_argument("--split-sum-ab", action="store_true",
-                    help="decode (and profile) again with each K-split GEMV's parts summed by its own launch (sum_parts), "
-                         "side by side with the default (summed by the add_norm after o and down: defer_split_sums)")
-    ap.add_argument("--silu-gemv-ab", action="store_true",
-                    help="FP8: decode (and profile) again with the silu kernel before the one-row down GEMV, side by side "
-                         "with the default (silu(gate) * up made by the GEMV as it reads the row: fp8.SILU_IN_GEMV)")
+    ap.add_argument("--attn-tiles-ab", action="store_true",
+                    help="decode (and profile) again with the decode attention's split count and tiles of tree d8d7159 "
+                         "(4 programs per SM, 64 keys a step, 2 stages, always merged), side by side with the current ones")
     ap.add_argument("--moe-align-warps", type=int, default=0, help="warps of the one-launch slot sort (triton_moe.ALIGN_WARPS)")
     ap.add_argument("--silu-quant-config", default="",
                     help="BLOCK,WARPS of the silu kernel that also quantizes (triton_fused.SILU_QUANT_BLOCK/_WARPS)")
@@ -300,6 +297,11 @@ def switched(runner, owner, name: str, value):
     finally:
         setattr(owner, name, default)
         recapture(runner)
+
+
+def earlier_decode_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
+    """``triton_attention.num_decode_splits`` as of tree d8d7159 (about 4 programs per SM), for --attn-tiles-ab."""
+    return max(1, min(32, -(-4 * num_sms // max(1, batch * num_kv_heads))))
 
 
 def earlier_fp8_config(current):
@@ -436,10 +438,8 @@ def main() -> None:
         base["greedy"] = "graph"
     if a.gemv_configs_ab:
         base["gemv_configs"] = "sweep"
-    if a.split_sum_ab:
-        base["split_sums"] = "norm"
-    if a.silu_gemv_ab and not plain:
-        base["silu"] = "gemv"
+    if a.attn_tiles_ab:
+        base["attn_tiles"] = "sweep"
     # FP8 linears keep their e4m3 weight and fp32 scales as buffers (common/layers/fp8.py): the bytes a step reads
     tensors = [*model.named_parameters(), *model.named_buffers()]
     weights = split_weights([(name, p.numel(), p.element_size()) for name, p in tensors
@@ -475,12 +475,12 @@ def main() -> None:
         with switched(runner, triton_gemv, "fp8_config", earlier_fp8_config(triton_gemv.fp8_config)), \
                 switched(runner, triton_gemv, "dense_config", earlier_dense_config):
             rerun(runner, a, {**base, "gemv_configs": "f277a6c"}, *again)
-    if a.split_sum_ab and model.attn.name == "triton":  # the split-K parts summed by a launch of their own
-        with switched(runner, model.attn, "defer_split_sums", False):
-            rerun(runner, a, {**base, "split_sums": "sum_parts"}, *again)
-    if a.silu_gemv_ab and not plain:  # the silu kernel before the one-row down GEMV
-        with switched(runner, fp8, "SILU_IN_GEMV", False):
-            rerun(runner, a, {**base, "silu": "kernel"}, *again)
+    if a.attn_tiles_ab and model.attn.name == "triton":  # the split count and tiles before the attention sweep
+        from kvferry.common.kernels import triton_attention as ta
+
+        with switched(runner, ta, "num_decode_splits", earlier_decode_splits), \
+                switched(runner, ta, "decode_tiles", lambda block_d, splits: ta.DecodeTiles(32 if block_d > 128 else 64)):
+            rerun(runner, a, {**base, "attn_tiles": "d8d7159"}, *again)
     if a.greedy_graph_ab and runner.target.graphs:  # the greedy picks by torch ops after each replay
         with switched(runner, runner, "greedy_in_graph", False):
             rerun(runner, a, {**base, "greedy": "torch"}, *again)

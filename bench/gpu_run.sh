@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|prefix-ttft|extend|
-#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|summary|pdl|pdl-tests|launch|gemv-one-row|tiles|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
+#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|summary|pdl|pdl-tests|launch|gemv-one-row|tiles|attn|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -526,6 +526,26 @@ if [[ $what == tiles ]]; then
     --contexts 1024 --prefill "" --split-sum-ab --silu-gemv-ab --kv-budget-gib 16 | cut -c1-120
   [[ -n ${TILES_PROFILE:-} ]] && KVFERRY_PDL=0 ENGINE_TIMEOUT=$TILES_PROFILE fp8_engine fp8-channel-no-pdl \
     --model /tmp/m8b-fp8c/target --batches 64 --contexts 1024 --prefill "" --profile 64 --kv-budget-gib 16 | cut -c1-120
+fi
+if [[ $what == attn ]]; then
+  # issue 28: the decode attention's split kernel over its tiles, split counts and fewest keys a split at 1k and 8k
+  # (bench/attn_tune.py, by_splits), while the FP8 and DeepSeek checkpoints build; the attention, FP8-KV, MLA and graph
+  # tests; then the 8B FP8 and DeepSeek-V2-Lite steps at 64 and 1 with the tree's split rule and tiles against
+  # tree d8d7159's (--attn-tiles-ab)
+  fp8_build channel > "$out/build.txt" 2>&1 &
+  ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/deepseek-v2-lite --preset deepseek-v2-lite 2>&1 \
+    | tail -1 ) >> "$out/build.txt" &
+  timeout ${ATTN_TIMEOUT:-150} python3 bench/attn_tune.py --batches ${ATTN_BATCHES:-1,8,64} --contexts 1024,8192 \
+    2>>"$out/attn.err" | tee -a "$out/attn-tune.jsonl" | cut -c1-200
+  timeout ${TESTS_TIMEOUT:-110} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_triton_attention.py \
+    tests/gpu/test_triton_fp8_kv.py tests/gpu/test_triton_mla.py tests/gpu/test_engine_graphs.py > "$out/attn-tests.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/attn-tests.txt" | tail -8
+  wait
+  ENGINE_TIMEOUT=${ATTN_ENGINE_TIMEOUT:-100} fp8_engine fp8-channel --model /tmp/m8b-fp8c/target --batches 64,1 \
+    --contexts 1024 --prefill "" --attn-tiles-ab --kv-budget-gib 16 | cut -c1-120
+  timeout ${ATTN_MOE_TIMEOUT:-70} python3 bench/engine.py --model /tmp/deepseek-v2-lite/target --batches 64,1 --contexts 1024 \
+    --prefill "" --attn-tiles-ab --kv-budget-gib 16 2>>"$out/moe-engine.err" \
+    | sed "s/^{/{\"preset\": \"deepseek-v2-lite\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
 fi
 if [[ $what == moe-routed ]]; then
   # both MoE presets' decode steps with a distinct token per sequence (bench/engine.py's last_token: before, every

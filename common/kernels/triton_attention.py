@@ -83,14 +83,17 @@ def _store_kv_kernel(k, v, k_cache, v_cache, pages, rows, stride_kt, stride_kh, 
 @triton.jit(do_not_specialize=["stride_pb", "num_splits"])
 def _decode_split_kernel(q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_lse, stride_qb, stride_qh,
                          stride_cp, stride_cr, stride_ch, stride_pb, scale_log2, window, num_splits,
-                         k_scale, v_scale, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                         k_scale, v_scale, o, stride_ob, stride_oh, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
-                         PDL: tl.constexpr = 0):
+                         MIN_SPLIT: tl.constexpr = 0, DIRECT: tl.constexpr = 0, PDL: tl.constexpr = 0):
+    """MIN_SPLIT (a multiple of BLOCK_N): a split covers at least this many keys, so a short context
+    uses fewer of the num_splits programs (the rest store an empty split, which the merge weighs 0).
+    DIRECT (one split): the program stores the output itself, in o's dtype; no merge runs."""
     pdl_enter(PDL)
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_len = tl.load(kv_lens + b).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, kv_len)
     if window > 0:  # the one query sits at kv_len - 1 and sees keys > kv_len - 1 - window
@@ -124,9 +127,12 @@ def _decode_split_kernel(q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_ls
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), _NEG)  # log2 units
-    base = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split  # mid_o: [B, Hq, num_splits, D]
-    tl.store(mid_o + base[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
-    tl.store(mid_lse + base, lse, mask=g < GROUP)
+    if DIRECT:
+        tl.store(o + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(o.dtype.element_ty), mask=q_mask)
+    else:
+        base = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split  # mid_o: [B, Hq, num_splits, D]
+        tl.store(mid_o + base[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
+        tl.store(mid_lse + base, lse, mask=g < GROUP)
 
 
 @triton.jit
@@ -233,20 +239,34 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 class DecodeTiles(NamedTuple):
-    """The split kernel's tiles: keys a step, warps, pipeline stages (``bench/attn_tune.py`` sweeps them)."""
+    """The split kernel's tiles: keys a step, warps, pipeline stages, and the fewest keys a split
+    takes (``MIN_SPLIT``; 0: none) (``bench/attn_tune.py`` sweeps them)."""
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    min_split: int = 0
 
 
-def decode_tiles(head_dim: int) -> DecodeTiles:
-    return DecodeTiles(block_n=32 if head_dim > 128 else 64)
+MIN_SPLIT_KEYS = 128  # the fewest keys a split takes when the context is split
+
+
+def decode_tiles(block_d: int, num_splits: int) -> DecodeTiles:
+    """The H100 sweep's tiles (``bench/attn_tune.py``, 8B shapes, bench/RESULTS.md): one split (a
+    batch that fills the GPU by itself) 32 keys a step, 3 stages; a split context 128 keys, 3 stages,
+    splits of at least ``MIN_SPLIT_KEYS`` (a 1k context at batch 1: 8 of its 32 splits run). Heads
+    wider than 128: 32 keys, 2 stages (registers)."""
+    if block_d > 128:
+        return DecodeTiles(block_n=32, min_split=MIN_SPLIT_KEYS)
+    if num_splits == 1:
+        return DecodeTiles(block_n=32, num_stages=3)
+    return DecodeTiles(block_n=128, num_stages=3, min_split=MIN_SPLIT_KEYS)
 
 
 def num_decode_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
-    """Splits of the context per (sequence, KV head): about 4 programs per SM, 1..32; depends only
-    on the batch size, so a graph captured for a batch bucket keeps it."""
-    return max(1, min(32, -(-4 * num_sms // max(1, batch * num_kv_heads))))
+    """Splits of the context per (sequence, KV head): about 2 programs per SM, 1..32 (past 2 per SM
+    a batch runs unsplit, its output stored by the split kernel, no merge); depends only on the
+    batch size, so a graph captured for a batch bucket keeps it."""
+    return max(1, min(32, -(-2 * num_sms // max(1, batch * num_kv_heads))))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
@@ -255,25 +275,28 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """q: [B, Hq, D] (the token at position kv_lens[b] - 1, K/V already stored); page_table:
     [B, max_pages] int; kv_lens: [B] int (0: padding row, output 0) -> [B, Hq, D] in q's dtype.
     ``scale``: the softmax scale; ``k_scale``/``v_scale``: an FP8 pool's; ``tiles``: the split
-    kernel's (``decode_tiles`` by default)."""
+    kernel's (``decode_tiles`` by default). One split: no merge (the split kernel stores the output)."""
     _check_caches(k_cache, v_cache)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    direct = num_splits == 1
+    mid_o = torch.empty(batch, num_heads, 0 if direct else num_splits, head_dim, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(batch, num_heads, 0 if direct else num_splits, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    tiles = tiles or decode_tiles(block_d)
+    tiles = tiles or decode_tiles(block_d, num_splits)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_lse, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), scale * _LOG2E,
-        window or 0, num_splits, k_scale, v_scale, GROUP=group, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=tiles.block_n,
-        PRECISION=_precision(q.dtype), QUANT=is_quantized(k_cache.dtype), num_warps=tiles.num_warps,
+        window or 0, num_splits, k_scale, v_scale, out, out.stride(0), out.stride(1), GROUP=group,
+        PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d, BLOCK_N=tiles.block_n, PRECISION=_precision(q.dtype), QUANT=is_quantized(k_cache.dtype),
+        MIN_SPLIT=-(-tiles.min_split // tiles.block_n) * tiles.block_n, DIRECT=direct, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **pdl_kw())
-    out = torch.empty_like(q)
-    _decode_merge_kernel[(batch, num_heads)](
-        mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d, **pdl_kw())
+    if not direct:
+        _decode_merge_kernel[(batch, num_heads)](mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits,
+                                                 HEAD_DIM=head_dim, BLOCK_D=block_d, **pdl_kw())
     return out
 
 

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from kvferry.common.kernels.kv_quant import is_quantized
 from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
-from kvferry.common.kernels.quant_rows import SplitParts, TokenQuantized
+from kvferry.common.kernels.quant_rows import TokenQuantized
 from kvferry.common.kernels.triton_attention import quantize_tile
 from kvferry.common.kernels.triton_fp8_gemm import e4m3_quantize, e4m3_scale
 
@@ -41,25 +41,15 @@ def _quantize_row(v, q_row, s, row, cols, mask):
 
 
 @triton.jit
-def _add_rms_norm_kernel(x, delta, out_x, out_h, weight, eps, hq, hs, bias, stride_part, HIDDEN: tl.constexpr,
-                         BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, QUANT: tl.constexpr, PARTS: tl.constexpr = 0,
-                         HAS_BIAS: tl.constexpr = 0, PDL: tl.constexpr = 0):
-    """PARTS > 0: delta is that many fp32 K-split parts (``SplitParts``, ``stride_part`` apart),
-    summed in part order (+ bias) and rounded to x's dtype as ``triton_gemv.sum_parts`` does."""
+def _add_rms_norm_kernel(x, delta, out_x, out_h, weight, eps, hq, hs, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+                         HAS_DELTA: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     mask = i < HIDDEN
     v = tl.load(x + row * HIDDEN + i, mask=mask, other=0.0)
     if HAS_DELTA:
-        d = tl.load(delta + row * HIDDEN + i, mask=mask, other=0.0)
-        if PARTS > 0:
-            for p in tl.static_range(1, PARTS):
-                d += tl.load(delta + p * stride_part + row * HIDDEN + i, mask=mask, other=0.0)
-            if HAS_BIAS:
-                d += tl.load(bias + i, mask=mask, other=0.0).to(tl.float32)
-            d = d.to(v.dtype)
-        v = (v.to(tl.float32) + d.to(tl.float32)).to(v.dtype)
+        v = (v.to(tl.float32) + tl.load(delta + row * HIDDEN + i, mask=mask, other=0.0).to(tl.float32)).to(v.dtype)
         tl.store(out_x + row * HIDDEN + i, v, mask=mask)
     v32 = v.to(tl.float32)
     normed = (v32 * tl.rsqrt(tl.sum(v32 * v32, 0) / HIDDEN + eps)).to(v.dtype)
@@ -70,27 +60,18 @@ def _add_rms_norm_kernel(x, delta, out_x, out_h, weight, eps, hq, hs, bias, stri
         _quantize_row(h, hq + row * HIDDEN, hs, row, i, mask)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | SplitParts | None, weight: torch.Tensor, eps: float,
-                 quant: bool = False, num_warps: int | None = None):
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, quant: bool = False,
+                 num_warps: int | None = None):
     """x, delta: [T, hidden] contiguous -> (x + delta, rms_norm(x + delta)); delta None: (x, rms_norm(x)).
-    ``quant``: the normed rows also quantized per token -> (x + delta, ``fp8.TokenQuantized``).
-    ``delta`` may be a linear's unsummed K-split parts (``SplitParts``): summed here, no launch of their own."""
+    ``quant``: the normed rows also quantized per token -> (x + delta, ``fp8.TokenQuantized``)."""
     num_rows, hidden = x.shape
     out_x = torch.empty_like(x) if delta is not None else x
     out_h = torch.empty_like(x)
     hq, hs = _quant_outputs(x, hidden, quant)
     block = triton.next_power_of_2(hidden)
-    split = isinstance(delta, SplitParts)
-    if split and (delta.dtype != x.dtype or delta.shape != x.shape or not delta.parts.is_contiguous()):
-        raise ValueError(f"add_rms_norm: parts {tuple(delta.parts.shape)} of {delta.dtype} for x "
-                         f"{tuple(x.shape)} of {x.dtype}")
-    bias = delta.bias if split and delta.bias is not None else x
     if num_rows:
-        _add_rms_norm_kernel[(num_rows,)](x, (delta.parts if split else delta) if delta is not None else x, out_x, out_h,
-                                          weight, eps, hq, hs, bias, num_rows * hidden, HIDDEN=hidden, BLOCK=block,
-                                          HAS_DELTA=delta is not None, QUANT=quant,
-                                          PARTS=delta.parts.shape[0] if split else 0,
-                                          HAS_BIAS=split and delta.bias is not None,
+        _add_rms_norm_kernel[(num_rows,)](x, delta if delta is not None else x, out_x, out_h, weight, eps, hq, hs,
+                                          HIDDEN=hidden, BLOCK=block, HAS_DELTA=delta is not None, QUANT=quant,
                                           num_warps=num_warps or (8 if block >= 4096 else 4), **pdl_kw())
     return out_x, (TokenQuantized(out_h, hq, hs) if quant else out_h)
 

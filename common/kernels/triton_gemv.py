@@ -38,7 +38,6 @@ from kvferry.common.kernels.pdl import enter as pdl_enter, enter_prefetching as 
 from kvferry.common.kernels.pdl import kw as pdl_kw, prefetching as pdl_prefetching
 from kvferry.common.kernels.gemv_tiles import (FIT_HEADROOM_BYTES, GROUP, SHARED_MEMORY_BYTES, GemvConfig,  # noqa: F401
                                                 dense_config, fit as _fit, fp8_config, moe_config, takes_rows)
-from kvferry.common.kernels.quant_rows import SplitParts
 
 FP8_GEMV_MAX_ROWS = 128  # the most rows fp8_gemv takes; fp8.FP8_GEMV_MAX_ROWS says how many fp8_linear sends here
 MOE_GEMV_MAX_SLOTS = 32
@@ -166,20 +165,16 @@ def _precision(dtype: torch.dtype) -> str:
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int | None,
              bias: torch.Tensor | None = None, config: GemvConfig | None = None,
-             x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-             defer_sum: bool = False, fuse_silu: bool = False) -> torch.Tensor | SplitParts:
+             x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] (M <= FP8_GEMV_MAX_ROWS, unit column stride) @ (weight [N, K] e4m3 * scale).T + bias
     -> [M, N] in x's dtype (``out_dtype``), fp32 accumulation. ``scale``: [N] per row, or
     [N, ceil(K/128)] with ``block`` 128. ``x_scale`` [M, 1]: x is e4m3 (W8A8, per-row scales only,
     M > 1). A ``split_k`` configuration sums its fp32 parts in a second launch (in a fixed order:
-    the result does not depend on which part finishes first), or with ``defer_sum`` returns them
-    unsummed (``SplitParts``) for the consumer's launch to sum. ``fuse_silu`` (one row): x is a
-    gate-up row [1, 2K] and the GEMV reads silu(gate) * up, rounded as ``silu_mul`` rounds."""
-    num_rows, k = x.shape[0], weight.shape[1]
+    the result does not depend on which part finishes first)."""
+    num_rows, k = x.shape
     n = weight.shape[0]
-    if x.shape[1] != (2 * k if fuse_silu else k) or (fuse_silu and (num_rows != 1 or x_scale is not None)):
-        raise ValueError(f"fp8_gemv: x {tuple(x.shape)} for a weight {tuple(weight.shape)}"
-                         + (" (fuse_silu takes one bf16/fp16 gate-up row)" if fuse_silu else ""))
+    if weight.shape[1] != k:
+        raise ValueError(f"fp8_gemv: x {tuple(x.shape)} for a weight {tuple(weight.shape)}")
     if num_rows > FP8_GEMV_MAX_ROWS:
         raise ValueError(f"fp8_gemv takes at most {FP8_GEMV_MAX_ROWS} rows, got {num_rows}")
     if block not in (None, GROUP):
@@ -207,12 +202,10 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
         x, weight, scale, parts, bias if has_bias else out, out, out, x_scale if x_scale is not None else out,
         num_rows, n, k, k_per, x.stride(0), 0, weight.stride(0), n, num_rows * n, scale.stride(0) if block else 0,
         TOP_K=1, SCALE=SCALE_ROW if block is None else SCALE_BLOCK, GROUP=GROUP, HAS_EXPERTS=False,
-        FUSE_SILU=fuse_silu, MUL_WEIGHT=False, HAS_BIAS=has_bias, X_SCALE=x_scale is not None,
+        FUSE_SILU=False, MUL_WEIGHT=False, HAS_BIAS=has_bias, X_SCALE=x_scale is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, PRECISION=_precision(x.dtype),
         PREFETCH=prefetch_steps(cfg.block_n, block_k, k_per, weight.element_size()), LINE=128 // weight.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kw())
-    if split > 1 and defer_sum:
-        return SplitParts(parts, bias, out.dtype)
     if split > 1:
         sum_parts(parts, split, n, num_rows * n, out, bias=bias)
     return out

@@ -41,7 +41,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from kvferry.common.layers import attention, mla, moe, rope
 from kvferry.common.kernels.h2d import to_device
-from kvferry.common.layers.fp8 import Fp8Weight, TokenQuantized, fp8_linear, gated_rows, takes_token_quant
+from kvferry.common.layers.fp8 import Fp8Weight, TokenQuantized, fp8_linear, takes_token_quant
 from kvferry.common.kernels.kv_quant import dequantize, round_trip
 from kvferry.common.layers.norm import rms_norm
 
@@ -73,7 +73,8 @@ def resolve_backend(name: str, device: torch.device) -> str:
 
 
 def make_backend(name: str, device: torch.device, num_kv_heads: int):
-    return TritonBackend(device, num_kv_heads) if resolve_backend(name, device) == "triton" else TorchBackend()
+    name = resolve_backend(name, device)
+    return TritonBackend(device, num_kv_heads) if name == "triton" else TorchBackend()
 
 
 class TorchBackend:
@@ -109,7 +110,7 @@ class TorchBackend:
         return torch.nn.functional.silu(gate) * up
 
     @staticmethod
-    def linear(x, weight, bias=None, defer_sum: bool = False) -> torch.Tensor:  # defer_sum: TritonBackend's
+    def linear(x, weight, bias=None) -> torch.Tensor:
         if isinstance(weight, Fp8Weight):
             return fp8_linear(x, weight, bias)
         return torch.nn.functional.linear(x, weight, bias)
@@ -231,7 +232,6 @@ class TritonBackend:
         # one-row bf16 projections through triton_gemv.gemv: the 8B batch-1 step 4.33 ms against
         # cuBLAS's 4.95 on an H200 (bench/RESULTS.md "Decode-sized GEMMs")
         self.use_gemv = is_cuda
-        self.defer_split_sums = True  # bench/engine.py --split-sum-ab: the step with sum_parts launches
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if is_cuda else 4
 
     def num_splits(self, batch: int) -> int:
@@ -269,14 +269,14 @@ class TritonBackend:
         """In one launch; quantized too (``fp8.TokenQuantized``) if ``feeds``, the weight it feeds, takes that."""
         return self.fused.add_rms_norm(x, delta, weight, eps, quant=takes_token_quant(feeds, x))
 
-    def silu_mul(self, gate_up, feeds=None):  # quantized too as add_norm says; one row: left to the FP8 GEMV
-        return gated_rows(feeds, gate_up) or self.fused.silu_mul(gate_up, quant=takes_token_quant(feeds, gate_up))
+    def silu_mul(self, gate_up, feeds=None):  # quantized too as add_norm says
+        return self.fused.silu_mul(gate_up, quant=takes_token_quant(feeds, gate_up))
 
-    def linear(self, x, weight, bias=None, defer_sum: bool = False) -> torch.Tensor:
-        # use_gemv (on CUDA): one row through triton_gemv.gemv, not cuBLAS (bench/engine.py measures both);
-        # defer_sum: the output feeds add_norm alone, which may sum a K-split GEMV's parts (SplitParts)
+    def linear(self, x, weight, bias=None) -> torch.Tensor:
+        # use_gemv (on CUDA): one row through triton_gemv.gemv instead of cuBLAS; bench/engine.py
+        # measures the batch-1 step both ways.
         if isinstance(weight, Fp8Weight):
-            return fp8_linear(x, weight, bias, defer_sum and self.defer_split_sums)
+            return fp8_linear(x, weight, bias)
         x = x.rows if isinstance(x, TokenQuantized) else x
         if x.shape[0] == 1 and self.use_gemv:
             return self.gemv.gemv(x, weight, bias)

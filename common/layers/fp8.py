@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from kvferry.common.errors import ModelLoadError
-from kvferry.common.kernels.quant_rows import GatedRows, SplitParts, TokenQuantized
+from kvferry.common.kernels.quant_rows import TokenQuantized
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value
@@ -194,18 +194,6 @@ def route(x: torch.Tensor, w: Fp8Weight, rows: int) -> str:
     return "scaled_mm" if _can_scaled_mm(x, w) else "reference"
 
 
-SILU_IN_GEMV = True  # the one-row down GEMV makes silu(gate) * up as it reads it (bench/engine.py --silu-gemv-ab)
-
-
-def gated_rows(w, gate_up: torch.Tensor) -> GatedRows | None:
-    """``GatedRows`` standing for silu_mul(gate_up) where the linear of weight ``w`` that reads it
-    runs the one-row GEMV on the GPU (which then makes the product itself), else None."""
-    if (SILU_IN_GEMV and isinstance(w, Fp8Weight) and gate_up.is_cuda and gate_up.dim() == 2
-            and gate_up.shape[0] == 1 and gate_up.is_contiguous() and route(gate_up, w, 1) == "gemv"):
-        return GatedRows(gate_up)
-    return None
-
-
 def takes_token_quant(w, x: torch.Tensor) -> bool:
     """Whether a linear of weight ``w`` quantizes ``x`` [T, K] per token on the GPU (W8A8 with
     per-row scales): then the kernel producing ``x`` may hand it over quantized (``TokenQuantized``)."""
@@ -213,16 +201,9 @@ def takes_token_quant(w, x: torch.Tensor) -> bool:
             and route(x, w, x.shape[0]) in ("gemv_w8a8", "scaled_mm"))
 
 
-def fp8_linear(x: torch.Tensor | TokenQuantized, w: Fp8Weight, bias: torch.Tensor | None = None,
-               defer_sum: bool = False) -> torch.Tensor | SplitParts:
+def fp8_linear(x: torch.Tensor | TokenQuantized, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ dequant(w).T + bias, with x quantized dynamically (unless it comes quantized,
-    ``TokenQuantized``); the kernel by device, rows and weight kind (module docstring). ``defer_sum``
-    (x [T, in]): a K-split GEMV may return its parts unsummed (``SplitParts``), for
-    ``triton_fused.add_rms_norm`` to sum."""
-    if isinstance(x, GatedRows):  # only made where this route is the one-row GEMV
-        from kvferry.common.kernels import triton_gemv  # imports triton: only on CUDA
-
-        return triton_gemv.fp8_gemv(x.gate_up, w.weight, w.scale, w.block, bias, fuse_silu=True)
+    ``TokenQuantized``); the kernel by device, rows and weight kind (module docstring)."""
     quantized = x if isinstance(x, TokenQuantized) else None
     x = x.rows if quantized is not None else x
     rows = x.numel() // x.shape[-1]
@@ -233,8 +214,8 @@ def fp8_linear(x: torch.Tensor | TokenQuantized, w: Fp8Weight, bias: torch.Tenso
     if how == "gemv":
         from kvferry.common.kernels import triton_gemv  # imports triton: only on CUDA
 
-        out = triton_gemv.fp8_gemv(flat, w.weight, w.scale, w.block, bias, defer_sum=defer_sum and x.dim() == 2)
-        return out if isinstance(out, SplitParts) else out.reshape(*x.shape[:-1], w.shape[0])
+        out = triton_gemv.fp8_gemv(flat, w.weight, w.scale, w.block, bias)
+        return out.reshape(*x.shape[:-1], w.shape[0])
     if how == "block":
         from kvferry.common.kernels import triton_fp8_gemm  # imports triton: only on CUDA
 
@@ -246,10 +227,7 @@ def fp8_linear(x: torch.Tensor | TokenQuantized, w: Fp8Weight, bias: torch.Tenso
 
     xq, xs = (quantized.q, quantized.scale) if quantized is not None else triton_fp8_gemm.per_token_quant(flat)
     if how == "gemv_w8a8":
-        out = triton_gemv.fp8_gemv(xq, w.weight, w.scale, None, bias, x_scale=xs, out_dtype=x.dtype,
-                                   defer_sum=defer_sum and x.dim() == 2)
-        if isinstance(out, SplitParts):
-            return out
+        out = triton_gemv.fp8_gemv(xq, w.weight, w.scale, None, bias, x_scale=xs, out_dtype=x.dtype)
     else:
         out = torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale[None, :], out_dtype=torch.bfloat16)
         out = out if bias is None else out + bias

@@ -19,7 +19,6 @@ from torch import nn
 
 from kvferry.common.layers import rope
 from kvferry.common.layers.attn_backend import make_backend
-from kvferry.common.kernels.quant_rows import SplitParts
 from kvferry.common.layers.fp8 import linear_weight
 from kvferry.common.models.config import ModelConfig
 from kvferry.common.cache.kv_cache import KvCache
@@ -117,10 +116,9 @@ class DecoderLayer(nn.Module):
 
     def _row_parallel(self, x: torch.Tensor, weight, bias, attn) -> torch.Tensor:
         """x @ weight.T + bias; at TP > 1 the ranks' partial sums are added by one all_reduce (the
-        bias by rank 0 only). At TP 1 no collective runs, and the output (o's and down's: each goes
-        to the next ``add_norm`` alone) may be a K-split GEMV's unsummed parts, which it sums."""
+        bias by rank 0 only). At TP 1 no collective runs."""
         if self.reduce is None:
-            return attn.linear(x, weight, bias, defer_sum=True)
+            return attn.linear(x, weight, bias)
         return self.reduce(attn.linear(x, weight, bias if self.shard.adds_row_bias else None))
 
     def _sum_ranks(self, partial: torch.Tensor) -> torch.Tensor:
@@ -251,7 +249,6 @@ def final_norm(attn, x: torch.Tensor, delta: torch.Tensor, plan, weight: torch.T
     backend) of the rows whose logits are wanted: every token's with ``all_logits``, else each
     chunk's last (all of them when every chunk has one token, as in a decode step: no row gather)."""
     if not all_logits and x.shape[0] != plan.last_index.shape[0]:
-        delta = delta.total() if isinstance(delta, SplitParts) else delta
         x, delta = x.index_select(0, plan.last_index), delta.index_select(0, plan.last_index)
     return attn.add_norm(x, delta, weight, eps)[1]
 

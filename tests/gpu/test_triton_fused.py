@@ -137,33 +137,3 @@ def test_silu_mul_quantizes_its_rows(dtype, inter):
     gate_up = (torch.randn(3, 2 * inter) * 3).to(dtype).to(DEVICE)
     for block in (None, 512):  # the whole row in registers, and two passes of 512 columns
         _same_as_separate_quant(triton_fused.silu_mul(gate_up, quant=True, block=block), triton_fused.silu_mul(gate_up))
-
-
-@pytest.mark.parametrize("num_parts", [1, 4])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_add_rms_norm_sums_split_parts(num_parts, with_bias):
-    """delta as a K-split GEMV's unsummed fp32 parts (``SplitParts``): summed in part order (+ bias)
-    and rounded in the norm's launch, bit for bit as ``sum_parts`` then the norm; quantized too."""
-    from kvferry.common.kernels.quant_rows import SplitParts
-    from kvferry.common.kernels.triton_gemv import sum_parts
-
-    dtype, rows, hidden = DTYPES[1], 6, 96
-    g = torch.Generator().manual_seed(num_parts)
-    x = torch.randn(rows, hidden, generator=g).to(dtype).to(DEVICE)
-    parts = torch.randn(num_parts, rows, hidden, generator=g).to(DEVICE)
-    bias = (torch.randn(hidden, generator=g).to(dtype).to(DEVICE)) if with_bias else None
-    weight = torch.rand(hidden).to(dtype).to(DEVICE) + 0.5
-    delta = sum_parts(parts, num_parts, hidden, rows * hidden, torch.empty_like(x), bias=bias)
-    deferred = SplitParts(parts, bias, dtype)
-    assert torch.equal(deferred.total(), delta)
-    for quant in (False, True):
-        want_x, want_h = triton_fused.add_rms_norm(x, delta, weight, 1e-5, quant=quant)
-        got_x, got_h = triton_fused.add_rms_norm(x, deferred, weight, 1e-5, quant=quant)
-        assert torch.equal(got_x, want_x)
-        if quant:
-            assert torch.equal(got_h.rows, want_h.rows) and torch.equal(got_h.scale, want_h.scale)
-            assert torch.equal(got_h.q.view(torch.uint8), want_h.q.view(torch.uint8))
-        else:
-            assert torch.equal(got_h, want_h)
-    with pytest.raises(ValueError, match="parts"):
-        triton_fused.add_rms_norm(x[:3], deferred, weight, 1e-5)

@@ -176,50 +176,10 @@ def test_fp8_gemv_with_an_fp8_x_equals_the_w8a8_reference(rows):
         triton_gemv.fp8_gemv(xq, w.weight, w.scale[:, None].expand(96, 3).contiguous(), 128, x_scale=xs)
 
 
-@pytest.mark.parametrize("block, fp8_x", [(None, False), (128, False), (None, True)])
-def test_fp8_gemv_defers_its_split_sum(block, fp8_x):
-    """``defer_sum``: a K-split GEMV returns its fp32 parts and bias unsummed (``SplitParts``), and
-    their ``total()`` is the summed output bit for bit; an unsplit one returns the output itself."""
-    from kvferry.common.kernels.quant_rows import SplitParts
-
-    rows, n, k = 40, 72, 1100
-    w = _weight(n, k, block, seed=5)
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(rows, k, generator=g).to(DEVICE, HALF)
-    bias = torch.randn(n, generator=g).to(DEVICE, HALF)
-    xs = None
-    if fp8_x:
-        x, xs = fp8.per_token_quant(x)
-    cfg = triton_gemv.GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=2, split_k=3)
-
-    def run(config, defer):
-        return triton_gemv.fp8_gemv(x, w.weight, w.scale, block, bias, config, x_scale=xs, out_dtype=HALF,
-                                    defer_sum=defer)
-
-    parts = run(cfg, True)
-    assert isinstance(parts, SplitParts) and tuple(parts.parts.shape) == (3, rows, n) and parts.bias is bias
-    assert parts.shape == (rows, n) and parts.dtype == HALF
-    assert torch.equal(parts.total(), run(cfg, False))
-    whole = run(cfg._replace(split_k=1), True)
-    assert isinstance(whole, torch.Tensor) and torch.equal(whole, run(cfg._replace(split_k=1), False))
-
-
-@pytest.mark.parametrize("block", [None, 128])
-def test_fp8_gemv_makes_silu_of_a_gate_up_row(block):
-    """``fuse_silu``: one gate-up row [1, 2K] in, the GEMV of silu(gate) * up out, bit for bit as
-    ``triton_fused.silu_mul`` then the GEMV (the same rounded products, the same sums)."""
-    from kvferry.common.kernels import triton_fused
-
-    n, k = 72, 1100
-    w = _weight(n, k, block, seed=11)
-    gate_up = (torch.randn(1, 2 * k, generator=torch.Generator().manual_seed(3)) * 3).to(DEVICE, HALF)
-    bias = torch.randn(n, generator=torch.Generator().manual_seed(4)).to(DEVICE, HALF)
-    want = triton_gemv.fp8_gemv(triton_fused.silu_mul(gate_up), w.weight, w.scale, block, bias)
-    assert torch.equal(triton_gemv.fp8_gemv(gate_up, w.weight, w.scale, block, bias, fuse_silu=True), want)
-    with pytest.raises(ValueError, match="fuse_silu takes one"):
-        triton_gemv.fp8_gemv(gate_up.expand(2, -1).contiguous(), w.weight, w.scale, block, fuse_silu=True)
-    with pytest.raises(ValueError, match="for a weight"):
-        triton_gemv.fp8_gemv(gate_up, w.weight, w.scale, block)
+def test_fp8_gemv_refuses_an_x_of_another_width():
+    w = _weight(72, 1100, None, seed=11)
+    with pytest.raises(ValueError, match=r"x \(1, 2200\) for a weight \(72, 1100\)"):
+        triton_gemv.fp8_gemv(torch.zeros(1, 2200, dtype=HALF, device=DEVICE), w.weight, w.scale, None)
 
 
 def test_fp8_linear_sends_no_more_rows_than_the_kernel_takes():
