@@ -535,7 +535,7 @@ if [[ $what == attn ]]; then
   fp8_build channel > "$out/build.txt" 2>&1 &
   ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/deepseek-v2-lite --preset deepseek-v2-lite 2>&1 \
     | tail -1 ) >> "$out/build.txt" &
-  timeout ${ATTN_TIMEOUT:-150} python3 bench/attn_tune.py --batches ${ATTN_BATCHES:-1,8,64} --contexts 1024,8192 \
+  timeout ${ATTN_TIMEOUT:-150} python3 bench/attn_tune.py --batches ${ATTN_BATCHES:-1,8,64} --contexts ${ATTN_CONTEXTS:-1024,8192} \
     2>>"$out/attn.err" | tee -a "$out/attn-tune.jsonl" | cut -c1-200
   timeout ${TESTS_TIMEOUT:-110} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_triton_attention.py \
     tests/gpu/test_triton_fp8_kv.py tests/gpu/test_triton_mla.py tests/gpu/test_engine_graphs.py > "$out/attn-tests.txt" 2>&1
@@ -544,7 +544,7 @@ if [[ $what == attn ]]; then
   ENGINE_TIMEOUT=${ATTN_ENGINE_TIMEOUT:-100} fp8_engine fp8-channel --model /tmp/m8b-fp8c/target --batches 64,1 \
     --contexts 1024 --prefill "" --attn-tiles-ab --kv-budget-gib 16 | cut -c1-120
   timeout ${ATTN_MOE_TIMEOUT:-70} python3 bench/engine.py --model /tmp/deepseek-v2-lite/target --batches 64,1 --contexts 1024 \
-    --prefill "" --attn-tiles-ab --kv-budget-gib 16 2>>"$out/moe-engine.err" \
+    --prefill "" --attn-tiles-ab --kv-budget-gib 16 2>>"$out/attn.err" \
     | sed "s/^{/{\"preset\": \"deepseek-v2-lite\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
 fi
 if [[ $what == moe-routed ]]; then

@@ -88,13 +88,16 @@ def _decode_split_kernel(q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_ls
                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
                          MIN_SPLIT: tl.constexpr = 0, DIRECT: tl.constexpr = 0, PDL: tl.constexpr = 0):
     """MIN_SPLIT (a multiple of BLOCK_N): a split covers at least this many keys, so a short context
-    uses fewer of the num_splits programs (the rest store an empty split, which the merge weighs 0).
-    DIRECT (one split): the program stores the output itself, in o's dtype; no merge runs."""
+    uses fewer of the num_splits programs: those past the context return at once, and the merge
+    reads only the splits in use (``_split_len``). DIRECT (one split): the program stores the
+    output itself, in o's dtype; no merge runs."""
     pdl_enter(PDL)
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_len = tl.load(kv_lens + b).to(tl.int32)
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+    split_len = _split_len(kv_len, num_splits, BLOCK_N, MIN_SPLIT)
     lo = split * split_len
+    if MIN_SPLIT > 0 and lo >= kv_len and split > 0:
+        return
     hi = tl.minimum(lo + split_len, kv_len)
     if window > 0:  # the one query sits at kv_len - 1 and sees keys > kv_len - 1 - window
         lo = tl.maximum(lo, kv_len - window)
@@ -136,8 +139,17 @@ def _decode_split_kernel(q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_ls
 
 
 @triton.jit
-def _decode_merge_kernel(mid_o, mid_lse, o, stride_ob, stride_oh, num_splits, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, PDL: tl.constexpr = 0):
+def _split_len(kv_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """The keys each split of a kv_len context covers: whole BLOCK_N steps, at least MIN_SPLIT."""
+    return tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+
+
+@triton.jit
+def _decode_merge_kernel(mid_o, mid_lse, o, stride_ob, stride_oh, num_splits, kv_lens, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr = 0, MIN_SPLIT: tl.constexpr = 0,
+                         PDL: tl.constexpr = 0):
+    """MIN_SPLIT > 0: only the splits the split kernel ran for sequence b's length (its BLOCK_N and
+    MIN_SPLIT); else all num_splits (``kv_lens`` unread)."""
     pdl_enter(PDL)
     b, head = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -145,7 +157,11 @@ def _decode_merge_kernel(mid_o, mid_lse, o, stride_ob, stride_oh, num_splits, HE
     m = -1.0e30
     total = 0.0
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for split in range(num_splits):
+    used = num_splits
+    if MIN_SPLIT > 0:
+        kv_len = tl.load(kv_lens + b).to(tl.int32)
+        used = tl.minimum(tl.cdiv(kv_len, _split_len(kv_len, num_splits, BLOCK_N, MIN_SPLIT)), num_splits)
+    for split in range(used):
         lse = tl.load(mid_lse + base + split)
         part = tl.load(mid_o + (base + split) * HEAD_DIM + d, mask=d < HEAD_DIM, other=0.0)
         m_new = tl.maximum(m, lse)
@@ -251,14 +267,14 @@ MIN_SPLIT_KEYS = 128  # the fewest keys a split takes when the context is split
 
 
 def decode_tiles(block_d: int, num_splits: int) -> DecodeTiles:
-    """The H100 sweep's tiles (``bench/attn_tune.py``, 8B shapes, bench/RESULTS.md): one split (a
-    batch that fills the GPU by itself) 32 keys a step, 3 stages; a split context 128 keys, 3 stages,
-    splits of at least ``MIN_SPLIT_KEYS`` (a 1k context at batch 1: 8 of its 32 splits run). Heads
-    wider than 128: 32 keys, 2 stages (registers)."""
+    """The H100 and H200 sweeps' tiles (``bench/attn_tune.py``, 8B shapes, bench/RESULTS.md): one
+    split (a batch that fills the GPU by itself) 64 keys a step, 3 stages; a split context 128 keys,
+    3 stages, splits of at least ``MIN_SPLIT_KEYS`` (a 1k context at batch 1: 8 of its 32 splits
+    run, 8k: all 32). Heads wider than 128: 32 keys, 2 stages (registers)."""
     if block_d > 128:
         return DecodeTiles(block_n=32, min_split=MIN_SPLIT_KEYS)
     if num_splits == 1:
-        return DecodeTiles(block_n=32, num_stages=3)
+        return DecodeTiles(block_n=64, num_stages=3)
     return DecodeTiles(block_n=128, num_stages=3, min_split=MIN_SPLIT_KEYS)
 
 
@@ -286,17 +302,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty_like(q)
     block_d = max(16, triton.next_power_of_2(head_dim))
     tiles = tiles or decode_tiles(block_d, num_splits)
+    min_split = -(-tiles.min_split // tiles.block_n) * tiles.block_n
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_lse, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), scale * _LOG2E,
         window or 0, num_splits, k_scale, v_scale, out, out.stride(0), out.stride(1), GROUP=group,
         PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=tiles.block_n, PRECISION=_precision(q.dtype), QUANT=is_quantized(k_cache.dtype),
-        MIN_SPLIT=-(-tiles.min_split // tiles.block_n) * tiles.block_n, DIRECT=direct, num_warps=tiles.num_warps,
+        MIN_SPLIT=min_split, DIRECT=direct, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **pdl_kw())
     if not direct:
-        _decode_merge_kernel[(batch, num_heads)](mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits,
-                                                 HEAD_DIM=head_dim, BLOCK_D=block_d, **pdl_kw())
+        _decode_merge_kernel[(batch, num_heads)](mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, kv_lens,
+                                                 HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=tiles.block_n,
+                                                 MIN_SPLIT=min_split, **pdl_kw())
     return out
 
 

@@ -270,7 +270,8 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Ten
         BLOCK_N=32 if block_l > 128 else 64, PRECISION=_precision(q.dtype), num_warps=4, num_stages=2, **pdl_kw())
     out = q.new_empty(batch, num_heads, latent_dim)
     _decode_merge_kernel[(batch, num_heads)](
-        mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, HEAD_DIM=latent_dim, BLOCK_D=block_l, **pdl_kw())
+        mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, kv_lens, HEAD_DIM=latent_dim, BLOCK_D=block_l,
+        **pdl_kw())
     return out
 
 

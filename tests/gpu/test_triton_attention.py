@@ -81,8 +81,9 @@ def _check_decode(layout, page_size, kv_lens, dtype, heads=(8, 2), head_dim=64, 
 def test_decode_one_split_and_fewest_keys_a_split(dtype):
     """One split: the split kernel stores the output itself (no merge), bit for bit what merging a
     single split gives. ``min_split``: splits of at least that many keys, the programs past the
-    context storing empty splits (lengths 1 to 300 over 8 splits of at least 64: 1 to 5 in use);
-    both against the reference. A padding row (length 0) gets zeros either way."""
+    context returning at once and the merge reading only the splits in use (lengths 1 to 300 over
+    8 splits of at least 64: 1 to 5 in use); both against the reference, and the splits in use
+    equal to as many splits without a minimum. A padding row (length 0) gets zeros either way."""
     kv_lens, (num_heads, num_kv_heads), head_dim, page_size = [300, 1, 64, 65, 0, 129], (8, 2), 64, 16
     pool = Pool("page-major", sum(-(-n // page_size) for n in kv_lens) + 3, page_size, num_kv_heads, head_dim, dtype)
     tables = pool.tables(kv_lens)
@@ -107,11 +108,13 @@ def test_decode_one_split_and_fewest_keys_a_split(dtype):
         merged.stride(0), merged.stride(1), GROUP=num_heads // num_kv_heads, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
         BLOCK_H=16, BLOCK_D=head_dim, BLOCK_N=32, PRECISION=triton_attention._precision(dtype), QUANT=False)
     triton_attention._decode_merge_kernel[(len(kv_lens), num_heads)](
-        mid_o, mid_lse, merged, merged.stride(0), merged.stride(1), 1, HEAD_DIM=head_dim, BLOCK_D=head_dim)
+        mid_o, mid_lse, merged, merged.stride(0), merged.stride(1), 1, lens, HEAD_DIM=head_dim, BLOCK_D=head_dim)
     assert torch.equal(direct, merged)
     for got in (direct, run(8, tiles._replace(min_split=64)), run(8, tiles._replace(min_split=50))):
         torch.testing.assert_close(got[live].float(), want, atol=TOL[dtype], rtol=0)
         assert not got[4].any()
+    # 300 keys in splits of at least 64: 5 of 8 in use, each 64 keys, the same as 5 splits of 64
+    assert torch.equal(run(8, tiles._replace(min_split=64))[0], run(5, tiles)[0])
 
 
 def _check_extend(layout, page_size, prefix_lens, query_lens, dtype, heads=(8, 2), head_dim=64, window=None):
