@@ -8,7 +8,9 @@ Three kernels, each checked against the torch path (``common/layers/attention.py
   (sequence, KV head, split) program scores its share of the context for all the query heads of
   its KV head (GQA folded into the tile's rows), then a second kernel merges the splits by their
   log-sum-exp. The number of splits is fixed per batch size, so a CUDA graph can capture it; each
-  split's range comes from ``kv_lens`` at run time.
+  split's range comes from ``kv_lens`` at run time, at least ``MIN_SPLIT_KEYS`` keys, so a short
+  context runs fewer splits (the merge reads only those). An unsplit batch (one split) stores its
+  output from the split kernel; no merge runs.
 - ``extend_attention``: several query tokens per sequence after ``prefix_lens[b]`` cached ones,
   causal over prefix + themselves (chunked prefill, spec-dec verify, plain prefill when the prefix
   is 0). Their K/V must already be stored in the pages.
