@@ -22,13 +22,13 @@ Programs: axis 0 over BLOCK_N output columns, axis 1 over row blocks (BLOCK_M ro
 slot each). With BLOCK_M 1 each program is a dot product of x's row with BLOCK_N weight rows on
 the CUDA cores (``tl.sum``); with BLOCK_M >= 16 the rows share each weight tile through
 ``tl.dot``. Block scales are applied per 128-column group before the group's sum is added.
+Which tiles a shape gets: ``gemv_tiles.py``.
+
 The torch references: ``fp8.reference_weight_only``, F.linear and ``moe.fused_moe_ref``
 (``tests/gpu/test_triton_gemv.py``; TRITON_INTERPRET=1 runs the same tests on CPU).
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
