@@ -34,6 +34,7 @@ with PDL a kernel's profiled time includes its wait for the kernel before it.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from contextlib import contextmanager
@@ -299,11 +300,6 @@ def switched(runner, owner, name: str, value):
         recapture(runner)
 
 
-def earlier_decode_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
-    """``triton_attention.num_decode_splits`` as of tree d8d7159 (about 4 programs per SM), for --attn-tiles-ab."""
-    return max(1, min(32, -(-4 * num_sms // max(1, batch * num_kv_heads))))
-
-
 def earlier_fp8_config(current):
     """``triton_gemv.fp8_config`` as of tree f277a6c (one row: the H200 sweep's tiles; ``current``, the
     function it stands in for, past one row), for --gemv-configs-ab."""
@@ -478,7 +474,7 @@ def main() -> None:
     if a.attn_tiles_ab and model.attn.name == "triton":  # the split count and tiles before the attention sweep
         from kvferry.common.kernels import triton_attention as ta
 
-        with switched(runner, ta, "num_decode_splits", earlier_decode_splits), \
+        with switched(runner, ta, "num_decode_splits", functools.partial(ta.num_decode_splits, per_sm=4)), \
                 switched(runner, ta, "decode_tiles", lambda block_d, splits: ta.DecodeTiles(32 if block_d > 128 else 64)):
             rerun(runner, a, {**base, "attn_tiles": "d8d7159"}, *again)
     if a.greedy_graph_ab and runner.target.graphs:  # the greedy picks by torch ops after each replay

@@ -280,11 +280,11 @@ def decode_tiles(block_d: int, num_splits: int) -> DecodeTiles:
     return DecodeTiles(block_n=128, num_stages=3, min_split=MIN_SPLIT_KEYS)
 
 
-def num_decode_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
-    """Splits of the context per (sequence, KV head): about 2 programs per SM, 1..32 (past 2 per SM
-    a batch runs unsplit, its output stored by the split kernel, no merge); depends only on the
+def num_decode_splits(batch: int, num_kv_heads: int, num_sms: int, per_sm: int = 2) -> int:
+    """Splits of the context per (sequence, KV head): about ``per_sm`` programs per SM, 1..32 (past
+    that a batch runs unsplit, its output stored by the split kernel, no merge); depends only on the
     batch size, so a graph captured for a batch bucket keeps it."""
-    return max(1, min(32, -(-2 * num_sms // max(1, batch * num_kv_heads))))
+    return max(1, min(32, -(-per_sm * num_sms // max(1, batch * num_kv_heads))))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,

@@ -80,10 +80,12 @@ def _check_decode(layout, page_size, kv_lens, dtype, heads=(8, 2), head_dim=64, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16 if INTERPRET else torch.bfloat16])
 def test_decode_one_split_and_fewest_keys_a_split(dtype):
     """One split: the split kernel stores the output itself (no merge), bit for bit what merging a
-    single split gives. ``min_split``: splits of at least that many keys, the programs past the
-    context returning at once and the merge reading only the splits in use (lengths 1 to 300 over
-    8 splits of at least 64: 1 to 5 in use); both against the reference, and the splits in use
-    equal to as many splits without a minimum. A padding row (length 0) gets zeros either way."""
+    single split gives (two splits of at least 512 keys: the second returns at once, unwritten, and
+    the merge must read the first alone). ``min_split``: splits of at least that many keys, the
+    programs past the context returning at once and the merge reading only the splits in use
+    (lengths 1 to 300 over 8 splits of at least 64: 1 to 5 in use); both against the reference,
+    and the splits in use equal to as many splits without a minimum. A padding row (length 0) gets
+    zeros either way."""
     kv_lens, (num_heads, num_kv_heads), head_dim, page_size = [300, 1, 64, 65, 0, 129], (8, 2), 64, 16
     pool = Pool("page-major", sum(-(-n // page_size) for n in kv_lens) + 3, page_size, num_kv_heads, head_dim, dtype)
     tables = pool.tables(kv_lens)
@@ -99,16 +101,8 @@ def test_decode_one_split_and_fewest_keys_a_split(dtype):
     want = _reference(pool, q[live], [1] * len(live), [kv_lens[i] - 1 for i in live], [tables[i] for i in live],
                       None, head_dim**-0.5)
     direct = run(1, tiles)
-    merged = torch.empty_like(direct)  # the merge kernel over the same single split, as before one split stored directly
-    mid_o = torch.empty(len(kv_lens), num_heads, 1, head_dim, dtype=torch.float32, device=DEVICE)
-    mid_lse = torch.empty(len(kv_lens), num_heads, 1, dtype=torch.float32, device=DEVICE)
-    triton_attention._decode_split_kernel[(len(kv_lens), num_kv_heads, 1)](
-        q, pool.k, pool.v, table, lens, mid_o, mid_lse, q.stride(0), q.stride(1), pool.k.stride(0), pool.k.stride(1),
-        pool.k.stride(2), table.stride(0), head_dim**-0.5 * triton_attention._LOG2E, 0, 1, 1.0, 1.0, merged,
-        merged.stride(0), merged.stride(1), GROUP=num_heads // num_kv_heads, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
-        BLOCK_H=16, BLOCK_D=head_dim, BLOCK_N=32, PRECISION=triton_attention._precision(dtype), QUANT=False)
-    triton_attention._decode_merge_kernel[(len(kv_lens), num_heads)](
-        mid_o, mid_lse, merged, merged.stride(0), merged.stride(1), 1, lens, HEAD_DIM=head_dim, BLOCK_D=head_dim)
+    # 2 splits of at least 512 keys: the second never runs, the merge reads the first alone
+    merged = run(2, tiles._replace(min_split=512))
     assert torch.equal(direct, merged)
     for got in (direct, run(8, tiles._replace(min_split=64)), run(8, tiles._replace(min_split=50))):
         torch.testing.assert_close(got[live].float(), want, atol=TOL[dtype], rtol=0)
