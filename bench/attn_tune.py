@@ -10,6 +10,8 @@ fastest (tiles, splits) and its µs and GB/s (the K and V bytes the step reads, 
 the default's, and both as fractions of the HBM bandwidth of a 4 GiB device copy measured in the
 same run. Every configuration's output is checked against the default's before it is timed.
 ``--dry-run`` (with TRITON_INTERPRET=1) runs tiny shapes on CPU: the logic, not the times.
+``--mla``: the MLA decode kernel (``common/kernels/triton_mla.py``) instead, DeepSeek-V2-Lite's
+shape (16 heads over one latent row of 512 + 64 per token), the same tiles and split counts.
 """
 
 from __future__ import annotations
@@ -42,10 +44,29 @@ def case(batch: int, context: int, device: str, dtype, seed: int = 0):
     return q, k, v, table.to(device), lens.to(device)
 
 
-def configs(quick: bool):
+MLA_HEADS, LATENT, ROPE = 16, 512, 64
+
+
+def mla_case(batch: int, context: int, device: str, dtype, seed: int = 0):
+    """q [B, 16, 576], one layer's latent cache [pages, PAGE, 576], the page table and the lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = -(-context // PAGE)
+    num_pages = batch * per_seq + 8
+    cache = torch.randn(num_pages, PAGE, LATENT + ROPE, generator=gen).to(dtype).to(device)
+    table = torch.randperm(num_pages, generator=gen)[:batch * per_seq].view(batch, per_seq).to(torch.int32)
+    q = torch.randn(batch, MLA_HEADS, LATENT + ROPE, generator=gen).to(dtype).to(device)
+    return q, cache, table.to(device), torch.full((batch,), context, dtype=torch.int32).to(device)
+
+
+def configs(quick: bool, mla: bool = False):
     from kvferry.common.kernels.triton_attention import DecodeTiles
 
-    ns, warps, stages, mins = ((32, 64), (4,), (2,), (0, 64)) if quick else ((32, 64, 128), (4, 8), (2, 3, 4), (0, 256))
+    if mla:  # the [16, 512] fp32 accumulator and a [keys, 512] latent tile share the registers
+        ns, warps, stages, mins = ((16, 32), (4,), (2,), (0, 64)) if quick else ((16, 32, 64), (4, 8), (1, 2, 3),
+                                                                                (0, 64, 128, 256))
+    else:
+        ns, warps, stages, mins = ((32, 64), (4,), (2,), (0, 64)) if quick else ((32, 64, 128), (4, 8), (2, 3, 4),
+                                                                                (0, 256))
     return [DecodeTiles(n, w, s, m) for n, w, s, m in itertools.product(ns, warps, stages, mins)]
 
 
@@ -59,6 +80,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="a few tiles only")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1 (set it)")
+    ap.add_argument("--mla", action="store_true", help="the MLA decode kernel (DeepSeek-V2-Lite's latent rows)")
     args = ap.parse_args()
     device, dtype = "cuda", torch.bfloat16
     if args.dry_run:
@@ -70,20 +92,34 @@ def main() -> None:
     num_sms = 132 if args.dry_run else torch.cuda.get_device_properties(0).multi_processor_count
     hbm = gemv_tune.hbm_gbps()
     base = {"bench": "attn_tune", "git": git_hash(), "hardware": hardware([device if device == "cpu" else "cuda:0"]),
-            "hbm_gbps": round(hbm, 1), "heads": [HEADS, KV_HEADS, HEAD_DIM], "page_size": PAGE}
+            "hbm_gbps": round(hbm, 1), "page_size": PAGE,
+            **({"kernel": "mla", "heads": [MLA_HEADS, LATENT, ROPE]} if args.mla else
+               {"heads": [HEADS, KV_HEADS, HEAD_DIM]})}
     scale = HEAD_DIM ** -0.5
     for batch, context in itertools.product(map(int, args.batches.split(",")), map(int, args.contexts.split(","))):
-        q, k, v, table, lens = case(batch, context, device, dtype)
-        nbytes = 2 * batch * context * KV_HEADS * HEAD_DIM * q.element_size()
-        default_splits = ta.num_decode_splits(batch, KV_HEADS, num_sms)
+        if args.mla:
+            from kvferry.common.kernels import triton_mla
 
-        def run(tiles, splits):
-            return ta.decode_attention(q, k, v, table, lens, scale, None, splits, tiles=tiles)
+            q, cache, table, lens = mla_case(batch, context, device, dtype)
+            nbytes = batch * context * (LATENT + ROPE) * q.element_size()
+            default_splits = ta.num_decode_splits(batch, 1, num_sms)
 
-        default = (ta.decode_tiles(HEAD_DIM, default_splits), default_splits)
+            def run(tiles, splits):
+                return triton_mla.decode_attention(q, cache, table, lens, LATENT, scale, splits, tiles)
+
+            default = (triton_mla.decode_tiles(default_splits), default_splits)
+        else:
+            q, k, v, table, lens = case(batch, context, device, dtype)
+            nbytes = 2 * batch * context * KV_HEADS * HEAD_DIM * q.element_size()
+            default_splits = ta.num_decode_splits(batch, KV_HEADS, num_sms)
+
+            def run(tiles, splits):
+                return ta.decode_attention(q, k, v, table, lens, scale, None, splits, tiles=tiles)
+
+            default = (ta.decode_tiles(HEAD_DIM, default_splits), default_splits)
         want = run(*default)
         best, by_splits = None, {}
-        for tiles, splits in itertools.product(configs(args.quick), sorted({default_splits, *map(int, args.splits.split(","))})):
+        for tiles, splits in itertools.product(configs(args.quick, args.mla), sorted({default_splits, *map(int, args.splits.split(","))})):
             try:
                 got = run(tiles, splits)
             except Exception as e:  # a tile the compiler refuses (shared memory, registers)

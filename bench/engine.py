@@ -8,7 +8,8 @@ Decode: ``batch`` sequences whose ``context_tokens`` are already in the KV pool 
 contents left as they are: the cost of a step does not depend on them) run ``--steps`` plain greedy
 decode steps through ``ModelRunner.decode`` (forward, sampling, the host sync: ``step_ms``), then
 as many overlapped, as the decode daemon runs them (``launch_decode`` of step N+1, fed on the
-device, before step N's tokens are read: ``step_ms_overlap``). The roofline is the
+device, before step N's tokens are read: ``step_ms_overlap``, of which the host spent
+``launch_ms_overlap`` launching each step). The roofline is the
 bytes a step must read (weights, without the embedding table, plus the context's K/V) over the
 HBM bandwidth of a large device-to-device copy (bytes read + written per second); for a MoE model
 the weights are the dense ones plus, per sparse layer, the experts a batch touches in expectation
@@ -108,7 +109,7 @@ def decode_case(runner, a, batch: int, context: int, weights: WeightBytes, kv_to
     step_ms = (time.perf_counter() - started) * 1e3 / a.steps
     for s in seqs:
         s.num_cached, s.output_ids = context, [last_token(s)]
-    overlap_ms = overlapped_ms(runner, seqs, a.steps)
+    overlap_ms, launch_ms = overlapped_ms(runner, seqs, a.steps)
     for s in seqs:
         runner.release(s)
     kv_bytes = batch * (context + a.steps) * kv_token_bytes
@@ -122,6 +123,7 @@ def decode_case(runner, a, batch: int, context: int, weights: WeightBytes, kv_to
             "roofline_ms": round(roofline_ms, 3), **moe_decode_fields(weights, batch), **routed,
             "ratio_vs_roofline": round(step_ms / roofline_ms, 3),
             "tokens_per_s": round(batch * 1e3 / step_ms, 1), "step_ms_overlap": round(overlap_ms, 3),
+            "launch_ms_overlap": round(launch_ms, 3),
             "ratio_overlap_vs_roofline": round(overlap_ms / roofline_ms, 3),
             "tokens_per_s_overlap": round(batch * 1e3 / overlap_ms, 1)}
 
@@ -148,17 +150,22 @@ def routed_experts(runner, seqs) -> float | None:
     return sum(counts) / len(counts) if counts else None
 
 
-def overlapped_ms(runner, seqs, steps: int) -> float:
-    """ms per step when step N+1 is launched before step N's tokens are read (the batcher's loop)."""
+def overlapped_ms(runner, seqs, steps: int) -> tuple[float, float]:
+    """(ms per step when step N+1 is launched before step N's tokens are read (the batcher's loop),
+    ms of it the host spends launching a step). A launch close to the step means the host bounds it:
+    the GPU waits for the next step's inputs and kernels."""
     prev = runner.launch_decode(seqs)  # warm-up step, read inside the timing like any other
+    launching = 0.0
     started = time.perf_counter()
     for _ in range(steps):
+        at = time.perf_counter()
         step = runner.launch_decode(seqs, prev)
+        launching += time.perf_counter() - at
         for s, pairs in zip(seqs, prev.result()):
             s.output_ids.append(pairs[0][0])
         prev = step
     prev.result()
-    return (time.perf_counter() - started) * 1e3 / steps
+    return (time.perf_counter() - started) * 1e3 / steps, launching * 1e3 / steps
 
 
 def prefill_case(runner, tokens: int, num_params: int, cfg, peak: float) -> dict:
@@ -242,6 +249,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--attn-tiles-ab", action="store_true",
                     help="decode (and profile) again with the decode attention's split count and tiles of tree d8d7159 "
                          "(4 programs per SM, 64 keys a step, 2 stages, always merged), side by side with the current ones")
+    ap.add_argument("--mla-ab", action="store_true",
+                    help="MLA models: decode (and profile) again with the absorbed projections as torch einsums and the "
+                         "MLA decode kernel's tiles of tree 0fd301d (32 keys a step, every split used, always merged)")
     ap.add_argument("--moe-align-warps", type=int, default=0, help="warps of the one-launch slot sort (triton_moe.ALIGN_WARPS)")
     ap.add_argument("--silu-quant-config", default="",
                     help="BLOCK,WARPS of the silu kernel that also quantizes (triton_fused.SILU_QUANT_BLOCK/_WARPS)")
@@ -436,6 +446,8 @@ def main() -> None:
         base["gemv_configs"] = "sweep"
     if a.attn_tiles_ab:
         base["attn_tiles"] = "sweep"
+    if a.mla_ab:
+        base["mla"] = "kernels"
     # FP8 linears keep their e4m3 weight and fp32 scales as buffers (common/layers/fp8.py): the bytes a step reads
     tensors = [*model.named_parameters(), *model.named_buffers()]
     weights = split_weights([(name, p.numel(), p.element_size()) for name, p in tensors
@@ -477,6 +489,13 @@ def main() -> None:
         with switched(runner, ta, "num_decode_splits", functools.partial(ta.num_decode_splits, per_sm=4)), \
                 switched(runner, ta, "decode_tiles", lambda block_d, splits: ta.DecodeTiles(32 if block_d > 128 else 64)):
             rerun(runner, a, {**base, "attn_tiles": "d8d7159"}, *again)
+    if a.mla_ab and model.config.deepseek is not None and model.attn.name == "triton":
+        from kvferry.common.kernels import triton_mla
+        from kvferry.common.kernels.triton_attention import DecodeTiles
+
+        with switched(runner, model.attn, "absorb_kernels", False), \
+                switched(runner, triton_mla, "decode_tiles", lambda splits: DecodeTiles(32)):
+            rerun(runner, a, {**base, "mla": "0fd301d"}, *again)
     if a.greedy_graph_ab and runner.target.graphs:  # the greedy picks by torch ops after each replay
         with switched(runner, runner, "greedy_in_graph", False):
             rerun(runner, a, {**base, "greedy": "torch"}, *again)

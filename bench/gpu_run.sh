@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|prefix-ttft|extend|
-#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|summary|pdl|pdl-tests|launch|gemv-one-row|tiles|attn|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
+#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|summary|pdl|pdl-tests|launch|gemv-one-row|tiles|attn|mla|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -545,6 +545,26 @@ if [[ $what == attn ]]; then
   timeout ${ATTN_MOE_TIMEOUT:-70} python3 bench/engine.py --model /tmp/deepseek-v2-lite/target --batches 64,1 --contexts 1024 \
     --prefill "" --attn-tiles-ab --kv-budget-gib 16 2>>"$out/attn.err" \
     | sed "s/^{/{\"preset\": \"deepseek-v2-lite\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
+fi
+if [[ $what == mla ]]; then
+  # issue 29: the MLA decode kernel over its tiles, split counts and fewest keys a split (bench/attn_tune.py --mla),
+  # while the DeepSeek and FP8 checkpoints build; the MLA, absorbed-projection and router-GEMV tests; the
+  # DeepSeek-V2-Lite step at 64 and 1 with the absorbed projections in one launch each and the tree's MLA tiles
+  # against the einsums and tree 0fd301d's tiles (--mla-ab, the batch-1 kernels profiled); the 8B FP8 step
+  fp8_build channel > "$out/build.txt" 2>&1 &
+  ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/deepseek-v2-lite --preset deepseek-v2-lite 2>&1 \
+    | tail -1 ) >> "$out/build.txt" &
+  timeout ${MLA_TUNE_TIMEOUT:-150} python3 bench/attn_tune.py --mla --batches ${MLA_BATCHES:-1,8,64} \
+    --contexts ${MLA_CONTEXTS:-1024,8192} --splits 1,4,8,16,32 2>>"$out/mla.err" | tee -a "$out/mla-tune.jsonl" | cut -c1-200
+  timeout ${TESTS_TIMEOUT:-110} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_triton_mla.py \
+    "tests/gpu/test_triton_gemv.py::test_dense_gemv_of_an_fp32_router_weight_returns_fp32" > "$out/mla-tests.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/mla-tests.txt" | tail -8
+  wait
+  timeout ${MLA_ENGINE_TIMEOUT:-120} python3 bench/engine.py --model /tmp/deepseek-v2-lite/target --batches 64,1 \
+    --contexts 1024 --prefill "" --mla-ab --profile ${MLA_PROFILE:-1} --kv-budget-gib 16 2>>"$out/mla.err" \
+    | sed "s/^{/{\"preset\": \"deepseek-v2-lite\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
+  ENGINE_TIMEOUT=${MLA_FP8_TIMEOUT:-100} fp8_engine fp8-channel --model /tmp/m8b-fp8c/target --batches 64,1 \
+    --contexts 1024 --prefill "" --kv-budget-gib 16 | cut -c1-120
 fi
 if [[ $what == moe-routed ]]; then
   # both MoE presets' decode steps with a distinct token per sequence (bench/engine.py's last_token: before, every

@@ -264,14 +264,15 @@ def slot_sum(down: torch.Tensor, top_k: int, dtype: torch.dtype, extra: torch.Te
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: GemvConfig | None = None) -> torch.Tensor:
     """F.linear for one row: x [1, K] (unit column stride), weight [N, K] contiguous -> [1, N] in x's
-    dtype (fp32 accumulation). A batch-1 decode step is this shape for every projection."""
+    dtype, or fp32 for an fp32 weight (a router's: x taken exactly), fp32 accumulation. A batch-1
+    decode step is this shape for every projection."""
     n, k = weight.shape
     if x.shape[0] != 1:
         raise ValueError(f"gemv takes one row, got {x.shape[0]}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     cfg = config or dense_config(n, k)
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((1, n), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), 1, 1)](
         x, weight, out, out, bias if bias is not None else out, out, out, out,
         1, n, k, k, x.stride(0), 0, weight.stride(0), out.stride(0), 0, 0,

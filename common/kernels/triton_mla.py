@@ -40,7 +40,8 @@ import triton.language as tl
 from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
 
 # the dense kernels' constants, dot precision and split merge (the merge is per head and width-blind)
-from kvferry.common.kernels.triton_attention import _LOG2E, _NEG, _decode_merge_kernel, _precision
+from kvferry.common.kernels.triton_attention import (_LOG2E, _NEG, DecodeTiles, _decode_merge_kernel, _precision,
+                                                      _split_len)
 
 
 @triton.jit
@@ -150,12 +151,17 @@ def _decode_split_kernel(q, cache, page_table, kv_lens, mid_o, mid_lse, stride_q
                          stride_pb, scale_log2, num_splits, NUM_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                         PDL: tl.constexpr = 0):
+                         MIN_SPLIT: tl.constexpr = 0, DIRECT: tl.constexpr = 0, PDL: tl.constexpr = 0):
+    """MIN_SPLIT and DIRECT as the dense split kernel's: a split covers at least MIN_SPLIT keys (splits
+    past the context return at once, the merge reads the others); one split stores [B, H, L] in
+    mid_o's dtype itself, no merge."""
     pdl_enter(PDL)
     b, head_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_len = tl.load(kv_lens + b).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    split_len = _split_len(kv_len, num_splits, BLOCK_N, MIN_SPLIT)
     lo = split * split_len
+    if MIN_SPLIT > 0 and lo >= kv_len and split > 0:
+        return
     hi = tl.minimum(lo + split_len, kv_len)
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = heads < NUM_HEADS
@@ -182,10 +188,14 @@ def _decode_split_kernel(q, cache, page_table, kv_lens, mid_o, mid_lse, stride_q
         m_i = m_new
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), _NEG)  # log2 units
     base = (b * NUM_HEADS + heads) * num_splits + split  # mid_o: [B, H, num_splits, L]
-    tl.store(mid_o + base[:, None] * LATENT + lat[None, :], out, mask=h_mask[:, None] & (lat[None, :] < LATENT))
-    tl.store(mid_lse + base, lse, mask=h_mask)
+    o_mask = h_mask[:, None] & (lat[None, :] < LATENT)
+    if DIRECT:
+        tl.store(mid_o + base[:, None] * LATENT + lat[None, :], out.to(mid_o.dtype.element_ty), mask=o_mask)
+    else:
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), _NEG)  # log2 units
+        tl.store(mid_o + base[:, None] * LATENT + lat[None, :], out, mask=o_mask)
+        tl.store(mid_lse + base, lse, mask=h_mask)
 
 
 @triton.jit(do_not_specialize=["stride_pb"])
@@ -252,26 +262,40 @@ def _blocks(latent_dim: int, rope_dim: int) -> tuple[int, int]:
     return max(16, triton.next_power_of_2(latent_dim)), max(16, triton.next_power_of_2(rope_dim))
 
 
+def decode_tiles(num_splits: int) -> DecodeTiles:
+    """The split kernel's tiles for a 512 + 64 latent row (``bench/attn_tune.py --mla``): 32 keys a
+    step (registers: the [heads, 512] accumulator and the latent tile), 4 warps, 2 stages, every
+    split in use."""
+    return DecodeTiles(block_n=32, num_warps=4, num_stages=2, min_split=0)
+
+
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, kv_lens: torch.Tensor,
-                     latent_dim: int, scale: float, num_splits: int) -> torch.Tensor:
+                     latent_dim: int, scale: float, num_splits: int, tiles: DecodeTiles | None = None) -> torch.Tensor:
     """q [B, H, L + R] (the token at position kv_lens[b] - 1, its row already stored); cache
     [num_pages, page_size, L + R]; page_table [B, max_pages] int; kv_lens [B] int (0: a padding row,
-    output 0) -> [B, H, L] in q's dtype. ``latent_dim`` is L, ``scale`` the softmax scale."""
+    output 0) -> [B, H, L] in q's dtype. ``latent_dim`` is L, ``scale`` the softmax scale; ``tiles``
+    the split kernel's (``decode_tiles`` by default). One split: no merge."""
     rope_dim = _check(q, cache, latent_dim)
     batch, num_heads, _ = q.shape
     block_l, block_r = _blocks(latent_dim, rope_dim)
     block_h = 16  # tl.dot's smallest tile; more heads per program would cut the splits a batch can use
-    mid_o = torch.empty(batch, num_heads, num_splits, latent_dim, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    tiles = tiles or decode_tiles(num_splits)
+    min_split = -(-tiles.min_split // tiles.block_n) * tiles.block_n
+    direct = num_splits == 1
+    out = q.new_empty(batch, num_heads, latent_dim)
+    mid_o = out if direct else torch.empty(batch, num_heads, num_splits, latent_dim, dtype=torch.float32,
+                                           device=q.device)
+    mid_lse = torch.empty(batch, num_heads, 0 if direct else num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, triton.cdiv(num_heads, block_h), num_splits)](
         q, cache, page_table, kv_lens, mid_o, mid_lse, q.stride(0), q.stride(1), cache.stride(0), cache.stride(1),
         page_table.stride(0), scale * _LOG2E, num_splits, NUM_HEADS=num_heads, PAGE_SIZE=cache.shape[1],
-        LATENT=latent_dim, ROPE=rope_dim, BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_R=block_r,
-        BLOCK_N=32 if block_l > 128 else 64, PRECISION=_precision(q.dtype), num_warps=4, num_stages=2, **pdl_kw())
-    out = q.new_empty(batch, num_heads, latent_dim)
-    _decode_merge_kernel[(batch, num_heads)](
-        mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, kv_lens, HEAD_DIM=latent_dim, BLOCK_D=block_l,
-        **pdl_kw())
+        LATENT=latent_dim, ROPE=rope_dim, BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_N=tiles.block_n,
+        PRECISION=_precision(q.dtype), MIN_SPLIT=min_split, DIRECT=int(direct), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **pdl_kw())
+    if not direct:
+        _decode_merge_kernel[(batch, num_heads)](
+            mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, kv_lens, HEAD_DIM=latent_dim,
+            BLOCK_D=block_l, BLOCK_N=tiles.block_n, MIN_SPLIT=min_split, **pdl_kw())
     return out
 
 

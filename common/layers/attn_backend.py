@@ -110,10 +110,10 @@ class TorchBackend:
         return torch.nn.functional.silu(gate) * up
 
     @staticmethod
-    def linear(x, weight, bias=None) -> torch.Tensor:
+    def linear(x, weight, bias=None) -> torch.Tensor:  # an fp32 weight (a router) takes x in fp32
         if isinstance(weight, Fp8Weight):
             return fp8_linear(x, weight, bias)
-        return torch.nn.functional.linear(x, weight, bias)
+        return torch.nn.functional.linear(x.to(weight.dtype) if weight.dtype == torch.float32 else x, weight, bias)
 
     @staticmethod
     def attend(q, k, v, k_cache, v_cache, plan, window, scale, k_scale: float = 1.0,
@@ -125,6 +125,7 @@ class TorchBackend:
         return moe.fused_moe_ref(x, w13, w2, topk_weights, topk_ids, extra)
 
     select_experts, mla_rows = staticmethod(moe.select_experts), staticmethod(mla.latent_rows_ref)
+    mla_absorb_q, mla_absorb_v = staticmethod(mla.absorb_q_ref), staticmethod(mla.absorb_v_ref)
 
     @staticmethod
     def mla_attend(q, cache, plan, latent_dim: int, scale: float) -> torch.Tensor:
@@ -137,7 +138,7 @@ class TorchBackend:
     def mla_prefix(cache, plan, i: int) -> torch.Tensor:
         """Chunk i's ``plan.starts[i]`` cached latent rows [starts[i], L + R], in token order (a copy)."""
         pages = plan.chunk_pages[i] if plan.chunk_pages is not None else plan.padded.kv_pages[i]
-        return latent_rows(cache, pages, plan.starts[i])
+        return mla.prefix_rows(cache, pages, plan.starts[i])
 
 
 @dataclass(frozen=True)
@@ -218,14 +219,11 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, device: torch.device, num_kv_heads: int) -> None:
-        from kvferry.common.kernels import (triton_attention, triton_fused, triton_gemv, triton_mla,  # triton: only here
-                                            triton_moe)
+        from kvferry.common.kernels import (triton_absorb, triton_attention, triton_fused, triton_gemv,  # triton: only here
+                                            triton_mla, triton_moe)
 
-        self.kernels = triton_attention
-        self.mla = triton_mla
-        self.fused = triton_fused
-        self.gemv = triton_gemv
-        self.moe = triton_moe
+        self.kernels, self.absorb, self.absorb_kernels = triton_attention, triton_absorb, True
+        self.mla, self.fused, self.gemv, self.moe = triton_mla, triton_fused, triton_gemv, triton_moe
         self.num_kv_heads = num_kv_heads
         # (a CPU device only under TRITON_INTERPRET=1, in tests)
         is_cuda = device.type == "cuda"
@@ -278,9 +276,9 @@ class TritonBackend:
         if isinstance(weight, Fp8Weight):
             return fp8_linear(x, weight, bias)
         x = x.rows if isinstance(x, TokenQuantized) else x
-        if x.shape[0] == 1 and self.use_gemv:
+        if x.shape[0] == 1 and self.use_gemv:  # an fp32 weight: fp32 out, as TorchBackend.linear
             return self.gemv.gemv(x, weight, bias)
-        return torch.nn.functional.linear(x, weight, bias)
+        return TorchBackend.linear(x, weight, bias)
 
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids, extra=None) -> torch.Tensor:
         return self.moe.fused_moe(x, w13, w2, topk_weights, topk_ids, extra)  # the add in the slot sum's launch
@@ -293,6 +291,12 @@ class TritonBackend:
         """As ``mla.latent_rows_ref``, in one launch (``triton_mla.latent_rows``)."""
         pages, rows = (plan.write_pages, plan.write_rows) if cache is not None else (None, None)
         return self.mla.latent_rows(kv_a, q_pe, *cos_sin, norm, eps, rotary.is_interleaved, cache, pages, rows)
+
+    def mla_absorb_q(self, q_nope, w_uk, q_pe) -> torch.Tensor:  # one launch each (triton_absorb); torch's A/B
+        return (self.absorb.absorb_q if self.absorb_kernels else mla.absorb_q_ref)(q_nope, w_uk, q_pe)
+
+    def mla_absorb_v(self, out, w_uv) -> torch.Tensor:
+        return (self.absorb.absorb_v if self.absorb_kernels else mla.absorb_v_ref)(out, w_uv)
 
     def mla_attend(self, q, cache, plan: TritonPlan, latent_dim: int, scale: float) -> torch.Tensor:
         """As ``TorchBackend.mla_attend``; always through the paged kernels (no dense prefill: SDPA's
@@ -309,7 +313,7 @@ class TritonBackend:
         if plan.starts is None:
             raise ValueError("mla_prefix: this plan has no host starts (a CUDA graph's static plan); the expanded "
                              "MLA form needs an eager plan")
-        return latent_rows(cache, plan.page_table[i], plan.starts[i])
+        return mla.prefix_rows(cache, plan.page_table[i], plan.starts[i])
 
     def attend(self, q, k, v, k_cache, v_cache, plan: TritonPlan, window, scale, k_scale: float = 1.0,
                v_scale: float = 1.0) -> torch.Tensor:
@@ -321,13 +325,6 @@ class TritonBackend:
                                                  plan.num_splits, k_scale, v_scale)
         return self.kernels.extend_attention(q, k_cache, v_cache, plan.page_table, plan.q_starts, plan.q_lens,
                                              plan.prefix_lens, plan.max_query, scale, window, k_scale, v_scale)
-
-
-def latent_rows(cache: torch.Tensor, pages: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """The first ``num_rows`` rows [num_rows, L + R] of a sequence whose pages (in order, maybe more
-    than it needs) are ``pages``, from the latent cache [num_pages, page_size, L + R] (any page stride)."""
-    num_pages = -(-num_rows // cache.shape[1])
-    return cache.index_select(0, pages[:num_pages]).flatten(0, 1)[:num_rows]
 
 
 def _sdpa_prefill(q, k, v, k_cache, v_cache, plan: TritonPlan, scale: float, k_scale: float = 1.0,

@@ -14,7 +14,9 @@ absorbed (decode, spec-dec verify, short extends over a long prefix)::
 
 One MQA over the latent rows with key width ``L + R`` and value width ``L``, run by the backend's
 ``mla_attend`` (the torch paged attention, ``attention.py``, or the Triton kernels,
-``common/kernels/triton_mla.py``). Nothing is expanded, so a step reads L + R elements per cached
+``common/kernels/triton_mla.py``); the two per-head products by W_UK and W_UV are the backend's
+``mla_absorb_q``/``mla_absorb_v`` (``einsum`` on torch, ``absorb_q_ref``/``absorb_v_ref``; one
+launch each on triton, ``common/kernels/triton_absorb.py``). Nothing is expanded, so a step reads L + R elements per cached
 token: right when few queries share a long context (decode reads the context once per token).
 It is the only form a CUDA graph's static plan takes (its lengths live on the device).
 
@@ -101,6 +103,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: 
     mask = causal_lower_right(num_new, kv_len) if prefix and num_new > 1 else None
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not prefix and num_new > 1, scale=scale)
     return out[0, :, :, :head_dim].transpose(0, 1)
+
+
+def absorb_q_ref(q_nope: torch.Tensor, w_uk: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+    """The absorbed query [T, H, L + R]: q_nope [T, H, nope] times each head's W_UK [H, nope, L], then q_pe
+    (the torch path, and the reference of ``triton_absorb.absorb_q``)."""
+    return torch.cat((torch.einsum("thd,hdl->thl", q_nope, w_uk), q_pe), dim=-1)
+
+
+def absorb_v_ref(out: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """The latent attention's output [T, H, L] times each head's W_UV [H, v, L] -> [T, H * v] (the torch
+    path, and the reference of ``triton_absorb.absorb_v``)."""
+    return torch.einsum("thl,hvl->thv", out, w_uv).reshape(out.shape[0], -1)
+
+
+def prefix_rows(cache: torch.Tensor, pages: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The first ``num_rows`` rows [num_rows, L + R] of a sequence whose pages (in order, maybe more
+    than it needs) are ``pages``, from the latent cache [num_pages, page_size, L + R] (any page stride)."""
+    num_pages = -(-num_rows // cache.shape[1])
+    return cache.index_select(0, pages[:num_pages]).flatten(0, 1)[:num_rows]
 
 
 class LatentRope:
@@ -237,11 +258,11 @@ class MlaAttention(nn.Module):
         return attn.linear(out.reshape(num_tokens, -1), self.o_weight, bias)
 
     def attend_absorbed(self, q_nope, q_pe, cache: torch.Tensor, plan, attn) -> torch.Tensor:
-        """-> [T, H, v]: one MQA over the cached latent rows (the new ones stored), module docstring."""
+        """-> [T, H * v]: one MQA over the cached latent rows (the new ones stored), module docstring."""
         w_uk, w_uv = self.absorbed()
-        q = torch.cat((torch.einsum("thd,hdl->thl", q_nope, w_uk), q_pe), dim=-1)  # [T, H, L + R]
+        q = attn.mla_absorb_q(q_nope, w_uk, q_pe)  # [T, H, L + R]
         out = attn.mla_attend(q, cache, plan, self.spec.kv_lora_rank, self.scale)  # [T, H, L]
-        return torch.einsum("thl,hvl->thv", out, w_uv)
+        return attn.mla_absorb_v(out, w_uv)
 
     def attend_expanded(self, q_nope, q_pe, rows: torch.Tensor, cache: torch.Tensor, plan, attn) -> torch.Tensor:
         """-> [T, H, v]: per chunk, causal attention over its whole context (cached prefix + ``rows``,

@@ -137,7 +137,8 @@ class MoeBlock(nn.Module):
 
     def forward(self, h: torch.Tensor, attn) -> torch.Tensor:
         """h [T, hidden] -> [T, hidden]: each token's k experts, weighted, plus the shared experts."""
-        weights, ids = route(F.linear(h.float(), self.gate_weight), self.spec, self.score_bias, attn)  # [T, k] each
+        # fp32 logits (the weight is fp32, as transformers keeps it): one GEMV launch at one row on triton
+        weights, ids = route(attn.linear(h, self.gate_weight), self.spec, self.score_bias, attn)  # [T, k] each
         # ids index w13/w2 directly: this rank holds every expert (rank_experts)
         return attn.fused_moe(h, self.w13, self.w2, weights, ids, None if self.shared is None else self.shared(h, attn))
 

@@ -111,6 +111,17 @@ def test_dense_gemv(dtype, shape):
     torch.testing.assert_close(triton_gemv.gemv(x, weight).float(), want - bias.float(), atol=tol, rtol=tol)
 
 
+def test_dense_gemv_of_an_fp32_router_weight_returns_fp32():
+    """A 16-bit row times an fp32 weight (DeepSeek's router): fp32 logits, x taken exactly, as
+    F.linear(x.float(), weight) computes them; TritonBackend.linear sends a row of it here."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 2048, generator=g).to(DEVICE, HALF)
+    weight = (torch.randn(64, 2048, generator=g) / 2048**0.5).to(DEVICE)
+    got = triton_gemv.gemv(x, weight)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.nn.functional.linear(x.float(), weight), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("block", [None, 128])
 @pytest.mark.parametrize("split_k", [2, 3, 8])
 @pytest.mark.parametrize("rows", [2, 33])

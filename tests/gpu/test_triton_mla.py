@@ -80,17 +80,19 @@ def _query(num_tokens: int, num_heads: int, width: int, dtype, seed: int = 1) ->
     return torch.randn(num_tokens, num_heads, width, generator=gen).to(dtype).to(DEVICE)
 
 
-def _check_decode(layout, page_size, kv_lens, dtype, num_heads=4, latent_dim=32, rope_dim=16, num_padding=0):
-    """``num_padding`` trailing rows of kv_len 0 (a graph bucket's padding): their outputs are 0."""
+def _check_decode(layout, page_size, kv_lens, dtype, num_heads=4, latent_dim=32, rope_dim=16, num_padding=0,
+                  splits=None, tiles=None):
+    """``num_padding`` trailing rows of kv_len 0 (a graph bucket's padding): their outputs are 0.
+    ``splits``/``tiles``: the split count (default the batch's) and the split kernel's tiles."""
     width = latent_dim + rope_dim
     pool = _pool(layout, page_size, kv_lens, width, dtype)
     tables = pool.tables(kv_lens)
     batch = len(kv_lens) + num_padding
     q = _query(batch, num_heads, width, dtype)
     scale = (width + 32) ** -0.5
-    splits = triton_attention.num_decode_splits(batch, 1, NUM_SMS)
+    splits = splits or triton_attention.num_decode_splits(batch, 1, NUM_SMS)
     got = triton_mla.decode_attention(q, pool.cache, _padded_table(tables + [[]] * num_padding),
-                                      _ints(kv_lens + [0] * num_padding), latent_dim, scale, splits)
+                                      _ints(kv_lens + [0] * num_padding), latent_dim, scale, splits, tiles)
     assert got.shape == (batch, num_heads, latent_dim) and got.dtype == dtype
     want = _reference(pool, q[:len(kv_lens)], [1] * len(kv_lens), [n - 1 for n in kv_lens], tables, latent_dim,
                       scale)
@@ -129,6 +131,50 @@ def test_decode_ragged(layout, dtype, page_size):
 def test_decode_partial_head_tile_and_padding_rows(dtype):
     # 20 heads: a full 16-head tile and a partial one; 64-wide latent; two padding rows of kv_len 0
     _check_decode("layer-major", 4, [2, 33, 70], dtype, num_heads=20, latent_dim=64, num_padding=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 8])
+def test_decode_one_split_and_fewest_keys_a_split(dtype, splits):
+    """One split stores the output from the split kernel (no merge); with splits of at least 32 keys
+    (two 16-key steps) a 40-key context runs 2 of its 8 splits and the merge reads those two, a
+    3-key one runs 1; a padding row (kv_len 0) gets zeros either way."""
+    tiles = triton_attention.DecodeTiles(block_n=16, min_split=32)
+    _check_decode("page-major", 4, [3, 40, 130, 17], dtype, splits=splits, tiles=tiles, num_padding=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 3, 40])
+def test_absorbed_projections_equal_the_einsums(dtype, num_tokens):
+    """triton_absorb's two products against mla.absorb_q_ref/absorb_v_ref, from W_UK/W_UV as views
+    of one kv_b weight (strided heads) and q_nope/q_pe as views of one q projection; 5 heads, a
+    latent wider than one 128-column block and a v narrower than one 32-column block."""
+    from kvferry.common.kernels import triton_absorb
+    from kvferry.common.layers import mla
+
+    heads, nope, rope_dim, latent, v_dim = 5, 24, 16, 160, 20
+    g = torch.Generator().manual_seed(3)
+    kv_b = (torch.randn(heads, nope + v_dim, latent, generator=g) / latent ** 0.5).to(dtype).to(DEVICE)
+    w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
+    q = torch.randn(num_tokens, heads, nope + rope_dim, generator=g).to(dtype).to(DEVICE)
+    q_nope, q_pe = q.split([nope, rope_dim], -1)
+    o = torch.randn(num_tokens, heads, latent, generator=g).to(dtype).to(DEVICE)
+    tol = TOL[dtype] if dtype == torch.float32 else 2 * TOL[dtype]  # one rounding of O(1) sums each way
+    got_q = triton_absorb.absorb_q(q_nope, w_uk, q_pe)
+    torch.testing.assert_close(got_q.float(), mla.absorb_q_ref(q_nope, w_uk, q_pe).float(), atol=tol, rtol=tol)
+    assert torch.equal(got_q[..., latent:], q_pe)  # q_pe copied as it is
+    got_v = triton_absorb.absorb_v(o, w_uv)
+    assert got_v.shape == (num_tokens, heads * v_dim) and got_v.is_contiguous()
+    torch.testing.assert_close(got_v.float(), mla.absorb_v_ref(o, w_uv).float(), atol=tol, rtol=tol)
+
+
+def test_absorbed_projections_refuse_mismatched_heads():
+    from kvferry.common.kernels import triton_absorb
+
+    with pytest.raises(ValueError, match=r"absorb_q: activations \(2, 4, 8\) and weight \(3, 8, 32\) disagree"):
+        triton_absorb.absorb_q(torch.zeros(2, 4, 8), torch.zeros(3, 8, 32), torch.zeros(2, 4, 4))
+    with pytest.raises(ValueError, match=r"absorb_v: activations \(2, 4, 16\) and weight \(4, 8, 32\) disagree"):
+        triton_absorb.absorb_v(torch.zeros(2, 4, 16), torch.zeros(4, 8, 32))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
