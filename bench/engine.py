@@ -252,6 +252,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--mla-ab", action="store_true",
                     help="MLA models: decode (and profile) again with the absorbed projections as torch einsums and the "
                          "MLA decode kernel's tiles of tree 0fd301d (32 keys a step, every split used, always merged)")
+    ap.add_argument("--merge-ab", action="store_true",
+                    help="decode (and profile) again with the decode attention's splits merged one after another "
+                         "(triton_attention.MERGE_TILE off), side by side with the default (all splits as one tile)")
     ap.add_argument("--moe-align-warps", type=int, default=0, help="warps of the one-launch slot sort (triton_moe.ALIGN_WARPS)")
     ap.add_argument("--silu-quant-config", default="",
                     help="BLOCK,WARPS of the silu kernel that also quantizes (triton_fused.SILU_QUANT_BLOCK/_WARPS)")
@@ -448,6 +451,8 @@ def main() -> None:
         base["attn_tiles"] = "sweep"
     if a.mla_ab:
         base["mla"] = "kernels"
+    if a.merge_ab:
+        base["merge"] = "tile"
     # FP8 linears keep their e4m3 weight and fp32 scales as buffers (common/layers/fp8.py): the bytes a step reads
     tensors = [*model.named_parameters(), *model.named_buffers()]
     weights = split_weights([(name, p.numel(), p.element_size()) for name, p in tensors
@@ -496,6 +501,11 @@ def main() -> None:
         with switched(runner, model.attn, "absorb_kernels", False), \
                 switched(runner, triton_mla, "decode_tiles", lambda splits: DecodeTiles(32)):
             rerun(runner, a, {**base, "mla": "0fd301d"}, *again)
+    if a.merge_ab and model.attn.name == "triton":
+        from kvferry.common.kernels import triton_attention as ta
+
+        with switched(runner, ta, "MERGE_TILE", False):
+            rerun(runner, a, {**base, "merge": "loop"}, *again)
     if a.greedy_graph_ab and runner.target.graphs:  # the greedy picks by torch ops after each replay
         with switched(runner, runner, "greedy_in_graph", False):
             rerun(runner, a, {**base, "greedy": "torch"}, *again)

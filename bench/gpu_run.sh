@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|prefix-ttft|extend|
-#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|summary|pdl|pdl-tests|launch|gemv-one-row|tiles|attn|mla|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
+#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|summary|pdl|pdl-tests|launch|gemv-one-row|tiles|attn|mla|merge|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
@@ -565,6 +565,28 @@ if [[ $what == mla ]]; then
     | sed "s/^{/{\"preset\": \"deepseek-v2-lite\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   ENGINE_TIMEOUT=${MLA_FP8_TIMEOUT:-100} fp8_engine fp8-channel --model /tmp/m8b-fp8c/target --batches 64,1 \
     --contexts 1024 --prefill "" --kv-budget-gib 16 | cut -c1-120
+fi
+if [[ $what == merge ]]; then
+  # issues 28 and 29: the decode attention's splits merged as one tile (the tree's) against one after another
+  # (--merge-ab), and the MLA tiles and absorbed projections against tree 0fd301d's (--mla-ab), in the DeepSeek-V2-Lite,
+  # Qwen3-30B-A3B and 8B FP8 steps (batch-1 kernels profiled); first the attention, MLA and graph tests
+  fp8_build channel > "$out/build.txt" 2>&1 &
+  for preset in deepseek-v2-lite qwen3-30b-a3b; do
+    ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) \
+      >> "$out/build.txt" &
+  done
+  timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_triton_attention.py \
+    tests/gpu/test_triton_mla.py tests/gpu/test_triton_fp8_kv.py tests/gpu/test_engine_graphs.py > "$out/merge-tests.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/merge-tests.txt" | tail -8
+  wait
+  timeout ${MERGE_DS_TIMEOUT:-110} python3 bench/engine.py --model /tmp/deepseek-v2-lite/target --batches 64,8,1 \
+    --contexts 1024 --prefill "" --mla-ab --merge-ab --kv-budget-gib 16 2>>"$out/merge.err" \
+    | sed "s/^{/{\"preset\": \"deepseek-v2-lite\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
+  timeout ${MERGE_QWEN_TIMEOUT:-100} python3 bench/engine.py --model /tmp/qwen3-30b-a3b/target --batches 64,8,1 \
+    --contexts 1024 --prefill "" --merge-ab --profile 1 --kv-budget-gib 16 2>>"$out/merge.err" \
+    | sed "s/^{/{\"preset\": \"qwen3-30b-a3b\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
+  ENGINE_TIMEOUT=${MERGE_FP8_TIMEOUT:-110} fp8_engine fp8-channel --model /tmp/m8b-fp8c/target --batches 64,1 \
+    --contexts 1024 --prefill "" --merge-ab --kv-budget-gib 16 | cut -c1-120
 fi
 if [[ $what == moe-routed ]]; then
   # both MoE presets' decode steps with a distinct token per sequence (bench/engine.py's last_token: before, every

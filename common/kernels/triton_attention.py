@@ -149,31 +149,51 @@ def _split_len(kv_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexp
 @triton.jit
 def _decode_merge_kernel(mid_o, mid_lse, o, stride_ob, stride_oh, num_splits, kv_lens, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr = 0, MIN_SPLIT: tl.constexpr = 0,
-                         PDL: tl.constexpr = 0):
+                         BLOCK_S: tl.constexpr = 0, PDL: tl.constexpr = 0):
     """MIN_SPLIT > 0: only the splits the split kernel ran for sequence b's length (its BLOCK_N and
-    MIN_SPLIT); else all num_splits (``kv_lens`` unread)."""
+    MIN_SPLIT); else all num_splits (``kv_lens`` unread). BLOCK_S (a power of two >= num_splits): the
+    splits are loaded as one [BLOCK_S, BLOCK_D] tile and weighted by their maximum, so the loads do
+    not wait on each other; 0: one split after another, each rescaling the running sum."""
     pdl_enter(PDL)
     b, head = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     base = (b * tl.num_programs(1) + head) * num_splits
-    m = -1.0e30
-    total = 0.0
-    acc = tl.zeros([BLOCK_D], tl.float32)
     used = num_splits
     if MIN_SPLIT > 0:
         kv_len = tl.load(kv_lens + b).to(tl.int32)
         used = tl.minimum(tl.cdiv(kv_len, _split_len(kv_len, num_splits, BLOCK_N, MIN_SPLIT)), num_splits)
-    for split in range(used):
-        lse = tl.load(mid_lse + base + split)
-        part = tl.load(mid_o + (base + split) * HEAD_DIM + d, mask=d < HEAD_DIM, other=0.0)
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        weight = tl.where(lse > _NEG, tl.exp2(lse - m_new), 0.0)
-        acc = acc * alpha + weight * part
-        total = total * alpha + weight
-        m = m_new
+    if BLOCK_S > 0:
+        s = tl.arange(0, BLOCK_S)
+        s_ok = s < used
+        lse = tl.load(mid_lse + base + s, mask=s_ok, other=_NEG)
+        weight = tl.where(lse > _NEG, tl.exp2(lse - tl.max(lse, 0)), 0.0)  # [BLOCK_S]
+        parts = tl.load(mid_o + (base + s)[:, None] * HEAD_DIM + d[None, :],
+                        mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+        acc = tl.sum(parts * weight[:, None], 0)
+        total = tl.sum(weight, 0)
+    else:
+        m = -1.0e30
+        total = 0.0
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for split in range(used):
+            lse = tl.load(mid_lse + base + split)
+            part = tl.load(mid_o + (base + split) * HEAD_DIM + d, mask=d < HEAD_DIM, other=0.0)
+            m_new = tl.maximum(m, lse)
+            alpha = tl.exp2(m - m_new)
+            weight = tl.where(lse > _NEG, tl.exp2(lse - m_new), 0.0)
+            acc = acc * alpha + weight * part
+            total = total * alpha + weight
+            m = m_new
     out = acc / tl.where(total > 0, total, 1.0)  # a padding row (kv_len 0) gets zeros
     tl.store(o + b * stride_ob + head * stride_oh + d, out.to(o.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+MERGE_TILE = True  # the merge loads every split at once (BLOCK_S); False: the loop (bench/engine.py --merge-ab)
+
+
+def merge_splits(num_splits: int) -> int:
+    """The merge kernel's BLOCK_S for ``num_splits``: the next power of two, or 0 (the loop)."""
+    return triton.next_power_of_2(num_splits) if MERGE_TILE else 0
 
 
 @triton.jit(do_not_specialize=["stride_pb"])
@@ -316,7 +336,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if not direct:
         _decode_merge_kernel[(batch, num_heads)](mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, kv_lens,
                                                  HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=tiles.block_n,
-                                                 MIN_SPLIT=min_split, **pdl_kw())
+                                                 MIN_SPLIT=min_split, BLOCK_S=merge_splits(num_splits), **pdl_kw())
     return out
 
 

@@ -41,7 +41,7 @@ from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
 
 # the dense kernels' constants, dot precision and split merge (the merge is per head and width-blind)
 from kvferry.common.kernels.triton_attention import (_LOG2E, _NEG, DecodeTiles, _decode_merge_kernel, _precision,
-                                                      _split_len)
+                                                      _split_len, merge_splits)
 
 
 @triton.jit
@@ -263,10 +263,13 @@ def _blocks(latent_dim: int, rope_dim: int) -> tuple[int, int]:
 
 
 def decode_tiles(num_splits: int) -> DecodeTiles:
-    """The split kernel's tiles for a 512 + 64 latent row (``bench/attn_tune.py --mla``): 32 keys a
-    step (registers: the [heads, 512] accumulator and the latent tile), 4 warps, 2 stages, every
-    split in use."""
-    return DecodeTiles(block_n=32, num_warps=4, num_stages=2, min_split=0)
+    """The split kernel's tiles for a 512 + 64 latent row, from an H100 sweep (``bench/attn_tune.py
+    --mla``, bench/RESULTS.md): a context split 16 or more ways (batches up to 8) 64 keys a step over
+    8 warps, 2 stages, splits of at least 64 keys; fewer splits (a batch that fills the GPU) 32 keys
+    over 4 warps, 3 stages, at least 256 keys (at batch 64 and 1k: 4 of its 5 splits)."""
+    if num_splits >= 16:
+        return DecodeTiles(block_n=64, num_warps=8, num_stages=2, min_split=64)
+    return DecodeTiles(block_n=32, num_warps=4, num_stages=3, min_split=256)
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor, kv_lens: torch.Tensor,
@@ -295,7 +298,8 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Ten
     if not direct:
         _decode_merge_kernel[(batch, num_heads)](
             mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, kv_lens, HEAD_DIM=latent_dim,
-            BLOCK_D=block_l, BLOCK_N=tiles.block_n, MIN_SPLIT=min_split, **pdl_kw())
+            BLOCK_D=block_l, BLOCK_N=tiles.block_n, MIN_SPLIT=min_split, BLOCK_S=merge_splits(num_splits),
+            num_warps=8 if num_splits > 8 else 4, **pdl_kw())
     return out
 
 

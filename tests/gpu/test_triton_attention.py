@@ -78,14 +78,17 @@ def _check_decode(layout, page_size, kv_lens, dtype, heads=(8, 2), head_dim=64, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16 if INTERPRET else torch.bfloat16])
-def test_decode_one_split_and_fewest_keys_a_split(dtype):
-    """One split: the split kernel stores the output itself (no merge), bit for bit what merging a
+@pytest.mark.parametrize("merge_tile", [True, False])
+def test_decode_one_split_and_fewest_keys_a_split(dtype, merge_tile, monkeypatch):
+    """Both merges (the splits as one tile, the default, and one after another: ``MERGE_TILE``).
+    One split: the split kernel stores the output itself (no merge), bit for bit what merging a
     single split gives (two splits of at least 512 keys: the second returns at once, unwritten, and
     the merge must read the first alone). ``min_split``: splits of at least that many keys, the
     programs past the context returning at once and the merge reading only the splits in use
     (lengths 1 to 300 over 8 splits of at least 64: 1 to 5 in use); both against the reference,
     and the splits in use equal to as many splits without a minimum. A padding row (length 0) gets
     zeros either way."""
+    monkeypatch.setattr(triton_attention, "MERGE_TILE", merge_tile)
     kv_lens, (num_heads, num_kv_heads), head_dim, page_size = [300, 1, 64, 65, 0, 129], (8, 2), 64, 16
     pool = Pool("page-major", sum(-(-n // page_size) for n in kv_lens) + 3, page_size, num_kv_heads, head_dim, dtype)
     tables = pool.tables(kv_lens)
