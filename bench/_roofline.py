@@ -43,11 +43,13 @@ def expected_experts_touched(num_experts: int, top_k: int, batch: int) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
 
 
-def split_weights(params: Iterable[tuple[str, int, int]], num_experts: int = 0, top_k: int = 0) -> WeightBytes:
+def split_weights(params: Iterable[tuple[str, int, int]], num_experts: int = 0, top_k: int = 0,
+                  shared: int = 0) -> WeightBytes:
     """``params``: (name, numel, element bytes) of every weight a step reads (the embedding table
     left out unless tied to lm_head). Names ending ``.moe.w13`` / ``.moe.w2`` (Qwen3-MoE) or
-    ``.mlp.w13`` / ``.mlp.w2`` (DeepSeek's routed experts) are a sparse layer's stacked experts
-    ``[E, ...]`` (``common/layers/moe.py``); everything else is dense. An FP8
+    ``.mlp.w13`` / ``.mlp.w2`` (DeepSeek's experts) are a sparse layer's stacked experts
+    ``[E + shared, ...]`` (``common/layers/moe.py``): the last ``shared`` (DeepSeek's shared experts,
+    every token's) count as dense; everything else is dense. An FP8
     linear's ``.scale`` (``common/layers/fp8.py``) is read with its weight but multiplies nothing:
     its bytes count, not its elements."""
     dense_bytes = dense_params = expert_bytes = expert_params = 0
@@ -70,9 +72,11 @@ def split_weights(params: Iterable[tuple[str, int, int]], num_experts: int = 0, 
         return WeightBytes(dense_bytes, dense_params)
     if num_experts <= 0:
         raise ValueError(f"{len(sparse_layers)} sparse layers but num_experts={num_experts}")
-    per_expert = len(sparse_layers) * num_experts
-    return WeightBytes(dense_bytes, dense_params, len(sparse_layers), num_experts, top_k,
-                       expert_bytes // per_expert, expert_params // per_expert)
+    per_expert = len(sparse_layers) * (num_experts + shared)
+    one_bytes, one_params = expert_bytes // per_expert, expert_params // per_expert
+    always = len(sparse_layers) * shared  # the shared experts: read by every step, whatever the routing
+    return WeightBytes(dense_bytes + always * one_bytes, dense_params + always * one_params, len(sparse_layers),
+                       num_experts, top_k, one_bytes, one_params)
 
 
 def decode_weight_bytes(w: WeightBytes, experts_touched: float) -> float:

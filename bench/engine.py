@@ -138,7 +138,7 @@ def routed_experts(runner, seqs) -> float | None:
 
     def observed(logits, top_k, *args, **kwargs):
         weights, ids = select(logits, top_k, *args, **kwargs)
-        counts.append(ids.unique().numel())
+        counts.append(ids[:, :top_k].unique().numel())  # the routed ones (DeepSeek's shared experts follow)
         return weights, ids
 
     attn.select_experts, graphs, target.graphs = observed, target.graphs, []
@@ -252,6 +252,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--mla-ab", action="store_true",
                     help="MLA models: decode (and profile) again with the absorbed projections as torch einsums and the "
                          "MLA decode kernel's tiles of tree 0fd301d (32 keys a step, every split used, always merged)")
+    ap.add_argument("--shared-ab", action="store_true",
+                    help="DeepSeek: decode (and profile) again with the shared experts as one dense SwiGLU of their own "
+                         "(deepseek.MoeBlock.fold_shared off), side by side with the default (in the routed experts' launches)")
     ap.add_argument("--merge-ab", action="store_true",
                     help="decode (and profile) again with the decode attention's splits merged one after another "
                          "(triton_attention.MERGE_TILE off), side by side with the default (all splits as one tile)")
@@ -453,12 +456,15 @@ def main() -> None:
         base["mla"] = "kernels"
     if a.merge_ab:
         base["merge"] = "tile"
+    if a.shared_ab:
+        base["shared_experts"] = "folded"
     # FP8 linears keep their e4m3 weight and fp32 scales as buffers (common/layers/fp8.py): the bytes a step reads
     tensors = [*model.named_parameters(), *model.named_buffers()]
     weights = split_weights([(name, p.numel(), p.element_size()) for name, p in tensors
                              if name != "embed" or model.config.has_tied_embeddings],
-                            *((moe.num_experts, moe.num_experts_per_tok) if moe else
-                              (ds.n_routed_experts, ds.num_experts_per_tok) if (ds := model.config.deepseek) else (0, 0)))
+                            *((moe.num_experts, moe.num_experts_per_tok, 0) if moe else
+                              (ds.n_routed_experts, ds.num_experts_per_tok, ds.n_shared_experts)
+                              if (ds := model.config.deepseek) else (0, 0, 0)))
     # A process's first decode reading, right after the graphs are captured, reads high (7-25 % on an H100, whatever
     # the batch: bench/RESULTS.md, "first reading"): one is taken and dropped before any case is emitted.
     first = int(a.batches.split(",")[0]), int(a.contexts.split(",")[0])
@@ -501,6 +507,11 @@ def main() -> None:
         with switched(runner, model.attn, "absorb_kernels", False), \
                 switched(runner, triton_mla, "decode_tiles", lambda splits: DecodeTiles(32)):
             rerun(runner, a, {**base, "mla": "0fd301d"}, *again)
+    if a.shared_ab and model.config.deepseek is not None and model.config.deepseek.n_shared_experts:
+        from kvferry.common.models.deepseek import MoeBlock
+
+        with switched(runner, MoeBlock, "fold_shared", False):
+            rerun(runner, a, {**base, "shared_experts": "dense"}, *again)
     if a.merge_ab and model.attn.name == "triton":
         from kvferry.common.kernels import triton_attention as ta
 

@@ -568,19 +568,21 @@ if [[ $what == mla ]]; then
 fi
 if [[ $what == merge ]]; then
   # issues 28 and 29: the decode attention's splits merged as one tile (the tree's) against one after another
-  # (--merge-ab), and the MLA tiles and absorbed projections against tree 0fd301d's (--mla-ab), in the DeepSeek-V2-Lite,
-  # Qwen3-30B-A3B and 8B FP8 steps (batch-1 kernels profiled); first the attention, MLA and graph tests
+  # (--merge-ab), the MLA tiles and absorbed projections against tree 0fd301d's (--mla-ab) and DeepSeek's shared experts
+  # in the routed experts' launches against a dense SwiGLU of their own (--shared-ab), in the DeepSeek-V2-Lite,
+  # Qwen3-30B-A3B (batch-1 kernels profiled) and 8B FP8 steps; first the attention, MLA, MoE and graph tests
   fp8_build channel > "$out/build.txt" 2>&1 &
   for preset in deepseek-v2-lite qwen3-30b-a3b; do
     ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) \
       >> "$out/build.txt" &
   done
   timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_triton_attention.py \
-    tests/gpu/test_triton_mla.py tests/gpu/test_triton_fp8_kv.py tests/gpu/test_engine_graphs.py > "$out/merge-tests.txt" 2>&1
+    tests/gpu/test_triton_mla.py tests/gpu/test_triton_fp8_kv.py tests/gpu/test_triton_moe.py tests/gpu/test_deepseek_graphs.py \
+    tests/gpu/test_engine_graphs.py > "$out/merge-tests.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/merge-tests.txt" | tail -8
   wait
-  timeout ${MERGE_DS_TIMEOUT:-110} python3 bench/engine.py --model /tmp/deepseek-v2-lite/target --batches 64,8,1 \
-    --contexts 1024 --prefill "" --mla-ab --merge-ab --kv-budget-gib 16 2>>"$out/merge.err" \
+  timeout ${MERGE_DS_TIMEOUT:-150} python3 bench/engine.py --model /tmp/deepseek-v2-lite/target --batches 64,8,1 \
+    --contexts 1024 --prefill "" --mla-ab --merge-ab --shared-ab --kv-budget-gib 16 2>>"$out/merge.err" \
     | sed "s/^{/{\"preset\": \"deepseek-v2-lite\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   timeout ${MERGE_QWEN_TIMEOUT:-100} python3 bench/engine.py --model /tmp/qwen3-30b-a3b/target --batches 64,8,1 \
     --contexts 1024 --prefill "" --merge-ab --profile 1 --kv-budget-gib 16 2>>"$out/merge.err" \

@@ -276,7 +276,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 @triton.jit
 def _softmax_topk_kernel(logits, weights, ids, E, stride_l, scale, eps, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_K: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = 0):
+                         BLOCK_K: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr = 0, PDL: tl.constexpr = 0):
+    """Row t's k picks, then SHARED always-chosen experts (ids E, E + 1, ..., weight 1)."""
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
@@ -296,24 +297,31 @@ def _softmax_topk_kernel(logits, weights, ids, E, stride_l, scale, eps, TOP_K: t
     if RENORM:
         picked = picked / (tl.sum(picked, 0) + eps)
     picked = picked * scale
-    tl.store(weights + t * TOP_K + j, picked.to(weights.dtype.element_ty), mask=j < TOP_K)
-    tl.store(ids + t * TOP_K + j, picked_ids, mask=j < TOP_K)
+    row = t * (TOP_K + SHARED)
+    tl.store(weights + row + j, picked.to(weights.dtype.element_ty), mask=j < TOP_K)
+    tl.store(ids + row + j, picked_ids, mask=j < TOP_K)
+    if SHARED > 0:
+        tail = tl.arange(0, BLOCK_K)
+        tl.store(weights + row + TOP_K + tail, tl.full((BLOCK_K,), 1.0, tl.float32).to(weights.dtype.element_ty),
+                 mask=tail < SHARED)
+        tl.store(ids + row + TOP_K + tail, (E + tail).to(tl.int64), mask=tail < SHARED)
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype, scale: float = 1.0,
-                 eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float = 0.0, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A router in one launch: logits [T, E] -> (weights [T, k] ``out_dtype``, ids [T, k] int64), the k
     largest of softmax(logits) in fp32, in descending order, divided by (their sum + ``eps``) when
-    ``renormalize``, times ``scale``. As ``moe.select_experts`` (``scale`` 1, ``eps`` 0) and
-    DeepSeek's greedy softmax ``route``; the torch composition is five to seven launches."""
+    ``renormalize``, times ``scale``; then ``shared`` always-chosen experts (``moe.append_shared``:
+    [T, k + shared]). As ``moe.select_experts`` (``scale`` 1, ``eps`` 0) and DeepSeek's greedy
+    softmax ``route``; the torch composition is five to seven launches."""
     num_tokens, num_experts = logits.shape
-    weights = torch.empty(num_tokens, top_k, dtype=out_dtype, device=logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(num_tokens, top_k + shared, dtype=out_dtype, device=logits.device)
+    ids = torch.empty(num_tokens, top_k + shared, dtype=torch.int64, device=logits.device)
     if num_tokens == 0:
         return weights, ids
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     _softmax_topk_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0), scale, eps, TOP_K=top_k,
                                         BLOCK_E=triton.next_power_of_2(num_experts),
-                                        BLOCK_K=triton.next_power_of_2(top_k), RENORM=renormalize, num_warps=4,
-                                        **pdl_kw())
+                                        BLOCK_K=triton.next_power_of_2(max(top_k, shared)), RENORM=renormalize,
+                                        SHARED=shared, num_warps=4, **pdl_kw())
     return weights, ids

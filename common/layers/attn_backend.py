@@ -283,9 +283,9 @@ class TritonBackend:
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids, extra=None) -> torch.Tensor:
         return self.moe.fused_moe(x, w13, w2, topk_weights, topk_ids, extra)  # the add in the slot sum's launch
 
-    def select_experts(self, logits, top_k: int, renormalize: bool, scale=1.0, eps=0.0, out_dtype=None):
+    def select_experts(self, logits, top_k: int, renormalize: bool, scale=1.0, eps=0.0, out_dtype=None, shared=0):
         """As ``moe.select_experts``, in one launch (``triton_moe.softmax_topk``)."""
-        return self.moe.softmax_topk(logits, top_k, renormalize, out_dtype or logits.dtype, scale, eps)
+        return self.moe.softmax_topk(logits, top_k, renormalize, out_dtype or logits.dtype, scale, eps, shared)
 
     def mla_rows(self, kv_a, q_pe, cos_sin, norm, eps: float, rotary, cache=None, plan=None):
         """As ``mla.latent_rows_ref``, in one launch (``triton_mla.latent_rows``)."""

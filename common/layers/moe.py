@@ -26,19 +26,31 @@ from kvferry.common.layers.tp_layers import Slice, TensorSlot, TpShard, rank_exp
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, scale: float = 1.0,
-                   eps: float = 0.0, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   eps: float = 0.0, out_dtype: torch.dtype | None = None,
+                   shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (topk_weights [T, k] in ``out_dtype`` (default the logits'), topk_ids
     [T, k] int64): softmax in fp32, the k most probable experts, their probabilities divided by
     (their sum + ``eps``) when ``renormalize``, times ``scale`` (as transformers'
-    ``Qwen3MoeTopKRouter`` with the defaults; DeepSeek-V2's greedy router with its own). The
-    reference of ``triton_moe.softmax_topk``."""
+    ``Qwen3MoeTopKRouter`` with the defaults; DeepSeek-V2's greedy router with its own). ``shared``:
+    then that many always-chosen experts, ``append_shared``'s. The reference of ``triton_moe.softmax_topk``."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
     if scale != 1.0:
         weights = weights * scale
-    return weights.to(out_dtype or router_logits.dtype), ids
+    return append_shared(weights.to(out_dtype or router_logits.dtype), ids, router_logits.shape[1], shared)
+
+
+def append_shared(weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
+                  shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, k] routed weights and ids -> [T, k + shared]: DeepSeek's shared experts as experts
+    ``num_experts .. num_experts + shared - 1`` of the stacked weights, chosen by every token with
+    weight 1 (``deepseek.MoeBlock`` keeps them there: they run in the same launches as the routed)."""
+    if not shared:
+        return weights, ids
+    tail = torch.arange(num_experts, num_experts + shared, device=ids.device).expand(ids.shape[0], shared)
+    return torch.cat((weights, weights.new_ones(ids.shape[0], shared)), 1), torch.cat((ids, tail), 1)
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

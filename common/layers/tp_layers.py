@@ -54,7 +54,7 @@ def tp_refusal(c: ModelConfig, tp_size: int) -> str | None:
     """Why ``tp_size`` does not fit (the first rule it breaks, with the model's numbers), or None.
 
     ``tp_size`` must divide the attention heads, the intermediate size and the experts'
-    intermediate size (so also DeepSeek's shared experts', ``n_shared_experts`` times it), and
+    intermediate size (DeepSeek's shared experts are experts of that size too), and
     divide or be divided by the KV heads (``kvferry.common.plan.tp.check_tp``). DeepSeek's latent
     is one head every rank holds whole, so its KV heads set no rule."""
     if c.num_attention_heads % tp_size:
@@ -108,10 +108,6 @@ class TpShard:
         return cls(tp_size, tp_rank, c.head_dim, _block(c.num_attention_heads, tp_size, tp_rank), kv_heads,
                    _block(c.intermediate_size, tp_size, tp_rank),
                    _block(moe_inter, tp_size, tp_rank) if moe_inter is not None else None)
-
-    def block(self, full: int) -> HeadRange:
-        """This rank's block of a dim of ``full`` elements (e.g. DeepSeek's shared experts' intermediate)."""
-        return _block(full, self.tp_size, self.tp_rank)
 
     @property
     def is_sharded(self) -> bool:

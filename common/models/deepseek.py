@@ -18,7 +18,8 @@ extends; ``mla.attends_expanded`` chooses per step), the cache ``common/cache/ml
 Routed experts are stacked, ``w13`` [E, 2I, H] (gate rows, then up rows) and ``w2`` [E, H, I], and
 run through the backend's ``fused_moe`` (``common/layers/moe.py``'s layout: ``moe.fused_moe_ref`` on
 torch, ``common/kernels/triton_moe.py`` on triton) with DeepSeek's own routing above; the shared
-experts are one dense SwiGLU. The router makes no host sync (no ``.item()``, ``nonzero`` or boolean
+experts are stacked after them as ``n_shared_experts`` more experts that every token chooses with
+weight 1 (``MoeBlock``), so one block is the router and the experts' launches, shared ones included. The router makes no host sync (no ``.item()``, ``nonzero`` or boolean
 indexing: groups are masked with ``masked_fill``), so on the triton backend a decode step runs on
 the device only and is captured in a CUDA graph (``common/engine/cuda_graph.py``), as Llama's.
 Attention on either backend (``--attention-backend``, ``auto`` picks triton on CUDA).
@@ -33,6 +34,7 @@ computes logits.
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +43,7 @@ from torch import nn
 from kvferry.common.cache.mla_cache import LatentCache
 from kvferry.common.errors import ConfigError
 from kvferry.common.layers.attn_backend import make_backend
+from kvferry.common.layers.moe import append_shared
 from kvferry.common.layers.mla import LatentRope, MlaAttention, _param
 from kvferry.common.layers.tp_layers import Slice, TensorSlot, TpShard, rank_experts
 from kvferry.common.plan.tp import HeadRange
@@ -49,19 +52,22 @@ from kvferry.common.models.deepseek_config import DeepseekSpec
 from kvferry.common.models.llama import SeqChunk, TokenFeed, check_chunks, final_norm
 
 logger = logging.getLogger(__name__)
+_SHARED = re.compile(r"(model\.layers\.\d+\.mlp\.shared_experts\.)(gate_proj|up_proj|down_proj)\.weight")
 
 
-def route(logits: torch.Tensor, spec: DeepseekSpec, bias: torch.Tensor | None,
-          backend=None) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, spec: DeepseekSpec, bias: torch.Tensor | None, backend=None,
+          shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] fp32 -> (weights [T, k] fp32, expert ids [T, k]), as the module docstring
-    says. V2's greedy softmax top-k goes through ``backend.select_experts`` when a backend is given
-    (one launch on the Triton backend; its ids in descending order of weight)."""
+    says; ``shared``: then that many always-chosen experts (``moe.append_shared``, [T, k + shared]).
+    V2's greedy softmax top-k goes through ``backend.select_experts`` when a backend is given (one
+    launch on the Triton backend, the shared experts' columns included; its ids in descending order
+    of weight)."""
     num_tokens, num_experts = logits.shape
     is_v3 = spec.version == 3
     if backend is not None and not is_v3 and spec.topk_method == "greedy":
         normalise = spec.norm_topk_prob and spec.num_experts_per_tok > 1
         return backend.select_experts(logits, spec.num_experts_per_tok, normalise,
-                                      1.0 if normalise else spec.routed_scaling_factor, 1e-20, torch.float32)
+                                      1.0 if normalise else spec.routed_scaling_factor, 1e-20, torch.float32, shared)
     scores = logits.sigmoid() if is_v3 else logits.softmax(dim=-1, dtype=torch.float32)
     choice = scores + bias if is_v3 else scores
     if spec.topk_method != "greedy":
@@ -78,11 +84,11 @@ def route(logits: torch.Tensor, spec: DeepseekSpec, bias: torch.Tensor | None,
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     if is_v3 or not normalise:
         weights = weights * spec.routed_scaling_factor
-    return weights, ids
+    return append_shared(weights, ids, num_experts, shared)
 
 
 class DenseMlp(nn.Module):
-    """SwiGLU with fused gate/up rows: a dense layer's MLP, or the shared experts. Holds the block
+    """SwiGLU with fused gate/up rows: a dense layer's MLP (``first_k_dense_replace``). Holds the block
     ``part`` of the ``full`` intermediate size (gate/up rows, down columns): ``forward`` returns this
     rank's partial sum."""
 
@@ -104,43 +110,67 @@ class DenseMlp(nn.Module):
 
 
 class MoeBlock(nn.Module):
-    """Router (fp32, as transformers keeps it; replicated), the routed experts ``rank_experts`` names
-    with this rank's block of their intermediate dim (``shard.moe_inter``), stacked, and the shared
-    experts' block. ``forward`` returns this rank's partial sum."""
+    """Router (fp32, as transformers keeps it; replicated) and the experts: the routed ones
+    ``rank_experts`` names, then the ``n_shared_experts`` shared ones, stacked, each with this rank's
+    block of its intermediate dim (``shard.moe_inter``). ``forward`` returns this rank's partial sum.
+
+    The shared experts (one SwiGLU of ``n_shared_experts`` x ``moe_intermediate_size`` in the
+    checkpoint) are kept as that many experts of ``moe_intermediate_size`` after the routed ones
+    (``unfuse`` splits the checkpoint's tensors), which every token chooses with weight 1
+    (``moe.append_shared``): a SwiGLU is a sum over its intermediate units, so the split changes
+    nothing but the order of the sum, and they run in the routed experts' launches. ``fold_shared``
+    False runs them as one dense SwiGLU of their own, as before (``bench/engine.py --shared-ab``)."""
+
+    fold_shared = True
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, shard: TpShard) -> None:
         super().__init__()
         s, hidden, inter = config.deepseek, config.hidden_size, shard.moe_inter.count
         self.spec, self.shard = s, shard
         self.experts = rank_experts(s.n_routed_experts, shard)
+        self.num_shared = s.n_shared_experts
         self.gate_weight = _param((s.n_routed_experts, hidden), torch.float32, device)
         self.score_bias = _param((s.n_routed_experts,), torch.float32, device) if s.version == 3 else None
-        self.w13 = _param((self.experts.count, 2 * inter, hidden), dtype, device)  # [E, 2I, H]: gate; up
-        self.w2 = _param((self.experts.count, hidden, inter), dtype, device)  # [E, H, I]
-        shared = s.n_shared_experts * s.moe_intermediate_size
-        self.shared = DenseMlp(hidden, shared, shard.block(shared), dtype, device) if shared else None
+        stacked = self.experts.count + self.num_shared
+        self.w13 = _param((stacked, 2 * inter, hidden), dtype, device)  # [E + S, 2I, H]: gate; up
+        self.w2 = _param((stacked, hidden, inter), dtype, device)  # [E + S, H, I]
+        self._unfolded = None  # the shared experts as one dense SwiGLU (fold_shared False), made on first use
 
     def hf_tensor_map(self, prefix: str) -> dict[str, TensorSlot]:
+        """The routed experts' names, and the shared experts' as ``unfuse`` names their parts:
+        ``shared_experts.{j}.gate_proj.weight`` and so on."""
         num_experts, full, part = self.spec.n_routed_experts, self.spec.moe_intermediate_size, self.shard.moe_inter
         rows, cols = Slice(0, part.start, part.count, full), Slice(1, part.start, part.count, full)
         out = {prefix + "gate.weight": TensorSlot(self.gate_weight, 0, num_experts)}
         if self.score_bias is not None:
             out[prefix + "gate.e_score_correction_bias"] = TensorSlot(self.score_bias, 0, num_experts)
-        for local, expert in enumerate(range(self.experts.start, self.experts.stop)):
-            p = f"{prefix}experts.{expert}."
+        names = [f"{prefix}experts.{e}." for e in range(self.experts.start, self.experts.stop)]
+        names += [f"{prefix}shared_experts.{j}." for j in range(self.num_shared)]
+        for local, p in enumerate(names):
             out[p + "gate_proj.weight"] = TensorSlot(self.w13[local], 0, part.count, rows)
             out[p + "up_proj.weight"] = TensorSlot(self.w13[local], part.count, part.count, rows)
             out[p + "down_proj.weight"] = TensorSlot(self.w2[local], 0, self.w2.shape[1], cols)
-        if self.shared is not None:
-            out.update(self.shared.hf_tensor_map(prefix + "shared_experts."))
         return out
 
     def forward(self, h: torch.Tensor, attn) -> torch.Tensor:
         """h [T, hidden] -> [T, hidden]: each token's k experts, weighted, plus the shared experts."""
+        fold = self.fold_shared or not self.num_shared
         # fp32 logits (the weight is fp32, as transformers keeps it): one GEMV launch at one row on triton
-        weights, ids = route(attn.linear(h, self.gate_weight), self.spec, self.score_bias, attn)  # [T, k] each
-        # ids index w13/w2 directly: this rank holds every expert (rank_experts)
-        return attn.fused_moe(h, self.w13, self.w2, weights, ids, None if self.shared is None else self.shared(h, attn))
+        weights, ids = route(attn.linear(h, self.gate_weight), self.spec, self.score_bias, attn,
+                             self.num_shared if fold else 0)  # [T, k (+ S)] each
+        # ids index w13/w2 directly: this rank holds every expert (rank_experts), the shared ones after them
+        return attn.fused_moe(h, self.w13, self.w2, weights, ids, None if fold else self._shared_mlp(h, attn))
+
+    def _shared_mlp(self, h: torch.Tensor, attn) -> torch.Tensor:
+        """The shared experts as one dense SwiGLU: their gate-up rows as they lie, each expert's
+        [gate | up] pair through ``silu_mul``, then one down projection over their columns side by
+        side (a copy of w2's shared experts, made once)."""
+        first, count = self.experts.count, self.num_shared
+        if self._unfolded is None:
+            self._unfolded = self.w2[first:].permute(1, 0, 2).reshape(self.w2.shape[1], -1).contiguous()
+        gate_up = attn.linear(h, self.w13[first:].reshape(-1, self.w13.shape[2]))  # [T, S * 2I]
+        act = attn.silu_mul(gate_up.reshape(-1, self.w13.shape[1])).reshape(h.shape[0], -1)  # [T, S * I]
+        return attn.linear(act, self._unfolded)
 
 
 class DeepseekLayer(nn.Module):
@@ -237,9 +267,20 @@ class DeepseekForCausalLM(nn.Module):
         return out
 
     def unfuse(self, name: str, read) -> dict[str, torch.Tensor]:
-        """Tensors ``hf_tensor_map`` does not name are not fused ones this model splits: {} (the
-        loader ignores them, as the Hub's checkpoints' rotary caches)."""
-        return {}
+        """A sparse layer's shared experts (``mlp.shared_experts.{gate,up,down}_proj.weight``: one
+        SwiGLU of ``n_shared_experts`` x ``moe_intermediate_size``) as that many experts, the names
+        ``MoeBlock.hf_tensor_map`` gives them (views, no copy). Other tensors ``hf_tensor_map`` does
+        not name: {} (the loader ignores them, as the Hub's checkpoints' rotary caches)."""
+        match = _SHARED.fullmatch(name)
+        s = self.config.deepseek
+        if match is None or not s.n_shared_experts:
+            return {}
+        prefix, kind = match.groups()
+        tensor = read()
+        dim = 1 if kind == "down_proj" else 0
+        if tensor.dim() != 2 or tensor.shape[dim] != s.n_shared_experts * s.moe_intermediate_size:
+            return {name: tensor}  # the loader names the shape config.json implies for it
+        return {f"{prefix}{j}.{kind}.weight": part for j, part in enumerate(tensor.chunk(s.n_shared_experts, dim))}
 
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk], kv: LatentCache, *, all_logits: bool = False,

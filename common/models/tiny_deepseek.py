@@ -112,7 +112,7 @@ def presets(spec) -> dict:
         "deepseek-v2-tiny": spec(
             hidden_size=64, num_layers=3, num_heads=4, intermediate_size=96, draft_layers=1,
             deepseek=DeepseekShape(version=2, q_lora_rank=None, topk_method="group_limited_greedy",
-                                   routed_scaling_factor=2.0, norm_topk_prob=False),
+                                   routed_scaling_factor=2.0, norm_topk_prob=False, n_shared_experts=2),
             rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 0.707,
                           "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 1024},
         ),

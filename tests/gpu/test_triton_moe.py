@@ -191,3 +191,19 @@ def test_softmax_topk_equals_select_experts(num_tokens, num_experts, top_k, reno
     fp32_w, _ = triton_moe.softmax_topk(logits, top_k, renormalize, torch.float32, scale, eps)  # DeepSeek's fp32
     torch.testing.assert_close(fp32_w.cpu(), select_experts(logits, top_k, renormalize, scale, eps,
                                                             torch.float32)[0].cpu(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, shared", [(1, 64, 6, 2), (3, 60, 2, 1), (2, 8, 1, 3)])
+def test_softmax_topk_appends_the_shared_experts(num_tokens, num_experts, top_k, shared):
+    """DeepSeek's shared experts after the routed picks: ids E .. E + shared - 1, weight 1, in the same
+    launch, as moe.select_experts(shared=) appends them (the routed columns unchanged)."""
+    g = torch.Generator().manual_seed(num_experts + shared)
+    grid = torch.stack([torch.randperm(num_experts, generator=g) for _ in range(num_tokens)]).float()
+    logits = ((grid - num_experts / 2) * (6.0 / num_experts)).to(DEVICE)
+    want_w, want_ids = select_experts(logits, top_k, False, 2.0, 1e-20, torch.float32, shared)
+    got_w, got_ids = triton_moe.softmax_topk(logits, top_k, False, torch.float32, 2.0, 1e-20, shared)
+    assert got_ids.shape == got_w.shape == (num_tokens, top_k + shared)
+    assert torch.equal(got_ids.cpu(), want_ids.cpu())
+    assert torch.equal(got_ids[:, top_k:].cpu(), torch.arange(num_experts, num_experts + shared).expand(num_tokens, -1))
+    assert torch.equal(got_w[:, top_k:].cpu(), torch.ones(num_tokens, shared))
+    torch.testing.assert_close(got_w.cpu(), want_w.cpu(), rtol=1e-6, atol=1e-6)

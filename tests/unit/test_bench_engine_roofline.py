@@ -67,6 +67,17 @@ def test_a_moe_step_reads_the_dense_weights_and_the_experts_touched():
     assert active_params_per_token(w) == 3000 + 2 * 2 * 150
 
 
+def test_deepseeks_shared_experts_stacked_after_the_routed_count_as_dense():
+    # one sparse layer of 4 routed + 2 shared experts stacked ([6, ...]), 150 params each: the 2 shared are read
+    # by every step whatever the routing, so they are dense; an expert's size is the stack's over 6
+    params = [("layers.0.qkv_weight", 1000, 2), ("layers.0.mlp.w13", 600, 2), ("layers.0.mlp.w2", 300, 2)]
+    w = split_weights(params, num_experts=4, top_k=2, shared=2)
+    assert w == WeightBytes(dense_bytes=2000 + 2 * 300, dense_params=1000 + 2 * 150, num_sparse_layers=1,
+                            num_experts=4, top_k=2, expert_bytes=300, expert_params=150)
+    assert moe_decode_fields(w, batch=1)["weight_bytes_read"] == 2600 + 2 * 300  # the two routed on top
+    assert active_params_per_token(w) == 1300 + 2 * 150
+
+
 def test_sparse_layers_without_num_experts_are_refused():
     with pytest.raises(ValueError, match="1 sparse layers but num_experts=0"):
         split_weights([("layers.0.moe.w13", 400, 2)])

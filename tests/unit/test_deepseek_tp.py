@@ -130,8 +130,8 @@ def test_rank_shards_concatenate_to_the_checkpoint(model_dir, tp_size):
         for a in rank_attn:
             assert all(torch.equal(getattr(a, n), getattr(attn, n)) for n in replicated)
         if isinstance(whole.mlp, MoeBlock):
-            _assert_mlp_concatenates([p.mlp for p in parts], whole.mlp, 1)
-            _assert_mlp_concatenates([p.mlp.shared for p in parts], whole.mlp.shared, 0)
+            _assert_mlp_concatenates([p.mlp for p in parts], whole.mlp, 1)  # the shared experts after the routed
+            assert whole.mlp.w13.shape[0] == full.config.deepseek.n_routed_experts + full.config.deepseek.n_shared_experts
             assert all(torch.equal(p.mlp.gate_weight, whole.mlp.gate_weight) for p in parts)
         else:
             _assert_mlp_concatenates([p.mlp for p in parts], whole.mlp, 0)
@@ -140,7 +140,8 @@ def test_rank_shards_concatenate_to_the_checkpoint(model_dir, tp_size):
 
 
 def _experts_one_by_one(block: MoeBlock, h: torch.Tensor) -> torch.Tensor:
-    """The per-expert torch loop ``MoeBlock`` ran before ``fused_moe``, shared experts included."""
+    """The per-expert torch loop ``MoeBlock`` ran before ``fused_moe``, then the shared experts as
+    the one dense SwiGLU of the checkpoint (their gate, up and down rows side by side)."""
     weights, ids = route(F.linear(h.float(), block.gate_weight), block.spec, block.score_bias)
     out = torch.zeros_like(h)
     for expert in ids.unique().tolist():
@@ -148,9 +149,11 @@ def _experts_one_by_one(block: MoeBlock, h: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(h[tokens], block.w13[expert]).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, block.w2[expert])
         out.index_add_(0, tokens, (y * weights[tokens, slots, None]).to(out.dtype))
-    shared = block.shared
-    gate, up = F.linear(h, shared.gate_up_weight).chunk(2, dim=-1)
-    return out + F.linear(F.silu(gate) * up, shared.down_weight)
+    shared = range(block.experts.count, block.w13.shape[0])
+    gate = torch.cat([block.w13[e].chunk(2)[0] for e in shared])
+    up = torch.cat([block.w13[e].chunk(2)[1] for e in shared])
+    down = torch.cat([block.w2[e] for e in shared], dim=1)
+    return out + F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
 
 
 def test_fused_experts_equal_the_per_expert_loop(model_dir):
@@ -159,6 +162,9 @@ def test_fused_experts_equal_the_per_expert_loop(model_dir):
     h = torch.randn(37, whole.gate_weight.shape[1], generator=torch.Generator().manual_seed(5))
     reference = _experts_one_by_one(whole, h)
     torch.testing.assert_close(whole(h, TorchBackend()), reference, rtol=1e-5, atol=1e-5)
+    with pytest.MonkeyPatch.context() as patch:  # the shared experts in launches of their own (engine --shared-ab)
+        patch.setattr(MoeBlock, "fold_shared", False)
+        torch.testing.assert_close(whole(h, TorchBackend()), reference, rtol=1e-5, atol=1e-5)
     ranks = [load_model(model_dir, dtype="float32", tp_size=2, tp_rank=r).layers[1].mlp for r in range(2)]
     torch.testing.assert_close(sum(block(h, TorchBackend()) for block in ranks), reference, rtol=1e-5, atol=1e-5)
 
@@ -199,6 +205,5 @@ def test_valid_sizes_tile_every_sharded_dim(tp_size, sizes, num_shared, offsets)
         return
     shards = [TpShard.of(config, tp_size, r) for r in range(tp_size)]
     assert _covers([s.q_heads for s in shards], heads) and _covers([s.inter for s in shards], inter)
-    assert _covers([s.moe_inter for s in shards], moe_inter)
-    assert _covers([s.block(num_shared * moe_inter) for s in shards], num_shared * moe_inter)
+    assert _covers([s.moe_inter for s in shards], moe_inter)  # every expert's, the shared ones' too (stacked)
     assert all((s.kv_heads.start, s.kv_heads.count) == (0, 1) for s in shards)
