@@ -175,15 +175,22 @@ class MlaAttention(nn.Module):
         self.shard = shard = shard or TpShard.single(config)
         heads, hidden = shard.q_heads.count, c.hidden_size  # this rank's heads (all at TP 1)
         bias = s.has_attention_bias
+        # q_proj (V2: this rank's heads) or q_a_proj (V3), then kv_a_proj_with_mqa: the two projections of h,
+        # one weight, so one GEMM (one GEMV launch at a decode row); the names below are views of it
+        self.q_rows = heads * s.qk_head_dim if s.q_lora_rank is None else s.q_lora_rank
+        self.in_weight = _param((self.q_rows + s.latent_width, hidden), dtype, device)
+        # the bias rows of q_proj, which has none (V2), stay zero; the loader fills the others
+        self.in_bias = nn.Parameter(torch.zeros(self.in_weight.shape[0], dtype=dtype, device=device),
+                                    requires_grad=False) if bias else None
         if s.q_lora_rank is None:
-            self.q_weight = _param((heads * s.qk_head_dim, hidden), dtype, device)
+            self.q_weight = self.in_weight[:self.q_rows]
         else:
-            self.q_a_weight = _param((s.q_lora_rank, hidden), dtype, device)
-            self.q_a_bias = _param((s.q_lora_rank,), dtype, device) if bias else None
+            self.q_a_weight = self.in_weight[:self.q_rows]
+            self.q_a_bias = self.in_bias[:self.q_rows] if bias else None
             self.q_a_norm = _param((s.q_lora_rank,), dtype, device)
             self.q_b_weight = _param((heads * s.qk_head_dim, s.q_lora_rank), dtype, device)
-        self.kv_a_weight = _param((s.latent_width, hidden), dtype, device)
-        self.kv_a_bias = _param((s.latent_width,), dtype, device) if bias else None
+        self.kv_a_weight = self.in_weight[self.q_rows:]
+        self.kv_a_bias = self.in_bias[self.q_rows:] if bias else None
         self.kv_a_norm = _param((s.kv_lora_rank,), dtype, device)
         self.kv_b_weight = _param((heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank), dtype, device)
         self.o_weight = _param((hidden, heads * s.v_head_dim), dtype, device)
@@ -196,18 +203,23 @@ class MlaAttention(nn.Module):
         """Hugging Face name (under ``prefix`` + "self_attn.") -> destination: this rank's heads of
         q_proj / q_b_proj and kv_b_proj (rows) and of o_proj (columns), everything else whole."""
         p, s, heads, num_heads = prefix + "self_attn.", self.spec, self.shard.q_heads, self.config.num_attention_heads
-        names = {"kv_a_proj_with_mqa.weight": self.kv_a_weight, "kv_a_layernorm.weight": self.kv_a_norm}
+        rows, latent = self.q_rows, s.latent_width
+        out = {p + "kv_a_proj_with_mqa.weight": TensorSlot(self.in_weight, rows, latent),
+               p + "kv_a_layernorm.weight": TensorSlot(self.kv_a_norm, 0, s.kv_lora_rank)}
         if s.q_lora_rank is not None:
-            names.update({"q_a_proj.weight": self.q_a_weight, "q_a_layernorm.weight": self.q_a_norm})
+            out.update({p + "q_a_proj.weight": TensorSlot(self.in_weight, 0, rows),
+                        p + "q_a_layernorm.weight": TensorSlot(self.q_a_norm, 0, rows)})
         if s.has_attention_bias:
-            names.update({"kv_a_proj_with_mqa.bias": self.kv_a_bias, "o_proj.bias": self.o_bias})
+            out.update({p + "kv_a_proj_with_mqa.bias": TensorSlot(self.in_bias, rows, latent),
+                        p + "o_proj.bias": TensorSlot(self.o_bias, 0, self.o_bias.shape[0])})
             if s.q_lora_rank is not None:
-                names["q_a_proj.bias"] = self.q_a_bias
-        out = {p + name: TensorSlot(tensor, 0, tensor.shape[0]) for name, tensor in names.items()}
-        q_name, q_weight = ("q_proj", self.q_weight) if s.q_lora_rank is None else ("q_b_proj", self.q_b_weight)
+                out[p + "q_a_proj.bias"] = TensorSlot(self.in_bias, 0, rows)
         kv_b_dim = s.qk_nope_head_dim + s.v_head_dim
+        q_slot = (TensorSlot(self.in_weight, 0, rows, head_slice(0, heads, num_heads, s.qk_head_dim))
+                  if s.q_lora_rank is None else
+                  TensorSlot(self.q_b_weight, 0, self.q_b_weight.shape[0], head_slice(0, heads, num_heads, s.qk_head_dim)))
+        out[p + ("q_proj" if s.q_lora_rank is None else "q_b_proj") + ".weight"] = q_slot
         for name, weight, source in (
-                (q_name, q_weight, head_slice(0, heads, num_heads, s.qk_head_dim)),
                 ("kv_b_proj", self.kv_b_weight, head_slice(0, heads, num_heads, kv_b_dim)),
                 ("o_proj", self.o_weight, head_slice(1, heads, num_heads, s.v_head_dim))):
             out[f"{p}{name}.weight"] = TensorSlot(weight, 0, weight.shape[0], source)
@@ -225,13 +237,10 @@ class MlaAttention(nn.Module):
         also stored into ``cache`` at the plan's (page, row) when a cache is given."""
         s, eps = self.spec, self.config.rms_norm_eps
         num_tokens = h.shape[0]
-        if s.q_lora_rank is None:
-            q = attn.linear(h, self.q_weight)
-        else:
-            q_a = rms_norm(attn.linear(h, self.q_a_weight, self.q_a_bias), self.q_a_norm, eps)
-            q = attn.linear(q_a, self.q_b_weight)
+        q, kv_a = attn.linear(h, self.in_weight, self.in_bias).split([self.q_rows, s.latent_width], -1)  # kv_a [T, L + R]
+        if s.q_lora_rank is not None:
+            q = attn.linear(rms_norm(q, self.q_a_norm, eps), self.q_b_weight)
         q_nope, q_pe = q.view(num_tokens, -1, s.qk_head_dim).split([s.qk_nope_head_dim, s.qk_rope_head_dim], -1)
-        kv_a = attn.linear(h, self.kv_a_weight, self.kv_a_bias)  # [T, L + R]
         q_pe, rows = attn.mla_rows(kv_a, q_pe, cos_sin, self.kv_a_norm, eps, rotary, cache, plan)
         return q_nope, q_pe, rows
 
