@@ -577,15 +577,15 @@ if [[ $what == merge ]]; then
       >> "$out/build.txt" &
   done
   timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_triton_attention.py \
-    tests/gpu/test_triton_mla.py tests/gpu/test_triton_fp8_kv.py tests/gpu/test_triton_moe.py tests/gpu/test_deepseek_graphs.py \
-    tests/gpu/test_engine_graphs.py > "$out/merge-tests.txt" 2>&1
+    tests/gpu/test_triton_mla.py tests/gpu/test_triton_moe.py tests/gpu/test_deepseek_graphs.py ${MERGE_TESTS_MORE-tests/gpu/test_triton_fp8_kv.py \
+    tests/gpu/test_engine_graphs.py} > "$out/merge-tests.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/merge-tests.txt" | tail -8
   wait
-  timeout ${MERGE_DS_TIMEOUT:-150} python3 bench/engine.py --model /tmp/deepseek-v2-lite/target --batches 64,8,1 \
+  timeout ${MERGE_DS_TIMEOUT:-150} python3 bench/engine.py --model /tmp/deepseek-v2-lite/target --batches ${MERGE_BATCHES:-64,8,1} \
     --contexts 1024 --prefill "" --mla-ab --merge-ab --shared-ab --kv-budget-gib 16 2>>"$out/merge.err" \
     | sed "s/^{/{\"preset\": \"deepseek-v2-lite\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
-  timeout ${MERGE_QWEN_TIMEOUT:-100} python3 bench/engine.py --model /tmp/qwen3-30b-a3b/target --batches 64,8,1 \
-    --contexts 1024 --prefill "" --merge-ab --profile 1 --kv-budget-gib 16 2>>"$out/merge.err" \
+  timeout ${MERGE_QWEN_TIMEOUT:-100} python3 bench/engine.py --model /tmp/qwen3-30b-a3b/target --batches ${MERGE_BATCHES:-64,8,1} \
+    --contexts 1024 --prefill "" --merge-ab ${MERGE_PROFILE---profile 1} --kv-budget-gib 16 2>>"$out/merge.err" \
     | sed "s/^{/{\"preset\": \"qwen3-30b-a3b\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   ENGINE_TIMEOUT=${MERGE_FP8_TIMEOUT:-110} fp8_engine fp8-channel --model /tmp/m8b-fp8c/target --batches 64,1 \
     --contexts 1024 --prefill "" --merge-ab --kv-budget-gib 16 | cut -c1-120
