@@ -255,6 +255,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--shared-ab", action="store_true",
                     help="DeepSeek: decode (and profile) again with the shared experts as one dense SwiGLU of their own "
                          "(deepseek.MoeBlock.fold_shared off), side by side with the default (in the routed experts' launches)")
+    ap.add_argument("--rope-ab", action="store_true",
+                    help="decode (and profile) again with rope_store in one program a token (triton_fused.ROPE_Q_HEADS "
+                         "0), side by side with the default (8 q heads a program, k and v in one more)")
     ap.add_argument("--merge-ab", action="store_true",
                     help="decode (and profile) again with the decode attention's splits merged one after another "
                          "(triton_attention.MERGE_TILE off), side by side with the default (all splits as one tile)")
@@ -458,6 +461,8 @@ def main() -> None:
         base["merge"] = "tile"
     if a.shared_ab:
         base["shared_experts"] = "folded"
+    if a.rope_ab:
+        base["rope_programs"] = "split"
     # FP8 linears keep their e4m3 weight and fp32 scales as buffers (common/layers/fp8.py): the bytes a step reads
     tensors = [*model.named_parameters(), *model.named_buffers()]
     weights = split_weights([(name, p.numel(), p.element_size()) for name, p in tensors
@@ -512,6 +517,11 @@ def main() -> None:
 
         with switched(runner, MoeBlock, "fold_shared", False):
             rerun(runner, a, {**base, "shared_experts": "dense"}, *again)
+    if a.rope_ab and model.attn.name == "triton":
+        from kvferry.common.kernels import triton_fused
+
+        with switched(runner, triton_fused, "ROPE_Q_HEADS", 0):
+            rerun(runner, a, {**base, "rope_programs": "one"}, *again)
     if a.merge_ab and model.attn.name == "triton":
         from kvferry.common.kernels import triton_attention as ta
 

@@ -568,8 +568,9 @@ if [[ $what == mla ]]; then
 fi
 if [[ $what == merge ]]; then
   # issues 28 and 29: the decode attention's splits merged as one tile (the tree's) against one after another
-  # (--merge-ab), the MLA tiles and absorbed projections against tree 0fd301d's (--mla-ab) and DeepSeek's shared experts
-  # in the routed experts' launches against a dense SwiGLU of their own (--shared-ab), in the DeepSeek-V2-Lite,
+  # (--merge-ab), rope_store over a few programs a token against one (--rope-ab, Qwen3 and FP8), the MLA tiles and
+  # absorbed projections against tree 0fd301d's (--mla-ab) and DeepSeek's shared experts in the routed experts'
+  # launches against a dense SwiGLU of their own (--shared-ab), in the DeepSeek-V2-Lite,
   # Qwen3-30B-A3B (batch-1 kernels profiled) and 8B FP8 steps; first the attention, MLA, MoE and graph tests
   fp8_build channel > "$out/build.txt" 2>&1 &
   for preset in deepseek-v2-lite qwen3-30b-a3b; do
@@ -585,10 +586,10 @@ if [[ $what == merge ]]; then
     --contexts 1024 --prefill "" --mla-ab --merge-ab --shared-ab --kv-budget-gib 16 2>>"$out/merge.err" \
     | sed "s/^{/{\"preset\": \"deepseek-v2-lite\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   timeout ${MERGE_QWEN_TIMEOUT:-100} python3 bench/engine.py --model /tmp/qwen3-30b-a3b/target --batches ${MERGE_BATCHES:-64,8,1} \
-    --contexts 1024 --prefill "" --merge-ab ${MERGE_PROFILE---profile 1} --kv-budget-gib 16 2>>"$out/merge.err" \
+    --contexts 1024 --prefill "" --merge-ab --rope-ab ${MERGE_PROFILE---profile 1} --kv-budget-gib 16 2>>"$out/merge.err" \
     | sed "s/^{/{\"preset\": \"qwen3-30b-a3b\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   ENGINE_TIMEOUT=${MERGE_FP8_TIMEOUT:-110} fp8_engine fp8-channel --model /tmp/m8b-fp8c/target --batches 64,1 \
-    --contexts 1024 --prefill "" --merge-ab --kv-budget-gib 16 | cut -c1-120
+    --contexts 1024 --prefill "" --merge-ab --rope-ab --kv-budget-gib 16 | cut -c1-120
 fi
 if [[ $what == moe-routed ]]; then
   # both MoE presets' decode steps with a distinct token per sequence (bench/engine.py's last_token: before, every

@@ -85,14 +85,14 @@ def _quant_outputs(x: torch.Tensor, width: int, quant: bool) -> tuple[torch.Tens
 
 
 @triton.jit
-def _rotate(x_ptr, stride_h, cos, sin, norm, eps, NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+def _rotate(x_ptr, stride_h, cos, sin, norm, eps, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
             BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Loads heads [NUM_HEADS, 2 * HALF] at x_ptr; returns the rotated halves (fp32). HAS_NORM: each
+    """Loads heads [num_heads, 2 * HALF] at x_ptr; returns the rotated halves (fp32). HAS_NORM: each
     head is RMS-normalised first with the weight ``norm`` [2 * HALF] (Qwen3's q/k norm), rounded as
     ``norm.rms_norm`` rounds (the normalised head to x's dtype, then the product with the weight)."""
     h = tl.arange(0, BLOCK_H)
     j = tl.arange(0, BLOCK_HALF)
-    mask = (h[:, None] < NUM_HEADS) & (j[None, :] < HALF)
+    mask = (h[:, None] < num_heads) & (j[None, :] < HALF)
     lo = tl.load(x_ptr + h[:, None] * stride_h + j[None, :], mask=mask, other=0.0).to(tl.float32)
     hi = tl.load(x_ptr + h[:, None] * stride_h + HALF + j[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
@@ -114,17 +114,35 @@ def _rope_store_kernel(q, k, v, q_out, cos, sin, k_cache, v_cache, pages, rows, 
                        stride_kh, stride_vt, stride_vh, stride_cp, stride_cr, stride_ch, k_inv_scale, v_inv_scale,
                        q_norm, k_norm, eps, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                        BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                       QUANT: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr = 0):
+                       QUANT: tl.constexpr, HAS_NORM: tl.constexpr, SPLIT_Q: tl.constexpr = 0, PDL: tl.constexpr = 0):
+    """Token t's q heads, then its k and v. SPLIT_Q: program (t, 0) does k and v, (t, i > 0) the
+    BLOCK_QH q heads from (i - 1) * BLOCK_QH; else program (t, 0) does all of it."""
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
     cos_t, sin_t = cos + t * 2 * HALF, sin + t * 2 * HALF
-    q_lo, q_hi, q_mask = _rotate(q + t * stride_qt, stride_qh, cos_t, sin_t, q_norm, eps, NUM_Q_HEADS, HALF, BLOCK_QH,
-                                 BLOCK_HALF, HAS_NORM)
-    h = tl.arange(0, BLOCK_QH)
     j = tl.arange(0, BLOCK_HALF)
-    q_dst = q_out + t * NUM_Q_HEADS * 2 * HALF + h[:, None] * 2 * HALF + j[None, :]
-    tl.store(q_dst, q_lo.to(q_out.dtype.element_ty), mask=q_mask)
-    tl.store(q_dst + HALF, q_hi.to(q_out.dtype.element_ty), mask=q_mask)
+    if SPLIT_Q == 0 or part > 0:
+        h0 = (part - 1) * BLOCK_QH if SPLIT_Q else 0
+        q_lo, q_hi, q_mask = _rotate(q + t * stride_qt + h0 * stride_qh, stride_qh, cos_t, sin_t, q_norm, eps,
+                                     NUM_Q_HEADS - h0, HALF, BLOCK_QH, BLOCK_HALF, HAS_NORM)
+        h = tl.arange(0, BLOCK_QH)
+        q_dst = q_out + t * NUM_Q_HEADS * 2 * HALF + (h0 + h[:, None]) * 2 * HALF + j[None, :]
+        tl.store(q_dst, q_lo.to(q_out.dtype.element_ty), mask=q_mask)
+        tl.store(q_dst + HALF, q_hi.to(q_out.dtype.element_ty), mask=q_mask)
+    if part == 0:
+        _rope_store_kv(k, v, q_out, cos_t, sin_t, k_cache, v_cache, pages, rows, t, stride_kt, stride_kh, stride_vt,
+                       stride_vh, stride_cp, stride_cr, stride_ch, k_inv_scale, v_inv_scale, k_norm, eps, NUM_KV_HEADS,
+                       HALF, BLOCK_KH, BLOCK_HALF, QUANT, HAS_NORM)
+
+
+@triton.jit
+def _rope_store_kv(k, v, q_out, cos_t, sin_t, k_cache, v_cache, pages, rows, t, stride_kt, stride_kh, stride_vt,
+                   stride_vh, stride_cp, stride_cr, stride_ch, k_inv_scale, v_inv_scale, k_norm, eps,
+                   NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                   QUANT: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Token t's k rotated in place and stored with its v at (pages[t], rows[t]) (page < 0: skipped)."""
+    j = tl.arange(0, BLOCK_HALF)
     k_lo, k_hi, k_mask = _rotate(k + t * stride_kt, stride_kh, cos_t, sin_t, k_norm, eps, NUM_KV_HEADS, HALF,
                                  BLOCK_KH, BLOCK_HALF, HAS_NORM)
     hk = tl.arange(0, BLOCK_KH)
@@ -147,26 +165,34 @@ def _rope_store_kernel(q, k, v, q_out, cos, sin, k_cache, v_cache, pages, rows, 
             tl.store(v_cache + dst + part * HALF, v_part, mask=k_mask)
 
 
+ROPE_Q_HEADS = 8  # q heads a rope_store program rotates, its token's k and v in one more (0: one program a token)
+
+
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor,
-               k_scale: float = 1.0, v_scale: float = 1.0, qk_norm=None) -> torch.Tensor:
+               k_scale: float = 1.0, v_scale: float = 1.0, qk_norm=None, q_heads: int | None = None) -> torch.Tensor:
     """q [T, Hq, D], k, v [T, Hkv, D] (row-strided views of qkv are fine); cos, sin [T, 1, D] ->
     rotated q [T, Hq, D] (contiguous); k is rotated in place; k and v stored at (pages[t], rows[t]),
     page < 0 skipped (an FP8 pool: quantized by ``k_scale``/``v_scale``). ``qk_norm``: (q weight,
-    k weight, eps) of a per-head RMSNorm applied to q and k before the rotation (Qwen3)."""
+    k weight, eps) of a per-head RMSNorm applied to q and k before the rotation (Qwen3). ``q_heads``
+    (a power of two; default ``ROPE_Q_HEADS``): q heads a program takes, beside one program for the
+    token's k and v, so that a decode token's work is spread over a few programs; 0: one program."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return q_out
     half = head_dim // 2
-    _rope_store_kernel[(num_tokens,)](
+    q_heads = ROPE_Q_HEADS if q_heads is None else q_heads
+    split = 0 < q_heads < num_heads
+    block_qh = q_heads if split else triton.next_power_of_2(num_heads)
+    _rope_store_kernel[(num_tokens, 1 + triton.cdiv(num_heads, block_qh) if split else 1)](
         q, k, v, q_out, cos, sin, k_cache, v_cache, pages, rows, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), 1.0 / k_scale,
         1.0 / v_scale, *(qk_norm if qk_norm is not None else (q, q, 0.0)), NUM_Q_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_QH=triton.next_power_of_2(num_heads),
+        NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_QH=block_qh,
         BLOCK_KH=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=triton.next_power_of_2(half),
-        QUANT=is_quantized(k_cache.dtype), HAS_NORM=qk_norm is not None, num_warps=4, **pdl_kw())
+        QUANT=is_quantized(k_cache.dtype), HAS_NORM=qk_norm is not None, SPLIT_Q=int(split), num_warps=4, **pdl_kw())
     return q_out
 
 

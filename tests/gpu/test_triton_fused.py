@@ -43,7 +43,9 @@ def test_add_rms_norm(dtype, hidden):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["page-major", "layer-major"])
-def test_rope_store(dtype, layout):
+@pytest.mark.parametrize("q_heads", [0, 4])
+def test_rope_store(dtype, layout, q_heads):
+    """``q_heads`` 4: the 6 q heads over two programs (4, then 2) beside the k/v program; 0: one a token."""
     num_tokens, num_heads, num_kv_heads, head_dim, page_size = 5, 6, 2, 40, 4
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype).to(DEVICE)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
@@ -58,7 +60,7 @@ def test_rope_store(dtype, layout):
     pages = torch.tensor([2, 2, 8, -1, 0], device=DEVICE)
     rows = torch.tensor([0, 3, 1, 2, 3], device=DEVICE)
     want_k = rope.apply_rotary(k, cos, sin)
-    got_q = triton_fused.rope_store(q, k, v, cos, sin, k_cache, v_cache, pages, rows)
+    got_q = triton_fused.rope_store(q, k, v, cos, sin, k_cache, v_cache, pages, rows, q_heads=q_heads)
     _close(got_q, rope.apply_rotary(q, cos, sin))
     _close(k, want_k)  # rotated in place
     for t in range(num_tokens):
@@ -69,8 +71,10 @@ def test_rope_store(dtype, layout):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_store_normalises_q_and_k_first(dtype):
-    """Qwen3's per-head q/k RMSNorm fused before the rotation: as norm.rms_norm, then rope."""
+@pytest.mark.parametrize("q_heads", [0, 2])
+def test_rope_store_normalises_q_and_k_first(dtype, q_heads):
+    """Qwen3's per-head q/k RMSNorm fused before the rotation: as norm.rms_norm, then rope (the 4 q
+    heads in one program, or two programs of 2)."""
     num_tokens, num_heads, num_kv_heads, head_dim, page_size = 3, 4, 2, 32, 4
     g = torch.Generator().manual_seed(3)
     qkv = (torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g) * 3).to(dtype).to(DEVICE)
@@ -86,7 +90,8 @@ def test_rope_store_normalises_q_and_k_first(dtype):
     pages, rows = torch.tensor([1, 0, 1], device=DEVICE), torch.tensor([0, 2, 3], device=DEVICE)
     want_q = rope.apply_rotary(rms_norm(q, q_w, 1e-6), cos, sin)
     want_k = rope.apply_rotary(rms_norm(k, k_w, 1e-6), cos, sin)
-    got_q = triton_fused.rope_store(q, k, v, cos, sin, k_cache, v_cache, pages, rows, qk_norm=(q_w, k_w, 1e-6))
+    got_q = triton_fused.rope_store(q, k, v, cos, sin, k_cache, v_cache, pages, rows, qk_norm=(q_w, k_w, 1e-6),
+                                    q_heads=q_heads)
     _close(got_q, want_q)
     _close(k, want_k)  # normalised and rotated in place
     for t in range(num_tokens):
