@@ -578,8 +578,8 @@ if [[ $what == merge ]]; then
       >> "$out/build.txt" &
   done
   timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_triton_attention.py \
-    tests/gpu/test_triton_mla.py tests/gpu/test_triton_moe.py tests/gpu/test_deepseek_graphs.py ${MERGE_TESTS_MORE-tests/gpu/test_triton_fp8_kv.py \
-    tests/gpu/test_engine_graphs.py} > "$out/merge-tests.txt" 2>&1
+    tests/gpu/test_triton_mla.py tests/gpu/test_triton_moe.py tests/gpu/test_triton_fused.py tests/gpu/test_deepseek_graphs.py \
+    ${MERGE_TESTS_MORE-tests/gpu/test_triton_fp8_kv.py tests/gpu/test_engine_graphs.py} > "$out/merge-tests.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/merge-tests.txt" | tail -8
   wait
   timeout ${MERGE_DS_TIMEOUT:-150} python3 bench/engine.py --model /tmp/deepseek-v2-lite/target --batches ${MERGE_BATCHES:-64,8,1} \
