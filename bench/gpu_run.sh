@@ -573,7 +573,8 @@ if [[ $what == merge ]]; then
   # launches against a dense SwiGLU of their own (--shared-ab), in the DeepSeek-V2-Lite,
   # Qwen3-30B-A3B (batch-1 kernels profiled) and 8B FP8 steps; first the attention, MLA, MoE and graph tests
   fp8_build channel > "$out/build.txt" 2>&1 &
-  for preset in deepseek-v2-lite qwen3-30b-a3b; do
+  merge_presets=deepseek-v2-lite; [[ ${MERGE_QWEN:-1} == 1 ]] && merge_presets+=" qwen3-30b-a3b"
+  for preset in $merge_presets; do
     ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) \
       >> "$out/build.txt" &
   done
@@ -585,7 +586,7 @@ if [[ $what == merge ]]; then
   timeout ${MERGE_DS_TIMEOUT:-150} python3 bench/engine.py --model /tmp/deepseek-v2-lite/target --batches ${MERGE_BATCHES:-64,8,1} \
     --contexts 1024 --prefill "" --mla-ab --merge-ab --shared-ab --kv-budget-gib 16 2>>"$out/merge.err" \
     | sed "s/^{/{\"preset\": \"deepseek-v2-lite\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
-  timeout ${MERGE_QWEN_TIMEOUT:-100} python3 bench/engine.py --model /tmp/qwen3-30b-a3b/target --batches ${MERGE_BATCHES:-64,8,1} \
+  [[ ${MERGE_QWEN:-1} == 1 ]] && timeout ${MERGE_QWEN_TIMEOUT:-100} python3 bench/engine.py --model /tmp/qwen3-30b-a3b/target --batches ${MERGE_BATCHES:-64,8,1} \
     --contexts 1024 --prefill "" --merge-ab --rope-ab ${MERGE_PROFILE---profile 1} --kv-budget-gib 16 2>>"$out/merge.err" \
     | sed "s/^{/{\"preset\": \"qwen3-30b-a3b\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   ENGINE_TIMEOUT=${MERGE_FP8_TIMEOUT:-110} fp8_engine fp8-channel --model /tmp/m8b-fp8c/target --batches 64,1 \
