@@ -38,7 +38,7 @@ import argparse
 import functools
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -249,18 +249,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--attn-tiles-ab", action="store_true",
                     help="decode (and profile) again with the decode attention's split count and tiles of tree d8d7159 "
                          "(4 programs per SM, 64 keys a step, 2 stages, always merged), side by side with the current ones")
-    ap.add_argument("--mla-ab", action="store_true",
-                    help="MLA models: decode (and profile) again with the absorbed projections as torch einsums and the "
-                         "MLA decode kernel's tiles of tree 0fd301d (32 keys a step, every split used, always merged)")
-    ap.add_argument("--shared-ab", action="store_true",
-                    help="DeepSeek: decode (and profile) again with the shared experts as one dense SwiGLU of their own "
-                         "(deepseek.MoeBlock.fold_shared off), side by side with the default (in the routed experts' launches)")
-    ap.add_argument("--rope-ab", action="store_true",
-                    help="decode (and profile) again with rope_store in one program a token (triton_fused.ROPE_Q_HEADS "
-                         "0), side by side with the default (8 q heads a program, k and v in one more)")
-    ap.add_argument("--merge-ab", action="store_true",
-                    help="decode (and profile) again with the decode attention's splits merged one after another "
-                         "(triton_attention.MERGE_TILE off), side by side with the default (all splits as one tile)")
+    for flag, (_, _, _, what) in AB_SWITCHES.items():
+        ap.add_argument(f"--{flag}-ab", action="store_true",
+                        help=f"decode (and profile) again with {what}, side by side with the default")
     ap.add_argument("--moe-align-warps", type=int, default=0, help="warps of the one-launch slot sort (triton_moe.ALIGN_WARPS)")
     ap.add_argument("--silu-quant-config", default="",
                     help="BLOCK,WARPS of the silu kernel that also quantizes (triton_fused.SILU_QUANT_BLOCK/_WARPS)")
@@ -317,6 +308,37 @@ def switched(runner, owner, name: str, value):
     finally:
         setattr(owner, name, default)
         recapture(runner)
+
+
+# --{flag}-ab: (the lines' key, its value on the default's lines, on the other side's, what the other side runs)
+AB_SWITCHES = {
+    "mla": ("mla", "kernels", "0fd301d", "MLA models' absorbed projections as torch einsums and the MLA decode "
+            "kernel's tiles of tree 0fd301d (32 keys a step, every split used, always merged)"),
+    "shared": ("shared_experts", "folded", "dense", "DeepSeek's shared experts as one dense SwiGLU of their own "
+               "(deepseek.MoeBlock.fold_shared off; the default: in the routed experts' launches)"),
+    "rope": ("rope_programs", "split", "one", "rope_store in one program a token (triton_fused.ROPE_Q_HEADS 0; "
+             "the default: 8 q heads a program, k and v in one more)"),
+    "merge": ("merge", "tile", "loop", "the decode attention's splits merged one after another "
+              "(triton_attention.MERGE_TILE off; the default: all splits as one tile)"),
+}
+
+
+def other_side(flag: str, model) -> list[tuple[object, str, object]]:
+    """(owner, attribute, value) settings that make ``AB_SWITCHES[flag]``'s other side; [] where the
+    model has nothing to switch (no Triton backend, not MLA, no shared experts)."""
+    if model.attn.name != "triton":
+        return []
+    from kvferry.common.kernels import triton_attention, triton_fused, triton_mla
+    from kvferry.common.models.deepseek import MoeBlock
+
+    ds = model.config.deepseek
+    if flag == "mla":
+        tiles = triton_attention.DecodeTiles(32)
+        return [] if ds is None else [(model.attn, "absorb_kernels", False),
+                                      (triton_mla, "decode_tiles", lambda splits: tiles)]
+    if flag == "shared":
+        return [(MoeBlock, "fold_shared", False)] if ds is not None and ds.n_shared_experts else []
+    return [(triton_fused, "ROPE_Q_HEADS", 0)] if flag == "rope" else [(triton_attention, "MERGE_TILE", False)]
 
 
 def earlier_fp8_config(current):
@@ -455,14 +477,9 @@ def main() -> None:
         base["gemv_configs"] = "sweep"
     if a.attn_tiles_ab:
         base["attn_tiles"] = "sweep"
-    if a.mla_ab:
-        base["mla"] = "kernels"
-    if a.merge_ab:
-        base["merge"] = "tile"
-    if a.shared_ab:
-        base["shared_experts"] = "folded"
-    if a.rope_ab:
-        base["rope_programs"] = "split"
+    for flag, (key, default, _, _) in AB_SWITCHES.items():
+        if getattr(a, f"{flag}_ab"):
+            base[key] = default
     # FP8 linears keep their e4m3 weight and fp32 scales as buffers (common/layers/fp8.py): the bytes a step reads
     tensors = [*model.named_parameters(), *model.named_buffers()]
     weights = split_weights([(name, p.numel(), p.element_size()) for name, p in tensors
@@ -505,28 +522,13 @@ def main() -> None:
         with switched(runner, ta, "num_decode_splits", functools.partial(ta.num_decode_splits, per_sm=4)), \
                 switched(runner, ta, "decode_tiles", lambda block_d, splits: ta.DecodeTiles(32 if block_d > 128 else 64)):
             rerun(runner, a, {**base, "attn_tiles": "d8d7159"}, *again)
-    if a.mla_ab and model.config.deepseek is not None and model.attn.name == "triton":
-        from kvferry.common.kernels import triton_mla
-        from kvferry.common.kernels.triton_attention import DecodeTiles
-
-        with switched(runner, model.attn, "absorb_kernels", False), \
-                switched(runner, triton_mla, "decode_tiles", lambda splits: DecodeTiles(32)):
-            rerun(runner, a, {**base, "mla": "0fd301d"}, *again)
-    if a.shared_ab and model.config.deepseek is not None and model.config.deepseek.n_shared_experts:
-        from kvferry.common.models.deepseek import MoeBlock
-
-        with switched(runner, MoeBlock, "fold_shared", False):
-            rerun(runner, a, {**base, "shared_experts": "dense"}, *again)
-    if a.rope_ab and model.attn.name == "triton":
-        from kvferry.common.kernels import triton_fused
-
-        with switched(runner, triton_fused, "ROPE_Q_HEADS", 0):
-            rerun(runner, a, {**base, "rope_programs": "one"}, *again)
-    if a.merge_ab and model.attn.name == "triton":
-        from kvferry.common.kernels import triton_attention as ta
-
-        with switched(runner, ta, "MERGE_TILE", False):
-            rerun(runner, a, {**base, "merge": "loop"}, *again)
+    for flag, (key, _, other, _) in AB_SWITCHES.items():
+        settings = other_side(flag, model) if getattr(a, f"{flag}_ab") else []
+        if settings:
+            with ExitStack() as stack:
+                for owner, name, value in settings:
+                    stack.enter_context(switched(runner, owner, name, value))
+                rerun(runner, a, {**base, key: other}, *again)
     if a.greedy_graph_ab and runner.target.graphs:  # the greedy picks by torch ops after each replay
         with switched(runner, runner, "greedy_in_graph", False):
             rerun(runner, a, {**base, "greedy": "torch"}, *again)
