@@ -19,7 +19,8 @@ Routed experts are stacked, ``w13`` [E, 2I, H] (gate rows, then up rows) and ``w
 run through the backend's ``fused_moe`` (``common/layers/moe.py``'s layout: ``moe.fused_moe_ref`` on
 torch, ``common/kernels/triton_moe.py`` on triton) with DeepSeek's own routing above; the shared
 experts are stacked after them as ``n_shared_experts`` more experts that every token chooses with
-weight 1 (``MoeBlock``), so one block is the router and the experts' launches, shared ones included. The router makes no host sync (no ``.item()``, ``nonzero`` or boolean
+weight 1 (``MoeBlock``), so one block is the router and the experts' launches, shared ones included.
+The router makes no host sync (no ``.item()``, ``nonzero`` or boolean
 indexing: groups are masked with ``masked_fill``), so on the triton backend a decode step runs on
 the device only and is captured in a CUDA graph (``common/engine/cuda_graph.py``), as Llama's.
 Attention on either backend (``--attention-backend``, ``auto`` picks triton on CUDA).
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvferry.common.cache.mla_cache import LatentCache
-from kvferry.common.errors import ConfigError
+from kvferry.common.errors import ConfigError, ModelLoadError
 from kvferry.common.layers.attn_backend import make_backend
 from kvferry.common.layers.moe import append_shared
 from kvferry.common.layers.mla import LatentRope, MlaAttention, _param
@@ -165,7 +166,7 @@ class MoeBlock(nn.Module):
         """The shared experts as one dense SwiGLU: their gate-up rows as they lie, each expert's
         [gate | up] pair through ``silu_mul``, then one down projection over their columns side by
         side (a copy of w2's shared experts, made once)."""
-        first, count = self.experts.count, self.num_shared
+        first = self.experts.count
         if self._unfolded is None:
             self._unfolded = self.w2[first:].permute(1, 0, 2).reshape(self.w2.shape[1], -1).contiguous()
         gate_up = attn.linear(h, self.w13[first:].reshape(-1, self.w13.shape[2]))  # [T, S * 2I]
@@ -277,9 +278,12 @@ class DeepseekForCausalLM(nn.Module):
             return {}
         prefix, kind = match.groups()
         tensor = read()
-        dim = 1 if kind == "down_proj" else 0
-        if tensor.dim() != 2 or tensor.shape[dim] != s.n_shared_experts * s.moe_intermediate_size:
-            return {name: tensor}  # the loader names the shape config.json implies for it
+        dim, width = (1 if kind == "down_proj" else 0), s.n_shared_experts * s.moe_intermediate_size
+        if tensor.dim() != 2 or tensor.shape[dim] != width or tensor.shape[1 - dim] != self.config.hidden_size:
+            expected = (self.config.hidden_size, width) if dim else (width, self.config.hidden_size)
+            raise ModelLoadError(f"{self.config.source}: tensor '{name}' has shape {tuple(tensor.shape)}, config.json "
+                                 f"implies {expected} (n_shared_experts {s.n_shared_experts} x moe_intermediate_size "
+                                 f"{s.moe_intermediate_size})")
         return {f"{prefix}{j}.{kind}.weight": part for j, part in enumerate(tensor.chunk(s.n_shared_experts, dim))}
 
     @torch.inference_mode()

@@ -272,6 +272,22 @@ def test_yarn_matches_transformers():
     assert rope.yarn_softmax_scale(config, 192 ** -0.5) == pytest.approx(ref_scale)
 
 
+def test_a_shared_expert_tensor_of_another_shape_is_refused_by_name(tmp_path):
+    """The checkpoint's shared experts are split into experts at load (``unfuse``): a tensor whose
+    shape config.json does not imply is refused with its name, its shape and the expected one."""
+    from safetensors.torch import load_file, save_file
+
+    target, _ = make_tiny_model(tmp_path, seed=1, preset="deepseek-v2-tiny")
+    path = target / "model.safetensors"
+    tensors = load_file(path)
+    name = "model.layers.1.mlp.shared_experts.up_proj.weight"
+    tensors[name] = tensors[name][:-1]
+    save_file(tensors, path)
+    with pytest.raises(ModelLoadError, match=rf"tensor '{name}' has shape \(63, 64\), config.json implies \(64, 64\) "
+                                             r"\(n_shared_experts 2 x moe_intermediate_size 32\)"):
+        load_model(target, dtype=torch.float32)
+
+
 def test_refusals_name_the_setting():
     raw = transformers.DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, n_group=4,
                                           topk_group=2).to_dict()
