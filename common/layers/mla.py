@@ -16,8 +16,9 @@ One MQA over the latent rows with key width ``L + R`` and value width ``L``, run
 ``mla_attend`` (the torch paged attention, ``attention.py``, or the Triton kernels,
 ``common/kernels/triton_mla.py``); the two per-head products by W_UK and W_UV are the backend's
 ``mla_absorb_q``/``mla_absorb_v`` (``einsum`` on torch, ``absorb_q_ref``/``absorb_v_ref``; one
-launch each on triton, ``common/kernels/triton_absorb.py``). Nothing is expanded, so a step reads L + R elements per cached
-token: right when few queries share a long context (decode reads the context once per token).
+launch each on triton, ``common/kernels/triton_absorb.py``). Nothing is expanded, so a step reads
+L + R elements per cached token: right when few queries share a long context (decode reads the
+context once per token).
 It is the only form a CUDA graph's static plan takes (its lengths live on the device).
 
 expanded (prefill, chunked prefill: many new tokens per sequence), what transformers computes::
@@ -215,10 +216,11 @@ class MlaAttention(nn.Module):
             if s.q_lora_rank is not None:
                 out[p + "q_a_proj.bias"] = TensorSlot(self.in_bias, 0, rows)
         kv_b_dim = s.qk_nope_head_dim + s.v_head_dim
-        q_slot = (TensorSlot(self.in_weight, 0, rows, head_slice(0, heads, num_heads, s.qk_head_dim))
-                  if s.q_lora_rank is None else
-                  TensorSlot(self.q_b_weight, 0, self.q_b_weight.shape[0], head_slice(0, heads, num_heads, s.qk_head_dim)))
-        out[p + ("q_proj" if s.q_lora_rank is None else "q_b_proj") + ".weight"] = q_slot
+        q_source = head_slice(0, heads, num_heads, s.qk_head_dim)
+        if s.q_lora_rank is None:
+            out[p + "q_proj.weight"] = TensorSlot(self.in_weight, 0, rows, q_source)
+        else:
+            out[p + "q_b_proj.weight"] = TensorSlot(self.q_b_weight, 0, self.q_b_weight.shape[0], q_source)
         for name, weight, source in (
                 ("kv_b_proj", self.kv_b_weight, head_slice(0, heads, num_heads, kv_b_dim)),
                 ("o_proj", self.o_weight, head_slice(1, heads, num_heads, s.v_head_dim))):
@@ -237,7 +239,8 @@ class MlaAttention(nn.Module):
         also stored into ``cache`` at the plan's (page, row) when a cache is given."""
         s, eps = self.spec, self.config.rms_norm_eps
         num_tokens = h.shape[0]
-        q, kv_a = attn.linear(h, self.in_weight, self.in_bias).split([self.q_rows, s.latent_width], -1)  # kv_a [T, L + R]
+        # q [T, q_rows], kv_a [T, L + R]: views of one GEMM's rows
+        q, kv_a = attn.linear(h, self.in_weight, self.in_bias).split([self.q_rows, s.latent_width], -1)
         if s.q_lora_rank is not None:
             q = attn.linear(rms_norm(q, self.q_a_norm, eps), self.q_b_weight)
         q_nope, q_pe = q.view(num_tokens, -1, s.qk_head_dim).split([s.qk_nope_head_dim, s.qk_rope_head_dim], -1)
