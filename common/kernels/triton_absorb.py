@@ -81,6 +81,10 @@ def _token_block(num_tokens: int) -> int:
     return min(64, max(16, triton.next_power_of_2(max(1, num_tokens))))  # tl.dot's rows: at least 16
 
 
+def _latent_block(latent: int) -> int:
+    return min(128, max(16, triton.next_power_of_2(latent)))  # latent columns a program (a dot step) takes
+
+
 def _check_heads(name: str, x: torch.Tensor, w: torch.Tensor, inner: int) -> None:
     if x.dim() != 3 or w.dim() != 3 or x.shape[1] != w.shape[0] or x.shape[2] != inner:
         raise ValueError(f"{name}: activations {tuple(x.shape)} and weight {tuple(w.shape)} disagree (want [T, H, "
@@ -101,7 +105,7 @@ def absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor, q_pe: torch.Tensor) -> to
     out = torch.empty(num_tokens, num_heads, latent + rope_dim, dtype=q_nope.dtype, device=q_nope.device)
     if num_tokens == 0:
         return out
-    block_t, block_l = _token_block(num_tokens), min(128, max(16, triton.next_power_of_2(latent)))
+    block_t, block_l = _token_block(num_tokens), _latent_block(latent)
     _absorb_q_kernel[(triton.cdiv(num_tokens, block_t), num_heads, triton.cdiv(latent, block_l))](
         q_nope, w_uk, q_pe, out, num_tokens, q_nope.stride(0), q_nope.stride(1), w_uk.stride(0), w_uk.stride(1),
         q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1), NOPE=nope, LATENT=latent, ROPE=rope_dim,
@@ -125,6 +129,6 @@ def absorb_v(o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     _absorb_v_kernel[(triton.cdiv(num_tokens, block_t), num_heads, triton.cdiv(v_dim, block_v))](
         o, w_uv, out, num_tokens, o.stride(0), o.stride(1), w_uv.stride(0), w_uv.stride(1), out.stride(0),
         LATENT=latent, V=v_dim, BLOCK_T=block_t, BLOCK_V=block_v,
-        BLOCK_L=min(128, max(16, triton.next_power_of_2(latent))), PRECISION=_precision(o.dtype), num_warps=4,
+        BLOCK_L=_latent_block(latent), PRECISION=_precision(o.dtype), num_warps=4,
         **pdl_kw())
     return out

@@ -131,13 +131,13 @@ def _rope_store_kernel(q, k, v, q_out, cos, sin, k_cache, v_cache, pages, rows, 
         tl.store(q_dst, q_lo.to(q_out.dtype.element_ty), mask=q_mask)
         tl.store(q_dst + HALF, q_hi.to(q_out.dtype.element_ty), mask=q_mask)
     if part == 0:
-        _rope_store_kv(k, v, q_out, cos_t, sin_t, k_cache, v_cache, pages, rows, t, stride_kt, stride_kh, stride_vt,
+        _rope_store_kv(k, v, cos_t, sin_t, k_cache, v_cache, pages, rows, t, stride_kt, stride_kh, stride_vt,
                        stride_vh, stride_cp, stride_cr, stride_ch, k_inv_scale, v_inv_scale, k_norm, eps, NUM_KV_HEADS,
                        HALF, BLOCK_KH, BLOCK_HALF, QUANT, HAS_NORM)
 
 
 @triton.jit
-def _rope_store_kv(k, v, q_out, cos_t, sin_t, k_cache, v_cache, pages, rows, t, stride_kt, stride_kh, stride_vt,
+def _rope_store_kv(k, v, cos_t, sin_t, k_cache, v_cache, pages, rows, t, stride_kt, stride_kh, stride_vt,
                    stride_vh, stride_cp, stride_cr, stride_ch, k_inv_scale, v_inv_scale, k_norm, eps,
                    NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
                    QUANT: tl.constexpr, HAS_NORM: tl.constexpr):
@@ -147,8 +147,8 @@ def _rope_store_kv(k, v, q_out, cos_t, sin_t, k_cache, v_cache, pages, rows, t, 
                                  BLOCK_KH, BLOCK_HALF, HAS_NORM)
     hk = tl.arange(0, BLOCK_KH)
     # k rounds to the model dtype (and is rotated in place: a dense prefill attends to it), then to the cache's
-    k_lo = k_lo.to(q_out.dtype.element_ty)
-    k_hi = k_hi.to(q_out.dtype.element_ty)
+    k_lo = k_lo.to(k.dtype.element_ty)
+    k_hi = k_hi.to(k.dtype.element_ty)
     k_src = k + t * stride_kt + hk[:, None] * stride_kh + j[None, :]
     tl.store(k_src, k_lo, mask=k_mask)
     tl.store(k_src + HALF, k_hi, mask=k_mask)

@@ -177,7 +177,8 @@ class MlaAttention(nn.Module):
         heads, hidden = shard.q_heads.count, c.hidden_size  # this rank's heads (all at TP 1)
         bias = s.has_attention_bias
         # q_proj (V2: this rank's heads) or q_a_proj (V3), then kv_a_proj_with_mqa: the two projections of h,
-        # one weight, so one GEMM (one GEMV launch at a decode row); the names below are views of it
+        # one weight, so one GEMM (one GEMV launch at a decode row); q_weight / q_a_weight and kv_a_weight are
+        # views of it (in_bias likewise holds both biases)
         self.q_rows = heads * s.qk_head_dim if s.q_lora_rank is None else s.q_lora_rank
         self.in_weight = _param((self.q_rows + s.latent_width, hidden), dtype, device)
         # the bias rows of q_proj, which has none (V2), stay zero; the loader fills the others
@@ -187,11 +188,9 @@ class MlaAttention(nn.Module):
             self.q_weight = self.in_weight[:self.q_rows]
         else:
             self.q_a_weight = self.in_weight[:self.q_rows]
-            self.q_a_bias = self.in_bias[:self.q_rows] if bias else None
             self.q_a_norm = _param((s.q_lora_rank,), dtype, device)
             self.q_b_weight = _param((heads * s.qk_head_dim, s.q_lora_rank), dtype, device)
         self.kv_a_weight = self.in_weight[self.q_rows:]
-        self.kv_a_bias = self.in_bias[self.q_rows:] if bias else None
         self.kv_a_norm = _param((s.kv_lora_rank,), dtype, device)
         self.kv_b_weight = _param((heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank), dtype, device)
         self.o_weight = _param((hidden, heads * s.v_head_dim), dtype, device)

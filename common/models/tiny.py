@@ -26,8 +26,9 @@ layer 1 dense); "qwen3-30b-a3b" has Qwen3-30B-A3B's shapes (128 experts, top-8) 
 DeepSeek presets (``tiny_deepseek.py``): "deepseek-v3-tiny" (q_lora, sigmoid router with
 ``noaux_tc`` groups, yarn rope) and "deepseek-v2-tiny" (no q_lora as V2-Lite, softmax router with
 ``group_limited_greedy``, two shared experts as V2-Lite), three layers of which the first is dense,
-8 routed experts, top-2, one shared (V3) or two (V2); "deepseek-v2-lite" has DeepSeek-V2-Lite's layer shapes (hidden 2048, 16 heads, latent 512
-+ rope 64, 64 routed + 2 shared experts of 1,408, top-6, yarn x40) in four layers, bfloat16.
+8 routed experts, top-2, one shared (V3) or two (V2); "deepseek-v2-lite" has DeepSeek-V2-Lite's layer
+shapes (hidden 2048, 16 heads, latent 512 + rope 64, 64 routed + 2 shared experts of 1,408, top-6,
+yarn x40) in four layers, bfloat16.
 """
 
 from __future__ import annotations
