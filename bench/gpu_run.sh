@@ -586,6 +586,11 @@ if [[ $what == merge ]]; then
   timeout ${MERGE_DS_TIMEOUT:-150} python3 bench/engine.py --model /tmp/deepseek-v2-lite/target --batches ${MERGE_BATCHES:-64,8,1} \
     --contexts 1024 --prefill "" --mla-ab --merge-ab --shared-ab --kv-budget-gib 16 2>>"$out/merge.err" \
     | sed "s/^{/{\"preset\": \"deepseek-v2-lite\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
+  # MERGE_PDL_PROFILE=1: the batch-1 step's kernels with PDL off too (each kernel's own time, not its wait)
+  [[ ${MERGE_PDL_PROFILE:-0} == 1 ]] && timeout ${MERGE_PDL_TIMEOUT:-90} python3 bench/engine.py \
+    --model /tmp/deepseek-v2-lite/target --batches 1 --contexts 1024 --prefill "" --pdl-ab --profile 1 \
+    --kv-budget-gib 16 2>>"$out/merge.err" | sed "s/^{/{\"preset\": \"deepseek-v2-lite\", /" \
+    | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   [[ ${MERGE_QWEN:-1} == 1 ]] && timeout ${MERGE_QWEN_TIMEOUT:-100} python3 bench/engine.py --model /tmp/qwen3-30b-a3b/target --batches ${MERGE_BATCHES:-64,8,1} \
     --contexts 1024 --prefill "" --merge-ab --rope-ab ${MERGE_PROFILE---profile 1} --kv-budget-gib 16 2>>"$out/merge.err" \
     | sed "s/^{/{\"preset\": \"qwen3-30b-a3b\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
