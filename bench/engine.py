@@ -250,7 +250,7 @@ def parse_args() -> argparse.Namespace:
                     help="decode (and profile) again with the decode attention's split count and tiles of tree d8d7159 "
                          "(4 programs per SM, 64 keys a step, 2 stages, always merged), side by side with the current ones")
     for flag, (_, _, _, what) in AB_SWITCHES.items():
-        ap.add_argument(f"--{flag}-ab", action="store_true",
+        ap.add_argument(f"--{flag.replace('_', '-')}-ab", action="store_true",
                         help=f"decode (and profile) again with {what}, side by side with the default")
     ap.add_argument("--moe-align-warps", type=int, default=0, help="warps of the one-launch slot sort (triton_moe.ALIGN_WARPS)")
     ap.add_argument("--silu-quant-config", default="",
@@ -320,6 +320,10 @@ AB_SWITCHES = {
              "the default: 8 q heads a program, k and v in one more)"),
     "merge": ("merge", "tile", "loop", "the decode attention's splits merged one after another "
               "(triton_attention.MERGE_TILE off; the default: all splits as one tile)"),
+    "mla_rows": ("mla_rows", "fused", "apart", "MLA's latent rows in a launch of their own before absorb_q "
+                 "(TritonBackend.fuse_mla_rows off; the default: one grid runs both)"),
+    "cos_sin": ("cos_sin", "kernel", "torch", "the step's rope cos/sin by torch ops, seven or eight launches "
+                "(TritonBackend.rope_kernel off; the default: one launch)"),
 }
 
 
@@ -338,6 +342,10 @@ def other_side(flag: str, model) -> list[tuple[object, str, object]]:
                                       (triton_mla, "decode_tiles", lambda splits: tiles)]
     if flag == "shared":
         return [(MoeBlock, "fold_shared", False)] if ds is not None and ds.n_shared_experts else []
+    if flag == "mla_rows":
+        return [] if ds is None else [(model.attn, "fuse_mla_rows", False)]
+    if flag == "cos_sin":
+        return [(model.attn, "rope_kernel", False)]
     return [(triton_fused, "ROPE_Q_HEADS", 0)] if flag == "rope" else [(triton_attention, "MERGE_TILE", False)]
 
 

@@ -569,33 +569,42 @@ fi
 if [[ $what == merge ]]; then
   # issues 28 and 29: the decode attention's splits merged as one tile (the tree's) against one after another
   # (--merge-ab), rope_store over a few programs a token against one (--rope-ab, Qwen3 and FP8), the MLA tiles and
-  # absorbed projections against tree 0fd301d's (--mla-ab) and DeepSeek's shared experts in the routed experts'
-  # launches against a dense SwiGLU of their own (--shared-ab), in the DeepSeek-V2-Lite,
+  # absorbed projections against tree 0fd301d's (--mla-ab), DeepSeek's shared experts in the routed experts'
+  # launches against a dense SwiGLU of their own (--shared-ab), MLA's rows in absorb_q's launch (--mla-rows-ab) and
+  # the step's cos/sin in one launch against torch's ops (--cos-sin-ab), in the DeepSeek-V2-Lite,
   # Qwen3-30B-A3B (batch-1 kernels profiled) and 8B FP8 steps; first the attention, MLA, MoE and graph tests
   fp8_build channel > "$out/build.txt" 2>&1 &
   merge_presets=deepseek-v2-lite; [[ ${MERGE_QWEN:-1} == 1 ]] && merge_presets+=" qwen3-30b-a3b"
+  # MERGE_ONLY (a comma list of tests, ds, pdl, qwen, fp8; default all but pdl): the steps to run. The models are
+  # built on a fresh machine either way (skipped where a call before on the same warm machine built them)
+  only=,${MERGE_ONLY:-tests,ds,qwen,fp8},
   for preset in $merge_presets; do
+    [[ -f /tmp/$preset/target/config.json ]] && continue
     ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) \
       >> "$out/build.txt" &
   done
-  timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_triton_attention.py \
-    tests/gpu/test_triton_mla.py tests/gpu/test_triton_moe.py tests/gpu/test_triton_fused.py tests/gpu/test_deepseek_graphs.py \
+  [[ $only == *,tests,* ]] && timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider \
+    tests/gpu/test_triton_attention.py tests/gpu/test_triton_mla.py tests/gpu/test_triton_moe.py \
+    tests/gpu/test_triton_fused.py tests/gpu/test_deepseek_graphs.py \
     ${MERGE_TESTS_MORE-tests/gpu/test_triton_fp8_kv.py tests/gpu/test_engine_graphs.py} > "$out/merge-tests.txt" 2>&1
-  grep -E "FAILED|ERROR|passed|failed" "$out/merge-tests.txt" | tail -8
+  [[ $only == *,tests,* ]] && grep -E "FAILED|ERROR|passed|failed" "$out/merge-tests.txt" | tail -8
   wait
-  timeout ${MERGE_DS_TIMEOUT:-150} python3 bench/engine.py --model /tmp/deepseek-v2-lite/target --batches ${MERGE_BATCHES:-64,8,1} \
-    --contexts 1024 --prefill "" --mla-ab --merge-ab --shared-ab --kv-budget-gib 16 2>>"$out/merge.err" \
+  [[ $only == *,ds,* ]] && timeout ${MERGE_DS_TIMEOUT:-220} python3 bench/engine.py \
+    --model /tmp/deepseek-v2-lite/target --batches ${MERGE_BATCHES:-64,8,1} --contexts 1024 --prefill "" --mla-ab \
+    --merge-ab --shared-ab --mla-rows-ab --cos-sin-ab --kv-budget-gib 16 2>>"$out/merge.err" \
     | sed "s/^{/{\"preset\": \"deepseek-v2-lite\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
-  # MERGE_PDL_PROFILE=1: the batch-1 step's kernels with PDL off too (each kernel's own time, not its wait)
-  [[ ${MERGE_PDL_PROFILE:-0} == 1 ]] && timeout ${MERGE_PDL_TIMEOUT:-90} python3 bench/engine.py \
+  # pdl: the batch-1 step's kernels with PDL off too (each kernel's own time, not its wait)
+  [[ $only == *,pdl,* ]] && timeout ${MERGE_PDL_TIMEOUT:-90} python3 bench/engine.py \
     --model /tmp/deepseek-v2-lite/target --batches 1 --contexts 1024 --prefill "" --pdl-ab --profile 1 \
     --kv-budget-gib 16 2>>"$out/merge.err" | sed "s/^{/{\"preset\": \"deepseek-v2-lite\", /" \
     | tee -a "$out/moe-engine.jsonl" | cut -c1-120
-  [[ ${MERGE_QWEN:-1} == 1 ]] && timeout ${MERGE_QWEN_TIMEOUT:-100} python3 bench/engine.py --model /tmp/qwen3-30b-a3b/target --batches ${MERGE_BATCHES:-64,8,1} \
-    --contexts 1024 --prefill "" --merge-ab --rope-ab ${MERGE_PROFILE---profile 1} --kv-budget-gib 16 2>>"$out/merge.err" \
+  [[ ${MERGE_QWEN:-1} == 1 && $only == *,qwen,* ]] && timeout ${MERGE_QWEN_TIMEOUT:-100} python3 bench/engine.py \
+    --model /tmp/qwen3-30b-a3b/target --batches ${MERGE_BATCHES:-64,8,1} --contexts 1024 --prefill "" --merge-ab \
+    --rope-ab --cos-sin-ab ${MERGE_PROFILE---profile 1} --kv-budget-gib 16 2>>"$out/merge.err" \
     | sed "s/^{/{\"preset\": \"qwen3-30b-a3b\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
-  ENGINE_TIMEOUT=${MERGE_FP8_TIMEOUT:-110} fp8_engine fp8-channel --model /tmp/m8b-fp8c/target --batches 64,1 \
-    --contexts 1024 --prefill "" --merge-ab --rope-ab --kv-budget-gib 16 | cut -c1-120
+  [[ $only == *,fp8,* ]] && ENGINE_TIMEOUT=${MERGE_FP8_TIMEOUT:-110} fp8_engine fp8-channel \
+    --model /tmp/m8b-fp8c/target --batches 64,1 --contexts 1024 --prefill "" --merge-ab --rope-ab --cos-sin-ab \
+    --kv-budget-gib 16 | cut -c1-120
 fi
 if [[ $what == moe-routed ]]; then
   # both MoE presets' decode steps with a distinct token per sequence (bench/engine.py's last_token: before, every

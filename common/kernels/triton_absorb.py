@@ -24,17 +24,17 @@ import triton.language as tl
 
 from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
 from kvferry.common.kernels.triton_attention import _precision
+from kvferry.common.kernels.triton_mla import _latent_row, _rope_pair
 
 
 @triton.jit
-def _absorb_q_kernel(q_nope, w, q_pe, out, num_tokens, stride_nt, stride_nh, stride_wh, stride_wd, stride_pt,
-                     stride_ph, stride_ot, stride_oh, NOPE: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-                     PRECISION: tl.constexpr, PDL: tl.constexpr = 0):
-    """out[t, h, l] = q_nope[t, h] . w[h, :, l] for BLOCK_L columns l; column block 0 also copies
-    q_pe[t, h] to out[t, h, LATENT:]."""
-    pdl_enter(PDL)
-    t_block, h, l_block = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+def _absorb_q_tile(q_nope, w, q_pe, out, cos, sin, num_tokens, t_block, h, l_block, stride_nt, stride_nh, stride_wh,
+                   stride_wd, stride_pt, stride_ph, stride_ot, stride_oh, NOPE: tl.constexpr, LATENT: tl.constexpr,
+                   ROPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+                   BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """out[t, h, l] = q_nope[t, h] . w[h, :, l] for BLOCK_L columns l; column block 0 also writes
+    q_pe[t, h] at out[t, h, LATENT:], rotated by the token's cos/sin [T, 1, R/2] first when ROTATE (as
+    ``triton_mla.latent_rows`` rotates it, once rounded), else as it is."""
     t = (t_block * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_ok = t < num_tokens
     d = tl.arange(0, BLOCK_D)
@@ -45,12 +45,57 @@ def _absorb_q_kernel(q_nope, w, q_pe, out, num_tokens, stride_nt, stride_nh, str
                  mask=(d[:, None] < NOPE) & (cols[None, :] < LATENT), other=0.0)
     acc = tl.dot(x, wt, input_precision=PRECISION)  # [BLOCK_T, BLOCK_L] fp32
     dst = out + t[:, None] * stride_ot + h * stride_oh
-    tl.store(dst + cols[None, :], acc.to(out.dtype.element_ty), mask=t_ok[:, None] & (cols[None, :] < LATENT))
+    ty = out.dtype.element_ty
+    tl.store(dst + cols[None, :], acc.to(ty), mask=t_ok[:, None] & (cols[None, :] < LATENT))
     if l_block == 0:
-        r = tl.arange(0, BLOCK_R)
-        r_mask = t_ok[:, None] & (r[None, :] < ROPE)
-        pe = tl.load(q_pe + t[:, None] * stride_pt + h * stride_ph + r[None, :], mask=r_mask, other=0.0)
-        tl.store(dst + LATENT + r[None, :], pe.to(out.dtype.element_ty), mask=r_mask)
+        src = q_pe + t[:, None] * stride_pt + h * stride_ph
+        if ROTATE:
+            j = tl.arange(0, BLOCK_R // 2)[None, :]
+            mask = t_ok[:, None] & (j < ROPE // 2)
+            c = tl.load(cos + t[:, None] * (ROPE // 2) + j, mask=mask, other=0.0).to(tl.float32)
+            s = tl.load(sin + t[:, None] * (ROPE // 2) + j, mask=mask, other=0.0).to(tl.float32)
+            q1, q2 = _rope_pair(src, c, s, j, mask, ROPE // 2, INTERLEAVED)
+            tl.store(dst + LATENT + j, q1.to(ty), mask=mask)
+            tl.store(dst + LATENT + ROPE // 2 + j, q2.to(ty), mask=mask)
+        else:
+            r = tl.arange(0, BLOCK_R)
+            r_mask = t_ok[:, None] & (r[None, :] < ROPE)
+            tl.store(dst + LATENT + r[None, :], tl.load(src + r[None, :], mask=r_mask, other=0.0).to(ty), mask=r_mask)
+
+
+@triton.jit
+def _absorb_q_kernel(q_nope, w, q_pe, out, num_tokens, stride_nt, stride_nh, stride_wh, stride_wd, stride_pt,
+                     stride_ph, stride_ot, stride_oh, NOPE: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+                     PRECISION: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)
+    _absorb_q_tile(q_nope, w, q_pe, out, out, out, num_tokens, tl.program_id(0), tl.program_id(1).to(tl.int64),
+                   tl.program_id(2), stride_nt, stride_nh, stride_wh, stride_wd, stride_pt, stride_ph, stride_ot,
+                   stride_oh, NOPE, LATENT, ROPE, BLOCK_T, BLOCK_D, BLOCK_L, BLOCK_R, PRECISION, False, False)
+
+
+@triton.jit
+def _absorb_q_rows_kernel(q_nope, w, q_pe, out, kv_a, cos, sin, norm, cache, pages, slots, eps, num_tokens,
+                          num_heads, l_blocks, stride_nt, stride_nh, stride_wh, stride_wd, stride_pt, stride_ph,
+                          stride_ot, stride_oh, stride_kv, stride_cp, stride_cr, NOPE: tl.constexpr,
+                          LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_LATENT: tl.constexpr,
+                          PRECISION: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr = 0):
+    """One grid, two kinds of program: the first (token block, head, column block) ones as
+    ``_absorb_q_kernel`` with q_pe rotated; then one a token, its latent cache row made and stored
+    (``triton_mla._latent_row``)."""
+    pdl_enter(PDL)
+    pid = tl.program_id(0)
+    num_absorb = tl.cdiv(num_tokens, BLOCK_T) * num_heads * l_blocks
+    if pid < num_absorb:
+        per_block = num_heads * l_blocks
+        _absorb_q_tile(q_nope, w, q_pe, out, cos, sin, num_tokens, pid // per_block,
+                       ((pid % per_block) // l_blocks).to(tl.int64), pid % l_blocks, stride_nt, stride_nh, stride_wh,
+                       stride_wd, stride_pt, stride_ph, stride_ot, stride_oh, NOPE, LATENT, ROPE, BLOCK_T, BLOCK_D,
+                       BLOCK_L, BLOCK_R, PRECISION, True, INTERLEAVED)
+    else:
+        _latent_row(kv_a, cos, sin, norm, kv_a, cache, pages, slots, eps, (pid - num_absorb).to(tl.int64), stride_kv,
+                    0, stride_cp, stride_cr, LATENT, ROPE // 2, BLOCK_LATENT, BLOCK_R // 2, INTERLEAVED, True, False)
 
 
 @triton.jit
@@ -131,4 +176,36 @@ def absorb_v(o: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
         LATENT=latent, V=v_dim, BLOCK_T=block_t, BLOCK_V=block_v,
         BLOCK_L=_latent_block(latent), PRECISION=_precision(o.dtype), num_warps=4,
         **pdl_kw())
+    return out
+
+
+def absorb_q_rows(q_nope: torch.Tensor, w_uk: torch.Tensor, q_pe: torch.Tensor, kv_a: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor, eps: float, interleaved: bool,
+                  cache: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``triton_mla.latent_rows`` (its rows stored into ``cache``, not returned) and ``absorb_q`` of its
+    rotated q_pe, in one launch: q_nope [T, H, nope], W_UK [H, nope, L], q_pe [T, H, R] as projected
+    (not yet rotated), kv_a [T, L + R], cos/sin [T, 1, R/2] -> the absorbed query [T, H, L + R].
+    The two share no input but the projection's output, so one grid runs both."""
+    _check_heads("absorb_q_rows", q_nope, w_uk, w_uk.shape[1])
+    num_tokens, num_heads, nope = q_nope.shape
+    latent, rope_dim = w_uk.shape[2], q_pe.shape[2]
+    if q_pe.stride(-1) != 1 or q_pe.shape[:2] != q_nope.shape[:2] or kv_a.stride(-1) != 1 or cache.stride(-1) != 1:
+        raise ValueError(f"absorb_q_rows: q_pe {tuple(q_pe.shape)} (strides {q_pe.stride()}) for q_nope "
+                         f"{tuple(q_nope.shape)}, kv_a strides {kv_a.stride()}: last strides must be 1")
+    if kv_a.shape != (num_tokens, latent + rope_dim) or cache.shape[-1] != latent + rope_dim:
+        raise ValueError(f"absorb_q_rows: kv_a {tuple(kv_a.shape)} and cache rows {cache.shape[-1]} wide, want "
+                         f"[{num_tokens}, {latent + rope_dim}] ({latent} + {rope_dim})")
+    out = torch.empty(num_tokens, num_heads, latent + rope_dim, dtype=q_nope.dtype, device=q_nope.device)
+    if num_tokens == 0:
+        return out
+    block_t, block_l = _token_block(num_tokens), _latent_block(latent)
+    l_blocks = triton.cdiv(latent, block_l)
+    grid = (triton.cdiv(num_tokens, block_t) * num_heads * l_blocks + num_tokens,)
+    _absorb_q_rows_kernel[grid](
+        q_nope, w_uk, q_pe, out, kv_a, cos, sin, norm, cache, pages, slots, eps, num_tokens, num_heads, l_blocks,
+        q_nope.stride(0), q_nope.stride(1), w_uk.stride(0), w_uk.stride(1), q_pe.stride(0), q_pe.stride(1),
+        out.stride(0), out.stride(1), kv_a.stride(0), cache.stride(0), cache.stride(1), NOPE=nope, LATENT=latent,
+        ROPE=rope_dim, BLOCK_T=block_t, BLOCK_D=max(16, triton.next_power_of_2(nope)), BLOCK_L=block_l,
+        BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), BLOCK_LATENT=triton.next_power_of_2(latent),
+        PRECISION=_precision(q_nope.dtype), INTERLEAVED=interleaved, num_warps=4, **pdl_kw())
     return out

@@ -7,7 +7,9 @@
   per-head q/k RMSNorm first, when given) and the
   store of the rotated k and of v into their pages, in one pass over a token's heads (quantized
   by the layer's scales into an FP8 pool, as ``triton_attention.store_kv``);
-- ``silu_mul``: ``silu(gate) * up`` of the fused gate-up projection.
+- ``silu_mul``: ``silu(gate) * up`` of the fused gate-up projection;
+- ``cos_sin``: a step's rotary cos/sin rows from its positions, once for every layer (torch ran
+  seven or eight launches: the cast, the product, ``cat``, cos, sin, the scale and two casts).
 
 ``add_rms_norm`` and ``silu_mul`` with ``quant`` also quantize each output row per token (e4m3,
 ``amax / 448``, bit for bit as ``triton_fp8_gemm.per_token_quant`` would), for the W8A8 linear they
@@ -263,3 +265,47 @@ def silu_mul(gate_up: torch.Tensor, quant: bool = False, block: int | None = Non
         _silu_mul_kernel[(num_rows, triton.cdiv(inter, 1024))](gate_up, out, INTER=inter, BLOCK=1024, num_warps=4,
                                                                **pdl_kw())
     return TokenQuantized(out, q, s) if quant else out
+
+
+@triton.jit
+def _cos_sin_kernel(positions, inv_freq, cos, sin, num_tokens, factor, HALF: tl.constexpr, DUP: tl.constexpr,
+                    SCALED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr = 0):
+    """cos/sin[t, j] = cos/sin(positions[t] * inv_freq[j]) (* factor), rounded to cos's dtype; DUP: the
+    row is the HALF values twice (``rope.cos_sin``'s ``cat((freqs, freqs))``)."""
+    pdl_enter(PDL)
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)
+    mask = (t < num_tokens)[:, None] & (j < HALF)[None, :]
+    pos = tl.load(positions + t, mask=t < num_tokens, other=0).to(tl.float32)
+    freqs = pos[:, None] * tl.load(inv_freq + j, mask=j < HALF, other=0.0)[None, :]
+    c, s = tl.cos(freqs), tl.sin(freqs)
+    if SCALED:
+        c, s = c * factor, s * factor
+    ty = cos.dtype.element_ty
+    at = t[:, None] * (2 * HALF if DUP else HALF) + j[None, :]
+    tl.store(cos + at, c.to(ty), mask=mask)
+    tl.store(sin + at, s.to(ty), mask=mask)
+    if DUP:
+        tl.store(cos + at + HALF, c.to(ty), mask=mask)
+        tl.store(sin + at + HALF, s.to(ty), mask=mask)
+
+
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, factor: float = 1.0,
+            dup: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] (integers), inv_freq [D/2] fp32 -> cos, sin [T, 1, D] (``dup``: each row's D/2
+    values twice, as ``rope.cos_sin``) or [T, 1, D/2] (``mla.LatentRope.cos_sin``), times ``factor``,
+    in ``dtype``; one launch. fp32 as torch computes it (the position cast, its product with
+    inv_freq, cos/sin, the factor), then one rounding."""
+    if inv_freq.dtype != torch.float32 or inv_freq.dim() != 1 or positions.dim() != 1:
+        raise ValueError(f"cos_sin: positions {tuple(positions.shape)} and an fp32 inv_freq [D/2], got "
+                         f"{tuple(inv_freq.shape)} {inv_freq.dtype}")
+    num_tokens, half = positions.shape[0], inv_freq.shape[0]
+    width = 2 * half if dup else half
+    cos = torch.empty(num_tokens, 1, width, dtype=dtype, device=positions.device)
+    sin = torch.empty_like(cos)
+    if num_tokens:
+        block_t = min(16, triton.next_power_of_2(num_tokens))
+        _cos_sin_kernel[(triton.cdiv(num_tokens, block_t),)](
+            positions, inv_freq, cos, sin, num_tokens, factor, HALF=half, DUP=dup, SCALED=factor != 1.0,
+            BLOCK_T=block_t, BLOCK_HALF=triton.next_power_of_2(half), num_warps=4, **pdl_kw())
+    return cos, sin

@@ -58,14 +58,12 @@ def _rope_pair(src, cos, sin, j, mask, HALF: tl.constexpr, INTERLEAVED: tl.const
 
 
 @triton.jit
-def _latent_rows_kernel(kv_a, q_pe, cos, sin, norm, rows, q_out, cache, pages, slots, eps, stride_kv, stride_qt,
-                        stride_qh, stride_rt, stride_ot, stride_oh, stride_cp, stride_cr, NUM_HEADS: tl.constexpr,
-                        LATENT: tl.constexpr, HALF: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
-                        BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, STORE: tl.constexpr,
-                        PDL: tl.constexpr = 0):
-    pdl_enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    ty = rows.dtype.element_ty
+def _latent_row(kv_a, cos, sin, norm, rows, cache, pages, slots, eps, t, stride_kv, stride_rt, stride_cp, stride_cr,
+                LATENT: tl.constexpr, HALF: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                INTERLEAVED: tl.constexpr, STORE: tl.constexpr, WRITE_ROWS: tl.constexpr):
+    """Token t's cache row [rms_norm(latent) | roped k_pe] from kv_a's row: written to ``rows`` (WRITE_ROWS)
+    and stored at (pages[t], slots[t]) (STORE; a negative page skips it). Returns (cos, sin) of t, fp32."""
+    ty = kv_a.dtype.element_ty
     src = kv_a + t * stride_kv
     lat = tl.arange(0, BLOCK_L)
     lat_ok = lat < LATENT
@@ -78,10 +76,11 @@ def _latent_rows_kernel(kv_a, q_pe, cos, sin, norm, rows, q_out, cache, pages, s
     c = tl.load(cos + t * HALF + j, mask=j_ok, other=0.0).to(tl.float32)
     s = tl.load(sin + t * HALF + j, mask=j_ok, other=0.0).to(tl.float32)
     k1, k2 = _rope_pair(src + LATENT, c, s, j, j_ok, HALF, INTERLEAVED)
-    dst = rows + t * stride_rt
-    tl.store(dst + lat, latent, mask=lat_ok)
-    tl.store(dst + LATENT + j, k1.to(ty), mask=j_ok)
-    tl.store(dst + LATENT + HALF + j, k2.to(ty), mask=j_ok)
+    if WRITE_ROWS:
+        dst = rows + t * stride_rt
+        tl.store(dst + lat, latent, mask=lat_ok)
+        tl.store(dst + LATENT + j, k1.to(ty), mask=j_ok)
+        tl.store(dst + LATENT + HALF + j, k2.to(ty), mask=j_ok)
     if STORE:
         page = tl.load(pages + t).to(tl.int64)
         if page >= 0:
@@ -90,10 +89,25 @@ def _latent_rows_kernel(kv_a, q_pe, cos, sin, norm, rows, q_out, cache, pages, s
             tl.store(row + lat, latent.to(cache_ty), mask=lat_ok)
             tl.store(row + LATENT + j, k1.to(ty).to(cache_ty), mask=j_ok)
             tl.store(row + LATENT + HALF + j, k2.to(ty).to(cache_ty), mask=j_ok)
+    return c, s
+
+
+@triton.jit
+def _latent_rows_kernel(kv_a, q_pe, cos, sin, norm, rows, q_out, cache, pages, slots, eps, stride_kv, stride_qt,
+                        stride_qh, stride_rt, stride_ot, stride_oh, stride_cp, stride_cr, NUM_HEADS: tl.constexpr,
+                        LATENT: tl.constexpr, HALF: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, STORE: tl.constexpr,
+                        PDL: tl.constexpr = 0):
+    pdl_enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    c, s = _latent_row(kv_a, cos, sin, norm, rows, cache, pages, slots, eps, t, stride_kv, stride_rt, stride_cp,
+                       stride_cr, LATENT, HALF, BLOCK_L, BLOCK_HALF, INTERLEAVED, STORE, True)
+    j = tl.arange(0, BLOCK_HALF)
     h = tl.arange(0, BLOCK_H)
-    hj_ok = (h[:, None] < NUM_HEADS) & j_ok[None, :]
+    hj_ok = (h[:, None] < NUM_HEADS) & (j < HALF)[None, :]
     q1, q2 = _rope_pair(q_pe + t * stride_qt + h[:, None] * stride_qh, c[None, :], s[None, :], j[None, :], hj_ok,
                         HALF, INTERLEAVED)
+    ty = rows.dtype.element_ty
     q_dst = q_out + t * stride_ot + h[:, None] * stride_oh + j[None, :]
     tl.store(q_dst, q1.to(ty), mask=hj_ok)
     tl.store(q_dst + HALF, q2.to(ty), mask=hj_ok)

@@ -19,10 +19,9 @@ kernels (``common/kernels/triton_fused.py``) on the triton path. So do a sparse 
 ``common/kernels/triton_moe.py`` on triton).
 ``linear`` of an FP8 weight (``common/layers/fp8.py``) goes to ``fp8_linear`` on both (kernel by
 device); ``add_norm``/``silu_mul`` take ``feeds``, the weight their output feeds (triton: quantized in
-the same launch for a W8A8 per-row linear). MLA (``common/layers/mla.py``) makes and stores its latent
-rows through ``mla_rows``, reads them through ``mla_attend`` (torch: ``mla.latent_rows_ref`` and the
-paged attention over the latent as one KV head; triton: ``common/kernels/triton_mla.py``) and, for its
-expanded prefill, gathers a chunk's cached prefix rows with ``mla_prefix`` (``index_select``, both).
+the same launch for a W8A8 per-row linear). MLA's steps (``mla_rows``, ``mla_absorb_q_rows``,
+``mla_attend``...) come from ``common/layers/mla_ops.py``. ``cos_sin`` makes a step's rope rows once for
+every layer (``rope.cos_sin``; one launch on triton).
 
 A plan has ``positions`` [T], ``last_index`` [B], ``query_lens`` and ``starts`` (host lists: new and
 cached tokens per chunk; ``starts`` is None in a CUDA graph's static plan, whose values change
@@ -39,7 +38,8 @@ import numpy as np
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
-from kvferry.common.layers import attention, mla, moe, rope
+from kvferry.common.layers import attention, moe, rope
+from kvferry.common.layers.mla_ops import TorchMlaOps, TritonMlaOps
 from kvferry.common.kernels.h2d import to_device
 from kvferry.common.layers.fp8 import Fp8Weight, TokenQuantized, fp8_linear, takes_token_quant
 from kvferry.common.kernels.kv_quant import dequantize, round_trip
@@ -77,7 +77,7 @@ def make_backend(name: str, device: torch.device, num_kv_heads: int):
     return TritonBackend(device, num_kv_heads) if name == "triton" else TorchBackend()
 
 
-class TorchBackend:
+class TorchBackend(TorchMlaOps):
     name = "torch"
 
     def plan(self, chunks, page_size: int, device: torch.device):
@@ -124,21 +124,8 @@ class TorchBackend:
     def fused_moe(x, w13, w2, topk_weights, topk_ids, extra=None) -> torch.Tensor:  # + extra: the shared experts'
         return moe.fused_moe_ref(x, w13, w2, topk_weights, topk_ids, extra)
 
-    select_experts, mla_rows = staticmethod(moe.select_experts), staticmethod(mla.latent_rows_ref)
-    mla_absorb_q, mla_absorb_v = staticmethod(mla.absorb_q_ref), staticmethod(mla.absorb_v_ref)
-
-    @staticmethod
-    def mla_attend(q, cache, plan, latent_dim: int, scale: float) -> torch.Tensor:
-        """q [T, H, L + R] (``latent_dim`` = L) over the latent cache, rows already stored -> [T, H, L]:
-        one MQA whose key is the whole row and whose value is its first L elements."""
-        keys = cache[:, :, None, :]  # [num_pages, page_size, 1, L + R]: one head every query head reads
-        return attention.paged_attention(q, keys, keys[..., :latent_dim], plan, None, scale)
-
-    @staticmethod
-    def mla_prefix(cache, plan, i: int) -> torch.Tensor:
-        """Chunk i's ``plan.starts[i]`` cached latent rows [starts[i], L + R], in token order (a copy)."""
-        pages = plan.chunk_pages[i] if plan.chunk_pages is not None else plan.padded.kv_pages[i]
-        return mla.prefix_rows(cache, pages, plan.starts[i])
+    select_experts = staticmethod(moe.select_experts)
+    cos_sin = staticmethod(rope.cos_sin)
 
 
 @dataclass(frozen=True)
@@ -215,14 +202,17 @@ def unpack(packed, num_tokens: int, batch: int, max_pages: int):
     return per_token, per_chunk, packed[at:at + batch * max_pages].reshape(batch, max_pages)
 
 
-class TritonBackend:
+class TritonBackend(TritonMlaOps):
     name = "triton"
 
     def __init__(self, device: torch.device, num_kv_heads: int) -> None:
         from kvferry.common.kernels import (triton_absorb, triton_attention, triton_fused, triton_gemv,  # triton: only here
                                             triton_mla, triton_moe)
 
-        self.kernels, self.absorb, self.absorb_kernels = triton_attention, triton_absorb, True
+        self.kernels, self.absorb = triton_attention, triton_absorb
+        # A/B switches (bench/engine.py): the absorbed projections as kernels, MLA's rows in absorb_q's
+        # launch, the step's rope cos/sin in one launch
+        self.absorb_kernels = self.fuse_mla_rows = self.rope_kernel = True
         self.mla, self.fused, self.gemv, self.moe = triton_mla, triton_fused, triton_gemv, triton_moe
         self.num_kv_heads = num_kv_heads
         # (a CPU device only under TRITON_INTERPRET=1, in tests)
@@ -287,33 +277,9 @@ class TritonBackend:
         """As ``moe.select_experts``, in one launch (``triton_moe.softmax_topk``)."""
         return self.moe.softmax_topk(logits, top_k, renormalize, out_dtype or logits.dtype, scale, eps, shared)
 
-    def mla_rows(self, kv_a, q_pe, cos_sin, norm, eps: float, rotary, cache=None, plan=None):
-        """As ``mla.latent_rows_ref``, in one launch (``triton_mla.latent_rows``)."""
-        pages, rows = (plan.write_pages, plan.write_rows) if cache is not None else (None, None)
-        return self.mla.latent_rows(kv_a, q_pe, *cos_sin, norm, eps, rotary.is_interleaved, cache, pages, rows)
-
-    def mla_absorb_q(self, q_nope, w_uk, q_pe) -> torch.Tensor:  # one launch each (triton_absorb); torch's A/B
-        return (self.absorb.absorb_q if self.absorb_kernels else mla.absorb_q_ref)(q_nope, w_uk, q_pe)
-
-    def mla_absorb_v(self, out, w_uv) -> torch.Tensor:
-        return (self.absorb.absorb_v if self.absorb_kernels else mla.absorb_v_ref)(out, w_uv)
-
-    def mla_attend(self, q, cache, plan: TritonPlan, latent_dim: int, scale: float) -> torch.Tensor:
-        """As ``TorchBackend.mla_attend``; always through the paged kernels (no dense prefill: SDPA's
-        flash path takes no 576-wide key; a prefill runs MLA's expanded form instead, ``mla.py``)."""
-        if plan.max_query == 1:
-            return self.mla.decode_attention(q, cache, plan.page_table, plan.kv_lens, latent_dim, scale,
-                                             plan.num_splits)
-        return self.mla.extend_attention(q, cache, plan.page_table, plan.q_starts, plan.q_lens, plan.prefix_lens,
-                                         plan.max_query, latent_dim, scale)
-
-    @staticmethod
-    def mla_prefix(cache, plan: TritonPlan, i: int) -> torch.Tensor:
-        """As ``TorchBackend.mla_prefix``, the pages from the plan's page table (host lengths: no sync)."""
-        if plan.starts is None:
-            raise ValueError("mla_prefix: this plan has no host starts (a CUDA graph's static plan); the expanded "
-                             "MLA form needs an eager plan")
-        return mla.prefix_rows(cache, plan.page_table[i], plan.starts[i])
+    def cos_sin(self, positions, inv_freq, dtype, factor: float = 1.0, dup: bool = True):
+        """As ``rope.cos_sin``, in one launch (``triton_fused.cos_sin``) unless ``rope_kernel`` is off."""
+        return (self.fused.cos_sin if self.rope_kernel else rope.cos_sin)(positions, inv_freq, dtype, factor, dup)
 
     def attend(self, q, k, v, k_cache, v_cache, plan: TritonPlan, window, scale, k_scale: float = 1.0,
                v_scale: float = 1.0) -> torch.Tensor:

@@ -136,11 +136,11 @@ class LatentRope:
         self.dtype = dtype
         self.is_interleaved = config.deepseek.is_rope_interleaved
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, 1, R / 2] (broadcast over heads)."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        cos, sin = freqs.cos() * self.factor, freqs.sin() * self.factor
-        return cos.to(self.dtype)[:, None, :], sin.to(self.dtype)[:, None, :]
+    def cos_sin(self, positions: torch.Tensor, attn=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, 1, R / 2] (broadcast over heads), through ``attn.cos_sin``
+        (one launch on triton) when a backend is given."""
+        make = attn.cos_sin if attn is not None else rope.cos_sin
+        return make(positions, self.inv_freq, self.dtype, self.factor, dup=False)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, H, R] -> rotated [T, H, R]."""
@@ -236,15 +236,19 @@ class MlaAttention(nn.Module):
                 plan=None) -> tuple[torch.Tensor, ...]:
         """h [T, hidden] -> q_nope [T, H, nope], roped q_pe [T, H, R], cache rows [T, L + R]; the rows
         also stored into ``cache`` at the plan's (page, row) when a cache is given."""
-        s, eps = self.spec, self.config.rms_norm_eps
-        num_tokens = h.shape[0]
-        # q [T, q_rows], kv_a [T, L + R]: views of one GEMM's rows
+        q_nope, q_pe, kv_a = self.projections(h, attn)
+        q_pe, rows = attn.mla_rows(kv_a, q_pe, cos_sin, self.kv_a_norm, self.config.rms_norm_eps, rotary, cache, plan)
+        return q_nope, q_pe, rows
+
+    def projections(self, h: torch.Tensor, attn) -> tuple[torch.Tensor, ...]:
+        """h [T, hidden] -> q_nope [T, H, nope], q_pe [T, H, R] (not rotated), kv_a [T, L + R]: views of
+        one GEMM's rows (V2), or q_b_proj's (V3)."""
+        s, num_tokens = self.spec, h.shape[0]
         q, kv_a = attn.linear(h, self.in_weight, self.in_bias).split([self.q_rows, s.latent_width], -1)
         if s.q_lora_rank is not None:
-            q = attn.linear(rms_norm(q, self.q_a_norm, eps), self.q_b_weight)
+            q = attn.linear(rms_norm(q, self.q_a_norm, self.config.rms_norm_eps), self.q_b_weight)
         q_nope, q_pe = q.view(num_tokens, -1, s.qk_head_dim).split([s.qk_nope_head_dim, s.qk_rope_head_dim], -1)
-        q_pe, rows = attn.mla_rows(kv_a, q_pe, cos_sin, self.kv_a_norm, eps, rotary, cache, plan)
-        return q_nope, q_pe, rows
+        return q_nope, q_pe, kv_a
 
     def uses_expanded(self, plan) -> bool:
         """Whether this step attends in the expanded form (``self.form``; "auto": ``attends_expanded``)."""
@@ -260,18 +264,22 @@ class MlaAttention(nn.Module):
     def forward(self, h: torch.Tensor, rotary: LatentRope, cos_sin, cache: torch.Tensor, plan, attn) -> torch.Tensor:
         """h [T, hidden] -> [T, hidden]; writes the T new rows into ``cache`` [num_pages, page_size, L + R]."""
         num_tokens = h.shape[0]
-        q_nope, q_pe, rows = self.project(h, rotary, cos_sin, attn, cache, plan)  # rows stored
         if self.uses_expanded(plan):
+            q_nope, q_pe, rows = self.project(h, rotary, cos_sin, attn, cache, plan)  # rows stored
             out = self.attend_expanded(q_nope, q_pe, rows.to(cache.dtype), cache, plan, attn)
         else:
-            out = self.attend_absorbed(q_nope, q_pe, cache, plan, attn)
+            out = self.attend_absorbed(h, rotary, cos_sin, cache, plan, attn)
         bias = self.o_bias if self.shard.adds_row_bias else None
         return attn.linear(out.reshape(num_tokens, -1), self.o_weight, bias)
 
-    def attend_absorbed(self, q_nope, q_pe, cache: torch.Tensor, plan, attn) -> torch.Tensor:
-        """-> [T, H * v]: one MQA over the cached latent rows (the new ones stored), module docstring."""
+    def attend_absorbed(self, h: torch.Tensor, rotary: LatentRope, cos_sin, cache: torch.Tensor, plan,
+                        attn) -> torch.Tensor:
+        """-> [T, H * v]: one MQA over the cached latent rows (the new ones made and stored in the
+        absorbed query's launch on triton: ``mla_absorb_q_rows``), module docstring."""
         w_uk, w_uv = self.absorbed()
-        q = attn.mla_absorb_q(q_nope, w_uk, q_pe)  # [T, H, L + R]
+        q_nope, q_pe, kv_a = self.projections(h, attn)
+        q = attn.mla_absorb_q_rows(q_nope, w_uk, q_pe, kv_a, cos_sin, self.kv_a_norm, self.config.rms_norm_eps,
+                                   rotary, cache, plan)  # [T, H, L + R]
         out = attn.mla_attend(q, cache, plan, self.spec.kv_lora_rank, self.scale)  # [T, H, L]
         return attn.mla_absorb_v(out, w_uv)
 

@@ -82,11 +82,18 @@ def yarn_softmax_scale(config: ModelConfig, scale: float) -> float:
     return scale * _yarn_mscale(s.factor, s.mscale_all_dim) ** 2
 
 
-def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: [T] int64 -> cos, sin: [T, 1, head_dim] in ``dtype`` (broadcast over heads)."""
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, factor: float = 1.0,
+            dup: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [T] int64 -> cos, sin: [T, 1, head_dim] in ``dtype`` (broadcast over heads): each
+    row's head_dim / 2 frequencies twice (``dup``; False: once, [T, 1, head_dim / 2], as MLA's rope
+    part takes them), times ``factor`` (yarn's attention factor) in fp32 before the rounding. The
+    torch backend's ``cos_sin`` and the reference of ``triton_fused.cos_sin``."""
     freqs = positions[:, None].float() * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+    emb = torch.cat((freqs, freqs), dim=-1) if dup else freqs
+    cos, sin = emb.cos(), emb.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

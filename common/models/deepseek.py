@@ -299,7 +299,7 @@ class DeepseekForCausalLM(nn.Module):
 
     def run(self, token_ids: torch.Tensor, plan, kv: LatentCache, *, all_logits: bool = False):
         x, delta = F.embedding(token_ids, self.embed), None  # [T, hidden]
-        cos_sin = self.rotary.cos_sin(plan.positions)
+        cos_sin = self.rotary.cos_sin(plan.positions, self.attn)
         for layer in self.layers:
             x, delta = layer(x, delta, self.rotary, cos_sin, kv, plan, self.attn)
         if self.shard.tp_rank > 0:

@@ -221,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
         """The device part of ``forward`` (what a CUDA graph captures): token_ids [T] on the device,
         ``plan`` from ``self.attn.plan``."""
         x, delta = F.embedding(token_ids, self.embed), None  # [T, hidden]
-        cos_sin = rope.cos_sin(plan.positions, self.inv_freq, self.dtype)
+        cos_sin = self.attn.cos_sin(plan.positions, self.inv_freq, self.dtype)
         for layer in self.layers:
             x, delta = layer(x, delta, cos_sin, kv, plan, self.attn)
         if self.shard.tp_rank > 0:

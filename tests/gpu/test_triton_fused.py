@@ -142,3 +142,30 @@ def test_silu_mul_quantizes_its_rows(dtype, inter):
     gate_up = (torch.randn(3, 2 * inter) * 3).to(dtype).to(DEVICE)
     for block in (None, 512):  # the whole row in registers, and two passes of 512 columns
         _same_as_separate_quant(triton_fused.silu_mul(gate_up, quant=True, block=block), triton_fused.silu_mul(gate_up))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dup, factor", [(True, 1.0), (False, 0.7071)])
+def test_cos_sin_in_one_launch_equals_torch(dtype, dup, factor):
+    """The step's rope rows (dense: each frequency twice, no factor; MLA's rope part: once, times
+    yarn's factor) against ``rope.cos_sin``, at positions to 163,840 (DeepSeek's longest), over 37
+    tokens (three 16-token programs, the last one partial)."""
+    positions = torch.tensor([0, 1, 2, 17, 4095, 4096, 65535, 163839] + list(range(100, 3000, 100)), device=DEVICE)
+    assert positions.numel() == 37
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, 40, 2).float() / 40))).to(DEVICE)  # 20 frequencies: a padded block
+    got = triton_fused.cos_sin(positions, inv_freq, dtype, factor, dup)
+    want = rope.cos_sin(positions, inv_freq, dtype, factor, dup)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape == (37, 1, 40 if dup else 20) and g.dtype == dtype
+        if dtype == torch.float32:  # another cos/sin implementation: a few ulps of values at most 1
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+        else:  # at most one rounding step of the dtype apart
+            torch.testing.assert_close(g.float(), w.float(), rtol=0, atol=2**-10 if dtype == torch.float16 else 2**-7)
+    if dup:
+        assert torch.equal(got[0][..., :20], got[0][..., 20:])
+
+
+def test_cos_sin_refuses_a_half_precision_inv_freq():
+    with pytest.raises(ValueError, match=r"an fp32 inv_freq \[D/2\], got \(4,\) torch.float16"):
+        triton_fused.cos_sin(torch.arange(3, device=DEVICE), torch.ones(4, dtype=torch.float16, device=DEVICE),
+                             torch.float32)

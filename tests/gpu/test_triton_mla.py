@@ -350,3 +350,59 @@ def test_tiny_deepseek_expanded_prefill_on_triton_plans_equals_torch(tmp_path):
     (got, stored), (want, want_stored) = runs["expanded"], runs["absorbed"]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(stored, want_stored, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_absorbed_query_and_latent_rows_in_one_launch(interleaved, dtype):
+    """``triton_absorb.absorb_q_rows`` (one grid: the absorbed query's tiles, then a program a token for
+    its latent row) against ``latent_rows`` then ``absorb_q`` (two launches) and against the torch
+    composition (``TorchBackend.mla_absorb_q_rows``): the query, the cache rows stored, page -1 skipped.
+    5 heads, a latent of two 128-column blocks (the second partial), 3 tokens."""
+    from types import SimpleNamespace
+
+    from kvferry.common.kernels import triton_absorb
+    from kvferry.common.layers.mla import LatentRope
+
+    heads, nope, rope_dim, latent, num_tokens = 5, 24, 16, 160, 3
+    g = torch.Generator().manual_seed(11)
+    kv_b = (torch.randn(heads, nope + 20, latent, generator=g) / latent ** 0.5).to(dtype).to(DEVICE)
+    w_uk = kv_b[:, :nope]
+    proj = torch.randn(num_tokens, heads * (nope + rope_dim) + latent + rope_dim, generator=g).to(dtype).to(DEVICE)
+    q, kv_a = proj.split([heads * (nope + rope_dim), latent + rope_dim], -1)  # views of one GEMM's rows
+    q_nope, q_pe = q.view(num_tokens, heads, -1).split([nope, rope_dim], -1)
+    norm = (1 + 0.2 * torch.randn(latent, generator=g)).to(dtype).to(DEVICE)
+    angles = torch.rand(num_tokens, 1, rope_dim // 2, generator=g) * 6
+    cos_sin = (angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE))
+    rotary = SimpleNamespace(is_interleaved=interleaved)
+    rotary.apply = lambda x, cos, sin: LatentRope.apply(rotary, x, cos, sin)
+    plan = SimpleNamespace(write_pages=_ints([2, -1, 5]), write_rows=_ints([1, 0, 3]))
+    pools = [LatentPool("page-major", 8, 4, latent + rope_dim, dtype) for _ in range(3)]
+    for pool in pools[1:]:
+        pool.cache.copy_(pools[0].cache)
+    before = pools[0].cache.clone()
+    got = triton_absorb.absorb_q_rows(q_nope, w_uk, q_pe, kv_a, *cos_sin, norm, 1e-6, interleaved, pools[0].cache,
+                                      plan.write_pages, plan.write_rows)
+    roped, _ = triton_mla.latent_rows(kv_a, q_pe, *cos_sin, norm, 1e-6, interleaved, pools[1].cache,
+                                      plan.write_pages, plan.write_rows)
+    two = triton_absorb.absorb_q(q_nope, w_uk, roped)
+    torch.testing.assert_close(got.float(), two.float(), rtol=0, atol=0 if INTERPRET else 2**-7)
+    assert torch.equal(pools[0].cache, pools[1].cache)  # the same helper makes the rows
+    want = TorchBackend().mla_absorb_q_rows(q_nope, w_uk, q_pe, kv_a, cos_sin, norm, 1e-6, rotary, pools[2].cache,
+                                            plan)
+    tol = 1e-5 if dtype == torch.float32 else 2 * TOL[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    # (torch's index_put_ takes page -1 for the last page, 7: the torch path's plans have no padding rows)
+    torch.testing.assert_close(pools[0].cache[:7].float(), pools[2].cache[:7].float(), rtol=tol, atol=tol)
+    untouched = torch.ones(8, 4, dtype=torch.bool, device=DEVICE)  # all but (2, 1) and (5, 3): page -1 stores nothing
+    untouched[2, 1] = untouched[5, 3] = False
+    assert torch.equal(pools[0].cache[untouched], before[untouched])
+
+
+def test_absorbed_query_and_rows_refuse_a_kv_a_of_the_wrong_width():
+    from kvferry.common.kernels import triton_absorb
+
+    with pytest.raises(ValueError, match=r"absorb_q_rows: kv_a \(2, 40\) and cache rows 48 wide, want \[2, 48\]"):
+        triton_absorb.absorb_q_rows(torch.zeros(2, 4, 8), torch.zeros(4, 8, 32), torch.zeros(2, 4, 16),
+                                    torch.zeros(2, 40), *(torch.ones(2, 1, 8),) * 2, torch.ones(32), 1e-6, False,
+                                    torch.zeros(4, 4, 48), _ints([0, 1]), _ints([0, 0]))
