@@ -322,6 +322,9 @@ AB_SWITCHES = {
               "(triton_attention.MERGE_TILE off; the default: all splits as one tile)"),
     "mla_rows": ("mla_rows", "fused", "apart", "MLA's latent rows in a launch of their own before absorb_q "
                  "(TritonBackend.fuse_mla_rows off; the default: one grid runs both)"),
+    "slot_sum": ("slot_sum", "in_down", "apart", "the MoE down projection a program per slot, then the slot sum "
+                 "in a launch of its own (triton_gemv.DOWN_SUMS_SLOTS off; the default: each program sums its "
+                 "token's slots)"),
     "cos_sin": ("cos_sin", "kernel", "torch", "the step's rope cos/sin by torch ops, seven or eight launches "
                 "(TritonBackend.rope_kernel off; the default: one launch)"),
 }
@@ -344,6 +347,10 @@ def other_side(flag: str, model) -> list[tuple[object, str, object]]:
         return [(MoeBlock, "fold_shared", False)] if ds is not None and ds.n_shared_experts else []
     if flag == "mla_rows":
         return [] if ds is None else [(model.attn, "fuse_mla_rows", False)]
+    if flag == "slot_sum":
+        from kvferry.common.kernels import triton_gemv
+
+        return [(triton_gemv, "DOWN_SUMS_SLOTS", False)] if ds is not None or model.config.moe is not None else []
     if flag == "cos_sin":
         return [(model.attn, "rope_kernel", False)]
     return [(triton_fused, "ROPE_Q_HEADS", 0)] if flag == "rope" else [(triton_attention, "MERGE_TILE", False)]

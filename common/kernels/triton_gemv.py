@@ -37,7 +37,8 @@ import triton.language as tl
 from kvferry.common.kernels.pdl import enter as pdl_enter, enter_prefetching as pdl_enter_prefetching
 from kvferry.common.kernels.pdl import kw as pdl_kw, prefetching as pdl_prefetching
 from kvferry.common.kernels.gemv_tiles import (FIT_HEADROOM_BYTES, GROUP, SHARED_MEMORY_BYTES, GemvConfig,  # noqa: F401
-                                                dense_config, fit as _fit, fp8_config, moe_config, takes_rows)
+                                                dense_config, fit as _fit, fp8_config, moe_config,
+                                                moe_down_sum_config, takes_rows)
 
 FP8_GEMV_MAX_ROWS = 128  # the most rows fp8_gemv takes; fp8.FP8_GEMV_MAX_ROWS says how many fp8_linear sends here
 MOE_GEMV_MAX_SLOTS = 32
@@ -320,5 +321,64 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         return out if extra is None else out + extra
     cfg13, cfg2 = configs or (None, None)
     expert_gemv(x, w13, ids, gate_up, top_k, False, None, cfg13)
+    if DOWN_SUMS_SLOTS and configs is None:
+        return down_slot_sum(gate_up, w2, ids, topk_weights.flatten().contiguous(), top_k, x.dtype, extra)
     expert_gemv(gate_up, w2, ids, down, 1, True, topk_weights.flatten().contiguous(), cfg2)
     return slot_sum(down, top_k, x.dtype, extra)
+
+
+# the down projection's programs each sum a token's k slots (``down_slot_sum``: no slot-sum launch); False: a
+# program per slot, then ``slot_sum`` (bench/engine.py --slot-sum-ab)
+DOWN_SUMS_SLOTS = True
+
+
+@triton.jit
+def _down_slot_sum_kernel(gate_up, w, experts, slot_weights, extra, out, N, K, stride_gs, stride_we, stride_wn,
+                          TOP_K: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PDL: tl.constexpr = 0):
+    """out[t, n] = round(sum over token t's slots s, in order, of slot_weights[s] * (silu(gate) * up)[s] .
+    w[experts[s], n]) (+ extra[t, n], rounded again): ``_gemv_kernel``'s FUSE_SILU / MUL_WEIGHT slot
+    rows and ``_sum_parts_kernel``'s slot sum in one program per (column block, token)."""
+    pdl_enter(PDL)
+    t = tl.program_id(1).to(tl.int64)
+    cols = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for i in range(TOP_K):
+        slot = t * TOP_K + i
+        w_rows = w + tl.load(experts + slot).to(tl.int64) * stride_we + cols[:, None] * stride_wn
+        row = gate_up + slot * stride_gs
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            k_ok = k < K
+            g = tl.load(row + k, mask=k_ok, other=0.0)
+            g32 = g.to(tl.float32)
+            act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype)
+            xv = (act.to(tl.float32) * tl.load(row + K + k, mask=k_ok, other=0.0).to(tl.float32)).to(g.dtype)
+            wv = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.sum(wv.to(tl.float32) * xv.to(tl.float32)[None, :], 1)
+        total += acc * tl.load(slot_weights + slot).to(tl.float32)
+    r = total.to(out.dtype.element_ty)
+    if HAS_EXTRA:
+        r = (r.to(tl.float32) + tl.load(extra + t * N + cols, mask=col_ok, other=0.0).to(tl.float32)).to(r.dtype)
+    tl.store(out + t * N + cols, r, mask=col_ok)
+
+
+def down_slot_sum(gate_up: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, slot_weights: torch.Tensor,
+                  top_k: int, dtype: torch.dtype, extra: torch.Tensor | None = None,
+                  config: GemvConfig | None = None) -> torch.Tensor:
+    """The MoE's down projection of every slot and the sum of each token's k slots, one launch:
+    gate_up [T * k, 2I] (slot rows), w2 [E, H, I], ids and slot_weights [T * k] -> [T, H] in
+    ``dtype`` (+ ``extra`` [T, H]), as ``expert_gemv`` (silu fused, weighted) then ``slot_sum``."""
+    num_tokens, (n, k) = ids.numel() // top_k, w2.shape[1:]
+    cfg = config or moe_down_sum_config(n, k)
+    out = torch.empty(num_tokens, n, dtype=dtype, device=gate_up.device)
+    if extra is not None and not extra.is_contiguous():
+        extra = extra.contiguous()
+    _down_slot_sum_kernel[(triton.cdiv(n, cfg.block_n), num_tokens)](
+        gate_up, w2, ids, slot_weights, extra if extra is not None else out, out, n, k, gate_up.stride(0),
+        w2.stride(0), w2.stride(1), TOP_K=top_k, HAS_EXTRA=extra is not None, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kw())
+    return out

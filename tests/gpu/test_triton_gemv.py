@@ -227,6 +227,35 @@ def test_moe_gemv_equals_reference(num_tokens, num_experts, top_k, dtype):
         torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-2)
 
 
+@pytest.mark.parametrize("num_tokens, num_experts, top_k", [(1, 16, 8), (4, 8, 8), (3, 64, 6)])
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_down_projection_summing_the_slots_equals_a_program_per_slot(monkeypatch, num_tokens, num_experts, top_k,
+                                                                     dtype):
+    """``moe_gemv``'s down projection with each program summing its token's k slots (the default) against
+    a program per slot then ``slot_sum`` (DOWN_SUMS_SLOTS off), with and without the shared experts'
+    ``extra``: bit for bit under the interpreter (the same fp32 products and slot order); on CUDA the
+    column tiles differ, so the dot's reduction order may, within one rounding."""
+    g = torch.Generator().manual_seed(num_tokens * 10 + top_k)
+    hidden, inter = 80, 48  # past a 4-column block and a 256-wide K step's masks
+    x = torch.randn(num_tokens, hidden, generator=g)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
+    weights, ids = select_experts(torch.randn(num_tokens, num_experts, generator=g), top_k, renormalize=True)
+    extra = torch.randn(num_tokens, hidden, generator=g)
+    x, w13, w2, weights, extra = (t.to(DEVICE, dtype) for t in (x, w13, w2, weights, extra))
+    ids = ids.to(DEVICE)
+    got = [triton_gemv.moe_gemv(x, w13, w2, weights, ids, extra=e) for e in (None, extra)]
+    monkeypatch.setattr(triton_gemv, "DOWN_SUMS_SLOTS", False)
+    want = [triton_gemv.moe_gemv(x, w13, w2, weights, ids, extra=e) for e in (None, extra)]
+    for a, b in zip(got, want):
+        assert a.shape == (num_tokens, hidden) and a.dtype == dtype
+        if DEVICE == "cpu":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a.float(), b.float(), rtol=2**-7 if dtype != torch.float32 else 1e-6,
+                                       atol=1e-2 if dtype != torch.float32 else 1e-6)
+
+
 @pytest.mark.parametrize("num_tokens, top_k, hidden", [(1, 8, 2048), (3, 6, 80), (40, 2, 1030)])
 def test_slot_sum_adds_each_tokens_slots_in_order(num_tokens, top_k, hidden):
     """One launch: each token's k fp32 slots added in slot order, rounded, then + extra rounded,
