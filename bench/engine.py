@@ -325,6 +325,8 @@ AB_SWITCHES = {
     "slot_sum": ("slot_sum", "in_down", "apart", "the MoE down projection a program per slot, then the slot sum "
                  "in a launch of its own (triton_gemv.DOWN_SUMS_SLOTS off; the default: each program sums its "
                  "token's slots)"),
+    "picks": ("picks", "kernel", "torch", "the greedy picks by torch's argmax, log_softmax, gather and the "
+              "pairs' casts and stack (sampler.PICK_KERNEL off; the default: one launch, triton_sample)"),
     "cos_sin": ("cos_sin", "kernel", "torch", "the step's rope cos/sin by torch ops, seven or eight launches "
                 "(TritonBackend.rope_kernel off; the default: one launch)"),
 }
@@ -351,6 +353,10 @@ def other_side(flag: str, model) -> list[tuple[object, str, object]]:
         from kvferry.common.kernels import triton_gemv
 
         return [(triton_gemv, "DOWN_SUMS_SLOTS", False)] if ds is not None or model.config.moe is not None else []
+    if flag == "picks":
+        from kvferry.common.sampling import sampler
+
+        return [(sampler, "PICK_KERNEL", False)]
     if flag == "cos_sin":
         return [(model.attn, "rope_kernel", False)]
     return [(triton_fused, "ROPE_Q_HEADS", 0)] if flag == "rope" else [(triton_attention, "MERGE_TILE", False)]

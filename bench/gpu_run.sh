@@ -572,7 +572,8 @@ if [[ $what == merge ]]; then
   # absorbed projections against tree 0fd301d's (--mla-ab), DeepSeek's shared experts in the routed experts'
   # launches against a dense SwiGLU of their own (--shared-ab), MLA's rows in absorb_q's launch (--mla-rows-ab) and
   # the step's cos/sin in one launch against torch's ops (--cos-sin-ab), the MoE down projection summing each
-  # token's slots against a program a slot and the slot-sum launch (--slot-sum-ab), in the DeepSeek-V2-Lite,
+  # token's slots against a program a slot and the slot-sum launch (--slot-sum-ab), the greedy picks in one launch
+  # against torch's ops (--picks-ab), in the DeepSeek-V2-Lite,
   # Qwen3-30B-A3B (batch-1 kernels profiled) and 8B FP8 steps; first the attention, MLA, MoE and graph tests
   fp8_build channel > "$out/build.txt" 2>&1 &
   merge_presets=deepseek-v2-lite; [[ ${MERGE_QWEN:-1} == 1 ]] && merge_presets+=" qwen3-30b-a3b"
@@ -586,13 +587,15 @@ if [[ $what == merge ]]; then
   done
   [[ $only == *,tests,* ]] && timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider \
     tests/gpu/test_triton_attention.py tests/gpu/test_triton_mla.py tests/gpu/test_triton_moe.py \
-    tests/gpu/test_triton_fused.py tests/gpu/test_deepseek_graphs.py \
+    tests/gpu/test_triton_fused.py tests/gpu/test_deepseek_graphs.py tests/gpu/test_triton_sample.py \
+    tests/gpu/test_triton_gemv.py::test_down_projection_summing_the_slots_equals_a_program_per_slot \
+    tests/gpu/test_overlap.py \
     ${MERGE_TESTS_MORE-tests/gpu/test_triton_fp8_kv.py tests/gpu/test_engine_graphs.py} > "$out/merge-tests.txt" 2>&1
   [[ $only == *,tests,* ]] && grep -E "FAILED|ERROR|passed|failed" "$out/merge-tests.txt" | tail -8
   wait
   [[ $only == *,ds,* ]] && timeout ${MERGE_DS_TIMEOUT:-220} python3 bench/engine.py \
     --model /tmp/deepseek-v2-lite/target --batches ${MERGE_BATCHES:-64,8,1} --contexts 1024 --prefill "" --mla-ab \
-    --merge-ab --shared-ab --mla-rows-ab --cos-sin-ab --slot-sum-ab --kv-budget-gib 16 2>>"$out/merge.err" \
+    --merge-ab --shared-ab --mla-rows-ab --cos-sin-ab --slot-sum-ab --picks-ab --kv-budget-gib 16 2>>"$out/merge.err" \
     | sed "s/^{/{\"preset\": \"deepseek-v2-lite\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   # pdl: the batch-1 step's kernels with PDL off too (each kernel's own time, not its wait)
   [[ $only == *,pdl,* ]] && timeout ${MERGE_PDL_TIMEOUT:-90} python3 bench/engine.py \
@@ -601,11 +604,11 @@ if [[ $what == merge ]]; then
     | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   [[ ${MERGE_QWEN:-1} == 1 && $only == *,qwen,* ]] && timeout ${MERGE_QWEN_TIMEOUT:-100} python3 bench/engine.py \
     --model /tmp/qwen3-30b-a3b/target --batches ${MERGE_BATCHES:-64,8,1} --contexts 1024 --prefill "" --merge-ab \
-    --rope-ab --cos-sin-ab --slot-sum-ab ${MERGE_PROFILE---profile 1} --kv-budget-gib 16 2>>"$out/merge.err" \
+    --rope-ab --cos-sin-ab --slot-sum-ab --picks-ab ${MERGE_PROFILE---profile 1} --kv-budget-gib 16 2>>"$out/merge.err" \
     | sed "s/^{/{\"preset\": \"qwen3-30b-a3b\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   [[ $only == *,fp8,* ]] && ENGINE_TIMEOUT=${MERGE_FP8_TIMEOUT:-110} fp8_engine fp8-channel \
     --model /tmp/m8b-fp8c/target --batches 64,1 --contexts 1024 --prefill "" --merge-ab --rope-ab --cos-sin-ab \
-    --kv-budget-gib 16 | cut -c1-120
+    --picks-ab --kv-budget-gib 16 | cut -c1-120
 fi
 if [[ $what == moe-routed ]]; then
   # both MoE presets' decode steps with a distinct token per sequence (bench/engine.py's last_token: before, every

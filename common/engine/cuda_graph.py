@@ -13,7 +13,7 @@ A step with n sequences copies its inputs into the first rows (the rest are padd
 stores nothing, kv_len 0 and q 0 attend to nothing), replays the smallest bucket that holds n, and
 returns the first n sequences' logits of that bucket. A decode bucket (q = 1) also has a greedy
 head, captured as a second graph over its logits: the argmax tokens and their logprobs in
-``sampler.greedy_picks``' ops, so an all-greedy step (``run_greedy``) launches no sampling op of
+``sampler.greedy_pairs`` (one launch on CUDA), so an all-greedy step (``run_greedy``) launches no sampling op of
 its own; a step that samples otherwise replays the forward only. Larger batches and other shapes run eagerly. Only the Triton backend is captured: it never syncs the host and reads
 pages through the static table (the torch path builds index tensors of data-dependent shapes).
 Every architecture's ``run`` takes the bucket's ``static_plan``: Llama's family, Qwen3-MoE and
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from kvferry.common.layers.attn_backend import TritonPlan, pack_chunks, unpack
-from kvferry.common.sampling.sampler import greedy_picks
+from kvferry.common.sampling.sampler import greedy_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +90,10 @@ class StepGraphs:
             self.pool = graph.pool() if self.pool is None else self.pool
             self.graphs[batch] = graph
             if self.tokens_per_seq == 1:
-                greedy_picks(self.outputs[batch])  # warm-up outside the capture
+                greedy_pairs(self.outputs[batch])  # warm-up outside the capture
                 head = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(head, pool=self.pool):
-                    tokens, logprobs = greedy_picks(self.outputs[batch])
-                    self.picks[batch] = tokens, torch.stack([tokens.double(), logprobs.double()], dim=1)
+                    self.picks[batch] = greedy_pairs(self.outputs[batch])
                 self.heads[batch] = head
         torch.cuda.synchronize(self.kv.device)
         took_s = self.capture_s = time.perf_counter() - started

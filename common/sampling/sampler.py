@@ -236,14 +236,47 @@ class Sampler:
         return token_ids, logprobs
 
 
+# On CUDA, the argmax and logprobs in one launch (``triton_sample.picks``); False: torch's ops
+# (bench/engine.py --picks-ab)
+PICK_KERNEL = True
+
+
+def _picks_kernel(logits: torch.Tensor):
+    """``triton_sample`` where it runs these logits (CUDA, fp32, rows of unit stride), else None."""
+    if not (PICK_KERNEL and logits.is_cuda and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.stride(-1) == 1):
+        return None
+    from kvferry.common.kernels import triton_sample  # triton: only on CUDA here
+
+    return triton_sample
+
+
 def greedy_picks(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 logits [B, V] -> (argmax token ids [B], their logprobs [B]): ``Sampler.sample`` for
-    greedy rows with nothing to adjust. The decode graphs capture these same ops
-    (``cuda_graph.StepGraphs``), so a step picks the same tokens and logprobs either way."""
+    greedy rows with nothing to adjust. The decode graphs capture the same computation
+    (``cuda_graph.StepGraphs``, ``greedy_pairs``), so a step picks the same tokens and logprobs either way."""
+    kernel = _picks_kernel(logits)
+    if kernel is not None:
+        return kernel.picks(logits)
     token_ids = logits.argmax(dim=-1)
     return token_ids, _logprobs_of(logits, token_ids)
 
 
+def greedy_pairs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``greedy_picks`` as (token ids [B] int64, [B, 2] float64 pairs of token id and logprob), the
+    pairs for one copy to the host (one launch on CUDA)."""
+    kernel = _picks_kernel(logits)
+    if kernel is not None:
+        tokens, _, pairs = kernel.picks(logits, pairs=True)
+        return tokens, pairs
+    tokens, logprobs = greedy_picks(logits)
+    return tokens, torch.stack([tokens.double(), logprobs.double()], dim=1)
+
+
 def _logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """log_softmax of the raw logits at each row's token (temperature-free, as SGLang reports it)."""
+    """log_softmax of the raw logits at each row's token (temperature-free, as SGLang reports it);
+    on CUDA as ``greedy_picks`` computes it, so a greedy row's logprob does not depend on its step."""
+    kernel = _picks_kernel(logits)
+    if kernel is not None and token_ids.dtype == torch.int64:
+        return kernel.picks(logits, token_ids)[1]
     return torch.log_softmax(logits, dim=-1).gather(-1, token_ids[:, None]).squeeze(-1)
