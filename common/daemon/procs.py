@@ -37,6 +37,49 @@ def _ephemeral_floor() -> int:
         return 32768  # Linux's default
 
 
+def listening_pids(port: int) -> set[int] | None:
+    """The pids with a socket listening on TCP ``port`` (IPv4 or IPv6), from /proc; None where /proc
+    cannot tell (not Linux)."""
+    inodes: set[str] = set()
+    try:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                for line in list(f)[1:]:
+                    cols = line.split()  # sl, local address (hex ip:port), remote, state (0A: LISTEN), ..., inode
+                    if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(f"socket:[{cols[9]}]")
+    except (OSError, ValueError):
+        return None
+    pids: set[int] = set()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and inodes:
+            try:
+                fds = os.listdir(f"/proc/{entry.name}/fd")
+            except OSError:
+                continue  # gone, or not ours to read
+            for fd in fds:
+                try:
+                    if os.readlink(f"/proc/{entry.name}/fd/{fd}") in inodes:
+                        pids.add(int(entry.name))
+                        break
+                except OSError:
+                    continue
+    return pids
+
+
+def _ancestry(pid: int) -> list[int]:
+    """pid, its parent, that one's parent... (from /proc; as far as it can read)."""
+    chain = [pid]
+    while pid > 1 and len(chain) < 64:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # the field after the state: ppid
+        except (OSError, ValueError, IndexError):
+            break
+        chain.append(pid)
+    return chain
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on now, outside the ephemeral range, so no outgoing connection takes
     it before the daemon binds it. Another process may still pick the same one: ``Proc`` retries a
@@ -116,12 +159,19 @@ class Proc:
                                    f"log {self.log_path}:\n{self.tail()}")
             try:
                 with urllib.request.urlopen(self.url + path, timeout=2) as resp:
-                    if resp.status == 200:
+                    if resp.status == 200 and self.owns_port():
                         return self
             except (urllib.error.URLError, OSError):
                 pass  # not listening yet
             time.sleep(0.1)
         raise TimeoutError(f"{self.name} not ready at {self.url}{path} within {timeout_s}s; log:\n{self.tail()}")
+
+    def owns_port(self) -> bool:
+        """Whether the server answering on ``url``'s port is this process (or where /proc cannot tell,
+        assumed so): another daemon that took a ``free_port`` pick first answers /health too, while
+        this one is about to exit with EADDRINUSE."""
+        pids = listening_pids(int(self.url.rsplit(":", 1)[1].split("/")[0]))
+        return pids is None or any(self.popen.pid in _ancestry(pid) for pid in pids)
 
     def lost_port_race(self) -> bool:
         """The last start exited because a port ``free_port`` picked was taken before it bound."""

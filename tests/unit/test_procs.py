@@ -72,3 +72,23 @@ def test_port_given_by_the_caller_is_not_changed(tmp_path, taken_port):
         assert proc.arg("--port") == str(taken_port)
     finally:
         proc.stop(10)
+
+
+def test_a_health_answer_from_the_daemon_that_took_the_port_is_not_taken_for_ready(tmp_path):
+    """The port picked is taken by another daemon that answers /health 200 itself (another test's,
+    started meanwhile): that answer does not make this one ready; this one exits with EADDRINUSE and
+    is started again on a new port, where the answer is its own."""
+    other = _proc(tmp_path, free_port(), picked=())
+    other.log_path = tmp_path / "other.log"
+    try:
+        other.start().wait_ready(60)
+        taken = int(other.arg("--port"))
+        proc = _proc(tmp_path, taken, picked=("--port",))
+        try:
+            proc.start().wait_ready(60)
+            assert int(proc.arg("--port")) != taken and proc.owns_port()
+            assert "address already in use" in proc.log_path.read_text().lower()
+        finally:
+            proc.stop(10)
+    finally:
+        other.stop(10)
