@@ -585,11 +585,12 @@ if [[ $what == merge ]]; then
     ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) \
       >> "$out/build.txt" &
   done
+  # MERGE_TESTS: the test list in place of the default one
   [[ $only == *,tests,* ]] && timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider \
-    tests/gpu/test_triton_attention.py tests/gpu/test_triton_mla.py tests/gpu/test_triton_moe.py \
+    ${MERGE_TESTS:-tests/gpu/test_triton_attention.py tests/gpu/test_triton_mla.py tests/gpu/test_triton_moe.py \
     tests/gpu/test_triton_fused.py tests/gpu/test_deepseek_graphs.py tests/gpu/test_triton_sample.py \
     tests/gpu/test_triton_gemv.py::test_down_projection_summing_the_slots_equals_a_program_per_slot \
-    tests/gpu/test_overlap.py \
+    tests/gpu/test_overlap.py} \
     ${MERGE_TESTS_MORE-tests/gpu/test_triton_fp8_kv.py tests/gpu/test_engine_graphs.py} > "$out/merge-tests.txt" 2>&1
   [[ $only == *,tests,* ]] && grep -E "FAILED|ERROR|passed|failed" "$out/merge-tests.txt" | tail -8
   wait
