@@ -138,16 +138,20 @@ def _check_heads(name: str, x: torch.Tensor, w: torch.Tensor, inner: int) -> Non
         raise ValueError(f"{name}: last strides must be 1, got {x.stride()} and {w.stride()}")
 
 
+def _absorbed_query(name: str, q_nope: torch.Tensor, w_uk: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+    """The checks of q_nope/W_UK/q_pe, then the query [T, H, L + R] to write."""
+    _check_heads(name, q_nope, w_uk, w_uk.shape[1])
+    if q_pe.stride(-1) != 1 or q_pe.shape[:2] != q_nope.shape[:2]:
+        raise ValueError(f"{name}: q_pe {tuple(q_pe.shape)} (strides {q_pe.stride()}) for q_nope "
+                         f"{tuple(q_nope.shape)}")
+    return torch.empty(*q_nope.shape[:2], w_uk.shape[2] + q_pe.shape[2], dtype=q_nope.dtype, device=q_nope.device)
+
+
 def absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
     """q_nope [T, H, nope], W_UK [H, nope, L], q_pe [T, H, R] (strided views are fine) -> [T, H, L + R]
     in q_nope's dtype: each head's nope query times its W_UK, then its q_pe."""
-    _check_heads("absorb_q", q_nope, w_uk, w_uk.shape[1])
-    num_tokens, num_heads, nope = q_nope.shape
-    latent, rope_dim = w_uk.shape[2], q_pe.shape[2]
-    if q_pe.stride(-1) != 1 or q_pe.shape[:2] != q_nope.shape[:2]:
-        raise ValueError(f"absorb_q: q_pe {tuple(q_pe.shape)} (strides {q_pe.stride()}) for q_nope "
-                         f"{tuple(q_nope.shape)}")
-    out = torch.empty(num_tokens, num_heads, latent + rope_dim, dtype=q_nope.dtype, device=q_nope.device)
+    out = _absorbed_query("absorb_q", q_nope, w_uk, q_pe)
+    (num_tokens, num_heads, nope), latent, rope_dim = q_nope.shape, w_uk.shape[2], q_pe.shape[2]
     if num_tokens == 0:
         return out
     block_t, block_l = _token_block(num_tokens), _latent_block(latent)
@@ -186,16 +190,14 @@ def absorb_q_rows(q_nope: torch.Tensor, w_uk: torch.Tensor, q_pe: torch.Tensor, 
     rotated q_pe, in one launch: q_nope [T, H, nope], W_UK [H, nope, L], q_pe [T, H, R] as projected
     (not yet rotated), kv_a [T, L + R], cos/sin [T, 1, R/2] -> the absorbed query [T, H, L + R].
     The two share no input but the projection's output, so one grid runs both."""
-    _check_heads("absorb_q_rows", q_nope, w_uk, w_uk.shape[1])
-    num_tokens, num_heads, nope = q_nope.shape
-    latent, rope_dim = w_uk.shape[2], q_pe.shape[2]
-    if q_pe.stride(-1) != 1 or q_pe.shape[:2] != q_nope.shape[:2] or kv_a.stride(-1) != 1 or cache.stride(-1) != 1:
-        raise ValueError(f"absorb_q_rows: q_pe {tuple(q_pe.shape)} (strides {q_pe.stride()}) for q_nope "
-                         f"{tuple(q_nope.shape)}, kv_a strides {kv_a.stride()}: last strides must be 1")
+    out = _absorbed_query("absorb_q_rows", q_nope, w_uk, q_pe)
+    (num_tokens, num_heads, nope), latent, rope_dim = q_nope.shape, w_uk.shape[2], q_pe.shape[2]
+    if kv_a.stride(-1) != 1 or cache.stride(-1) != 1:
+        raise ValueError(f"absorb_q_rows: kv_a strides {kv_a.stride()}, cache strides {cache.stride()}: last "
+                         "strides must be 1")
     if kv_a.shape != (num_tokens, latent + rope_dim) or cache.shape[-1] != latent + rope_dim:
         raise ValueError(f"absorb_q_rows: kv_a {tuple(kv_a.shape)} and cache rows {cache.shape[-1]} wide, want "
                          f"[{num_tokens}, {latent + rope_dim}] ({latent} + {rope_dim})")
-    out = torch.empty(num_tokens, num_heads, latent + rope_dim, dtype=q_nope.dtype, device=q_nope.device)
     if num_tokens == 0:
         return out
     block_t, block_l = _token_block(num_tokens), _latent_block(latent)
