@@ -595,8 +595,9 @@ if [[ $what == merge ]]; then
   [[ $only == *,tests,* ]] && grep -E "FAILED|ERROR|passed|failed" "$out/merge-tests.txt" | tail -8
   wait
   [[ $only == *,ds,* ]] && timeout ${MERGE_DS_TIMEOUT:-220} python3 bench/engine.py \
-    --model /tmp/deepseek-v2-lite/target --batches ${MERGE_BATCHES:-64,8,1} --contexts 1024 --prefill "" --mla-ab \
-    --merge-ab --shared-ab --mla-rows-ab --cos-sin-ab --slot-sum-ab --picks-ab ${MERGE_DS_PROFILE---profile 1} \
+    --model /tmp/deepseek-v2-lite/target --batches ${MERGE_BATCHES:-64,8,1} --contexts 1024 --prefill "" \
+    ${MERGE_DS_AB:---mla-ab --merge-ab --shared-ab --mla-rows-ab --cos-sin-ab --slot-sum-ab --picks-ab} \
+    ${MERGE_DS_PROFILE---profile 1} \
     --kv-budget-gib 16 2>>"$out/merge.err" \
     | sed "s/^{/{\"preset\": \"deepseek-v2-lite\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   # pdl: the batch-1 step's kernels with PDL off too (each kernel's own time, not its wait)
