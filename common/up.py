@@ -152,7 +152,7 @@ def wait_ready(proc: Proc, path: str, timeout_s: float, procs: list[Proc], stop:
         check(procs, stop)
         try:
             with urllib.request.urlopen(proc.url + path, timeout=2) as resp:
-                if resp.status == 200:
+                if resp.status == 200 and proc.owns_port():  # not another server that took the port meanwhile
                     return
         except (urllib.error.URLError, OSError):
             pass  # not listening yet, or 503 while it loads: poll again
