@@ -298,16 +298,18 @@ def recapture(runner) -> None:
 
 
 @contextmanager
-def switched(runner, owner, name: str, value):
-    """``owner.name`` is ``value`` inside the block; the default is set back after it and the graphs are
-    captured again (``rerun`` captures them with the switch on)."""
+def switched(runner, owner, name: str, value, again: bool = True):
+    """``owner.name`` is ``value`` inside the block; the default is set back after it and, with ``again``,
+    the graphs are captured again (``rerun`` captures them with the switch on). A caller that undoes
+    several switches passes ``again=False`` and recaptures once."""
     default = getattr(owner, name)
     setattr(owner, name, value)
     try:
         yield
     finally:
         setattr(owner, name, default)
-        recapture(runner)
+        if again:
+            recapture(runner)
 
 
 # --{flag}-ab: (the lines' key, its value on the default's lines, on the other side's, what the other side runs)
@@ -543,13 +545,17 @@ def main() -> None:
         with switched(runner, ta, "num_decode_splits", functools.partial(ta.num_decode_splits, per_sm=4)), \
                 switched(runner, ta, "decode_tiles", lambda block_d, splits: ta.DecodeTiles(32 if block_d > 128 else 64)):
             rerun(runner, a, {**base, "attn_tiles": "d8d7159"}, *again)
+    switches_run = False  # the graphs are captured again once, after the last switch is undone
     for flag, (key, _, other, _) in AB_SWITCHES.items():
         settings = other_side(flag, model) if getattr(a, f"{flag}_ab") else []
         if settings:
             with ExitStack() as stack:
                 for owner, name, value in settings:
-                    stack.enter_context(switched(runner, owner, name, value))
+                    stack.enter_context(switched(runner, owner, name, value, again=False))
                 rerun(runner, a, {**base, key: other}, *again)
+            switches_run = True
+    if switches_run:
+        recapture(runner)
     if a.greedy_graph_ab and runner.target.graphs:  # the greedy picks by torch ops after each replay
         with switched(runner, runner, "greedy_in_graph", False):
             rerun(runner, a, {**base, "greedy": "torch"}, *again)
