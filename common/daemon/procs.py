@@ -5,6 +5,7 @@ Every wait has a deadline; ``stop`` sends SIGTERM, waits, then SIGKILLs.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -80,21 +82,33 @@ def _ancestry(pid: int) -> list[int]:
     return chain
 
 
+_HANDED_OUT = 1024  # free_port never returns one of the last this many ports it returned in this process
+_handed: collections.deque[int] = collections.deque(maxlen=_HANDED_OUT)
+_handed_lock = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on now, outside the ephemeral range, so no outgoing connection takes
-    it before the daemon binds it. Another process may still pick the same one: ``Proc`` retries a
-    start that failed with EADDRINUSE on new ports (``Proc.picked``)."""
+    it before the daemon binds it, and not one of the last ``_HANDED_OUT`` this process was given
+    (a daemon's port and bootstrap port, picked one after the other, never coincide). Another
+    process may still pick the same one: ``Proc`` retries a start that failed with EADDRINUSE on
+    new ports (``Proc.picked``)."""
     rng = random.SystemRandom()
     high = _ephemeral_floor()
-    for _ in range(200):
-        port = rng.randrange(PORT_FLOOR, high) if high > PORT_FLOOR + 100 else 0
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
-            try:
-                s.bind((host, port))
-            except OSError:
+    with _handed_lock:
+        for _ in range(200):
+            port = rng.randrange(PORT_FLOOR, high) if high > PORT_FLOOR + 100 else 0
+            if port in _handed:
                 continue
-            return s.getsockname()[1]
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                port = s.getsockname()[1]
+            _handed.append(port)
+            return port
     raise OSError(f"no free port on {host} in {PORT_FLOOR}..{high - 1}")
 
 

@@ -92,3 +92,10 @@ def test_a_health_answer_from_the_daemon_that_took_the_port_is_not_taken_for_rea
             proc.stop(10)
     finally:
         other.stop(10)
+
+
+def test_ports_picked_one_after_another_never_coincide():
+    """A daemon's port and its bootstrap port are two picks in a row: 600 picks (a birthday collision
+    in the ~22,000 ports below the ephemeral range would be likely) are all different."""
+    picks = [free_port() for _ in range(600)]
+    assert len(set(picks)) == len(picks)
