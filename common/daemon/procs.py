@@ -97,8 +97,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     high = _ephemeral_floor()
     with _handed_lock:
         for _ in range(200):
-            port = rng.randrange(PORT_FLOOR, high) if high > PORT_FLOOR + 100 else 0
-            if port in _handed:
+            port = rng.randrange(PORT_FLOOR, high) if high > PORT_FLOOR + 100 else 0  # 0: the kernel's pick
+            if port and port in _handed:
                 continue
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
@@ -107,8 +107,9 @@ def free_port(host: str = "127.0.0.1") -> int:
                 except OSError:
                     continue
                 port = s.getsockname()[1]
-            _handed.append(port)
-            return port
+            if port not in _handed:
+                _handed.append(port)
+                return port
     raise OSError(f"no free port on {host} in {PORT_FLOOR}..{high - 1}")
 
 
