@@ -199,13 +199,20 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
 
 
 @triton.jit
-def _silu_mul_tile(gate_up, row, i, INTER: tl.constexpr):
-    mask = i < INTER
-    g = tl.load(gate_up + row * 2 * INTER + i, mask=mask, other=0.0)
-    u = tl.load(gate_up + row * 2 * INTER + INTER + i, mask=mask, other=0.0)
+def silu_times_up(gate, mask, up_offset):
+    """silu(gate) * up from a [gate | up] row: the gate values at the pointers ``gate``, each up value
+    ``up_offset`` further, rounded as ``silu_mul`` rounds (also the GEMVs that read gate-up rows)."""
+    g = tl.load(gate, mask=mask, other=0.0)
+    u = tl.load(gate + up_offset, mask=mask, other=0.0)
     g32 = g.to(tl.float32)
     act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype)  # F.silu rounds to the dtype before the product
-    return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask
+    return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+
+
+@triton.jit
+def _silu_mul_tile(gate_up, row, i, INTER: tl.constexpr):
+    mask = i < INTER
+    return silu_times_up(gate_up + row * 2 * INTER + i, mask, INTER), mask
 
 
 @triton.jit

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from kvferry.common.kernels.pdl import enter as pdl_enter, enter_prefetching as pdl_enter_prefetching
 from kvferry.common.kernels.pdl import kw as pdl_kw, prefetching as pdl_prefetching
+from kvferry.common.kernels.triton_fused import silu_times_up
 from kvferry.common.kernels.gemv_tiles import (FIT_HEADROOM_BYTES, GROUP, SHARED_MEMORY_BYTES, GemvConfig,  # noqa: F401
                                                 dense_config, fit as _fit, fp8_config, moe_config,
                                                 moe_down_sum_config, takes_rows)
@@ -95,11 +96,7 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale,
         x_ptrs = x + x_rows[:, None] * stride_xm + k[None, :]  # [BLOCK_M, BLOCK_K]
         x_mask = row_ok[:, None] & k_ok[None, :]
         if FUSE_SILU:
-            g = tl.load(x_ptrs, mask=x_mask, other=0.0)
-            u = tl.load(x_ptrs + K, mask=x_mask, other=0.0)
-            g32 = g.to(tl.float32)
-            act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype)
-            xv = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+            xv = silu_times_up(x_ptrs, x_mask, K)
         else:
             xv = tl.load(x_ptrs, mask=x_mask, other=0.0)
         wv = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
@@ -353,10 +350,7 @@ def _down_slot_sum_kernel(gate_up, w, experts, slot_weights, extra, out, N, K, s
         for k0 in range(0, K, BLOCK_K):
             k = k0 + ks
             k_ok = k < K
-            g = tl.load(row + k, mask=k_ok, other=0.0)
-            g32 = g.to(tl.float32)
-            act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype)
-            xv = (act.to(tl.float32) * tl.load(row + K + k, mask=k_ok, other=0.0).to(tl.float32)).to(g.dtype)
+            xv = silu_times_up(row + k, k_ok, K)
             wv = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             acc += tl.sum(wv.to(tl.float32) * xv.to(tl.float32)[None, :], 1)
         total += acc * tl.load(slot_weights + slot).to(tl.float32)
