@@ -575,11 +575,13 @@ if [[ $what == merge ]]; then
   # token's slots against a program a slot and the slot-sum launch (--slot-sum-ab), the greedy picks in one launch
   # against torch's ops (--picks-ab), in the DeepSeek-V2-Lite,
   # Qwen3-30B-A3B (batch-1 kernels profiled) and 8B FP8 steps; first the attention, MLA, MoE and graph tests
-  fp8_build channel > "$out/build.txt" 2>&1 &
-  merge_presets=deepseek-v2-lite; [[ ${MERGE_QWEN:-1} == 1 ]] && merge_presets+=" qwen3-30b-a3b"
-  # MERGE_ONLY (a comma list of tests, ds, pdl, qwen, fp8; default all but pdl): the steps to run. The models are
-  # built on a fresh machine either way (skipped where a call before on the same warm machine built them)
+  # MERGE_ONLY (a comma list of tests, ds, pdl, qwen, fp8; default all but pdl): the steps to run. Only their
+  # models are built, meanwhile the tests run (skipped where a call before on the same warm machine built them)
   only=,${MERGE_ONLY:-tests,ds,qwen,fp8},
+  [[ $only == *,fp8,* ]] && { fp8_build channel > "$out/build.txt" 2>&1 & }
+  merge_presets=""
+  [[ $only == *,ds,* || $only == *,pdl,* ]] && merge_presets=deepseek-v2-lite
+  [[ ${MERGE_QWEN:-1} == 1 && $only == *,qwen,* ]] && merge_presets+=" qwen3-30b-a3b"
   for preset in $merge_presets; do
     [[ -f /tmp/$preset/target/config.json ]] && continue
     ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) \
