@@ -342,18 +342,23 @@ def _down_slot_sum_kernel(gate_up, w, experts, slot_weights, extra, out, N, K, s
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for i in range(TOP_K):
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    steps = tl.cdiv(K, BLOCK_K)
+    # one loop over the slots' K steps, so that the pipeline's loads run on from one slot into the next;
+    # a slot's sum is weighted and added at its last step (the same products and order as a loop per slot)
+    for step in range(0, TOP_K * steps):
+        i = step // steps
+        k0 = (step - i * steps) * BLOCK_K
         slot = t * TOP_K + i
+        k = k0 + ks
+        k_ok = k < K
+        xv = silu_times_up(gate_up + slot * stride_gs + k, k_ok, K)
         w_rows = w + tl.load(experts + slot).to(tl.int64) * stride_we + cols[:, None] * stride_wn
-        row = gate_up + slot * stride_gs
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + ks
-            k_ok = k < K
-            xv = silu_times_up(row + k, k_ok, K)
-            wv = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.sum(wv.to(tl.float32) * xv.to(tl.float32)[None, :], 1)
-        total += acc * tl.load(slot_weights + slot).to(tl.float32)
+        wv = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.sum(wv.to(tl.float32) * xv.to(tl.float32)[None, :], 1)
+        last = k0 + BLOCK_K >= K
+        total = tl.where(last, total + acc * tl.load(slot_weights + slot).to(tl.float32), total)
+        acc = tl.where(last, 0.0, acc)
     r = total.to(out.dtype.element_ty)
     if HAS_EXTRA:
         r = (r.to(tl.float32) + tl.load(extra + t * N + cols, mask=col_ok, other=0.0).to(tl.float32)).to(r.dtype)
