@@ -575,7 +575,8 @@ if [[ $what == merge ]]; then
   # token's slots against a program a slot and the slot-sum launch (--slot-sum-ab), the greedy picks in one launch
   # against torch's ops (--picks-ab), in the DeepSeek-V2-Lite,
   # Qwen3-30B-A3B (batch-1 kernels profiled) and 8B FP8 steps; first the attention, MLA, MoE and graph tests
-  # MERGE_ONLY (a comma list of tests, ds, pdl, qwen, fp8; default all but pdl): the steps to run. Only their
+  # MERGE_ONLY (a comma list of tests, ds, pdl, qwen, fp8; default all but pdl): the steps to run; MERGE_DS_AB and
+  # MERGE_QWEN_AB: the A/B flags of those steps. Only their
   # models are built, meanwhile the tests run (skipped where a call before on the same warm machine built them)
   only=,${MERGE_ONLY:-tests,ds,qwen,fp8},
   [[ $only == *,fp8,* ]] && { fp8_build channel > "$out/build.txt" 2>&1 & }
@@ -608,8 +609,8 @@ if [[ $what == merge ]]; then
     --kv-budget-gib 16 2>>"$out/merge.err" | sed "s/^{/{\"preset\": \"deepseek-v2-lite\", /" \
     | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   [[ ${MERGE_QWEN:-1} == 1 && $only == *,qwen,* ]] && timeout ${MERGE_QWEN_TIMEOUT:-100} python3 bench/engine.py \
-    --model /tmp/qwen3-30b-a3b/target --batches ${MERGE_BATCHES:-64,8,1} --contexts 1024 --prefill "" --merge-ab \
-    --rope-ab --cos-sin-ab --slot-sum-ab --picks-ab ${MERGE_PROFILE---profile 1} --kv-budget-gib 16 2>>"$out/merge.err" \
+    --model /tmp/qwen3-30b-a3b/target --batches ${MERGE_BATCHES:-64,8,1} --contexts 1024 --prefill "" \
+    ${MERGE_QWEN_AB:---merge-ab --rope-ab --cos-sin-ab --slot-sum-ab --picks-ab} ${MERGE_PROFILE---profile 1} --kv-budget-gib 16 2>>"$out/merge.err" \
     | sed "s/^{/{\"preset\": \"qwen3-30b-a3b\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   [[ $only == *,fp8,* ]] && ENGINE_TIMEOUT=${MERGE_FP8_TIMEOUT:-110} fp8_engine fp8-channel \
     --model /tmp/m8b-fp8c/target --batches 64,1 --contexts 1024 --prefill "" --merge-ab --rope-ab --cos-sin-ab \
