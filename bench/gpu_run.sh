@@ -576,8 +576,8 @@ if [[ $what == merge ]]; then
   # against torch's ops (--picks-ab), in the DeepSeek-V2-Lite,
   # Qwen3-30B-A3B (batch-1 kernels profiled) and 8B FP8 steps; first the attention, MLA, MoE and graph tests
   # MERGE_ONLY (a comma list of tests, ds, pdl, qwen, fp8; default all but pdl): the steps to run; MERGE_DS_AB and
-  # MERGE_QWEN_AB: the A/B flags of those steps. Only their
-  # models are built, meanwhile the tests run (skipped where a call before on the same warm machine built them)
+  # MERGE_QWEN_AB: the A/B flags of those steps. Only their models are built, meanwhile the tests run (skipped where
+  # a call before on the same warm machine built them)
   only=,${MERGE_ONLY:-tests,ds,qwen,fp8},
   [[ $only == *,fp8,* ]] && { fp8_build channel > "$out/build.txt" 2>&1 & }
   merge_presets=""
