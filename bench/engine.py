@@ -322,11 +322,11 @@ AB_SWITCHES = {
              "the default: 8 q heads a program, k and v in one more)"),
     "merge": ("merge", "tile", "loop", "the decode attention's splits merged one after another "
               "(triton_attention.MERGE_TILE off; the default: all splits as one tile)"),
-    "mla_rows": ("mla_rows", "fused", "apart", "MLA's latent rows in a launch of their own before absorb_q "
-                 "(TritonBackend.fuse_mla_rows off; the default: one grid runs both)"),
-    "slot_sum": ("slot_sum", "in_down", "apart", "the MoE down projection a program per slot, then the slot sum "
-                 "in a launch of its own (triton_gemv.DOWN_SUMS_SLOTS off; the default: each program sums its "
-                 "token's slots)"),
+    "mla_rows": ("mla_rows", "apart", "fused", "MLA's latent rows in absorb_q's launch, one grid for both "
+                 "(TritonBackend.fuse_mla_rows on; the default: the rows in a launch of their own first)"),
+    "slot_sum": ("slot_sum", "apart", "in_down", "the MoE down projection's programs each summing their token's "
+                 "slots (triton_gemv.DOWN_SUMS_SLOTS on; the default: a program per slot, then the slot sum in a "
+                 "launch of its own)"),
     "picks": ("picks", "kernel", "torch", "the greedy picks by torch's argmax, log_softmax, gather and the "
               "pairs' casts and stack (sampler.PICK_KERNEL off; the default: one launch, triton_sample)"),
     "cos_sin": ("cos_sin", "kernel", "torch", "the step's rope cos/sin by torch ops, seven or eight launches "
@@ -350,11 +350,11 @@ def other_side(flag: str, model) -> list[tuple[object, str, object]]:
     if flag == "shared":
         return [(MoeBlock, "fold_shared", False)] if ds is not None and ds.n_shared_experts else []
     if flag == "mla_rows":
-        return [] if ds is None else [(model.attn, "fuse_mla_rows", False)]
+        return [] if ds is None else [(model.attn, "fuse_mla_rows", True)]
     if flag == "slot_sum":
         from kvferry.common.kernels import triton_gemv
 
-        return [(triton_gemv, "DOWN_SUMS_SLOTS", False)] if ds is not None or model.config.moe is not None else []
+        return [(triton_gemv, "DOWN_SUMS_SLOTS", True)] if ds is not None or model.config.moe is not None else []
     if flag == "picks":
         from kvferry.common.sampling import sampler
 

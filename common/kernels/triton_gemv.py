@@ -324,9 +324,11 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     return slot_sum(down, top_k, x.dtype, extra)
 
 
-# the down projection's programs each sum a token's k slots (``down_slot_sum``: no slot-sum launch); False: a
-# program per slot, then ``slot_sum`` (bench/engine.py --slot-sum-ab)
-DOWN_SUMS_SLOTS = True
+# True: the down projection's programs each sum a token's k slots (``down_slot_sum``: no slot-sum launch); False
+# (the default): a program per slot, then ``slot_sum``. On an H100 (tree fcecc59) the summing programs made the
+# batch-1 step slower, 0.587 against 0.419 ms for DeepSeek-V2-Lite and 0.637 against 0.580 for Qwen3-30B-A3B: at
+# one token they are a k-th as many (bench/engine.py --slot-sum-ab)
+DOWN_SUMS_SLOTS = False
 
 
 @triton.jit

@@ -231,8 +231,8 @@ def test_moe_gemv_equals_reference(num_tokens, num_experts, top_k, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
 def test_down_projection_summing_the_slots_equals_a_program_per_slot(monkeypatch, num_tokens, num_experts, top_k,
                                                                      dtype):
-    """``moe_gemv``'s down projection with each program summing its token's k slots (the default) against
-    a program per slot then ``slot_sum`` (DOWN_SUMS_SLOTS off), with and without the shared experts'
+    """``moe_gemv``'s down projection with each program summing its token's k slots (DOWN_SUMS_SLOTS on)
+    against a program per slot then ``slot_sum`` (the default), with and without the shared experts'
     ``extra``: bit for bit under the interpreter (the same fp32 products and slot order); on CUDA the
     column tiles differ, so the dot's reduction order may, within one rounding."""
     g = torch.Generator().manual_seed(num_tokens * 10 + top_k)
@@ -244,6 +244,7 @@ def test_down_projection_summing_the_slots_equals_a_program_per_slot(monkeypatch
     extra = torch.randn(num_tokens, hidden, generator=g)
     x, w13, w2, weights, extra = (t.to(DEVICE, dtype) for t in (x, w13, w2, weights, extra))
     ids = ids.to(DEVICE)
+    monkeypatch.setattr(triton_gemv, "DOWN_SUMS_SLOTS", True)
     got = [triton_gemv.moe_gemv(x, w13, w2, weights, ids, extra=e) for e in (None, extra)]
     monkeypatch.setattr(triton_gemv, "DOWN_SUMS_SLOTS", False)
     want = [triton_gemv.moe_gemv(x, w13, w2, weights, ids, extra=e) for e in (None, extra)]
