@@ -169,3 +169,44 @@ def test_cos_sin_refuses_a_half_precision_inv_freq():
     with pytest.raises(ValueError, match=r"an fp32 inv_freq \[D/2\], got \(4,\) torch.float16"):
         triton_fused.cos_sin(torch.arange(3, device=DEVICE), torch.ones(4, dtype=torch.float16, device=DEVICE),
                              torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("top_k", [1, 6, 8])
+@pytest.mark.parametrize("with_extra", [False, True])
+@pytest.mark.parametrize("quant", [False, True])
+def test_add_rms_norm_sums_moe_slots_as_slot_sum(dtype, top_k, with_extra, quant):
+    """A MoE block's unsummed slots (``SlotParts``) as the delta: summed in the norm's launch, bit for
+    bit as ``slot_sum`` then the norm (the same fp32 adds in slot order, the same roundings), the
+    shared experts' ``extra`` included; ``SlotParts.total`` and ``index_select`` (torch ops) too."""
+    from kvferry.common.kernels.quant_rows import SlotParts
+    from kvferry.common.kernels.triton_gemv import slot_sum
+
+    g = torch.Generator().manual_seed(top_k * 2 + with_extra)
+    num_tokens, hidden = 5, 96  # a masked block of 128
+    x = (torch.randn(num_tokens, hidden, generator=g) * 2).to(dtype).to(DEVICE)
+    parts = torch.randn(num_tokens * top_k, hidden, generator=g).to(DEVICE)
+    extra = torch.randn(num_tokens, hidden, generator=g).to(dtype).to(DEVICE) if with_extra else None
+    weight = torch.rand(hidden, generator=g).to(dtype).to(DEVICE) + 0.5
+    slots = SlotParts(parts, top_k, dtype, extra)
+    summed = slot_sum(parts, top_k, dtype, extra)
+    assert slots.shape == (num_tokens, hidden) and torch.equal(slots.total(), summed)
+    rows = torch.tensor([4, 0, 2], device=DEVICE)
+    assert torch.equal(slots.index_select(0, rows).total(), summed.index_select(0, rows))
+    got_x, got_h = triton_fused.add_rms_norm(x, slots, weight, 1e-5, quant=quant)
+    want_x, want_h = triton_fused.add_rms_norm(x, summed, weight, 1e-5, quant=quant)
+    assert torch.equal(got_x, want_x)
+    for got, want in ((got_h.rows, want_h.rows), (got_h.q, want_h.q), (got_h.scale, want_h.scale)) if quant \
+            else ((got_h, want_h),):
+        assert torch.equal(got.float(), want.float())
+
+
+def test_add_rms_norm_refuses_slots_of_another_shape_or_dtype():
+    from kvferry.common.kernels.quant_rows import SlotParts
+
+    x, weight = torch.zeros(2, 64, device=DEVICE), torch.ones(64, device=DEVICE)
+    for slots in (SlotParts(torch.zeros(6, 64, device=DEVICE), 2, torch.float32),  # 3 tokens' slots for 2 rows
+                  SlotParts(torch.zeros(4, 64, device=DEVICE), 2, DTYPES[1])):  # summing to another dtype
+        with pytest.raises(ValueError, match=r"add_rms_norm: slot parts \(\d, 64\) torch.float32 of 2 slots summing "
+                                             r"to torch.\w+, for x \(2, 64\) torch.float32"):
+            triton_fused.add_rms_norm(x, slots, weight, 1e-5)
