@@ -327,8 +327,6 @@ AB_SWITCHES = {
     "slot_sum": ("slot_sum", "apart", "in_down", "the MoE down projection's programs each summing their token's "
                  "slots (triton_gemv.DOWN_SUMS_SLOTS on; the default: a program per slot, then the slot sum in a "
                  "launch of its own)"),
-    "slot_norm": ("slot_norm", "in_norm", "apart", "the MoE slot sum in a launch of its own (TritonBackend."
-                  "defer_slot_sum off; the default: the slots summed in the next residual add's launch)"),
     "picks": ("picks", "kernel", "torch", "the greedy picks by torch's argmax, log_softmax, gather and the "
               "pairs' casts and stack (sampler.PICK_KERNEL off; the default: one launch, triton_sample)"),
     "cos_sin": ("cos_sin", "kernel", "torch", "the step's rope cos/sin by torch ops, seven or eight launches "
@@ -357,8 +355,6 @@ def other_side(flag: str, model) -> list[tuple[object, str, object]]:
         from kvferry.common.kernels import triton_gemv
 
         return [(triton_gemv, "DOWN_SUMS_SLOTS", True)] if ds is not None or model.config.moe is not None else []
-    if flag == "slot_norm":
-        return [(model.attn, "defer_slot_sum", False)] if ds is not None or model.config.moe is not None else []
     if flag == "picks":
         from kvferry.common.sampling import sampler
 

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from kvferry.common.kernels.kv_quant import is_quantized
 from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
-from kvferry.common.kernels.quant_rows import SlotParts, TokenQuantized
+from kvferry.common.kernels.quant_rows import TokenQuantized
 from kvferry.common.kernels.triton_attention import quantize_tile
 from kvferry.common.kernels.triton_fp8_gemm import e4m3_quantize, e4m3_scale
 
@@ -43,29 +43,15 @@ def _quantize_row(v, q_row, s, row, cols, mask):
 
 
 @triton.jit
-def _add_rms_norm_kernel(x, delta, extra, out_x, out_h, weight, eps, hq, hs, HIDDEN: tl.constexpr,
-                         BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, QUANT: tl.constexpr, SLOTS: tl.constexpr = 0,
-                         HAS_EXTRA: tl.constexpr = 0, PDL: tl.constexpr = 0):
-    """SLOTS > 0: delta is a MoE block's fp32 slots [T * SLOTS, HIDDEN], summed here as
-    ``triton_gemv._sum_parts_kernel`` sums them (slot order, fp32, rounded; + extra, rounded again)."""
+def _add_rms_norm_kernel(x, delta, out_x, out_h, weight, eps, hq, hs, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+                         HAS_DELTA: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     mask = i < HIDDEN
     v = tl.load(x + row * HIDDEN + i, mask=mask, other=0.0)
     if HAS_DELTA:
-        if SLOTS > 0:
-            slots = delta + row * SLOTS * HIDDEN + i
-            acc = tl.load(slots, mask=mask, other=0.0)
-            for s in tl.static_range(1, SLOTS):
-                acc += tl.load(slots + s * HIDDEN, mask=mask, other=0.0)
-            d = acc.to(v.dtype)
-            if HAS_EXTRA:
-                d = (d.to(tl.float32) + tl.load(extra + row * HIDDEN + i, mask=mask, other=0.0).to(tl.float32)
-                     ).to(v.dtype)
-        else:
-            d = tl.load(delta + row * HIDDEN + i, mask=mask, other=0.0)
-        v = (v.to(tl.float32) + d.to(tl.float32)).to(v.dtype)
+        v = (v.to(tl.float32) + tl.load(delta + row * HIDDEN + i, mask=mask, other=0.0).to(tl.float32)).to(v.dtype)
         tl.store(out_x + row * HIDDEN + i, v, mask=mask)
     v32 = v.to(tl.float32)
     normed = (v32 * tl.rsqrt(tl.sum(v32 * v32, 0) / HIDDEN + eps)).to(v.dtype)
@@ -76,28 +62,18 @@ def _add_rms_norm_kernel(x, delta, extra, out_x, out_h, weight, eps, hq, hs, HID
         _quantize_row(h, hq + row * HIDDEN, hs, row, i, mask)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | SlotParts | None, weight: torch.Tensor, eps: float,
-                 quant: bool = False, num_warps: int | None = None):
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, quant: bool = False,
+                 num_warps: int | None = None):
     """x, delta: [T, hidden] contiguous -> (x + delta, rms_norm(x + delta)); delta None: (x, rms_norm(x)).
-    A ``SlotParts`` delta (a MoE block's unsummed slots) is summed in this launch, as ``slot_sum``.
     ``quant``: the normed rows also quantized per token -> (x + delta, ``fp8.TokenQuantized``)."""
     num_rows, hidden = x.shape
-    slots, extra = 0, None
-    if isinstance(delta, SlotParts):
-        if delta.dtype != x.dtype or tuple(delta.shape) != tuple(x.shape) or delta.parts.dtype != torch.float32:
-            raise ValueError(f"add_rms_norm: slot parts {tuple(delta.parts.shape)} {delta.parts.dtype} of "
-                             f"{delta.top_k} slots summing to {delta.dtype}, for x {tuple(x.shape)} {x.dtype}")
-        slots, extra, delta = delta.top_k, delta.extra, delta.parts.contiguous()
-        extra = extra.contiguous() if extra is not None else None
     out_x = torch.empty_like(x) if delta is not None else x
     out_h = torch.empty_like(x)
     hq, hs = _quant_outputs(x, hidden, quant)
     block = triton.next_power_of_2(hidden)
     if num_rows:
-        _add_rms_norm_kernel[(num_rows,)](x, delta if delta is not None else x, extra if extra is not None else x,
-                                          out_x, out_h, weight, eps, hq, hs, HIDDEN=hidden, BLOCK=block,
-                                          HAS_DELTA=delta is not None, QUANT=quant, SLOTS=slots,
-                                          HAS_EXTRA=extra is not None,
+        _add_rms_norm_kernel[(num_rows,)](x, delta if delta is not None else x, out_x, out_h, weight, eps, hq, hs,
+                                          HIDDEN=hidden, BLOCK=block, HAS_DELTA=delta is not None, QUANT=quant,
                                           num_warps=num_warps or (8 if block >= 4096 else 4), **pdl_kw())
     return out_x, (TokenQuantized(out_h, hq, hs) if quant else out_h)
 

@@ -36,7 +36,6 @@ import triton.language as tl
 
 from kvferry.common.kernels.pdl import enter as pdl_enter, enter_prefetching as pdl_enter_prefetching
 from kvferry.common.kernels.pdl import kw as pdl_kw, prefetching as pdl_prefetching
-from kvferry.common.kernels.quant_rows import SlotParts
 from kvferry.common.kernels.triton_fused import silu_times_up
 from kvferry.common.kernels.gemv_tiles import (FIT_HEADROOM_BYTES, GROUP, SHARED_MEMORY_BYTES, GemvConfig,  # noqa: F401
                                                 dense_config, fit as _fit, fp8_config, moe_config,
@@ -301,11 +300,10 @@ def expert_gemv(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, out: t
 
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
              topk_ids: torch.Tensor, configs: tuple[GemvConfig, GemvConfig] | None = None,
-             extra: torch.Tensor | None = None, defer: bool = False) -> torch.Tensor | SlotParts:
+             extra: torch.Tensor | None = None) -> torch.Tensor:
     """``triton_moe.fused_moe`` for T * k <= MOE_GEMV_MAX_SLOTS: x [T, H], w13 [E, 2I, H],
     w2 [E, H, I] -> [T, H] in x's dtype (gate-up rounded to x's dtype, the weighted down
-    projection in fp32, summed over the k slots, then rounded; + ``extra`` [T, H], rounded).
-    ``defer``: the weighted slots unsummed, as ``SlotParts`` (where the sum is a launch of its own)."""
+    projection in fp32, summed over the k slots, then rounded; + ``extra`` [T, H], rounded)."""
     num_tokens, top_k = topk_ids.shape
     num_slots = num_tokens * top_k
     if num_slots > MOE_GEMV_MAX_SLOTS:
@@ -323,7 +321,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     if DOWN_SUMS_SLOTS and configs is None:
         return down_slot_sum(gate_up, w2, ids, topk_weights.flatten().contiguous(), top_k, x.dtype, extra)
     expert_gemv(gate_up, w2, ids, down, 1, True, topk_weights.flatten().contiguous(), cfg2)
-    return SlotParts(down, top_k, x.dtype, extra) if defer else slot_sum(down, top_k, x.dtype, extra)
+    return slot_sum(down, top_k, x.dtype, extra)
 
 
 # True: the down projection's programs each sum a token's k slots (``down_slot_sum``: no slot-sum launch); False

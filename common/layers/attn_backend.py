@@ -43,7 +43,6 @@ from kvferry.common.layers.mla_ops import TorchMlaOps, TritonMlaOps
 from kvferry.common.kernels.h2d import to_device
 from kvferry.common.layers.fp8 import Fp8Weight, TokenQuantized, fp8_linear, takes_token_quant
 from kvferry.common.kernels.kv_quant import dequantize, round_trip
-from kvferry.common.kernels.quant_rows import SlotParts
 from kvferry.common.layers.norm import rms_norm
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -102,7 +101,6 @@ class TorchBackend(TorchMlaOps):
 
     @staticmethod
     def add_norm(x, delta, weight, eps, feeds=None):  # feeds: see TritonBackend.add_norm
-        delta = delta.total() if isinstance(delta, SlotParts) else delta
         x = x if delta is None else x + delta
         return x, rms_norm(x, weight, eps)
 
@@ -123,9 +121,7 @@ class TorchBackend(TorchMlaOps):
         return attention.paged_attention(q, k_cache, v_cache, plan, window, scale, k_scale, v_scale)
 
     @staticmethod
-    def fused_moe(x, w13, w2, topk_weights, topk_ids, extra=None, defer=False) -> torch.Tensor:
-        """+ extra: the shared experts'. ``defer`` (the sum left to the next add_norm) is the Triton
-        backend's; here the sum is made at once."""
+    def fused_moe(x, w13, w2, topk_weights, topk_ids, extra=None) -> torch.Tensor:  # + extra: the shared experts'
         return moe.fused_moe_ref(x, w13, w2, topk_weights, topk_ids, extra)
 
     select_experts = staticmethod(moe.select_experts)
@@ -219,8 +215,6 @@ class TritonBackend(TritonMlaOps):
         # measured 1-2 % faster, batch 1 and 64, in both of two runs
         self.absorb_kernels = self.rope_kernel = True
         self.fuse_mla_rows = False
-        # a MoE block's slot sum in the next residual add's launch (fused_moe's defer)
-        self.defer_slot_sum = True
         self.mla, self.fused, self.gemv, self.moe = triton_mla, triton_fused, triton_gemv, triton_moe
         self.num_kv_heads = num_kv_heads
         # (a CPU device only under TRITON_INTERPRET=1, in tests)
@@ -278,10 +272,8 @@ class TritonBackend(TritonMlaOps):
             return self.gemv.gemv(x, weight, bias)
         return TorchBackend.linear(x, weight, bias)
 
-    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, extra=None, defer=False):
-        """The add of ``extra`` in the slot sum's launch; with ``defer`` (and ``defer_slot_sum``) the
-        slots come back unsummed (``SlotParts``), for the next ``add_norm`` to sum in its launch."""
-        return self.moe.fused_moe(x, w13, w2, topk_weights, topk_ids, extra, defer and self.defer_slot_sum)
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, extra=None) -> torch.Tensor:
+        return self.moe.fused_moe(x, w13, w2, topk_weights, topk_ids, extra)  # the add in the slot sum's launch
 
     def select_experts(self, logits, top_k: int, renormalize: bool, scale=1.0, eps=0.0, out_dtype=None, shared=0):
         """As ``moe.select_experts``, in one launch (``triton_moe.softmax_topk``)."""

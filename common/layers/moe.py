@@ -111,14 +111,13 @@ class SparseMoe(nn.Module):
         self.w13 = _param((self.experts.count, 2 * inter, hidden), dtype, device)  # [E, 2I, H]: gate; up
         self.w2 = _param((self.experts.count, hidden, inter), dtype, device)  # [E, H, I]
 
-    def forward(self, h: torch.Tensor, backend, defer: bool = False):
-        """h [T, H] (post-attention norm) -> [T, H], this rank's part of the block's output (``defer``:
-        maybe as unsummed slots, for the next add_norm: ``backend.fused_moe``)."""
+    def forward(self, h: torch.Tensor, backend) -> torch.Tensor:
+        """h [T, H] (post-attention norm) -> [T, H], this rank's part of the block's output."""
         moe = self.config.moe
         router_logits = backend.linear(h, self.gate_weight)
         topk_weights, topk_ids = backend.select_experts(router_logits, moe.num_experts_per_tok, moe.norm_topk_prob)
         # topk_ids index w13/w2 directly: this rank holds every expert (rank_experts)
-        return backend.fused_moe(h, self.w13, self.w2, topk_weights, topk_ids, defer=defer)
+        return backend.fused_moe(h, self.w13, self.w2, topk_weights, topk_ids)
 
     def hf_tensor_map(self) -> dict[str, TensorSlot]:
         """The Hub's and transformers 5 ``save_pretrained``'s names: one gate/up/down per expert."""

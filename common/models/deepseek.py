@@ -153,16 +153,14 @@ class MoeBlock(nn.Module):
             out[p + "down_proj.weight"] = TensorSlot(self.w2[local], 0, self.w2.shape[1], cols)
         return out
 
-    def forward(self, h: torch.Tensor, attn, defer: bool = False):
-        """h [T, hidden] -> [T, hidden]: each token's k experts, weighted, plus the shared experts
-        (``defer``: maybe as unsummed slots, for the next add_norm: ``attn.fused_moe``)."""
+    def forward(self, h: torch.Tensor, attn) -> torch.Tensor:
+        """h [T, hidden] -> [T, hidden]: each token's k experts, weighted, plus the shared experts."""
         fold = self.fold_shared or not self.num_shared
         # fp32 logits (the weight is fp32, as transformers keeps it): one GEMV launch at one row on triton
         weights, ids = route(attn.linear(h, self.gate_weight), self.spec, self.score_bias, attn,
                              self.num_shared if fold else 0)  # [T, k (+ S)] each
         # ids index w13/w2 directly: this rank holds every expert (rank_experts), the shared ones after them
-        return attn.fused_moe(h, self.w13, self.w2, weights, ids, None if fold else self._shared_mlp(h, attn),
-                              defer=defer)
+        return attn.fused_moe(h, self.w13, self.w2, weights, ids, None if fold else self._shared_mlp(h, attn))
 
     def _shared_mlp(self, h: torch.Tensor, attn) -> torch.Tensor:
         """The shared experts as one dense SwiGLU: their gate-up rows as they lie, each expert's
@@ -201,8 +199,6 @@ class DeepseekLayer(nn.Module):
         x, h = attn.add_norm(x, delta, self.input_norm, self.eps)
         out = self._sum_ranks(self.self_attn(h, rotary, cos_sin, kv.latent[self.layer], plan, attn))
         x, h = attn.add_norm(x, out, self.post_norm, self.eps)
-        if self.reduce is None and isinstance(self.mlp, MoeBlock):  # TP 1: the slot sum may wait for add_norm
-            return x, self.mlp(h, attn, defer=True)
         return x, self._sum_ranks(self.mlp(h, attn))
 
     def _sum_ranks(self, partial: torch.Tensor) -> torch.Tensor:

@@ -30,9 +30,7 @@ class MoeDecoderLayer(DecoderLayer):
     def _mlp_input_weight(self):
         return None  # the router reads it too
 
-    def _mlp(self, h: torch.Tensor, attn):
-        if self.reduce is None:  # TP 1: the slot sum may wait for the next layer's add_norm
-            return self.moe(h, attn, defer=True)
+    def _mlp(self, h: torch.Tensor, attn) -> torch.Tensor:
         return self._sum_ranks(self.moe(h, attn))
 
     def hf_tensor_map(self) -> dict[str, TensorSlot]:

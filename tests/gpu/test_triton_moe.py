@@ -14,7 +14,6 @@ from kvferry.common.layers.moe import fused_moe_ref, select_experts
 
 pytestmark = pytest.mark.gpu
 triton_moe = pytest.importorskip("kvferry.common.kernels.triton_moe")
-triton_gemv = pytest.importorskip("kvferry.common.kernels.triton_gemv")
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 DTYPES = [torch.float32, torch.float16 if DEVICE == "cpu" else torch.bfloat16]
@@ -208,42 +207,3 @@ def test_softmax_topk_appends_the_shared_experts(num_tokens, num_experts, top_k,
     assert torch.equal(got_ids[:, top_k:].cpu(), torch.arange(num_experts, num_experts + shared).expand(num_tokens, -1))
     assert torch.equal(got_w[:, top_k:].cpu(), torch.ones(num_tokens, shared))
     torch.testing.assert_close(got_w.cpu(), want_w.cpu(), rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("preset, fold_shared", [("tiny-moe", True), ("deepseek-v2-tiny", True),
-                                                 ("deepseek-v2-tiny", False)])
-def test_slot_sum_in_the_next_add_norm_changes_no_bit(tmp_path, monkeypatch, preset, fold_shared):
-    """A tiny MoE model on the triton backend, its slot sums in the next layer's residual add
-    (``defer_slot_sum``, the default) and in a launch of their own: the same logits bit for bit, over
-    a prefill of 22 tokens (44 slots: the grouped GEMMs; the last rows gathered for the final norm),
-    a decode step (the GEMV path) and an extend with every row's logits. DeepSeek's shared experts
-    folded into the routed launches, or apart (their output the sum's ``extra``)."""
-    from kvferry.common.layers.attn_backend import TritonBackend
-    from kvferry.common.models.deepseek import MoeBlock
-    from kvferry.common.models.llama import SeqChunk
-    from kvferry.common.models.loader import load_model
-    from kvferry.common.models.tiny import make_tiny_model
-
-    monkeypatch.setattr(MoeBlock, "fold_shared", fold_shared)
-    sums = []  # the slot-sum launches each run makes (none where the norms sum the slots)
-    for module in (triton_moe, triton_gemv):
-        monkeypatch.setattr(module, "slot_sum", lambda *a, _sum=module.slot_sum, **k: sums.append(1) or _sum(*a, **k))
-    target, _ = make_tiny_model(tmp_path, seed=6, preset=preset)
-    model = load_model(target, dtype=torch.float32, device=DEVICE)
-    prompts, pages = [list(range(3, 19)), [9, 9, 301, 44, 17, 250]], [[0, 1, 2, 3, 4], [5, 6]]
-    runs = []
-    for defer in (True, False):
-        model.attn = TritonBackend(torch.device(DEVICE), model.shard.kv_heads.count)
-        model.attn.defer_slot_sum = defer
-        kv = type(model).make_kv_cache(model.config, 8, 4, torch.float32, DEVICE)
-        first = model.forward([SeqChunk(p, 0, pg) for p, pg in zip(prompts, pages)], kv)
-        step = model.forward([SeqChunk([int(row.argmax())], len(p), pg)
-                              for row, p, pg in zip(first, prompts, pages)], kv)
-        extend = model.forward([SeqChunk([7, 8], len(prompts[0]) + 1, pages[0]),
-                                SeqChunk([5], len(prompts[1]) + 1, pages[1])], kv, all_logits=True)
-        runs.append([first, step, *extend])
-        assert len(sums) == (0 if defer else 3 * sum(isinstance(getattr(layer, "mlp", None), MoeBlock)
-                                                     or hasattr(layer, "moe") for layer in model.layers))
-        sums.clear()
-    for got, want in zip(*runs):
-        assert torch.equal(got, want)
