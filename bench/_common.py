@@ -16,7 +16,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def git_hash() -> str:
-    """Short commit hash of the checkout, with ``-dirty`` when tracked files differ from it."""
+    """Short commit hash of the checkout, with ``-dirty`` when tracked files differ from it; ``KVFERRY_GIT``
+    where set (a device machine's copy of the tree may carry an older ``.git`` than its files)."""
+    if os.environ.get("KVFERRY_GIT"):
+        return os.environ["KVFERRY_GIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip()

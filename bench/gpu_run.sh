@@ -4,7 +4,8 @@
 #                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|summary|pdl|pdl-tests|launch|gemv-one-row|tiles|attn|mla|merge|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
-# GPU image has neither xgrammar nor gguf). NVLink multicast stays off.
+# GPU image has neither xgrammar nor gguf). NVLink multicast stays off. The device's copy of the tree may hold an
+# older .git than its files: KVFERRY_GIT=<the local `git describe --always --dirty`> names the tree in every line.
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-$PWD/gpu-out}
