@@ -17,8 +17,8 @@ One MQA over the latent rows with key width ``L + R`` and value width ``L``, run
 ``common/kernels/triton_mla.py``); the two per-head products by W_UK and W_UV are the backend's
 ``mla_absorb_q``/``mla_absorb_v`` (``einsum`` on torch, ``absorb_q_ref``/``absorb_v_ref``; one
 launch each on triton, ``common/kernels/triton_absorb.py``). The step's new rows are made and stored
-in the same launch as q_latent (``mla_absorb_q_rows``, triton; ``mla_rows`` then ``mla_absorb_q`` on
-torch). Nothing is expanded, so a step reads
+through ``mla_absorb_q_rows``: ``mla_rows`` then ``mla_absorb_q`` (on triton in one launch with
+``fuse_mla_rows``, off by default: two measured faster). Nothing is expanded, so a step reads
 L + R elements per cached token: right when few queries share a long context (decode reads the
 context once per token).
 It is the only form a CUDA graph's static plan takes (its lengths live on the device).

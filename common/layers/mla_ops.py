@@ -4,8 +4,8 @@ the torch compositions, which are also the references) and ``TritonBackend`` (``
 
 ``mla_rows`` makes a step's latent cache rows (RMSNorm of the latent, rope of k_pe), stores them and
 rotates q_pe; ``mla_absorb_q`` / ``mla_absorb_v`` are the absorbed form's per-head projections;
-``mla_absorb_q_rows`` is ``mla_rows`` then ``mla_absorb_q`` (one launch on triton); ``mla_attend``
-reads the latent cache (the new rows stored); ``mla_prefix`` gathers a chunk's cached prefix rows for
+``mla_absorb_q_rows`` is ``mla_rows`` then ``mla_absorb_q`` (one launch on triton with ``fuse_mla_rows``);
+``mla_attend`` reads the latent cache (the new rows stored); ``mla_prefix`` gathers a chunk's cached prefix rows for
 the expanded prefill.
 """
 
@@ -59,7 +59,8 @@ class TritonMlaOps:
 
     def mla_absorb_q_rows(self, q_nope, w_uk, q_pe, kv_a, cos_sin, norm, eps: float, rotary, cache,
                           plan) -> torch.Tensor:
-        """As ``TorchMlaOps.mla_absorb_q_rows``, in one launch (``triton_absorb.absorb_q_rows``)."""
+        """As ``TorchMlaOps.mla_absorb_q_rows``; in one launch (``triton_absorb.absorb_q_rows``) with
+        ``fuse_mla_rows`` and ``absorb_kernels``."""
         if not (self.fuse_mla_rows and self.absorb_kernels):
             return TorchMlaOps.mla_absorb_q_rows(self, q_nope, w_uk, q_pe, kv_a, cos_sin, norm, eps, rotary, cache,
                                                  plan)
