@@ -211,8 +211,8 @@ class TritonBackend(TritonMlaOps):
 
         self.kernels, self.absorb = triton_attention, triton_absorb
         # A/B switches (bench/engine.py): the absorbed projections as kernels, the step's rope cos/sin in
-        # one launch; MLA's rows in absorb_q's launch off: on an H100 (tree fcecc59) the two launches
-        # measured 1-2 % faster, batch 1 and 64, in both of two runs
+        # one launch; MLA's rows in absorb_q's launch off: on an H100 (trees fcecc59, c0637bc) the two
+        # launches measured 1-3 % faster at batch 1 in three runs (batch 64 within noise)
         self.absorb_kernels = self.rope_kernel = True
         self.fuse_mla_rows = False
         self.mla, self.fused, self.gemv, self.moe = triton_mla, triton_fused, triton_gemv, triton_moe

@@ -4,9 +4,9 @@ the torch compositions, which are also the references) and ``TritonBackend`` (``
 
 ``mla_rows`` makes a step's latent cache rows (RMSNorm of the latent, rope of k_pe), stores them and
 rotates q_pe; ``mla_absorb_q`` / ``mla_absorb_v`` are the absorbed form's per-head projections;
-``mla_absorb_q_rows`` is ``mla_rows`` then ``mla_absorb_q`` (one launch on triton with ``fuse_mla_rows``);
-``mla_attend`` reads the latent cache (the new rows stored); ``mla_prefix`` gathers a chunk's cached prefix rows for
-the expanded prefill.
+``mla_absorb_q_rows`` is ``mla_rows`` then ``mla_absorb_q`` (one launch on triton with
+``fuse_mla_rows``); ``mla_attend`` reads the latent cache (the new rows stored); ``mla_prefix``
+gathers a chunk's cached prefix rows for the expanded prefill.
 """
 
 from __future__ import annotations
