@@ -327,6 +327,11 @@ AB_SWITCHES = {
     "slot_sum": ("slot_sum", "apart", "in_down", "the MoE down projection's programs each summing their token's "
                  "slots (triton_gemv.DOWN_SUMS_SLOTS on; the default: a program per slot, then the slot sum in a "
                  "launch of its own)"),
+    "split_sum": ("split_sums", "in_kernel", "launch", "split-K GEMV parts added by a launch of their own "
+                  "(triton_gemv.SPLIT_SUM_IN_KERNEL off; the default: by each tile's last program)"),
+    "slot_last": ("moe_slot_sum", "in_kernel", "launch", "the MoE down projection's slots added by slot_sum in a "
+                  "launch of its own (triton_gemv.SLOT_SUM_IN_KERNEL off; the default: by the last of each "
+                  "token's programs)"),
     "picks": ("picks", "kernel", "torch", "the greedy picks by torch's argmax, log_softmax, gather and the "
               "pairs' casts and stack (sampler.PICK_KERNEL off; the default: one launch, triton_sample)"),
     "cos_sin": ("cos_sin", "kernel", "torch", "the step's rope cos/sin by torch ops, seven or eight launches "
@@ -355,6 +360,12 @@ def other_side(flag: str, model) -> list[tuple[object, str, object]]:
         from kvferry.common.kernels import triton_gemv
 
         return [(triton_gemv, "DOWN_SUMS_SLOTS", True)] if ds is not None or model.config.moe is not None else []
+    if flag in ("split_sum", "slot_last"):
+        from kvferry.common.kernels import triton_gemv
+
+        if flag == "split_sum":
+            return [(triton_gemv, "SPLIT_SUM_IN_KERNEL", False)]
+        return [(triton_gemv, "SLOT_SUM_IN_KERNEL", False)] if ds is not None or model.config.moe is not None else []
     if flag == "picks":
         from kvferry.common.sampling import sampler
 

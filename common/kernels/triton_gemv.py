@@ -36,6 +36,8 @@ import triton.language as tl
 
 from kvferry.common.kernels.pdl import enter as pdl_enter, enter_prefetching as pdl_enter_prefetching
 from kvferry.common.kernels.pdl import kw as pdl_kw, prefetching as pdl_prefetching
+from kvferry.common.kernels.split_sum import counters as sum_counters, last_of, sum_in_order
+from kvferry.common.kernels.split_sum import slot_sum, sum_parts
 from kvferry.common.kernels.triton_fused import silu_times_up
 from kvferry.common.kernels.gemv_tiles import (FIT_HEADROOM_BYTES, GROUP, SHARED_MEMORY_BYTES, GemvConfig,  # noqa: F401
                                                 dense_config, fit as _fit, fp8_config, moe_config,
@@ -48,11 +50,12 @@ SCALE_NONE, SCALE_ROW, SCALE_BLOCK = 0, 1, 2
 
 
 @triton.jit
-def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale,
+def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale, final, extra, counts,
                  M, N, K, K_PER, stride_xm, stride_we, stride_wn, stride_om, stride_os, stride_sn,
                  TOP_K: tl.constexpr, SCALE: tl.constexpr, GROUP: tl.constexpr, HAS_EXPERTS: tl.constexpr,
                  FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, X_SCALE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                 SUM: tl.constexpr = 0, SLOTS: tl.constexpr = 1, HAS_EXTRA: tl.constexpr = 0,
                  PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, LINE: tl.constexpr = 128):
     """out[r, n] = sum_k act(x)[row(r), k] * w[expert(r), n, k] * scale (+ bias) (* slot weight).
 
@@ -61,7 +64,12 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale,
     (2K wide) and the row read is silu(gate) * up, rounded to x's dtype as ``silu_mul`` rounds.
     X_SCALE: x is e4m3 with a scale per row (``x_scale`` [M]); the dot then runs on FP8 tensor cores.
     Axis 2 splits K into K_PER-wide parts (a multiple of BLOCK_K): part p writes its fp32 sum
-    (scaled, no bias) at out + p * stride_os, and ``_sum_parts_kernel`` adds the parts.
+    (scaled, no bias) at out + p * stride_os. The parts are added in part order by a launch of their
+    own (``split_sum.sum_parts``), or, with SUM 1, by the last program of each output tile to finish,
+    + bias, into ``final`` [M, N] (``split_sum.last_of``, counts in ``counts``). SUM 2: out holds a
+    MoE token's SLOTS consecutive slot rows, and the last of a token's slot programs for a column
+    block adds them in slot order into final [M / SLOTS, N], rounded, + extra (HAS_EXTRA) rounded.
+    SLOTS is the count of parts either way (the split for SUM 1: the grid's axis 2).
     PDL order 2: the first PREFETCH BLOCK_K steps of the program's weight rows are asked of L2 (LINE
     elements a line) before the wait; not for MoE slots, whose expert a kernel before chose."""
     if HAS_EXPERTS:
@@ -126,7 +134,7 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale,
             acc = acc * s_row[None, :]
     if X_SCALE:  # an e4m3 x (W8A8 on the dot path): its per-row scales
         acc = acc * tl.load(x_scale + x_rows, mask=row_ok, other=0.0)[:, None]
-    if HAS_BIAS:
+    if HAS_BIAS and SUM == 0:
         b = tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)
         if BLOCK_M == 1:
             acc += b
@@ -137,12 +145,31 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale,
             acc = acc * tl.load(slot_weights + pid_m).to(tl.float32)
         else:
             acc = acc * tl.load(slot_weights + out_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    parts = out
     out += pid_k.to(tl.int64) * stride_os
     if BLOCK_M == 1:
         tl.store(out + pid_m.to(tl.int64) * stride_om + cols, acc.to(out.dtype.element_ty), mask=col_ok)
     else:
         o_ptrs = out + out_rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
         tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if SUM == 1:  # the split-K parts of this tile, by its last part's program
+        if last_of(counts, pid_m * tl.num_programs(0) + pid_n, SLOTS):
+            mask = row_ok[:, None] & col_ok[None, :]
+            total = sum_in_order(parts, out_rows.to(tl.int64)[:, None] * stride_om + cols[None, :], stride_os,
+                                 SLOTS, mask)
+            if HAS_BIAS:
+                total += tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(final + out_rows.to(tl.int64)[:, None] * N + cols[None, :], total.to(final.dtype.element_ty),
+                     mask=mask)
+    elif SUM == 2:  # a token's slots (BLOCK_M 1), by the last of its slot programs for these columns
+        token = (pid_m // SLOTS).to(tl.int64)
+        if last_of(counts, token * tl.num_programs(0) + pid_n, SLOTS):
+            total = sum_in_order(parts, token * SLOTS * stride_om + cols, stride_om, SLOTS, col_ok)
+            r = total.to(final.dtype.element_ty)
+            if HAS_EXTRA:
+                r = (r.to(tl.float32) + tl.load(extra + token * N + cols, mask=col_ok, other=0.0).to(tl.float32))
+                r = r.to(final.dtype.element_ty)
+            tl.store(final + token * N + cols, r, mask=col_ok)
 
 
 PREFETCH_BYTES = 16384  # weight bytes a program asks of L2 before its PDL wait (pdl.enter_prefetching)
@@ -167,8 +194,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     """x [M, K] (M <= FP8_GEMV_MAX_ROWS, unit column stride) @ (weight [N, K] e4m3 * scale).T + bias
     -> [M, N] in x's dtype (``out_dtype``), fp32 accumulation. ``scale``: [N] per row, or
     [N, ceil(K/128)] with ``block`` 128. ``x_scale`` [M, 1]: x is e4m3 (W8A8, per-row scales only,
-    M > 1). A ``split_k`` configuration sums its fp32 parts in a second launch (in a fixed order:
-    the result does not depend on which part finishes first)."""
+    M > 1). A ``split_k`` configuration sums its fp32 parts in part order (the result does not
+    depend on which part finishes first): in the same launch (``SPLIT_SUM_IN_KERNEL``) or a second."""
     num_rows, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k:
@@ -195,68 +222,29 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
         return out
     parts = out if split == 1 else torch.empty((split, num_rows, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(num_rows, block_m), split)
-    has_bias = bias is not None and split == 1
+    in_kernel = split > 1 and SPLIT_SUM_IN_KERNEL
+    has_bias = bias is not None and (split == 1 or in_kernel)
     _gemv_kernel[grid](
         x, weight, scale, parts, bias if has_bias else out, out, out, x_scale if x_scale is not None else out,
+        out, out, sum_counters(x.device, grid[0] * grid[1]) if in_kernel else out,
         num_rows, n, k, k_per, x.stride(0), 0, weight.stride(0), n, num_rows * n, scale.stride(0) if block else 0,
         TOP_K=1, SCALE=SCALE_ROW if block is None else SCALE_BLOCK, GROUP=GROUP, HAS_EXPERTS=False,
         FUSE_SILU=False, MUL_WEIGHT=False, HAS_BIAS=has_bias, X_SCALE=x_scale is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, PRECISION=_precision(x.dtype),
+        SUM=int(in_kernel), SLOTS=split if in_kernel else 1,
         PREFETCH=prefetch_steps(cfg.block_n, block_k, k_per, weight.element_size()), LINE=128 // weight.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kw())
-    if split > 1:
+    if split > 1 and not in_kernel:
         sum_parts(parts, split, n, num_rows * n, out, bias=bias)
     return out
 
 
-@triton.jit
-def _sum_parts_kernel(parts, bias, extra, out, TOTAL, N, stride_row, stride_part, SPLIT: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, HAS_EXTRA: tl.constexpr, PACKED: tl.constexpr, BLOCK: tl.constexpr,
-                      PDL: tl.constexpr = 0):
-    """out.flat[i] (row r = i // N, column c = i % N) = round(sum_p parts[r * stride_row + p * stride_part + c]
-    (+ bias[c])), fp32 parts added in part order; HAS_EXTRA: then + extra.flat[i], rounded again (as
-    torch adds two tensors of out's dtype). Split-K parts [SPLIT, M, N]: stride_row N, stride_part
-    M * N; a MoE token's k slots [T, k, N]: stride_row k * N, stride_part N. PACKED: stride_row is N
-    (no division by N)."""
-    pdl_enter(PDL)
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < TOTAL
-    if PACKED:
-        base = parts + i
-    else:
-        base = parts + (i // N) * stride_row + i % N
-    acc = tl.load(base, mask=ok, other=0.0)
-    for p in tl.static_range(1, SPLIT):
-        acc += tl.load(base + p * stride_part, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias + i % N, mask=ok, other=0.0).to(tl.float32)
-    r = acc.to(out.dtype.element_ty)
-    if HAS_EXTRA:
-        r = (r.to(tl.float32) + tl.load(extra + i, mask=ok, other=0.0).to(tl.float32)).to(out.dtype.element_ty)
-    tl.store(out + i, r, mask=ok)
-
-
-def sum_parts(parts: torch.Tensor, num_parts: int, stride_row: int, stride_part: int, out: torch.Tensor,
-              bias: torch.Tensor | None = None, extra: torch.Tensor | None = None) -> torch.Tensor:
-    """``_sum_parts_kernel`` into ``out`` [M, N] (contiguous) from fp32 ``parts``."""
-    total, n = out.numel(), out.shape[-1]
-    if total:
-        _sum_parts_kernel[(triton.cdiv(total, 1024),)](
-            parts, bias if bias is not None else out, extra if extra is not None else out, out, total, n, stride_row,
-            stride_part, SPLIT=num_parts, HAS_BIAS=bias is not None, HAS_EXTRA=extra is not None,
-            PACKED=stride_row == n, BLOCK=1024, num_warps=4, **pdl_kw())
-    return out
-
-
-def slot_sum(down: torch.Tensor, top_k: int, dtype: torch.dtype, extra: torch.Tensor | None = None) -> torch.Tensor:
-    """A MoE block's weighted slots [T * k, H] fp32 -> [T, H] in ``dtype``: each token's k slots
-    summed in slot order, rounded (+ ``extra`` [T, H], e.g. the shared experts', rounded again), one
-    launch where torch's sum and cast were two."""
-    num_tokens = down.shape[0] // top_k
-    out = torch.empty(num_tokens, down.shape[1], dtype=dtype, device=down.device)
-    if extra is not None and not extra.is_contiguous():
-        extra = extra.contiguous()
-    return sum_parts(down, top_k, top_k * down.shape[1], down.shape[1], out, extra=extra)
+# True (the default): split-K parts are added by each output tile's last program (one launch); False: by a second
+# launch (``sum_parts``; bench/engine.py --split-sum-ab)
+SPLIT_SUM_IN_KERNEL = True
+# True (the default): ``moe_gemv``'s down projection adds each token's slots in the last of its slot programs; False:
+# ``slot_sum`` in a launch of its own (bench/engine.py --slot-last-ab)
+SLOT_SUM_IN_KERNEL = True
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -272,7 +260,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     cfg = config or dense_config(n, k)
     out = torch.empty((1, n), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), 1, 1)](
-        x, weight, out, out, bias if bias is not None else out, out, out, out,
+        x, weight, out, out, bias if bias is not None else out, out, out, out, out, out, out,
         1, n, k, k, x.stride(0), 0, weight.stride(0), out.stride(0), 0, 0,
         TOP_K=1, SCALE=SCALE_NONE, GROUP=GROUP, HAS_EXPERTS=False, FUSE_SILU=False, MUL_WEIGHT=False,
         HAS_BIAS=bias is not None, X_SCALE=False, BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -282,20 +270,26 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def expert_gemv(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, top_k: int,
-                fuse_silu: bool, slot_weights: torch.Tensor | None, config: GemvConfig | None = None) -> None:
+                fuse_silu: bool, slot_weights: torch.Tensor | None, config: GemvConfig | None = None,
+                summed: torch.Tensor | None = None, slots: int = 1, extra: torch.Tensor | None = None) -> None:
     """out[s] = act(x[s // top_k]) @ w[topk_ids[s]].T (* slot_weights[s]) for every slot s of
     ``topk_ids`` [S] (int64); w [E, N, K] contiguous; x [S / top_k, K] (or [.., 2K] with
-    ``fuse_silu``); out [S, N]."""
+    ``fuse_silu``); out [S, N]. ``summed`` [S / slots, N] (contiguous): also each token's ``slots``
+    rows of out (fp32) added in slot order, rounded, + ``extra`` rounded, by the last of the
+    token's programs for each column block (``slot_sum``'s result, in the same launch)."""
     num_slots = topk_ids.numel()
     n, k = w.shape[1], w.shape[2]
     cfg = config or moe_config(n, k)
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), num_slots, 1)](
+    grid = (triton.cdiv(n, cfg.block_n), num_slots, 1)
+    counts = sum_counters(x.device, grid[0] * (num_slots // slots)) if summed is not None else out
+    _gemv_kernel[grid](
         x, w, out, out, out, topk_ids, slot_weights if slot_weights is not None else out, out,
+        summed if summed is not None else out, extra if extra is not None else out, counts,
         num_slots, n, k, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0), 0, 0,
         TOP_K=top_k, SCALE=SCALE_NONE, GROUP=GROUP, HAS_EXPERTS=True, FUSE_SILU=fuse_silu,
         MUL_WEIGHT=slot_weights is not None, HAS_BIAS=False, X_SCALE=False, BLOCK_M=1, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_kw())
+        BLOCK_K=cfg.block_k, PRECISION=_precision(x.dtype), SUM=0 if summed is None else 2, SLOTS=slots,
+        HAS_EXTRA=extra is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kw())
 
 
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -320,7 +314,13 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     expert_gemv(x, w13, ids, gate_up, top_k, False, None, cfg13)
     if DOWN_SUMS_SLOTS and configs is None:
         return down_slot_sum(gate_up, w2, ids, topk_weights.flatten().contiguous(), top_k, x.dtype, extra)
-    expert_gemv(gate_up, w2, ids, down, 1, True, topk_weights.flatten().contiguous(), cfg2)
+    weights = topk_weights.flatten().contiguous()
+    if SLOT_SUM_IN_KERNEL:
+        out = torch.empty(num_tokens, w2.shape[1], dtype=x.dtype, device=x.device)
+        extra = extra if extra is None or extra.is_contiguous() else extra.contiguous()
+        expert_gemv(gate_up, w2, ids, down, 1, True, weights, cfg2, summed=out, slots=top_k, extra=extra)
+        return out
+    expert_gemv(gate_up, w2, ids, down, 1, True, weights, cfg2)
     return slot_sum(down, top_k, x.dtype, extra)
 
 

@@ -29,8 +29,9 @@ import triton
 import triton.language as tl
 
 from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
+from kvferry.common.kernels.split_sum import slot_sum
 from kvferry.common.kernels.triton_fused import silu_mul
-from kvferry.common.kernels.triton_gemv import MOE_GEMV_MAX_SLOTS, SHARED_MEMORY_BYTES, moe_gemv, slot_sum
+from kvferry.common.kernels.triton_gemv import MOE_GEMV_MAX_SLOTS, SHARED_MEMORY_BYTES, moe_gemv
 
 
 # Up to this many slots align_by_expert is one launch (_align_kernel), at ALIGN_WARPS. bench/moe_align.py on an H100

@@ -18,6 +18,7 @@ from kvferry.common.layers.moe import fused_moe_ref, select_experts
 
 pytestmark = pytest.mark.gpu
 triton_gemv = pytest.importorskip("kvferry.common.kernels.triton_gemv")
+split_sum = pytest.importorskip("kvferry.common.kernels.split_sum")
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 HALF = torch.float16 if DEVICE == "cpu" else torch.bfloat16
@@ -139,6 +140,59 @@ def test_fp8_gemv_split_k_equals_reference(block, split_k, rows):
                                rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(triton_gemv.fp8_gemv(x, w.weight, w.scale, block, None, cfg).cpu(),
                                fp8.reference_weight_only(x, w).cpu(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fp8_x", [False, True])
+@pytest.mark.parametrize("split_k, rows", [(2, 64), (3, 2), (8, 33)])
+def test_split_k_parts_added_in_the_kernel_equal_the_sum_launch(monkeypatch, fp8_x, split_k, rows):
+    """The last program of each output tile adds the split-K parts (+ bias) in part order
+    (SPLIT_SUM_IN_KERNEL, the default): bit for bit the second launch's sum, with and without a bias,
+    W8A16 and W8A8, the same result again on the next launch (the counts are back at 0)."""
+    n, k = 72, 1100
+    w = _weight(n, k, None, seed=split_k)
+    g = torch.Generator().manual_seed(rows + split_k)
+    x = torch.randn(rows, k, generator=g).to(DEVICE, HALF)
+    bias = torch.randn(n, generator=g).to(DEVICE, HALF)
+    x_scale = None
+    if fp8_x:
+        x, x_scale = fp8.per_token_quant(x)
+    cfg = triton_gemv.GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=2, split_k=split_k)
+
+    def run(b):
+        return triton_gemv.fp8_gemv(x, w.weight, w.scale, None, b, cfg, x_scale=x_scale, out_dtype=HALF)
+
+    for b in (bias, None):
+        got = [run(b), run(b)]
+        monkeypatch.setattr(triton_gemv, "SPLIT_SUM_IN_KERNEL", False)
+        want = run(b)
+        monkeypatch.setattr(triton_gemv, "SPLIT_SUM_IN_KERNEL", True)
+        assert got[0].shape == (rows, n) and got[0].dtype == HALF
+        assert torch.equal(got[0], want) and torch.equal(got[1], want)
+    assert not split_sum.counters(x.device, 1).any()
+
+
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 8), (4, 8), (3, 6), (16, 2)])
+@pytest.mark.parametrize("with_extra", [False, True])
+def test_moe_slots_added_in_the_down_kernel_equal_slot_sum(monkeypatch, num_tokens, top_k, with_extra):
+    """``moe_gemv``'s down projection adds each token's slots in the last of its programs for a column
+    block (SLOT_SUM_IN_KERNEL, the default): bit for bit ``slot_sum`` after a program per slot (the
+    same products, slot order and roundings), twice in a row (the counts are back at 0)."""
+    g = torch.Generator().manual_seed(num_tokens * 7 + top_k)
+    hidden, inter, num_experts = 80, 48, 16
+    x = torch.randn(num_tokens, hidden, generator=g)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
+    weights, ids = select_experts(torch.randn(num_tokens, num_experts, generator=g), top_k, renormalize=True)
+    extra = torch.randn(num_tokens, hidden, generator=g)
+    x, w13, w2, weights, extra = (t.to(DEVICE, HALF) for t in (x, w13, w2, weights, extra))
+    extra = extra if with_extra else None
+    ids = ids.to(DEVICE)
+    got = [triton_gemv.moe_gemv(x, w13, w2, weights, ids, extra=extra) for _ in range(2)]
+    monkeypatch.setattr(triton_gemv, "SLOT_SUM_IN_KERNEL", False)
+    want = triton_gemv.moe_gemv(x, w13, w2, weights, ids, extra=extra)
+    assert got[0].shape == (num_tokens, hidden) and got[0].dtype == HALF
+    assert torch.equal(got[0], want) and torch.equal(got[1], want)
+    assert not split_sum.counters(x.device, 1).any()
 
 
 @pytest.mark.parametrize("rows, n, k, block", [(32, 4096, 4096, None), (64, 4096, 14336, 128), (64, 28672, 4096, None),
@@ -268,9 +322,9 @@ def test_slot_sum_adds_each_tokens_slots_in_order(num_tokens, top_k, hidden):
     acc = slots[:, 0].clone()
     for j in range(1, top_k):
         acc = acc + slots[:, j]
-    assert torch.equal(triton_gemv.slot_sum(down, top_k, HALF), acc.to(HALF))
-    assert torch.equal(triton_gemv.slot_sum(down, top_k, HALF, extra), acc.to(HALF) + extra)
-    assert torch.equal(triton_gemv.slot_sum(down, top_k, torch.float32), acc)
+    assert torch.equal(split_sum.slot_sum(down, top_k, HALF), acc.to(HALF))
+    assert torch.equal(split_sum.slot_sum(down, top_k, HALF, extra), acc.to(HALF) + extra)
+    assert torch.equal(split_sum.slot_sum(down, top_k, torch.float32), acc)
 
 
 def test_moe_gemv_refuses_many_slots():
