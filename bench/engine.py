@@ -332,6 +332,8 @@ AB_SWITCHES = {
     "slot_last": ("moe_slot_sum", "in_kernel", "launch", "the MoE down projection's slots added by slot_sum in a "
                   "launch of its own (triton_gemv.SLOT_SUM_IN_KERNEL off; the default: by the last of each "
                   "token's programs)"),
+    "attn_quant": ("o_proj_quant", "attention", "launch", "o_proj's per-token quant in a launch of its own "
+                   "(triton_attention.QUANT_OUT off; the default: an unsplit decode attention quantizes its rows)"),
     "picks": ("picks", "kernel", "torch", "the greedy picks by torch's argmax, log_softmax, gather and the "
               "pairs' casts and stack (sampler.PICK_KERNEL off; the default: one launch, triton_sample)"),
     "cos_sin": ("cos_sin", "kernel", "torch", "the step's rope cos/sin by torch ops, seven or eight launches "
@@ -366,6 +368,8 @@ def other_side(flag: str, model) -> list[tuple[object, str, object]]:
         if flag == "split_sum":
             return [(triton_gemv, "SPLIT_SUM_IN_KERNEL", False)]
         return [(triton_gemv, "SLOT_SUM_IN_KERNEL", False)] if ds is not None or model.config.moe is not None else []
+    if flag == "attn_quant":
+        return [(triton_attention, "QUANT_OUT", False)]
     if flag == "picks":
         from kvferry.common.sampling import sampler
 

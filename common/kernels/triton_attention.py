@@ -36,6 +36,9 @@ import triton.language as tl
 
 from kvferry.common.kernels.kv_quant import FP8_E4M3_MAX, is_quantized
 from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
+from kvferry.common.kernels.quant_rows import TokenQuantized
+from kvferry.common.kernels.split_sum import counters as sum_counters, last_of
+from kvferry.common.kernels.triton_fp8_gemm import e4m3_quantize, e4m3_scale
 
 # A finite "minus infinity" for running maxima: exp(m_old - m_new) stays 0 or 1, never NaN.
 _NEG = tl.constexpr(-1.0e30)
@@ -85,14 +88,18 @@ def _store_kv_kernel(k, v, k_cache, v_cache, pages, rows, stride_kt, stride_kh, 
 @triton.jit(do_not_specialize=["stride_pb", "num_splits"])
 def _decode_split_kernel(q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_lse, stride_qb, stride_qh,
                          stride_cp, stride_cr, stride_ch, stride_pb, scale_log2, window, num_splits,
-                         k_scale, v_scale, o, stride_ob, stride_oh, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                         k_scale, v_scale, o, stride_ob, stride_oh, oq, oq_scale, counts, GROUP: tl.constexpr,
+                         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
-                         MIN_SPLIT: tl.constexpr = 0, DIRECT: tl.constexpr = 0, PDL: tl.constexpr = 0):
+                         MIN_SPLIT: tl.constexpr = 0, DIRECT: tl.constexpr = 0, ROW: tl.constexpr = 0,
+                         PDL: tl.constexpr = 0):
     """MIN_SPLIT (a multiple of BLOCK_N): a split covers at least this many keys, so a short context
     uses fewer of the num_splits programs: those past the context return at once, and the merge
     reads only the splits in use (``_split_len``). DIRECT (one split): the program stores the
-    output itself, in o's dtype; no merge runs."""
+    output itself, in o's dtype; no merge runs. ROW (DIRECT, o contiguous, a power of two >= the
+    Hq * D of a row): the last of a sequence's KV-head programs (``split_sum.last_of``, counts in
+    ``counts``) also quantizes the sequence's whole output row per token into oq [B, Hq * D] e4m3 and
+    oq_scale [B] (``per_token_quant``'s arithmetic), for the W8A8 o_proj that reads it."""
     pdl_enter(PDL)
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_len = tl.load(kv_lens + b).to(tl.int32)
@@ -134,6 +141,15 @@ def _decode_split_kernel(q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_ls
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), _NEG)  # log2 units
     if DIRECT:
         tl.store(o + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(o.dtype.element_ty), mask=q_mask)
+        if ROW > 0:
+            if last_of(counts, b, tl.num_programs(1)):
+                width = GROUP * tl.num_programs(1) * HEAD_DIM
+                cols = tl.arange(0, ROW)
+                row_ok = cols < width
+                v = tl.load(o + b * stride_ob + cols, mask=row_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+                scale = e4m3_scale(tl.max(tl.abs(v), 0))
+                tl.store(oq + b * width + cols, e4m3_quantize(v, scale, oq.dtype.element_ty), mask=row_ok)
+                tl.store(oq_scale + b, scale)
     else:
         base = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split  # mid_o: [B, Hq, num_splits, D]
         tl.store(mid_o + base[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
@@ -309,11 +325,14 @@ def num_decode_splits(batch: int, num_kv_heads: int, num_sms: int, per_sm: int =
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      kv_lens: torch.Tensor, scale: float, window: int | None, num_splits: int,
-                     k_scale: float = 1.0, v_scale: float = 1.0, tiles: DecodeTiles | None = None) -> torch.Tensor:
+                     k_scale: float = 1.0, v_scale: float = 1.0, tiles: DecodeTiles | None = None,
+                     quant: bool = False) -> torch.Tensor | TokenQuantized:
     """q: [B, Hq, D] (the token at position kv_lens[b] - 1, K/V already stored); page_table:
     [B, max_pages] int; kv_lens: [B] int (0: padding row, output 0) -> [B, Hq, D] in q's dtype.
     ``scale``: the softmax scale; ``k_scale``/``v_scale``: an FP8 pool's; ``tiles``: the split
-    kernel's (``decode_tiles`` by default). One split: no merge (the split kernel stores the output)."""
+    kernel's (``decode_tiles`` by default). One split: no merge (the split kernel stores the output),
+    and with ``quant`` (and ``QUANT_OUT``) the output comes as ``TokenQuantized`` rows [B, Hq * D],
+    quantized per token in the same launch; else as the tensor."""
     _check_caches(k_cache, v_cache)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -321,23 +340,33 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     direct = num_splits == 1
     mid_o = torch.empty(batch, num_heads, 0 if direct else num_splits, head_dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, num_heads, 0 if direct else num_splits, dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
+    out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    quant = quant and direct and QUANT_OUT and batch > 0
+    width = num_heads * head_dim
+    oq = torch.empty(batch, width, dtype=torch.float8_e4m3fn, device=q.device) if quant else out
+    oq_scale = torch.empty(batch, 1, dtype=torch.float32, device=q.device) if quant else out
     block_d = max(16, triton.next_power_of_2(head_dim))
     tiles = tiles or decode_tiles(block_d, num_splits)
     min_split = -(-tiles.min_split // tiles.block_n) * tiles.block_n
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_lse, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), scale * _LOG2E,
-        window or 0, num_splits, k_scale, v_scale, out, out.stride(0), out.stride(1), GROUP=group,
+        window or 0, num_splits, k_scale, v_scale, out, out.stride(0), out.stride(1), oq, oq_scale,
+        sum_counters(q.device, batch) if quant else out, GROUP=group,
         PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=tiles.block_n, PRECISION=_precision(q.dtype), QUANT=is_quantized(k_cache.dtype),
-        MIN_SPLIT=min_split, DIRECT=direct, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, **pdl_kw())
+        MIN_SPLIT=min_split, DIRECT=direct, ROW=triton.next_power_of_2(width) if quant else 0,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_kw())
     if not direct:
         _decode_merge_kernel[(batch, num_heads)](mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits, kv_lens,
                                                  HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=tiles.block_n,
                                                  MIN_SPLIT=min_split, BLOCK_S=merge_splits(num_splits), **pdl_kw())
-    return out
+    return TokenQuantized(out.view(batch, width), oq, oq_scale) if quant else out
+
+
+# True (the default): an unsplit decode attention asked for ``quant`` hands o_proj its rows quantized per token from
+# the same launch; False: o_proj's linear runs the token quant kernel (bench/engine.py --attn-quant-ab)
+QUANT_OUT = True
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,

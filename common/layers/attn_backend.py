@@ -117,7 +117,7 @@ class TorchBackend(TorchMlaOps):
 
     @staticmethod
     def attend(q, k, v, k_cache, v_cache, plan, window, scale, k_scale: float = 1.0,
-               v_scale: float = 1.0) -> torch.Tensor:
+               v_scale: float = 1.0, feeds=None) -> torch.Tensor:
         return attention.paged_attention(q, k_cache, v_cache, plan, window, scale, k_scale, v_scale)
 
     @staticmethod
@@ -284,13 +284,16 @@ class TritonBackend(TritonMlaOps):
         return (self.fused.cos_sin if self.rope_kernel else rope.cos_sin)(positions, inv_freq, dtype, factor, dup)
 
     def attend(self, q, k, v, k_cache, v_cache, plan: TritonPlan, window, scale, k_scale: float = 1.0,
-               v_scale: float = 1.0) -> torch.Tensor:
-        """q, k (rotated), v: the new tokens [T, H, D]; k_cache, v_cache hold them already."""
+               v_scale: float = 1.0, feeds=None) -> torch.Tensor | TokenQuantized:
+        """q, k (rotated), v: the new tokens [T, H, D]; k_cache, v_cache hold them already. ``feeds``:
+        the weight that reads the output; a decode that takes it quantized per token gets its rows
+        [T, H * D] as ``TokenQuantized`` (one split: from the attention's own launch)."""
         if plan.is_long_prefill and window is None and plan.starts is not None:
             return _sdpa_prefill(q, k, v, k_cache, v_cache, plan, scale, k_scale, v_scale)
-        if plan.max_query == 1:
+        if plan.max_query == 1:  # q[:, 0]: a [T, D] view standing for the rows in the route's check
+            quant = feeds is not None and takes_token_quant(feeds, q[:, 0])
             return self.kernels.decode_attention(q, k_cache, v_cache, plan.page_table, plan.kv_lens, scale, window,
-                                                 plan.num_splits, k_scale, v_scale)
+                                                 plan.num_splits, k_scale, v_scale, quant=quant)
         return self.kernels.extend_attention(q, k_cache, v_cache, plan.page_table, plan.q_starts, plan.q_lens,
                                              plan.prefix_lens, plan.max_query, scale, window, k_scale, v_scale)
 

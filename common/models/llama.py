@@ -19,7 +19,7 @@ from torch import nn
 
 from kvferry.common.layers import rope
 from kvferry.common.layers.attn_backend import make_backend
-from kvferry.common.layers.fp8 import linear_weight
+from kvferry.common.layers.fp8 import TokenQuantized, linear_weight
 from kvferry.common.models.config import ModelConfig
 from kvferry.common.cache.kv_cache import KvCache
 from kvferry.common.layers.tp_layers import ScaleSlot, TensorSlot, TpShard, layer_tensor_map
@@ -138,8 +138,10 @@ class DecoderLayer(nn.Module):
         k_scale, v_scale = kv.k_scales[self.layer], kv.v_scales[self.layer]  # FP8 pool's; else 1.0
         # (q, k normalised first when qk_norm) rotates q, k; stores k, v
         q = attn.rope_store(q, k, v, cos_sin, k_cache, v_cache, plan, k_scale, v_scale, qk_norm)
-        out = attn.attend(q, k, v, k_cache, v_cache, plan, self.window, c.head_dim**-0.5, k_scale, v_scale)
-        return self._row_parallel(out.reshape(num_tokens, shard.q_size), self.o_weight, self.o_bias, attn)
+        out = attn.attend(q, k, v, k_cache, v_cache, plan, self.window, c.head_dim**-0.5, k_scale, v_scale,
+                          feeds=self.o_weight)  # rows [T, q_size] quantized per token where o_proj takes them so
+        rows = out if isinstance(out, TokenQuantized) else out.reshape(num_tokens, shard.q_size)
+        return self._row_parallel(rows, self.o_weight, self.o_bias, attn)
 
 
 class LlamaForCausalLM(nn.Module):

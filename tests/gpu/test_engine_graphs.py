@@ -104,6 +104,33 @@ def test_fp8_quant_fused_into_the_norms_and_silu(tmp_path, monkeypatch, num_toke
     assert torch.equal(logits[True], logits[False])
 
 
+def test_fp8_o_proj_input_quantized_by_the_decode_attention(tmp_path, monkeypatch):
+    """Per-channel FP8, a decode step of 40 sequences at one split: o_proj takes its input quantized
+    per token by the decode attention's own launch (``triton_attention.QUANT_OUT``), so no layer runs
+    the separate quant; the logits equal those of the separate quant bit for bit."""
+    from kvferry.common.kernels import triton_attention, triton_fp8_gemm
+    from kvferry.common.models.tiny import make_tiny_model
+
+    target, _ = make_tiny_model(tmp_path / "fp8", seed=0, quantize="fp8-channel")
+    runner = build_runner(target, device="cuda:0", dtype="bfloat16", max_total_tokens=4096, disable_cuda_graph=True)
+    slot = runner.target
+    monkeypatch.setattr(triton_attention, "num_decode_splits", lambda *args, **kwargs: 1)
+    calls = []
+    separate = triton_fp8_gemm.per_token_quant
+    monkeypatch.setattr(triton_fp8_gemm, "per_token_quant", lambda x: calls.append(x.shape) or separate(x))
+    rng = random.Random(5)
+    pages = rng.sample(range(slot.kv.num_pages), 40 * 4)
+    step = [SeqChunk([rng.randrange(5, 512)], rng.randrange(1, 4 * slot.kv.page_size), pages[4 * i:4 * i + 4])
+            for i in range(40)]
+    logits = {}
+    for fused in (True, False):
+        monkeypatch.setattr(triton_attention, "QUANT_OUT", fused)
+        calls.clear()
+        logits[fused] = slot.model.forward(step, slot.kv).clone()
+        assert len(calls) == (0 if fused else slot.model.config.num_hidden_layers), (fused, calls)
+    assert torch.equal(logits[True], logits[False])
+
+
 def test_graph_replay_equals_eager_forward(tiny_models):
     target, _ = tiny_models
     runner = build_runner(target, device="cuda:0", dtype="float32", max_total_tokens=4096, cuda_graph_max_bs=4)

@@ -77,6 +77,38 @@ def _check_decode(layout, page_size, kv_lens, dtype, heads=(8, 2), head_dim=64, 
     torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("heads, head_dim", [((8, 2), 64), ((6, 2), 64), ((32, 8), 128)])
+def test_unsplit_decode_quantizes_its_rows_per_token_for_o_proj(heads, head_dim, monkeypatch):
+    """``quant`` at one split: the last of each sequence's KV-head programs quantizes its whole row
+    [Hq * D] (a width that is not a power of two too): the rows equal the unquantized output, and
+    the e4m3 rows and scales equal ``per_token_quant`` of them bit for bit, a padding row (length 0)
+    included; the counts are back at 0 (the same again on the next launch). Split, or with
+    ``QUANT_OUT`` off, the output comes unquantized (o_proj's linear quantizes it)."""
+    from kvferry.common.kernels import split_sum, triton_fp8_gemm
+
+    dtype = torch.float16 if INTERPRET else torch.bfloat16
+    (num_heads, num_kv_heads), page_size = heads, 16
+    kv_lens = [33, 1, 0, 70]
+    pool = Pool("page-major", sum(-(-n // page_size) for n in kv_lens) + 3, page_size, num_kv_heads, head_dim, dtype)
+    tables = pool.tables(kv_lens)
+    q = torch.randn(len(kv_lens), num_heads, head_dim).to(dtype).to(DEVICE)
+    table, lens = _padded_table([t or [0] for t in tables]), torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+
+    def run(splits, quant=True):
+        return triton_attention.decode_attention(q, pool.k, pool.v, table, lens, head_dim**-0.5, None, splits,
+                                                 quant=quant)
+
+    plain = run(1, quant=False).view(len(kv_lens), num_heads * head_dim)
+    want_q, want_s = triton_fp8_gemm.per_token_quant(plain)
+    for got in (run(1), run(1)):
+        assert torch.equal(got.rows, plain)
+        assert torch.equal(got.q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(got.scale, want_s)
+    assert not split_sum.counters(q.device, 1).any()
+    assert isinstance(run(2), torch.Tensor)
+    monkeypatch.setattr(triton_attention, "QUANT_OUT", False)
+    assert torch.equal(run(1), plain.view(q.shape))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16 if INTERPRET else torch.bfloat16])
 @pytest.mark.parametrize("merge_tile", [True, False])
 def test_decode_one_split_and_fewest_keys_a_split(dtype, merge_tile, monkeypatch):
