@@ -334,6 +334,8 @@ AB_SWITCHES = {
                   "token's programs)"),
     "attn_quant": ("o_proj_quant", "attention", "launch", "o_proj's per-token quant in a launch of its own "
                    "(triton_attention.QUANT_OUT off; the default: an unsplit decode attention quantizes its rows)"),
+    "router": ("router", "one_launch", "two", "a one-row MoE router's logits by the GEMV, then its picks in a "
+               "launch of their own (TritonBackend.fuse_router off; the default: one launch, triton_moe.router_topk)"),
     "picks": ("picks", "kernel", "torch", "the greedy picks by torch's argmax, log_softmax, gather and the "
               "pairs' casts and stack (sampler.PICK_KERNEL off; the default: one launch, triton_sample)"),
     "cos_sin": ("cos_sin", "kernel", "torch", "the step's rope cos/sin by torch ops, seven or eight launches "
@@ -368,6 +370,8 @@ def other_side(flag: str, model) -> list[tuple[object, str, object]]:
         if flag == "split_sum":
             return [(triton_gemv, "SPLIT_SUM_IN_KERNEL", False)]
         return [(triton_gemv, "SLOT_SUM_IN_KERNEL", False)] if ds is not None or model.config.moe is not None else []
+    if flag == "router":
+        return [(model.attn, "fuse_router", False)] if ds is not None or model.config.moe is not None else []
     if flag == "attn_quant":
         return [(triton_attention, "QUANT_OUT", False)]
     if flag == "picks":

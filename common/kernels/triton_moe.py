@@ -28,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvferry.common.kernels.gemv_tiles import dense_config
 from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
-from kvferry.common.kernels.split_sum import slot_sum
+from kvferry.common.kernels.split_sum import counters as sum_counters, last_of, slot_sum
 from kvferry.common.kernels.triton_fused import silu_mul
 from kvferry.common.kernels.triton_gemv import MOE_GEMV_MAX_SLOTS, SHARED_MEMORY_BYTES, moe_gemv
 
@@ -284,6 +285,39 @@ def _softmax_topk_kernel(logits, weights, ids, E, stride_l, scale, eps, TOP_K: t
     e = tl.arange(0, BLOCK_E)
     ok = e < E
     x = tl.load(logits + t * stride_l + e, mask=ok, other=-float("inf")).to(tl.float32)
+    _topk_row(x, e, ok, weights, ids, t, E, scale, eps, TOP_K, BLOCK_E, BLOCK_K, RENORM, SHARED)
+
+
+@triton.jit
+def _router_topk_kernel(x, w, logits, counts, weights, ids, E, H, stride_x, scale, eps, BLOCK_N: tl.constexpr,
+                        BLOCK_H: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                        RENORM: tl.constexpr, SHARED: tl.constexpr = 0, PDL: tl.constexpr = 0):
+    """Token t's router logits, BLOCK_N experts a program (``triton_gemv.gemv``'s one-row dot: the
+    same tiles give the same sums), stored in logits' dtype; the last of the token's programs to
+    finish (``split_sum.last_of``) reads the row back and picks as ``_softmax_topk_kernel``."""
+    pdl_enter(PDL)
+    pid_n, t = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    col_ok = cols < E
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_H):
+        k = k0 + tl.arange(0, BLOCK_H)
+        k_ok = k < H
+        xv = tl.load(x + t * stride_x + k, mask=k_ok, other=0.0)
+        wv = tl.load(w + cols[:, None] * H + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.sum(wv.to(tl.float32) * xv.to(tl.float32)[None, :], 1)
+    tl.store(logits + t * E + cols, acc.to(logits.dtype.element_ty), mask=col_ok)
+    if last_of(counts, t, tl.num_programs(0)):
+        e = tl.arange(0, BLOCK_E)
+        ok = e < E
+        row = tl.load(logits + t * E + e, mask=ok, other=-float("inf"), cache_modifier=".cg").to(tl.float32)
+        _topk_row(row, e, ok, weights, ids, t, E, scale, eps, TOP_K, BLOCK_E, BLOCK_K, RENORM, SHARED)
+
+
+@triton.jit
+def _topk_row(x, e, ok, weights, ids, t, E, scale, eps, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+              BLOCK_K: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr):
+    """The k largest of softmax(x) (x: a row of logits, fp32, -inf past E) for row t, then SHARED."""
     p = tl.exp(x - tl.max(x, 0))
     p = tl.where(ok, p / tl.sum(p, 0), -1.0)
     j = tl.arange(0, BLOCK_K)
@@ -306,6 +340,30 @@ def _softmax_topk_kernel(logits, weights, ids, E, stride_l, scale, eps, TOP_K: t
         tl.store(weights + row + TOP_K + tail, tl.full((BLOCK_K,), 1.0, tl.float32).to(weights.dtype.element_ty),
                  mask=tail < SHARED)
         tl.store(ids + row + TOP_K + tail, (E + tail).to(tl.int64), mask=tail < SHARED)
+
+
+def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype,
+                scale: float = 1.0, eps: float = 0.0, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``softmax_topk(gemv(x, weight), ...)`` in one launch for a few tokens: x [T, H] (unit column
+    stride), the router's weight [E, H] contiguous; the logits are made with ``gemv``'s tiles, in
+    its output dtype, so the picks equal the two launches' bit for bit."""
+    num_tokens, hidden = x.shape
+    num_experts = weight.shape[0]
+    weights = torch.empty(num_tokens, top_k + shared, dtype=out_dtype, device=x.device)
+    ids = torch.empty(num_tokens, top_k + shared, dtype=torch.int64, device=x.device)
+    if num_tokens == 0:
+        return weights, ids
+    weight = weight.contiguous()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    logits = torch.empty(num_tokens, num_experts, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    cfg = dense_config(num_experts, hidden)
+    grid = (triton.cdiv(num_experts, cfg.block_n), num_tokens)
+    _router_topk_kernel[grid](x, weight, logits, sum_counters(x.device, num_tokens), weights, ids, num_experts, hidden,
+                              x.stride(0), scale, eps, BLOCK_N=cfg.block_n, BLOCK_H=cfg.block_k, TOP_K=top_k,
+                              BLOCK_E=triton.next_power_of_2(num_experts),
+                              BLOCK_K=triton.next_power_of_2(max(top_k, shared)), RENORM=renormalize, SHARED=shared,
+                              num_warps=cfg.num_warps, **pdl_kw())
+    return weights, ids
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype, scale: float = 1.0,

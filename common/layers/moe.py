@@ -114,8 +114,7 @@ class SparseMoe(nn.Module):
     def forward(self, h: torch.Tensor, backend) -> torch.Tensor:
         """h [T, H] (post-attention norm) -> [T, H], this rank's part of the block's output."""
         moe = self.config.moe
-        router_logits = backend.linear(h, self.gate_weight)
-        topk_weights, topk_ids = backend.select_experts(router_logits, moe.num_experts_per_tok, moe.norm_topk_prob)
+        topk_weights, topk_ids = backend.router_topk(h, self.gate_weight, moe.num_experts_per_tok, moe.norm_topk_prob)
         # topk_ids index w13/w2 directly: this rank holds every expert (rank_experts)
         return backend.fused_moe(h, self.w13, self.w2, topk_weights, topk_ids)
 

@@ -88,6 +88,17 @@ def route(logits: torch.Tensor, spec: DeepseekSpec, bias: torch.Tensor | None, b
     return append_shared(weights, ids, num_experts, shared)
 
 
+def route_hidden(h: torch.Tensor, gate_weight: torch.Tensor, spec: DeepseekSpec, bias: torch.Tensor | None, backend,
+                 shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route`` of the router's logits ``backend.linear(h, gate_weight)``; V2's greedy softmax top-k
+    through ``backend.router_topk`` (logits and picks in one launch at one row on the Triton backend)."""
+    if spec.version != 3 and spec.topk_method == "greedy":
+        normalise = spec.norm_topk_prob and spec.num_experts_per_tok > 1
+        return backend.router_topk(h, gate_weight, spec.num_experts_per_tok, normalise,
+                                   1.0 if normalise else spec.routed_scaling_factor, 1e-20, torch.float32, shared)
+    return route(backend.linear(h, gate_weight), spec, bias, backend, shared)
+
+
 class DenseMlp(nn.Module):
     """SwiGLU with fused gate/up rows: a dense layer's MLP (``first_k_dense_replace``). Holds the block
     ``part`` of the ``full`` intermediate size (gate/up rows, down columns): ``forward`` returns this
@@ -156,9 +167,10 @@ class MoeBlock(nn.Module):
     def forward(self, h: torch.Tensor, attn) -> torch.Tensor:
         """h [T, hidden] -> [T, hidden]: each token's k experts, weighted, plus the shared experts."""
         fold = self.fold_shared or not self.num_shared
-        # fp32 logits (the weight is fp32, as transformers keeps it): one GEMV launch at one row on triton
-        weights, ids = route(attn.linear(h, self.gate_weight), self.spec, self.score_bias, attn,
-                             self.num_shared if fold else 0)  # [T, k (+ S)] each
+        # fp32 logits (the weight is fp32, as transformers keeps it): at one row on triton, V2's greedy
+        # router is one launch with its picks (route_hidden)
+        weights, ids = route_hidden(h, self.gate_weight, self.spec, self.score_bias, attn,
+                                    self.num_shared if fold else 0)  # [T, k (+ S)] each
         # ids index w13/w2 directly: this rank holds every expert (rank_experts), the shared ones after them
         return attn.fused_moe(h, self.w13, self.w2, weights, ids, None if fold else self._shared_mlp(h, attn))
 

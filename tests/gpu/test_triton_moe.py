@@ -207,3 +207,30 @@ def test_softmax_topk_appends_the_shared_experts(num_tokens, num_experts, top_k,
     assert torch.equal(got_ids[:, top_k:].cpu(), torch.arange(num_experts, num_experts + shared).expand(num_tokens, -1))
     assert torch.equal(got_w[:, top_k:].cpu(), torch.ones(num_tokens, shared))
     torch.testing.assert_close(got_w.cpu(), want_w.cpu(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_experts, hidden, top_k, shared", [(64, 2048, 6, 2), (128, 80, 8, 0), (60, 1100, 2, 1)])
+@pytest.mark.parametrize("weight_dtype", DTYPES)
+@pytest.mark.parametrize("renormalize, scale", [(True, 1.0), (False, 2.5)])
+def test_router_in_one_launch_equals_the_gemv_then_softmax_topk(num_experts, hidden, top_k, shared, weight_dtype,
+                                                                renormalize, scale):
+    """``router_topk``: the router's logits with the one-row GEMV's tiles, then the picks by the last
+    of the token's programs, bit for bit ``gemv`` then ``softmax_topk`` (weights, ids and the shared
+    experts' columns), an fp32 router weight (DeepSeek's: fp32 logits) or one in the model dtype, a
+    token a row of x; twice in a row (the counts are back at 0)."""
+    from kvferry.common.kernels import split_sum, triton_gemv
+
+    g = torch.Generator().manual_seed(num_experts + hidden)
+    half = DTYPES[1]
+    weight = (torch.randn(num_experts, hidden, generator=g) / hidden**0.5).to(DEVICE, weight_dtype)
+    x = torch.randn(3, hidden, generator=g).to(DEVICE, half)
+    out_dtype = torch.promote_types(half, weight_dtype)
+    for t in range(3):
+        row = x[t:t + 1]
+        logits = triton_gemv.gemv(row, weight)
+        want = triton_moe.softmax_topk(logits, top_k, renormalize, out_dtype, scale, 1e-20, shared)
+        for _ in range(2):
+            got = triton_moe.router_topk(row, weight, top_k, renormalize, out_dtype, scale, 1e-20, shared)
+            assert got[0].shape == (1, top_k + shared) and got[0].dtype == out_dtype
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not split_sum.counters(x.device, 1).any()
