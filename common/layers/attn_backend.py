@@ -220,7 +220,9 @@ class TritonBackend(TritonMlaOps):
         # launches measured 1-3 % faster at batch 1 in three runs (batch 64 within noise)
         self.absorb_kernels = self.rope_kernel = True
         self.fuse_mla_rows = False
-        self.fuse_router = True  # a one-row router's logits and picks in one launch (router_topk)
+        # a one-row router's logits and picks in one launch (router_topk): off, as on an H100 (tree 5c0ffc8) it was
+        # no faster at batch 1 (DeepSeek-V2-Lite 0.420 ms either way, Qwen3-30B-A3B 0.590 against 0.585 with two)
+        self.fuse_router = False
         self.mla, self.fused, self.gemv, self.moe = triton_mla, triton_fused, triton_gemv, triton_moe
         self.num_kv_heads = num_kv_heads
         # (a CPU device only under TRITON_INTERPRET=1, in tests)
@@ -286,8 +288,8 @@ class TritonBackend(TritonMlaOps):
         return self.moe.softmax_topk(logits, top_k, renormalize, out_dtype or logits.dtype, scale, eps, shared)
 
     def router_topk(self, h, gate_weight, top_k: int, renormalize: bool, scale=1.0, eps=0.0, out_dtype=None, shared=0):
-        """The router's logits and picks: at one row (the GEMV's) in one launch (``triton_moe.router_topk``)
-        unless ``fuse_router`` is off, else ``linear`` then ``select_experts``."""
+        """The router's logits and picks: ``linear`` then ``select_experts``, or at one row with
+        ``fuse_router`` in one launch (``triton_moe.router_topk``)."""
         if h.shape[0] == 1 and self.use_gemv and self.fuse_router and not isinstance(gate_weight, Fp8Weight):
             h = h.rows if isinstance(h, TokenQuantized) else h
             out_dtype = out_dtype or torch.promote_types(h.dtype, gate_weight.dtype)

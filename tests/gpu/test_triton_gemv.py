@@ -146,7 +146,7 @@ def test_fp8_gemv_split_k_equals_reference(block, split_k, rows):
 @pytest.mark.parametrize("split_k, rows", [(2, 64), (3, 2), (8, 33)])
 def test_split_k_parts_added_in_the_kernel_equal_the_sum_launch(monkeypatch, fp8_x, split_k, rows):
     """The last program of each output tile adds the split-K parts (+ bias) in part order
-    (SPLIT_SUM_IN_KERNEL, the default): bit for bit the second launch's sum, with and without a bias,
+    (SPLIT_SUM_IN_KERNEL; off by default): bit for bit the second launch's sum, with and without a bias,
     W8A16 and W8A8, the same result again on the next launch (the counts are back at 0)."""
     n, k = 72, 1100
     w = _weight(n, k, None, seed=split_k)
@@ -162,10 +162,10 @@ def test_split_k_parts_added_in_the_kernel_equal_the_sum_launch(monkeypatch, fp8
         return triton_gemv.fp8_gemv(x, w.weight, w.scale, None, b, cfg, x_scale=x_scale, out_dtype=HALF)
 
     for b in (bias, None):
+        monkeypatch.setattr(triton_gemv, "SPLIT_SUM_IN_KERNEL", True)
         got = [run(b), run(b)]
         monkeypatch.setattr(triton_gemv, "SPLIT_SUM_IN_KERNEL", False)
         want = run(b)
-        monkeypatch.setattr(triton_gemv, "SPLIT_SUM_IN_KERNEL", True)
         assert got[0].shape == (rows, n) and got[0].dtype == HALF
         assert torch.equal(got[0], want) and torch.equal(got[1], want)
     assert not split_sum.counters(x.device, 1).any()
@@ -175,7 +175,7 @@ def test_split_k_parts_added_in_the_kernel_equal_the_sum_launch(monkeypatch, fp8
 @pytest.mark.parametrize("with_extra", [False, True])
 def test_moe_slots_added_in_the_down_kernel_equal_slot_sum(monkeypatch, num_tokens, top_k, with_extra):
     """``moe_gemv``'s down projection adds each token's slots in the last of its programs for a column
-    block (SLOT_SUM_IN_KERNEL, the default): bit for bit ``slot_sum`` after a program per slot (the
+    block (SLOT_SUM_IN_KERNEL; off by default): bit for bit ``slot_sum`` after a program per slot (the
     same products, slot order and roundings), twice in a row (the counts are back at 0)."""
     g = torch.Generator().manual_seed(num_tokens * 7 + top_k)
     hidden, inter, num_experts = 80, 48, 16
@@ -187,6 +187,7 @@ def test_moe_slots_added_in_the_down_kernel_equal_slot_sum(monkeypatch, num_toke
     x, w13, w2, weights, extra = (t.to(DEVICE, HALF) for t in (x, w13, w2, weights, extra))
     extra = extra if with_extra else None
     ids = ids.to(DEVICE)
+    monkeypatch.setattr(triton_gemv, "SLOT_SUM_IN_KERNEL", True)
     got = [triton_gemv.moe_gemv(x, w13, w2, weights, ids, extra=extra) for _ in range(2)]
     monkeypatch.setattr(triton_gemv, "SLOT_SUM_IN_KERNEL", False)
     want = triton_gemv.moe_gemv(x, w13, w2, weights, ids, extra=extra)
