@@ -142,6 +142,20 @@ def test_fp8_gemv_split_k_equals_reference(block, split_k, rows):
                                fp8.reference_weight_only(x, w).cpu(), rtol=1e-4, atol=1e-4)
 
 
+def _moe_inputs(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype, seed: int):
+    """x [T, 80], w13 [E, 96, 80], w2 [E, 80, 48] (past a 4-column block and a 256-wide K step's
+    masks), renormalised top-k weights and ids, and an extra [T, 80] (the shared experts'), on DEVICE."""
+    g = torch.Generator().manual_seed(seed)
+    hidden, inter = 80, 48
+    x = torch.randn(num_tokens, hidden, generator=g)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
+    weights, ids = select_experts(torch.randn(num_tokens, num_experts, generator=g), top_k, renormalize=True)
+    extra = torch.randn(num_tokens, hidden, generator=g)
+    x, w13, w2, weights, extra = (t.to(DEVICE, dtype) for t in (x, w13, w2, weights, extra))
+    return x, w13, w2, weights, ids.to(DEVICE), extra
+
+
 @pytest.mark.parametrize("fp8_x", [False, True])
 @pytest.mark.parametrize("split_k, rows", [(2, 64), (3, 2), (8, 33)])
 def test_split_k_parts_added_in_the_kernel_equal_the_sum_launch(monkeypatch, fp8_x, split_k, rows):
@@ -177,16 +191,9 @@ def test_moe_slots_added_in_the_down_kernel_equal_slot_sum(monkeypatch, num_toke
     """``moe_gemv``'s down projection adds each token's slots in the last of its programs for a column
     block (SLOT_SUM_IN_KERNEL; off by default): bit for bit ``slot_sum`` after a program per slot (the
     same products, slot order and roundings), twice in a row (the counts are back at 0)."""
-    g = torch.Generator().manual_seed(num_tokens * 7 + top_k)
-    hidden, inter, num_experts = 80, 48, 16
-    x = torch.randn(num_tokens, hidden, generator=g)
-    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5
-    w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
-    weights, ids = select_experts(torch.randn(num_tokens, num_experts, generator=g), top_k, renormalize=True)
-    extra = torch.randn(num_tokens, hidden, generator=g)
-    x, w13, w2, weights, extra = (t.to(DEVICE, HALF) for t in (x, w13, w2, weights, extra))
+    x, w13, w2, weights, ids, extra = _moe_inputs(num_tokens, 16, top_k, HALF, seed=num_tokens * 7 + top_k)
     extra = extra if with_extra else None
-    ids = ids.to(DEVICE)
+    hidden = x.shape[1]
     monkeypatch.setattr(triton_gemv, "SLOT_SUM_IN_KERNEL", True)
     got = [triton_gemv.moe_gemv(x, w13, w2, weights, ids, extra=extra) for _ in range(2)]
     monkeypatch.setattr(triton_gemv, "SLOT_SUM_IN_KERNEL", False)
@@ -290,15 +297,8 @@ def test_down_projection_summing_the_slots_equals_a_program_per_slot(monkeypatch
     against a program per slot then ``slot_sum`` (the default), with and without the shared experts'
     ``extra``: bit for bit under the interpreter (the same fp32 products and slot order); on CUDA the
     column tiles differ, so the dot's reduction order may, within one rounding."""
-    g = torch.Generator().manual_seed(num_tokens * 10 + top_k)
-    hidden, inter = 80, 48  # past a 4-column block and a 256-wide K step's masks
-    x = torch.randn(num_tokens, hidden, generator=g)
-    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5
-    w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
-    weights, ids = select_experts(torch.randn(num_tokens, num_experts, generator=g), top_k, renormalize=True)
-    extra = torch.randn(num_tokens, hidden, generator=g)
-    x, w13, w2, weights, extra = (t.to(DEVICE, dtype) for t in (x, w13, w2, weights, extra))
-    ids = ids.to(DEVICE)
+    x, w13, w2, weights, ids, extra = _moe_inputs(num_tokens, num_experts, top_k, dtype, seed=num_tokens * 10 + top_k)
+    hidden = x.shape[1]
     monkeypatch.setattr(triton_gemv, "DOWN_SUMS_SLOTS", True)
     got = [triton_gemv.moe_gemv(x, w13, w2, weights, ids, extra=e) for e in (None, extra)]
     monkeypatch.setattr(triton_gemv, "DOWN_SUMS_SLOTS", False)
