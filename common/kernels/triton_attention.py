@@ -38,7 +38,7 @@ from kvferry.common.kernels.kv_quant import FP8_E4M3_MAX, is_quantized
 from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
 from kvferry.common.kernels.quant_rows import TokenQuantized
 from kvferry.common.kernels.split_sum import counters as sum_counters, last_of
-from kvferry.common.kernels.triton_fp8_gemm import e4m3_quantize, e4m3_scale
+from kvferry.common.kernels.triton_fp8_gemm import quantize_row
 
 # A finite "minus infinity" for running maxima: exp(m_old - m_new) stays 0 or 1, never NaN.
 _NEG = tl.constexpr(-1.0e30)
@@ -146,10 +146,8 @@ def _decode_split_kernel(q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_ls
                 width = GROUP * tl.num_programs(1) * HEAD_DIM
                 cols = tl.arange(0, ROW)
                 row_ok = cols < width
-                v = tl.load(o + b * stride_ob + cols, mask=row_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-                scale = e4m3_scale(tl.max(tl.abs(v), 0))
-                tl.store(oq + b * width + cols, e4m3_quantize(v, scale, oq.dtype.element_ty), mask=row_ok)
-                tl.store(oq_scale + b, scale)
+                v = tl.load(o + b * stride_ob + cols, mask=row_ok, other=0.0, cache_modifier=".cg")
+                quantize_row(v, oq + b * width, oq_scale, b, cols, row_ok)
     else:
         base = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split  # mid_o: [B, Hq, num_splits, D]
         tl.store(mid_o + base[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)

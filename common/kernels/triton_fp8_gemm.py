@@ -42,6 +42,17 @@ def e4m3_quantize(v, scale, dtype: tl.constexpr):
 
 
 @triton.jit
+def quantize_row(v, q_row, s, row, cols, mask):
+    """Stores row ``row`` (``v``: its values in the model dtype, 0 where masked) as e4m3 at q_row and
+    its scale at s[row], as ``per_token_quant`` quantizes it (``amax / 448``, IEEE division): the
+    norm's, silu's and the decode attention's fused quant."""
+    v32 = v.to(tl.float32)
+    scale = e4m3_scale(tl.max(tl.abs(v32), 0))
+    tl.store(q_row + cols, e4m3_quantize(v32, scale, q_row.dtype.element_ty), mask=mask)
+    tl.store(s + row, scale)
+
+
+@triton.jit
 def _group_quant_kernel(x, q, s, K, stride_x, stride_q, stride_s, GROUP: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)

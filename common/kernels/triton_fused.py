@@ -28,18 +28,7 @@ from kvferry.common.kernels.kv_quant import is_quantized
 from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
 from kvferry.common.kernels.quant_rows import TokenQuantized
 from kvferry.common.kernels.triton_attention import quantize_tile
-from kvferry.common.kernels.triton_fp8_gemm import e4m3_quantize, e4m3_scale
-
-
-@triton.jit
-def _quantize_row(v, q_row, s, row, cols, mask):
-    """Stores row ``row`` (``v``: its values in the model dtype, 0 where masked) as e4m3 at q_row and
-    its scale at s[row], as ``triton_fp8_gemm.per_token_quant`` quantizes it (``amax / 448``, IEEE
-    division)."""
-    v32 = v.to(tl.float32)
-    scale = e4m3_scale(tl.max(tl.abs(v32), 0))
-    tl.store(q_row + cols, e4m3_quantize(v32, scale, q_row.dtype.element_ty), mask=mask)
-    tl.store(s + row, scale)
+from kvferry.common.kernels.triton_fp8_gemm import e4m3_quantize, e4m3_scale, quantize_row
 
 
 @triton.jit
@@ -59,7 +48,7 @@ def _add_rms_norm_kernel(x, delta, out_x, out_h, weight, eps, hq, hs, HIDDEN: tl
     h = (w.to(tl.float32) * normed.to(tl.float32)).to(v.dtype)
     tl.store(out_h + row * HIDDEN + i, h, mask=mask)
     if QUANT:
-        _quantize_row(h, hq + row * HIDDEN, hs, row, i, mask)
+        quantize_row(h, hq + row * HIDDEN, hs, row, i, mask)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, quant: bool = False,
@@ -235,7 +224,7 @@ def _silu_mul_quant_kernel(gate_up, out, q, s, INTER: tl.constexpr, BLOCK: tl.co
     if BLOCK >= INTER:
         h, mask = _silu_mul_tile(gate_up, row, i, INTER)
         tl.store(out + row * INTER + i, h, mask=mask)
-        _quantize_row(h, q + row * INTER, s, row, i, mask)
+        quantize_row(h, q + row * INTER, s, row, i, mask)
     else:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, INTER, BLOCK):
