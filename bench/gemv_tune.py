@@ -19,7 +19,10 @@ once, or the experts the slots touch, over the time), the current default's, the
 the HBM bandwidth of a 4 GiB device copy measured in this run (``hbm_gbps``, bytes read + written).
 Every configuration's output is checked against the default's before it is timed. Times are of
 --iters calls replayed in one CUDA graph, as a decode step runs them (launched from Python, every
-call here would take the ~30-60 us of its launch instead).
+call here would take the ~30-60 us of its launch instead). Each call reads the next of enough copies
+of the weight that together they are three times L2 (``--cold``, the default): a decode step reads
+each weight once, from HBM. With ``--hot`` the calls reread one copy, which a weight under L2's size
+(50 MB on an H100) serves from L2 after the first call: the sweeps before tree 8b95ca1 timed that.
 """
 
 from __future__ import annotations
@@ -41,8 +44,33 @@ LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "d
 LM_HEAD = {"lm_head": (128256, 4096)}  # bf16 in the FP8 checkpoints too (their ignore lists keep it)
 # the MoE presets' one-row bf16 projections outside the experts: Qwen3-30B-A3B's attention and lm_head, DeepSeek-V2-Lite's lm_head
 MOE_DENSE = {"qwen3_qkv": (5120, 2048), "qwen3_o": (2048, 4096), "qwen3_lm_head": (151936, 2048),
-             "dsv2_lm_head": (102400, 2048)}
+             "dsv2_lm_head": (102400, 2048), "dsv2_qkv_a": (3648, 2048), "dsv2_o": (2048, 2048),
+             "dsv2_gate_up": (21888, 2048), "dsv2_down": (2048, 10944)}
 MOE = {"qwen3-30b-a3b": (128, 8, 2048, 768), "deepseek-v2-lite": (64, 6, 2048, 1408)}  # E, k, hidden, inter
+
+
+COLD = True  # --hot: every call reads the same copy of its weight
+
+
+def copies_of(t, nbytes: int) -> "Rotation":
+    """A tensor (or a tuple of them) ``t`` and enough clones that ``nbytes`` (what one call reads)
+    over all of them is 3x L2."""
+    if not COLD or DEVICE == "cpu":
+        return Rotation([t])
+    l2 = torch.cuda.get_device_properties(DEVICE).L2_cache_size
+    clone = (lambda: tuple(a.clone() for a in t)) if isinstance(t, tuple) else t.clone
+    return Rotation([t] + [clone() for _ in range(-(-3 * l2 // max(1, nbytes)) - 1)])
+
+
+class Rotation:
+    """Calling it gives the next of its tensors, round robin: each captured call reads another copy."""
+
+    def __init__(self, tensors: list) -> None:
+        self.tensors, self.i = tensors, -1
+
+    def __call__(self) -> torch.Tensor:
+        self.i = (self.i + 1) % len(self.tensors)
+        return self.tensors[self.i]
 
 
 def timed_us(fn, iters: int) -> float:
@@ -94,7 +122,7 @@ def gemv_configs(dot: bool, quick: bool, rows: int = 1, narrow: bool = False, wi
     elif dot:  # 256: per-row scales only
         ns, ks, warps, stages, splits = (16, 32, 64), (128, 256), (4,), (3, 4), (1, 2, 4)
     else:
-        ns, ks, warps, stages = (4, 8, 16, 32), (256, 512, 1024), (4, 8), (3,)
+        ns, ks, warps, stages = (4, 8, 16, 32), (256, 512, 1024), (4, 8), (3,) if quick else (3, 4)
     if quick:
         ns, ks, splits = ns[:2], ks[:2], splits[:2]
     return [GemvConfig(n, k, w, s, p) for n, k, w, s, p in itertools.product(ns, ks, warps, stages, splits)]
@@ -136,21 +164,22 @@ def fp8_cases(args, base: dict) -> None:
         q, scale = q.to(DEVICE), scale.to(DEVICE).contiguous()
         x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
         nbytes = q.numel() + scale.numel() * 4
+        qs = copies_of(q, nbytes)
         if args.w8a8_wide and rows > 16 and block is None:
-            w8a8_kernel_case(args, base, name, q, scale, x, nbytes)
+            w8a8_kernel_case(args, base, name, qs, scale, x, nbytes)
             continue
         default = triton_gemv.fp8_config(rows, n, k, block)
         configs = [c for c in gemv_configs(rows > 1, args.quick, rows, args.narrow)
                    if rows == 1 or block is None or c.block_k == triton_gemv.GROUP]  # the dot path: one group a step
-        result = sweep(lambda cfg: triton_gemv.fp8_gemv(x, q, scale, block, None, cfg), configs, default, nbytes,
+        result = sweep(lambda cfg: triton_gemv.fp8_gemv(x, qs(), scale, block, None, cfg), configs, default, nbytes,
                        args.iters)
         if block is None:
             def baseline():
                 xq, xs = triton_fp8_gemm.per_token_quant(x)
-                return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale[None, :], out_dtype=DTYPE)
+                return torch._scaled_mm(xq, qs().t(), scale_a=xs, scale_b=scale[None, :], out_dtype=DTYPE)
         else:
             def baseline():
-                return triton_fp8_gemm.w8a8_block_linear(x, q, scale, block)
+                return triton_fp8_gemm.w8a8_block_linear(x, qs(), scale, block)
         base_us = timed_us(baseline, args.iters)
         emit({**base, "case": "fp8-row" if block is None else "fp8-block", "weight": name, "shape": [n, k],
               "rows": rows, "bytes": nbytes, **result, "baseline": "scaled_mm" if block is None else "w8a8_block",
@@ -159,7 +188,7 @@ def fp8_cases(args, base: dict) -> None:
         if block is None and rows > 16 and args.w8a8:  # the same kernel with x quantized per token (FP8 dot)
             def w8a8(cfg):
                 xq, xs = triton_fp8_gemm.per_token_quant(x)
-                return triton_gemv.fp8_gemv(xq, q, scale, None, None, cfg, x_scale=xs, out_dtype=DTYPE)
+                return triton_gemv.fp8_gemv(xq, qs(), scale, None, None, cfg, x_scale=xs, out_dtype=DTYPE)
 
             a8 = sweep(w8a8, configs, default, nbytes, args.iters)
             emit({**base, "case": "fp8-row-w8a8", "weight": name, "shape": [n, k], "rows": rows, "bytes": nbytes,
@@ -169,15 +198,15 @@ def fp8_cases(args, base: dict) -> None:
                   "note": "best_us includes the per-token quant launch"})
 
 
-def w8a8_kernel_case(args, base: dict, name: str, q, scale, x, nbytes: int) -> None:
+def w8a8_kernel_case(args, base: dict, name: str, qs: Rotation, scale, x, nbytes: int) -> None:
     """The W8A8 dot alone (x quantized once, before: in the step the norms and silu hand it over
     quantized) over the wide tiles, beside the default; x's per-token quant is timed on its own."""
     from kvferry.common.kernels import triton_fp8_gemm, triton_gemv
 
-    (n, k), rows = q.shape, x.shape[0]
+    (n, k), rows = qs.tensors[0].shape, x.shape[0]
     xq, xs = triton_fp8_gemm.per_token_quant(x)
     default = triton_gemv.fp8_config(rows, n, k, None, fp8_x=True)
-    result = sweep(lambda cfg: triton_gemv.fp8_gemv(xq, q, scale, None, None, cfg, x_scale=xs, out_dtype=DTYPE),
+    result = sweep(lambda cfg: triton_gemv.fp8_gemv(xq, qs(), scale, None, None, cfg, x_scale=xs, out_dtype=DTYPE),
                    gemv_configs(True, args.quick, rows, wide=True), default, nbytes, args.iters)
     quant_us = timed_us(lambda: triton_fp8_gemm.per_token_quant(x), args.iters)
     emit({**base, "case": "fp8-row-w8a8-kernel", "weight": name, "shape": [n, k], "rows": rows, "bytes": nbytes,
@@ -193,10 +222,11 @@ def bf16_cases(args, base: dict) -> None:
         w = torch.randn(n, k, device=DEVICE, dtype=DTYPE) * 0.02
         x = torch.randn(1, k, device=DEVICE, dtype=DTYPE)
         nbytes = w.numel() * 2
+        ws = copies_of(w, nbytes)
         default = triton_gemv.dense_config(n, k)
-        result = sweep(lambda cfg: triton_gemv.gemv(x, w, None, cfg), gemv_configs(False, args.quick), default, nbytes,
-                       args.iters)
-        base_us = timed_us(lambda: torch.nn.functional.linear(x, w), args.iters)
+        result = sweep(lambda cfg: triton_gemv.gemv(x, ws(), None, cfg), gemv_configs(False, args.quick), default,
+                       nbytes, args.iters)
+        base_us = timed_us(lambda: torch.nn.functional.linear(x, ws()), args.iters)
         emit({**base, "case": "bf16", "weight": name, "shape": [n, k], "rows": 1, "bytes": nbytes, **result,
               "baseline": "cublas", "baseline_us": round(base_us, 2), "baseline_gbps": round(nbytes / base_us / 1e3, 1),
               "speedup_vs_baseline": round(base_us / result["best_us"], 3)})
@@ -221,22 +251,24 @@ def moe_cases(args, base: dict) -> None:
         weights = weights.to(DTYPE)
         touched = ids.unique().numel()
         nbytes = touched * (w13[0].numel() + w2[0].numel()) * 2
+        pairs = copies_of((w13, w2), nbytes)
         for proj, (n, k) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
             default = triton_gemv.moe_config(n, k)
 
             def run(cfg, proj=proj):
                 pair = (cfg, None) if proj == "w13" else (None, cfg)
-                return triton_gemv.moe_gemv(x, w13, w2, weights, ids, pair)
+                return triton_gemv.moe_gemv(x, *pairs(), weights, ids, pair)
 
             result = sweep(run, gemv_configs(False, args.quick), default,
                            touched * (n * k) * 2, args.iters)
             emit({**base, "case": f"moe-{proj}", "preset": name, "shape": [experts, n, k], "tokens": tokens,
                   "top_k": top_k, "experts_touched": touched, **result,
                   "note": "best_us / default_us time the whole moe_gemv with this projection's configuration varied"})
-        gemv_us = timed_us(lambda: triton_gemv.moe_gemv(x, w13, w2, weights, ids), args.iters)
+        gemv_us = timed_us(lambda: triton_gemv.moe_gemv(x, *pairs(), weights, ids), args.iters)
 
         def grouped():  # fused_moe above MOE_GEMV_MAX_SLOTS: sort by expert, two grouped GEMMs
             num_slots = ids.numel()
+            w13, w2 = pairs()
             up = triton_moe.gemm_config(2 * inter, hidden, num_slots, experts)
             down_cfg = triton_moe.gemm_config(hidden, inter, num_slots, experts)
             sorted_slots, block_experts = triton_moe.align_by_expert(ids, experts, up.block_m)
@@ -257,7 +289,7 @@ def moe_cases(args, base: dict) -> None:
 
 
 def main() -> None:
-    global DEVICE, DTYPE, LLAMA_8B, LM_HEAD, MOE_DENSE, MOE
+    global DEVICE, DTYPE, LLAMA_8B, LM_HEAD, MOE_DENSE, MOE, COLD
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--quick", action="store_true", help="a few configurations only")
@@ -273,9 +305,12 @@ def main() -> None:
     ap.add_argument("--w8a8-wide", action="store_true",
                     help="past 16 rows (per-row scales), only the W8A8 dot, its x quantized beforehand, over wider "
                          "tiles (fp8-row-w8a8-kernel lines)")
+    ap.add_argument("--hot", action="store_true",
+                    help="every call rereads one copy of its weight (L2 serves one under its size), as before")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on CPU under TRITON_INTERPRET=1 (set it): checks the logic, times nothing")
     args = ap.parse_args()
+    COLD = not args.hot
     if args.dry_run:
         DEVICE, DTYPE, args.quick, args.iters = "cpu", torch.float16, True, 1
         LLAMA_8B, LM_HEAD = {"qkv": (96, 256), "down": (64, 384)}, {"lm_head": (512, 128)}
@@ -285,7 +320,7 @@ def main() -> None:
         raise SystemExit("bench/gemv_tune.py times CUDA kernels; no CUDA device here")
     torch.manual_seed(0)
     base = {"bench": "gemv_tune", "git": git_hash(), "hardware": hardware([DEVICE if DEVICE == "cpu" else "cuda:0"]),
-            "hbm_gbps": round(hbm_gbps(), 1)}
+            "hbm_gbps": round(hbm_gbps(), 1), "l2": "hot" if args.hot else "cold"}
     cases = args.cases.split(",")
     if "fp8" in cases:
         fp8_cases(args, base)

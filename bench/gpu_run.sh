@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|prefix-ttft|extend|
-#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|summary|pdl|pdl-tests|launch|gemv-one-row|tiles|attn|mla|merge|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
+#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|summary|pdl|pdl-tests|launch|gemv-one-row|tiles|l2|gemv-cold|attn|mla|merge|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off. The device's copy of the tree may hold an
@@ -506,6 +506,27 @@ if [[ $what == gemv-one-row || ( $what == launch && -n ${LAUNCH_TUNE:-} ) ]]; th
   # lm_head, the MoE presets' attention and lm_head, and their experts at one token
   timeout ${LAUNCH_TUNE:-${TUNE_TIMEOUT:-280}} python3 bench/gemv_tune.py --cases bf16,moe,fp8 --rows 1 --scales row --tokens 1 \
     --iters 20 2>>"$out/gemv-one-row.err" | tee -a "$out/gemv-one-row.jsonl" | cut -c1-250
+fi
+if [[ $what == gemv-cold ]]; then
+  # the decode GEMVs' tiles swept with each call reading its weight from HBM (copies rotated past L2, as a step
+  # reads them): the MoE presets' one-row projections and experts, the 8B FP8 one-row and 64-row W8A8 projections
+  g="python3 bench/gemv_tune.py --iters 20"
+  timeout ${COLD_BF16_TIMEOUT:-150} $g --cases bf16 \
+    --weights ${COLD_BF16_WEIGHTS:-qwen3_qkv,qwen3_o,dsv2_qkv_a,dsv2_o,dsv2_gate_up,dsv2_down} \
+    2>>"$out/gemv-cold.err" | tee -a "$out/gemv-cold.jsonl" | cut -c1-200
+  timeout ${COLD_FP8_TIMEOUT:-120} $g --cases fp8 --rows 1 --scales row 2>>"$out/gemv-cold.err" \
+    | tee -a "$out/gemv-cold.jsonl" | cut -c1-200
+  timeout ${COLD_W8A8_TIMEOUT:-170} $g --cases fp8 --rows 64 --scales row --w8a8-wide 2>>"$out/gemv-cold.err" \
+    | tee -a "$out/gemv-cold.jsonl" | cut -c1-200
+  timeout ${COLD_MOE_TIMEOUT:-150} $g --cases moe --tokens 1 2>>"$out/gemv-cold.err" \
+    | tee -a "$out/gemv-cold.jsonl" | cut -c1-200
+  grep -v "^skip" "$out/gemv-cold.err" | tail -5
+fi
+if [[ $what == l2 ]]; then
+  # what asking L2 for a weight during an idle window saves the GEMV after it (common/kernels/l2_prefetch.py)
+  timeout ${L2_TIMEOUT:-200} python3 bench/l2_prefetch.py ${L2_ARGS:-} 2>>"$out/l2-prefetch.err" \
+    | tee -a "$out/l2-prefetch.jsonl" | cut -c1-400
+  tail -5 "$out/l2-prefetch.err"
 fi
 if [[ $what == tiles ]]; then
   # issue 28's batch-64 step: the W8A8 dot past 16 rows alone (x quantized beforehand, as the fused norms and silu hand

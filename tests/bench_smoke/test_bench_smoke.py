@@ -136,3 +136,22 @@ def test_moe_align_bench_checks_the_kernel_against_the_torch_sort():
     records = run_bench("moe_align.py", "--dry-run", "--cases", "64x128x16,300x64x16", "--warps", "4")
     assert [(r["slots"], r["experts"], r["block_m"]) for r in records] == [(64, 128, 16), (300, 64, 16)]
     assert all(r["bench"] == "moe_align" and r["best_warps"] == 4 and "torch_us" in r for r in records)
+
+
+def test_gemv_tune_bench_sweeps_under_the_interpreter_and_says_how_l2_was():
+    """``--dry-run``: each configuration is checked against the default's output before it is timed;
+    every line says whether the weights were read cold (copies rotated past L2, the default) or hot."""
+    records = run_bench("gemv_tune.py", "--dry-run", "--cases", "bf16", "--weights", "qkv")
+    assert [(r["case"], r["weight"], r["l2"]) for r in records] == [("bf16", "qkv", "cold")]
+    assert {"best", "best_us", "default_us", "baseline_us"} <= records[0].keys()
+    hot = run_bench("gemv_tune.py", "--dry-run", "--cases", "bf16", "--weights", "qkv", "--hot")
+    assert [r["l2"] for r in hot] == ["hot"]
+
+
+def test_gemv_tune_rotation_gives_each_call_the_next_copy():
+    """The cold sweep's calls read copies round robin, so a graph of calls never rereads the copy just read."""
+    from bench.gemv_tune import Rotation
+
+    copies = ["a", "b", "c"]
+    rotation = Rotation(copies)
+    assert [rotation() for _ in range(7)] == ["a", "b", "c", "a", "b", "c", "a"]
