@@ -324,9 +324,6 @@ AB_SWITCHES = {
               "(triton_attention.MERGE_TILE off; the default: all splits as one tile)"),
     "mla_rows": ("mla_rows", "apart", "fused", "MLA's latent rows in absorb_q's launch, one grid for both "
                  "(TritonBackend.fuse_mla_rows on; the default: the rows in a launch of their own first)"),
-    "slot_sum": ("slot_sum", "apart", "in_down", "the MoE down projection's programs each summing their token's "
-                 "slots (triton_gemv.DOWN_SUMS_SLOTS on; the default: a program per slot, then the slot sum in a "
-                 "launch of its own)"),
     "split_sum": ("split_sums", "in_kernel", "launch", "split-K GEMV parts added by a launch of their own "
                   "(triton_gemv.SPLIT_SUM_IN_KERNEL off; the default: by each tile's last program)"),
     "slot_last": ("moe_slot_sum", "in_kernel", "launch", "the MoE down projection's slots added by slot_sum in a "
@@ -360,10 +357,6 @@ def other_side(flag: str, model) -> list[tuple[object, str, object]]:
         return [(MoeBlock, "fold_shared", False)] if ds is not None and ds.n_shared_experts else []
     if flag == "mla_rows":
         return [] if ds is None else [(model.attn, "fuse_mla_rows", True)]
-    if flag == "slot_sum":
-        from kvferry.common.kernels import triton_gemv
-
-        return [(triton_gemv, "DOWN_SUMS_SLOTS", True)] if ds is not None or model.config.moe is not None else []
     if flag in ("split_sum", "slot_last"):
         from kvferry.common.kernels import triton_gemv
 

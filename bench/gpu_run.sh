@@ -593,8 +593,7 @@ if [[ $what == merge ]]; then
   # (--merge-ab), rope_store over a few programs a token against one (--rope-ab, Qwen3 and FP8), the MLA tiles and
   # absorbed projections against tree 0fd301d's (--mla-ab), DeepSeek's shared experts in the routed experts'
   # launches against a dense SwiGLU of their own (--shared-ab), MLA's rows in absorb_q's launch (--mla-rows-ab) and
-  # the step's cos/sin in one launch against torch's ops (--cos-sin-ab), the MoE down projection summing each
-  # token's slots against a program a slot and the slot-sum launch (--slot-sum-ab), the greedy picks in one launch
+  # the step's cos/sin in one launch against torch's ops (--cos-sin-ab), the greedy picks in one launch
   # against torch's ops (--picks-ab), in the DeepSeek-V2-Lite,
   # Qwen3-30B-A3B (batch-1 kernels profiled) and 8B FP8 steps; first the attention, MLA, MoE and graph tests
   # MERGE_ONLY (a comma list of tests, ds, pdl, qwen, fp8; default all but pdl): the steps to run; MERGE_DS_AB and
@@ -621,7 +620,7 @@ if [[ $what == merge ]]; then
   wait
   [[ $only == *,ds,* ]] && timeout ${MERGE_DS_TIMEOUT:-220} python3 bench/engine.py \
     --model /tmp/deepseek-v2-lite/target --batches ${MERGE_BATCHES:-64,8,1} --contexts 1024 --prefill "" \
-    ${MERGE_DS_AB:---mla-ab --merge-ab --shared-ab --mla-rows-ab --cos-sin-ab --slot-sum-ab --picks-ab} \
+    ${MERGE_DS_AB:---mla-ab --merge-ab --shared-ab --mla-rows-ab --cos-sin-ab --picks-ab} \
     ${MERGE_DS_PROFILE---profile 1} \
     --kv-budget-gib 16 2>>"$out/merge.err" \
     | sed "s/^{/{\"preset\": \"deepseek-v2-lite\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
@@ -632,7 +631,7 @@ if [[ $what == merge ]]; then
     | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   [[ ${MERGE_QWEN:-1} == 1 && $only == *,qwen,* ]] && timeout ${MERGE_QWEN_TIMEOUT:-100} python3 bench/engine.py \
     --model /tmp/qwen3-30b-a3b/target --batches ${MERGE_BATCHES:-64,8,1} --contexts 1024 --prefill "" \
-    ${MERGE_QWEN_AB:---merge-ab --rope-ab --cos-sin-ab --slot-sum-ab --picks-ab} ${MERGE_PROFILE---profile 1} --kv-budget-gib 16 2>>"$out/merge.err" \
+    ${MERGE_QWEN_AB:---merge-ab --rope-ab --cos-sin-ab --picks-ab} ${MERGE_PROFILE---profile 1} --kv-budget-gib 16 2>>"$out/merge.err" \
     | sed "s/^{/{\"preset\": \"qwen3-30b-a3b\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   # MERGE_FP8_AB: the FP8 step's A/B flags; MERGE_FP8_PROFILE=seconds: then batch 64's kernels without PDL
   [[ $only == *,fp8,* ]] && ENGINE_TIMEOUT=${MERGE_FP8_TIMEOUT:-110} fp8_engine fp8-channel \

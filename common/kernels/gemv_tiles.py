@@ -83,9 +83,3 @@ def moe_config(n: int, k: int) -> GemvConfig:
     """The tile configuration of one MoE slot's [n, k] expert weight (bf16/fp16): in the sweep no
     configuration beat this one by more than a few per cent on either preset's projections."""
     return GemvConfig(block_n=16 if n <= 4096 else 32, block_k=256, num_warps=4)
-
-
-def moe_down_sum_config(n: int, k: int) -> GemvConfig:
-    """``triton_gemv.down_slot_sum``'s tiles: a program takes all k slots of its token, so its column
-    block is a quarter of ``moe_config``'s: half as many programs as one a slot at k = 8, as many at k = 4."""
-    return GemvConfig(block_n=4 if n <= 4096 else 8, block_k=256, num_warps=4)

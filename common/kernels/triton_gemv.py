@@ -40,8 +40,7 @@ from kvferry.common.kernels.split_sum import counters as sum_counters, last_of, 
 from kvferry.common.kernels.split_sum import slot_sum, sum_parts
 from kvferry.common.kernels.triton_fused import silu_times_up
 from kvferry.common.kernels.gemv_tiles import (FIT_HEADROOM_BYTES, GROUP, SHARED_MEMORY_BYTES, GemvConfig,  # noqa: F401
-                                                dense_config, fit as _fit, fp8_config, moe_config,
-                                                moe_down_sum_config, takes_rows)
+                                                dense_config, fit as _fit, fp8_config, moe_config, takes_rows)
 
 FP8_GEMV_MAX_ROWS = 128  # the most rows fp8_gemv takes; fp8.FP8_GEMV_MAX_ROWS says how many fp8_linear sends here
 MOE_GEMV_MAX_SLOTS = 32
@@ -314,8 +313,6 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         return out if extra is None else out + extra
     cfg13, cfg2 = configs or (None, None)
     expert_gemv(x, w13, ids, gate_up, top_k, False, None, cfg13)
-    if DOWN_SUMS_SLOTS and configs is None:
-        return down_slot_sum(gate_up, w2, ids, topk_weights.flatten().contiguous(), top_k, x.dtype, extra)
     weights = topk_weights.flatten().contiguous()
     if SLOT_SUM_IN_KERNEL:
         out = torch.empty(num_tokens, w2.shape[1], dtype=x.dtype, device=x.device)
@@ -324,64 +321,3 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         return out
     expert_gemv(gate_up, w2, ids, down, 1, True, weights, cfg2)
     return slot_sum(down, top_k, x.dtype, extra)
-
-
-# True: the down projection's programs each sum a token's k slots (``down_slot_sum``: no slot-sum launch); False
-# (the default): a program per slot, then ``slot_sum``. On an H100 (tree fcecc59) the summing programs made the
-# batch-1 step slower, 0.587 against 0.419 ms for DeepSeek-V2-Lite and 0.637 against 0.580 for Qwen3-30B-A3B: at
-# one token they are a k-th as many (bench/engine.py --slot-sum-ab)
-DOWN_SUMS_SLOTS = False
-
-
-@triton.jit
-def _down_slot_sum_kernel(gate_up, w, experts, slot_weights, extra, out, N, K, stride_gs, stride_we, stride_wn,
-                          TOP_K: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PDL: tl.constexpr = 0):
-    """out[t, n] = round(sum over token t's slots s, in order, of slot_weights[s] * (silu(gate) * up)[s] .
-    w[experts[s], n]) (+ extra[t, n], rounded again): ``_gemv_kernel``'s FUSE_SILU / MUL_WEIGHT slot
-    rows and ``_sum_parts_kernel``'s slot sum in one program per (column block, token)."""
-    pdl_enter(PDL)
-    t = tl.program_id(1).to(tl.int64)
-    cols = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    col_ok = cols < N
-    ks = tl.arange(0, BLOCK_K)
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    steps = tl.cdiv(K, BLOCK_K)
-    # one loop over the slots' K steps, so that the pipeline's loads run on from one slot into the next;
-    # a slot's sum is weighted and added at its last step (the same products and order as a loop per slot)
-    for step in range(0, TOP_K * steps):
-        i = step // steps
-        k0 = (step - i * steps) * BLOCK_K
-        slot = t * TOP_K + i
-        k = k0 + ks
-        k_ok = k < K
-        xv = silu_times_up(gate_up + slot * stride_gs + k, k_ok, K)
-        w_rows = w + tl.load(experts + slot).to(tl.int64) * stride_we + cols[:, None] * stride_wn
-        wv = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.sum(wv.to(tl.float32) * xv.to(tl.float32)[None, :], 1)
-        last = k0 + BLOCK_K >= K
-        total = tl.where(last, total + acc * tl.load(slot_weights + slot).to(tl.float32), total)
-        acc = tl.where(last, 0.0, acc)
-    r = total.to(out.dtype.element_ty)
-    if HAS_EXTRA:
-        r = (r.to(tl.float32) + tl.load(extra + t * N + cols, mask=col_ok, other=0.0).to(tl.float32)).to(r.dtype)
-    tl.store(out + t * N + cols, r, mask=col_ok)
-
-
-def down_slot_sum(gate_up: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, slot_weights: torch.Tensor,
-                  top_k: int, dtype: torch.dtype, extra: torch.Tensor | None = None,
-                  config: GemvConfig | None = None) -> torch.Tensor:
-    """The MoE's down projection of every slot and the sum of each token's k slots, one launch:
-    gate_up [T * k, 2I] (slot rows), w2 [E, H, I], ids and slot_weights [T * k] -> [T, H] in
-    ``dtype`` (+ ``extra`` [T, H]), as ``expert_gemv`` (silu fused, weighted) then ``slot_sum``."""
-    num_tokens, (n, k) = ids.numel() // top_k, w2.shape[1:]
-    cfg = config or moe_down_sum_config(n, k)
-    out = torch.empty(num_tokens, n, dtype=dtype, device=gate_up.device)
-    if extra is not None and not extra.is_contiguous():
-        extra = extra.contiguous()
-    _down_slot_sum_kernel[(triton.cdiv(n, cfg.block_n), num_tokens)](
-        gate_up, w2, ids, slot_weights, extra if extra is not None else out, out, n, k, gate_up.stride(0),
-        w2.stride(0), w2.stride(1), TOP_K=top_k, HAS_EXTRA=extra is not None, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kw())
-    return out

@@ -289,29 +289,6 @@ def test_moe_gemv_equals_reference(num_tokens, num_experts, top_k, dtype):
         torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-2)
 
 
-@pytest.mark.parametrize("num_tokens, num_experts, top_k", [(1, 16, 8), (4, 8, 8), (3, 64, 6)])
-@pytest.mark.parametrize("dtype", [torch.float32, HALF])
-def test_down_projection_summing_the_slots_equals_a_program_per_slot(monkeypatch, num_tokens, num_experts, top_k,
-                                                                     dtype):
-    """``moe_gemv``'s down projection with each program summing its token's k slots (DOWN_SUMS_SLOTS on)
-    against a program per slot then ``slot_sum`` (the default), with and without the shared experts'
-    ``extra``: bit for bit under the interpreter (the same fp32 products and slot order); on CUDA the
-    column tiles differ, so the dot's reduction order may, within one rounding."""
-    x, w13, w2, weights, ids, extra = _moe_inputs(num_tokens, num_experts, top_k, dtype, seed=num_tokens * 10 + top_k)
-    hidden = x.shape[1]
-    monkeypatch.setattr(triton_gemv, "DOWN_SUMS_SLOTS", True)
-    got = [triton_gemv.moe_gemv(x, w13, w2, weights, ids, extra=e) for e in (None, extra)]
-    monkeypatch.setattr(triton_gemv, "DOWN_SUMS_SLOTS", False)
-    want = [triton_gemv.moe_gemv(x, w13, w2, weights, ids, extra=e) for e in (None, extra)]
-    for a, b in zip(got, want):
-        assert a.shape == (num_tokens, hidden) and a.dtype == dtype
-        if DEVICE == "cpu":
-            assert torch.equal(a, b)
-        else:
-            torch.testing.assert_close(a.float(), b.float(), rtol=2**-7 if dtype != torch.float32 else 1e-6,
-                                       atol=1e-2 if dtype != torch.float32 else 1e-6)
-
-
 @pytest.mark.parametrize("num_tokens, top_k, hidden", [(1, 8, 2048), (3, 6, 80), (40, 2, 1030)])
 def test_slot_sum_adds_each_tokens_slots_in_order(num_tokens, top_k, hidden):
     """One launch: each token's k fp32 slots added in slot order, rounded, then + extra rounded,
