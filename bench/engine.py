@@ -244,8 +244,9 @@ def parse_args() -> argparse.Namespace:
                     help="decode (and profile) again with the greedy picks made by torch ops after the graph, side by "
                          "side with the default (picked in the decode graph's greedy head: ModelRunner.greedy_in_graph)")
     ap.add_argument("--gemv-configs-ab", action="store_true",
-                    help="decode (and profile) again with the one-row GEMV tiles of tree f277a6c (before the H100 "
-                         "sweep: triton_gemv.fp8_config / dense_config), side by side with the current ones")
+                    help="decode (and profile) again with the GEMV tiles of tree 6c7418e (swept with the weights "
+                         "reread out of L2: triton_gemv.fp8_config / dense_config / moe_config), side by side with the "
+                         "current ones")
     ap.add_argument("--attn-tiles-ab", action="store_true",
                     help="decode (and profile) again with the decode attention's split count and tiles of tree d8d7159 "
                          "(4 programs per SM, 64 keys a step, 2 stages, always merged), side by side with the current ones")
@@ -376,30 +377,30 @@ def other_side(flag: str, model) -> list[tuple[object, str, object]]:
     return [(triton_fused, "ROPE_Q_HEADS", 0)] if flag == "rope" else [(triton_attention, "MERGE_TILE", False)]
 
 
-def earlier_fp8_config(current):
-    """``triton_gemv.fp8_config`` as of tree f277a6c (one row: the H200 sweep's tiles; ``current``, the
-    function it stands in for, past one row), for --gemv-configs-ab."""
-    from kvferry.common.kernels.triton_gemv import GemvConfig
+def hot_sweep_configs():
+    """``triton_gemv``'s fp8_config / dense_config / moe_config as of tree 6c7418e, from sweeps that
+    reread each weight out of L2 (bench/gemv_tune.py --hot), for --gemv-configs-ab."""
+    from kvferry.common.kernels.gemv_tiles import GemvConfig as C
 
-    def config(num_rows: int, n: int, k: int, block, fp8_x: bool = False):
-        if num_rows == 1 and not fp8_x:
-            if n > 8192:
-                return GemvConfig(block_n=16, block_k=256, num_warps=4)
-            return GemvConfig(block_n=4 if k >= 8192 else 8, block_k=1024, num_warps=4)
-        return current(num_rows, n, k, block, fp8_x)
+    def fp8_config(num_rows: int, n: int, k: int, block, fp8_x: bool = False):
+        if fp8_x:
+            return C(64, 256, 4, 3, split_k=4 if k > 8192 else 2 if n <= 4096 else 1)
+        if num_rows == 1:
+            return C(8, 1024, 4) if k >= 8192 or n <= 4096 else C(32 if n > 8192 else 16, 512, 8)
+        wide = n > 8192
+        split = 1 if wide else 8 if k > 8192 and num_rows > 16 else 4
+        block_k = 256 if 16 < num_rows <= 32 and block is None else 128
+        return C(32 if num_rows <= 16 else 128 if wide else 64, block_k, 4, 3, split)
 
-    return config
+    def dense_config(n: int, k: int):
+        if n > 8192:
+            return C(16, 512, 4)
+        if n > 4096:
+            return C(8, 256, 4) if k <= 2048 else C(4, 1024, 8)
+        return C(8, 1024, 8)
 
-
-def earlier_dense_config(n: int, k: int):
-    """``triton_gemv.dense_config`` as of tree f277a6c, for --gemv-configs-ab."""
-    from kvferry.common.kernels import triton_gemv
-
-    if n > 8192:
-        return triton_gemv.GemvConfig(block_n=16, block_k=512, num_warps=4)
-    if n > 4096:
-        return triton_gemv.GemvConfig(block_n=4, block_k=1024, num_warps=4)
-    return triton_gemv.GemvConfig(block_n=8, block_k=1024, num_warps=8)
+    return {"fp8_config": fp8_config, "dense_config": dense_config,
+            "moe_config": lambda n, k: C(16 if n <= 4096 else 32, 256, 4)}
 
 
 def with_fp8_gemv_rows(runner, a, base: dict, weights: WeightBytes, kv_token_bytes: int, bw: float,
@@ -509,7 +510,7 @@ def main() -> None:
     if a.greedy_graph_ab:
         base["greedy"] = "graph"
     if a.gemv_configs_ab:
-        base["gemv_configs"] = "sweep"
+        base["gemv_configs"] = "cold"
     if a.attn_tiles_ab:
         base["attn_tiles"] = "sweep"
     for flag, (key, default, _, _) in AB_SWITCHES.items():
@@ -545,12 +546,15 @@ def main() -> None:
             rerun(runner, a, {**base, "pdl": pdl.mode()}, *again)
         pdl.set_enabled(None)
         recapture(runner)
-    if a.gemv_configs_ab:  # the one-row tiles as they were before the H100 sweep
-        from kvferry.common.kernels import triton_gemv
+    if a.gemv_configs_ab:  # the GEMV tiles as the sweeps that read weights out of L2 chose them
+        from kvferry.common.kernels import triton_gemv, triton_moe
 
-        with switched(runner, triton_gemv, "fp8_config", earlier_fp8_config(triton_gemv.fp8_config)), \
-                switched(runner, triton_gemv, "dense_config", earlier_dense_config):
-            rerun(runner, a, {**base, "gemv_configs": "f277a6c"}, *again)
+        old = hot_sweep_configs()
+        with switched(runner, triton_gemv, "moe_config", old["moe_config"]), \
+                switched(runner, triton_gemv, "fp8_config", old["fp8_config"], False), \
+                switched(runner, triton_moe, "dense_config", old["dense_config"], False), \
+                switched(runner, triton_gemv, "dense_config", old["dense_config"], False):  # the outer one recaptures
+            rerun(runner, a, {**base, "gemv_configs": "hot"}, *again)
     if a.attn_tiles_ab and model.attn.name == "triton":  # the split count and tiles before the attention sweep
         from kvferry.common.kernels import triton_attention as ta
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 from pathlib import Path
 
@@ -50,6 +51,24 @@ MOE = {"qwen3-30b-a3b": (128, 8, 2048, 768), "deepseek-v2-lite": (64, 6, 2048, 1
 
 
 COLD = True  # --hot: every call reads the same copy of its weight
+TABLE = {"path": "", "min_gain": 0.03}  # --table-out, --table-min-gain
+
+
+def table_entry(kind: str, rows: int, n: int, k: int, r: dict) -> None:
+    """With --table-out, a swept shape whose best configuration beat the default by more than the
+    minimum gain is merged into that file at once (a table ``gemv_tiles.read_table`` reads; an
+    entry of the same shape is replaced), so a sweep cut short keeps what it measured."""
+    from kvferry.common.kernels.gemv_tiles import read_table, table_key
+
+    path = TABLE["path"]
+    if not path or r["best_us"] >= r["default_us"] * (1 - TABLE["min_gain"]):
+        return
+    entries = {key: list(cfg) for key, cfg in (read_table(path) if Path(path).exists() else {}).items()}
+    b = r["best"]
+    entries[table_key(kind, rows, n, k)] = [b["block_n"], b["block_k"], b["num_warps"], b["num_stages"], b["split_k"]]
+    lines = [json.dumps({"kind": kind, "rows": rows, "n": n, "k": k, "config": cfg})
+             for (kind, rows, n, k), cfg in sorted(entries.items())]
+    Path(path).write_text('{"entries": [\n' + ",\n".join(lines) + "\n]}\n")
 
 
 def copies_of(t, nbytes: int) -> "Rotation":
@@ -174,6 +193,8 @@ def fp8_cases(args, base: dict) -> None:
         result = sweep(lambda cfg: triton_gemv.fp8_gemv(x, qs(), scale, block, None, cfg), configs, default, nbytes,
                        args.iters)
         if block is None:
+            table_entry("fp8", rows, n, k, result)
+        if block is None:
             def baseline():
                 xq, xs = triton_fp8_gemm.per_token_quant(x)
                 return torch._scaled_mm(xq, qs().t(), scale_a=xs, scale_b=scale[None, :], out_dtype=DTYPE)
@@ -208,6 +229,7 @@ def w8a8_kernel_case(args, base: dict, name: str, qs: Rotation, scale, x, nbytes
     default = triton_gemv.fp8_config(rows, n, k, None, fp8_x=True)
     result = sweep(lambda cfg: triton_gemv.fp8_gemv(xq, qs(), scale, None, None, cfg, x_scale=xs, out_dtype=DTYPE),
                    gemv_configs(True, args.quick, rows, wide=True), default, nbytes, args.iters)
+    table_entry("fp8_x", rows, n, k, result)
     quant_us = timed_us(lambda: triton_fp8_gemm.per_token_quant(x), args.iters)
     emit({**base, "case": "fp8-row-w8a8-kernel", "weight": name, "shape": [n, k], "rows": rows, "bytes": nbytes,
           **result, "speedup_vs_default": round(result["default_us"] / result["best_us"], 3),
@@ -226,6 +248,7 @@ def bf16_cases(args, base: dict) -> None:
         default = triton_gemv.dense_config(n, k)
         result = sweep(lambda cfg: triton_gemv.gemv(x, ws(), None, cfg), gemv_configs(False, args.quick), default,
                        nbytes, args.iters)
+        table_entry("bf16", 1, n, k, result)
         base_us = timed_us(lambda: torch.nn.functional.linear(x, ws()), args.iters)
         emit({**base, "case": "bf16", "weight": name, "shape": [n, k], "rows": 1, "bytes": nbytes, **result,
               "baseline": "cublas", "baseline_us": round(base_us, 2), "baseline_gbps": round(nbytes / base_us / 1e3, 1),
@@ -261,6 +284,7 @@ def moe_cases(args, base: dict) -> None:
 
             result = sweep(run, gemv_configs(False, args.quick), default,
                            touched * (n * k) * 2, args.iters)
+            table_entry("moe", 1, n, k, result)
             emit({**base, "case": f"moe-{proj}", "preset": name, "shape": [experts, n, k], "tokens": tokens,
                   "top_k": top_k, "experts_touched": touched, **result,
                   "note": "best_us / default_us time the whole moe_gemv with this projection's configuration varied"})
@@ -305,12 +329,17 @@ def main() -> None:
     ap.add_argument("--w8a8-wide", action="store_true",
                     help="past 16 rows (per-row scales), only the W8A8 dot, its x quantized beforehand, over wider "
                          "tiles (fp8-row-w8a8-kernel lines)")
+    ap.add_argument("--table-out", default="",
+                    help="merge the shapes whose best tiles beat the default by more than --table-min-gain into this "
+                         "tile table (KVFERRY_GEMV_TILES reads it: common/kernels/gemv_tiles.py)")
+    ap.add_argument("--table-min-gain", type=float, default=0.03)
     ap.add_argument("--hot", action="store_true",
                     help="every call rereads one copy of its weight (L2 serves one under its size), as before")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on CPU under TRITON_INTERPRET=1 (set it): checks the logic, times nothing")
     args = ap.parse_args()
     COLD = not args.hot
+    TABLE.update(path=args.table_out, min_gain=args.table_min_gain)
     if args.dry_run:
         DEVICE, DTYPE, args.quick, args.iters = "cpu", torch.float16, True, 1
         LLAMA_8B, LM_HEAD = {"qkv": (96, 256), "down": (64, 384)}, {"lm_head": (512, 128)}

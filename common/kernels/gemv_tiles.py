@@ -1,10 +1,15 @@
 """The tile tables of ``triton_gemv``'s kernels: which configuration a weight shape and row count
 get, measured by ``bench/gemv_tune.py`` (bench/RESULTS.md), and the fit of a configuration's tiles
 to a block's shared memory. Plain Python: importable without Triton.
+
+A sweep's own table (``bench/gemv_tune.py --table-out FILE``) can stand in for the rules below
+for the exact shapes it measured: ``KVFERRY_GEMV_TILES=FILE`` in the environment, read once.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from typing import NamedTuple
 
 GROUP = 128  # block-FP8 group along K
@@ -20,6 +25,44 @@ class GemvConfig(NamedTuple):
     split_k: int = 1  # programs along K (the dot path): each writes an fp32 partial, one more launch sums them
 
 
+TABLE_ENV = "KVFERRY_GEMV_TILES"
+KINDS = ("bf16", "moe", "fp8", "fp8_x")  # gemv, a MoE slot's expert, fp8_gemv weight-only, fp8_gemv W8A8
+_table: dict | None = None  # (kind, rows, n, k) -> GemvConfig; None: not read yet
+
+
+def table_key(kind: str, rows: int, n: int, k: int) -> tuple[str, int, int, int]:
+    """The key of a table entry: bf16 and moe entries are one row (a MoE slot) whatever ``rows``."""
+    return kind, 1 if kind in ("bf16", "moe") else rows, n, k
+
+
+def read_table(path: str) -> dict:
+    """A tile table file: ``{"entries": [{"kind", "rows", "n", "k", "config": [block_n, block_k,
+    num_warps, num_stages, split_k]}, ...]}``. A file that is not that raises ValueError naming it."""
+    try:
+        with open(path) as f:
+            entries = json.load(f)["entries"]
+        table = {}
+        for e in entries:
+            if e["kind"] not in KINDS:
+                raise ValueError(f"kind {e['kind']!r} is not one of {KINDS}")
+            cfg = GemvConfig(*(int(v) for v in e["config"]))
+            if min(cfg) < 1 or len(e["config"]) != 5:
+                raise ValueError(f"config {e['config']} is not 5 positive integers")
+            table[table_key(e["kind"], int(e["rows"]), int(e["n"]), int(e["k"]))] = cfg
+        return table
+    except (OSError, KeyError, TypeError, json.JSONDecodeError, ValueError) as e:
+        raise ValueError(f"{TABLE_ENV}={path}: not a tile table ({type(e).__name__}: {e})") from e
+
+
+def from_table(kind: str, rows: int, n: int, k: int) -> GemvConfig | None:
+    """The table's configuration for this shape (``KVFERRY_GEMV_TILES``), None where it has none."""
+    global _table
+    if _table is None:
+        path = os.environ.get(TABLE_ENV, "")
+        _table = read_table(path) if path else {}
+    return _table.get(table_key(kind, rows, n, k)) if _table else None
+
+
 def fp8_config(num_rows: int, n: int, k: int, block: int | None, fp8_x: bool = False) -> GemvConfig:
     """The tile configuration for an FP8 weight [n, k] times ``num_rows`` rows: bench/gemv_tune.py's
     H100 sweeps (bench/RESULTS.md). One row: 1,024 columns a step over 8 weight rows, 4 warps (deep
@@ -28,7 +71,10 @@ def fp8_config(num_rows: int, n: int, k: int, block: int | None, fp8_x: bool = F
     scales), 3 stages, K split over 4 programs (8 for the deep down past 16 rows) unless the weight
     is wide enough (gate-up) to give every SM programs of its own; 32 weight rows a program up to 16
     rows, 64 past (128 for gate-up). An e4m3 x (``fp8_x``, W8A8): 64 weight rows, 256 columns a
-    step, K split in 4 for the deep down, in 2 for the narrow o, else whole."""
+    step, K split in 4 for the deep down, in 2 for the narrow o, else whole. A table entry for the
+    shape (per-row scales only) wins."""
+    if block is None and (cfg := from_table("fp8_x" if fp8_x else "fp8", num_rows, n, k)) is not None:
+        return cfg
     if fp8_x:
         return GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=3,
                           split_k=4 if k > 8192 else 2 if n <= 4096 else 1)
@@ -71,7 +117,9 @@ def fit(cfg: GemvConfig, block_m: int, x_bytes: int, block_k: int) -> tuple[Gemv
 def dense_config(n: int, k: int) -> GemvConfig:
     """One row times a bf16/fp16 weight [n, k] (``gemv``), from the same sweeps: 1,024 columns a step
     over 4-8 weight rows, 8 warps (512 over 16, 4 warps, for a wide weight); q/k/v with K <= 2,048
-    (Qwen3-30B-A3B): 256 columns over 8 rows, 4 warps."""
+    (Qwen3-30B-A3B): 256 columns over 8 rows, 4 warps. A table entry for the shape wins."""
+    if (cfg := from_table("bf16", 1, n, k)) is not None:
+        return cfg
     if n > 8192:
         return GemvConfig(block_n=16, block_k=512, num_warps=4)
     if n > 4096:
@@ -81,5 +129,8 @@ def dense_config(n: int, k: int) -> GemvConfig:
 
 def moe_config(n: int, k: int) -> GemvConfig:
     """The tile configuration of one MoE slot's [n, k] expert weight (bf16/fp16): in the sweep no
-    configuration beat this one by more than a few per cent on either preset's projections."""
+    configuration beat this one by more than a few per cent on either preset's projections. A table
+    entry for the shape wins."""
+    if (cfg := from_table("moe", 1, n, k)) is not None:
+        return cfg
     return GemvConfig(block_n=16 if n <= 4096 else 32, block_k=256, num_warps=4)
