@@ -325,15 +325,18 @@ AB_SWITCHES = {
               "(triton_attention.MERGE_TILE off; the default: all splits as one tile)"),
     "mla_rows": ("mla_rows", "apart", "fused", "MLA's latent rows in absorb_q's launch, one grid for both "
                  "(TritonBackend.fuse_mla_rows on; the default: the rows in a launch of their own first)"),
-    "split_sum": ("split_sums", "in_kernel", "launch", "split-K GEMV parts added by a launch of their own "
-                  "(triton_gemv.SPLIT_SUM_IN_KERNEL off; the default: by each tile's last program)"),
-    "slot_last": ("moe_slot_sum", "in_kernel", "launch", "the MoE down projection's slots added by slot_sum in a "
-                  "launch of its own (triton_gemv.SLOT_SUM_IN_KERNEL off; the default: by the last of each "
-                  "token's programs)"),
+    "split_sum": ("split_sums", "launch", "in_kernel", "split-K GEMV parts added by each output tile's last "
+                  "program (triton_gemv.SPLIT_SUM_IN_KERNEL on; the default: sum_parts in a launch of their own)"),
+    "slot_last": ("moe_slot_sum", "launch", "in_kernel", "the MoE down projection's slots added by the last of each "
+                  "token's programs (triton_gemv.SLOT_SUM_IN_KERNEL on; the default: slot_sum in a launch of its "
+                  "own)"),
     "attn_quant": ("o_proj_quant", "attention", "launch", "o_proj's per-token quant in a launch of its own "
                    "(triton_attention.QUANT_OUT off; the default: an unsplit decode attention quantizes its rows)"),
-    "router": ("router", "one_launch", "two", "a one-row MoE router's logits by the GEMV, then its picks in a "
-               "launch of their own (TritonBackend.fuse_router off; the default: one launch, triton_moe.router_topk)"),
+    "router": ("router", "two", "one_launch", "a one-row MoE router's logits and picks in one launch "
+               "(triton_moe.router_topk, TritonBackend.fuse_router on; the default: the GEMV, then softmax_topk)"),
+    "gate_up": ("gate_up_silu", "fused", "apart", "an FP8 W8A8 gate-up by the GEMV, then silu_mul with its quant in "
+                "a launch of its own (TritonBackend.fuse_gate_up off; the default: triton_mlp's gate-up with silu, "
+                "then the quant from its parts)"),
     "picks": ("picks", "kernel", "torch", "the greedy picks by torch's argmax, log_softmax, gather and the "
               "pairs' casts and stack (sampler.PICK_KERNEL off; the default: one launch, triton_sample)"),
     "cos_sin": ("cos_sin", "kernel", "torch", "the step's rope cos/sin by torch ops, seven or eight launches "
@@ -362,10 +365,12 @@ def other_side(flag: str, model) -> list[tuple[object, str, object]]:
         from kvferry.common.kernels import triton_gemv
 
         if flag == "split_sum":
-            return [(triton_gemv, "SPLIT_SUM_IN_KERNEL", False)]
-        return [(triton_gemv, "SLOT_SUM_IN_KERNEL", False)] if ds is not None or model.config.moe is not None else []
+            return [(triton_gemv, "SPLIT_SUM_IN_KERNEL", True)]
+        return [(triton_gemv, "SLOT_SUM_IN_KERNEL", True)] if ds is not None or model.config.moe is not None else []
     if flag == "router":
-        return [(model.attn, "fuse_router", False)] if ds is not None or model.config.moe is not None else []
+        return [(model.attn, "fuse_router", True)] if ds is not None or model.config.moe is not None else []
+    if flag == "gate_up":
+        return [(model.attn, "fuse_gate_up", False)]
     if flag == "attn_quant":
         return [(triton_attention, "QUANT_OUT", False)]
     if flag == "picks":

@@ -191,8 +191,12 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
 def silu_times_up(gate, mask, up_offset):
     """silu(gate) * up from a [gate | up] row: the gate values at the pointers ``gate``, each up value
     ``up_offset`` further, rounded as ``silu_mul`` rounds (also the GEMVs that read gate-up rows)."""
-    g = tl.load(gate, mask=mask, other=0.0)
-    u = tl.load(gate + up_offset, mask=mask, other=0.0)
+    return silu_mul_values(tl.load(gate, mask=mask, other=0.0), tl.load(gate + up_offset, mask=mask, other=0.0))
+
+
+@triton.jit
+def silu_mul_values(g, u):
+    """silu(g) * u of gate and up values in the model dtype, rounded as torch rounds ``F.silu(g) * u``."""
     g32 = g.to(tl.float32)
     act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype)  # F.silu rounds to the dtype before the product
     return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)

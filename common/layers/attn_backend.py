@@ -41,7 +41,7 @@ from torch.nn.attention.bias import causal_lower_right
 from kvferry.common.layers import attention, moe, rope
 from kvferry.common.layers.mla_ops import TorchMlaOps, TritonMlaOps
 from kvferry.common.kernels.h2d import to_device
-from kvferry.common.layers.fp8 import Fp8Weight, TokenQuantized, fp8_linear, takes_token_quant
+from kvferry.common.layers.fp8 import Fp8Weight, TokenQuantized, fp8_linear, route, takes_token_quant
 from kvferry.common.kernels.kv_quant import dequantize, round_trip
 from kvferry.common.layers.norm import rms_norm
 
@@ -108,6 +108,10 @@ class TorchBackend(TorchMlaOps):
     def silu_mul(gate_up, feeds=None) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
+
+    def mlp_act(self, h, gate_up_weight, gate_up_bias, down_weight):
+        """silu(gate) * up of the gate-up projection of ``h``, the down projection's input."""
+        return self.silu_mul(self.linear(h, gate_up_weight, gate_up_bias), feeds=down_weight)
 
     @staticmethod
     def linear(x, weight, bias=None) -> torch.Tensor:  # an fp32 weight (a router) takes x in fp32
@@ -212,7 +216,7 @@ class TritonBackend(TritonMlaOps):
 
     def __init__(self, device: torch.device, num_kv_heads: int) -> None:
         from kvferry.common.kernels import (triton_absorb, triton_attention, triton_fused, triton_gemv,  # triton: only here
-                                            triton_mla, triton_moe)
+                                            triton_mla, triton_mlp, triton_moe)
 
         self.kernels, self.absorb = triton_attention, triton_absorb
         # A/B switches (bench/engine.py): the absorbed projections as kernels, the step's rope cos/sin in
@@ -223,7 +227,8 @@ class TritonBackend(TritonMlaOps):
         # a one-row router's logits and picks in one launch (router_topk): off, as on an H100 (tree 5c0ffc8) it was
         # no faster at batch 1 (DeepSeek-V2-Lite 0.420 ms either way, Qwen3-30B-A3B 0.590 against 0.585 with two)
         self.fuse_router = False
-        self.mla, self.fused, self.gemv, self.moe = triton_mla, triton_fused, triton_gemv, triton_moe
+        self.fuse_gate_up = True  # a W8A8 gate-up with its silu and quant (triton_mlp); bench/engine.py --gate-up-ab
+        self.mla, self.fused, self.gemv, self.moe, self.mlp = triton_mla, triton_fused, triton_gemv, triton_moe, triton_mlp
         self.num_kv_heads = num_kv_heads
         # (a CPU device only under TRITON_INTERPRET=1, in tests)
         is_cuda = device.type == "cuda"
@@ -269,6 +274,16 @@ class TritonBackend(TritonMlaOps):
 
     def silu_mul(self, gate_up, feeds=None):  # quantized too as add_norm says
         return self.fused.silu_mul(gate_up, quant=takes_token_quant(feeds, gate_up))
+
+    def mlp_act(self, h, gate_up_weight, gate_up_bias, down_weight):
+        """As TorchBackend's; a W8A8 gate-up (17-64 rows quantized by the norm, per-row scales, K whole)
+        whose down takes its input quantized runs with the silu and quant in two launches (``triton_mlp``)."""
+        w = gate_up_weight
+        if (self.fuse_gate_up and isinstance(h, TokenQuantized) and gate_up_bias is None and isinstance(w, Fp8Weight)
+                and w.block is None and route(h.rows, w, h.shape[0]) == "gemv_w8a8"
+                and takes_token_quant(down_weight, h.rows) and self.mlp.takes(h.shape[0], *w.shape)):
+            return self.mlp.gate_up_silu_quant(h.q, h.scale, w.weight, w.scale, h.rows.dtype)
+        return self.silu_mul(self.linear(h, gate_up_weight, gate_up_bias), feeds=down_weight)
 
     def linear(self, x, weight, bias=None) -> torch.Tensor:
         # use_gemv (on CUDA): one row through triton_gemv.gemv instead of cuBLAS; bench/engine.py

@@ -110,9 +110,8 @@ class DecoderLayer(nn.Module):
         return self.gate_up_weight
 
     def _mlp(self, h: torch.Tensor, attn) -> torch.Tensor:
-        gate_up = attn.linear(h, self.gate_up_weight, self.gate_up_bias)
-        return self._row_parallel(attn.silu_mul(gate_up, feeds=self.down_weight), self.down_weight, self.down_bias,
-                                  attn)
+        act = attn.mlp_act(h, self.gate_up_weight, self.gate_up_bias, self.down_weight)
+        return self._row_parallel(act, self.down_weight, self.down_bias, attn)
 
     def _row_parallel(self, x: torch.Tensor, weight, bias, attn) -> torch.Tensor:
         """x @ weight.T + bias; at TP > 1 the ranks' partial sums are added by one all_reduce (the

@@ -131,6 +131,37 @@ def test_fp8_o_proj_input_quantized_by_the_decode_attention(tmp_path, monkeypatc
     assert torch.equal(logits[True], logits[False])
 
 
+def test_fp8_gate_up_with_its_silu_and_quant_in_two_launches(tmp_path, monkeypatch):
+    """Per-channel FP8, a decode step of 40 sequences: every layer's gate-up runs with its silu and
+    per-token quant (``triton_mlp``; the tiny gate-up would split K, so both sides here run K whole)
+    and no layer runs ``silu_mul``; the logits equal the unfused MLP's bit for bit."""
+    from kvferry.common.kernels import triton_fused, triton_gemv, triton_mlp
+    from kvferry.common.models.tiny import make_tiny_model
+
+    target, _ = make_tiny_model(tmp_path / "fp8", seed=0, quantize="fp8-channel")
+    runner = build_runner(target, device="cuda:0", dtype="bfloat16", max_total_tokens=4096, disable_cuda_graph=True)
+    slot = runner.target
+    rules = triton_gemv.fp8_config
+    monkeypatch.setattr(triton_gemv, "fp8_config", lambda *a, **kw: rules(*a, **kw)._replace(split_k=1))
+    monkeypatch.setattr(triton_mlp, "takes", lambda rows, width, k: 2 <= rows <= 64)
+    calls = []
+    for module, name in ((triton_mlp, "gate_up_silu_quant"), (triton_fused, "silu_mul")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
+    rng = random.Random(7)
+    pages = rng.sample(range(slot.kv.num_pages), 40 * 4)
+    step = [SeqChunk([rng.randrange(5, 512)], rng.randrange(1, 4 * slot.kv.page_size), pages[4 * i:4 * i + 4])
+            for i in range(40)]
+    logits = {}
+    num_layers = slot.model.config.num_hidden_layers
+    for fused in (True, False):
+        slot.model.attn.fuse_gate_up = fused
+        calls.clear()
+        logits[fused] = slot.model.forward(step, slot.kv).clone()
+        assert calls == ["gate_up_silu_quant" if fused else "silu_mul"] * num_layers, (fused, calls)
+    assert torch.equal(logits[True], logits[False])
+
+
 def test_graph_replay_equals_eager_forward(tiny_models):
     target, _ = tiny_models
     runner = build_runner(target, device="cuda:0", dtype="float32", max_total_tokens=4096, cuda_graph_max_bs=4)
