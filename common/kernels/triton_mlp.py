@@ -108,8 +108,8 @@ def gate_up_silu_quant(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Te
     inter = width // 2
     cfg = config or fp8_config(num_rows, width, k, None, fp8_x=True)
     block_m = max(16, triton.next_power_of_2(num_rows))
-    cfg, block_k = fit(cfg._replace(block_n=2 * cfg.block_n), block_m, 1, cfg.block_k)  # two weight tiles a stage
-    block_n = cfg.block_n // 2
+    cfg, block_k = fit(cfg, block_m, 1, cfg.block_k)
+    block_n = cfg.block_n // 2  # of the gate and of the up: a program streams the GEMV's weight rows a program
     num_parts = triton.cdiv(inter, block_n)
     h = torch.empty(num_rows, inter, dtype=dtype, device=xq.device)
     parts = torch.empty(num_rows, num_parts, dtype=torch.float32, device=xq.device)
