@@ -49,7 +49,7 @@ def _gate_up_silu_kernel(x, x_scale, w, w_scale, h, parts, M, INTER, K, stride_x
     ks = tl.arange(0, BLOCK_K)
     x_rows = x + rows.to(tl.int64)[:, None] * stride_xm
     gate_rows = w + cols[:, None] * stride_wn
-    up_rows = gate_rows + INTER * stride_wn
+    up_rows = w + (cols + INTER)[:, None] * stride_wn  # int64: past 2**31 bytes too
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
