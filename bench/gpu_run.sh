@@ -659,7 +659,7 @@ if [[ $what == merge ]]; then
     | sed "s/^{/{\"preset\": \"qwen3-30b-a3b\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   # MERGE_FP8_AB: the FP8 step's A/B flags; MERGE_FP8_PROFILE=seconds: then batch 64's kernels without PDL
   [[ $only == *,fp8,* ]] && ENGINE_TIMEOUT=${MERGE_FP8_TIMEOUT:-110} fp8_engine fp8-channel \
-    --model /tmp/m8b-fp8c/target --batches 64,1 --contexts 1024 --prefill "" \
+    --model /tmp/m8b-fp8c/target --batches ${MERGE_FP8_BATCHES:-64,1} --contexts 1024 --prefill "" \
     ${MERGE_FP8_AB:---merge-ab --rope-ab --cos-sin-ab --picks-ab} --kv-budget-gib 16 | cut -c1-120
   [[ $only == *,fp8,* && -n ${MERGE_FP8_PROFILE:-} ]] && KVFERRY_PDL=0 ENGINE_TIMEOUT=$MERGE_FP8_PROFILE fp8_engine \
     fp8-channel-no-pdl --model /tmp/m8b-fp8c/target --batches 64 --contexts 1024 --prefill "" --profile 64 \
