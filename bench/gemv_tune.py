@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench._common import emit, git_hash, hardware  # noqa: E402
+from bench._common import captured, emit, git_hash, hardware  # noqa: E402
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16  # float16 under the interpreter (--dry-run), which has no bfloat16
@@ -98,18 +98,7 @@ def timed_us(fn, iters: int) -> float:
     if DEVICE == "cpu":  # --dry-run: the logic only, under Triton's interpreter
         fn()
         return 1.0
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (and compilation) off the capture
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = captured(fn, iters)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(3):

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from bench._common import emit, git_hash, hardware  # noqa: E402
+from bench._common import captured, emit, git_hash, hardware  # noqa: E402
 
 MIB = 1 << 20
 LANES = 32  # shares a program asks for: one a thread of its one warp
@@ -84,18 +84,7 @@ def prefetch(t: torch.Tensor, nbytes: int | None = None, programs: int = 32, bul
 
 def graph_us(body, reps: int, replays: int = 7) -> float:
     """Median µs of one ``body()`` over ``replays`` replays of a graph of ``reps`` bodies."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            body()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = captured(body, reps)
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
