@@ -183,7 +183,7 @@ def fp8_cases(args, base: dict) -> None:
                        args.iters)
         if block is None:
             table_entry("fp8", rows, n, k, result)
-        if block is None:
+
             def baseline():
                 xq, xs = triton_fp8_gemm.per_token_quant(x)
                 return torch._scaled_mm(xq, qs().t(), scale_a=xs, scale_b=scale[None, :], out_dtype=DTYPE)
