@@ -334,8 +334,8 @@ AB_SWITCHES = {
                    "(triton_attention.QUANT_OUT off; the default: an unsplit decode attention quantizes its rows)"),
     "router": ("router", "two", "one_launch", "a one-row MoE router's logits and picks in one launch "
                "(triton_moe.router_topk, TritonBackend.fuse_router on; the default: the GEMV, then softmax_topk)"),
-    "gate_up": ("gate_up_silu", "apart", "fused", "an FP8 W8A8 gate-up with its silu, then the quant from its parts "
-                "(triton_mlp; TritonBackend.fuse_gate_up on; the default: the GEMV, then silu_mul with its quant)"),
+    "gate_up": ("gate_up_silu", "fused", "apart", "an FP8 W8A8 gate-up, then silu_mul with its quant (TritonBackend."
+                "fuse_gate_up off; the default: the gate-up with its silu, then the quant from its parts, triton_mlp)"),
     "picks": ("picks", "kernel", "torch", "the greedy picks by torch's argmax, log_softmax, gather and the "
               "pairs' casts and stack (sampler.PICK_KERNEL off; the default: one launch, triton_sample)"),
     "cos_sin": ("cos_sin", "kernel", "torch", "the step's rope cos/sin by torch ops, seven or eight launches "
@@ -369,7 +369,7 @@ def other_side(flag: str, model) -> list[tuple[object, str, object]]:
     if flag == "router":
         return [(model.attn, "fuse_router", True)] if ds is not None or model.config.moe is not None else []
     if flag == "gate_up":
-        return [(model.attn, "fuse_gate_up", True)]
+        return [(model.attn, "fuse_gate_up", False)]
     if flag == "attn_quant":
         return [(triton_attention, "QUANT_OUT", False)]
     if flag == "picks":
