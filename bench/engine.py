@@ -327,6 +327,8 @@ AB_SWITCHES = {
                  "(TritonBackend.fuse_mla_rows on; the default: the rows in a launch of their own first)"),
     "split_sum": ("split_sums", "launch", "in_kernel", "split-K GEMV parts added by each output tile's last "
                   "program (triton_gemv.SPLIT_SUM_IN_KERNEL on; the default: sum_parts in a launch of their own)"),
+    "norm_sum": ("o_down_sums", "norm", "launch", "o_proj's and down's split-K GEMV parts added by a launch of "
+                 "their own (TritonBackend.sum_in_norm off; the default: by the next add_norm's launch)"),
     "slot_last": ("moe_slot_sum", "launch", "in_kernel", "the MoE down projection's slots added by the last of each "
                   "token's programs (triton_gemv.SLOT_SUM_IN_KERNEL on; the default: slot_sum in a launch of its "
                   "own)"),
@@ -368,6 +370,8 @@ def other_side(flag: str, model) -> list[tuple[object, str, object]]:
         return [(triton_gemv, "SLOT_SUM_IN_KERNEL", True)] if ds is not None or model.config.moe is not None else []
     if flag == "router":
         return [(model.attn, "fuse_router", True)] if ds is not None or model.config.moe is not None else []
+    if flag == "norm_sum":
+        return [(model.attn, "sum_in_norm", False)]
     if flag == "gate_up":
         return [(model.attn, "fuse_gate_up", False)]
     if flag == "attn_quant":

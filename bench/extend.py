@@ -115,7 +115,7 @@ def top_kernels(runner, chunks: int, new: int, cached: int, limit: int = 12) -> 
 
 
 def sdpa_backends(cfg, device: str, dtype, new: int, cached: int) -> dict:
-    """Which SDPA backends accept an extend chunk's call as ``attn_backend._sdpa_prefill`` makes it
+    """Which SDPA backends accept an extend chunk's call as ``prefill_attention.sdpa_prefill`` makes it
     (GQA, lower-right causal over ``cached + new`` keys): {backend: "ok" or the first line of its refusal}."""
     import warnings
 

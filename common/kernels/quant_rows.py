@@ -1,9 +1,17 @@
-"""Activation rows that come quantized per token, for the W8A8 linear that reads them.
+"""Activation rows in a form that only their one consumer's kernel takes.
+
+``TokenQuantized``: rows that come quantized per token, for the W8A8 linear that reads them.
 
 ``triton_fused.add_rms_norm`` and ``silu_mul`` with ``quant`` make their output rows and, in the
 same launch, their per-token e4m3 quantization (``amax / 448`` a row, bit for bit as
 ``triton_fp8_gemm.per_token_quant``); ``common/layers/fp8.fp8_linear`` then runs no quant kernel
-of its own. Plain torch: importable without Triton.
+of its own.
+
+``SplitParts``: a split-K GEMV's output not yet added up (``triton_gemv.fp8_gemv`` with
+``defer_sum``), for the residual add that reads it: ``triton_fused.add_rms_norm`` adds the parts in
+its own launch, so the GEMV's second launch (``split_sum.sum_parts``) goes away.
+
+Plain torch: importable without Triton.
 """
 
 from __future__ import annotations
@@ -25,3 +33,29 @@ class TokenQuantized:
     @property
     def shape(self) -> torch.Size:
         return self.rows.shape
+
+
+@dataclass(frozen=True)
+class SplitParts:
+    """A linear's output [M, N]: the sum of the fp32 split-K ``parts`` [S, M, N] in part order,
+    rounded to ``dtype`` (as ``split_sum.sum_parts`` adds them). ``triton_fused.add_rms_norm`` takes
+    it as its ``delta``; ``total()`` is the same sum by torch ops, for any other consumer."""
+
+    parts: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.parts.shape[1:]
+
+    def total(self) -> torch.Tensor:
+        acc = self.parts[0].clone()
+        for part in self.parts[1:]:
+            acc += part
+        return acc.to(self.dtype)
+
+    def index_select(self, dim: int, index: torch.Tensor) -> "SplitParts":
+        """The rows ``index`` (``dim`` 0 only), still as parts."""
+        if dim != 0:
+            raise ValueError(f"SplitParts.index_select: rows (dim 0) only, got dim {dim}")
+        return SplitParts(self.parts.index_select(1, index), self.dtype)

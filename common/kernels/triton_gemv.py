@@ -38,6 +38,7 @@ from kvferry.common.kernels.pdl import enter as pdl_enter, enter_prefetching as 
 from kvferry.common.kernels.pdl import kw as pdl_kw, prefetching as pdl_prefetching
 from kvferry.common.kernels.split_sum import counters as sum_counters, last_of, sum_in_order
 from kvferry.common.kernels.split_sum import slot_sum, sum_parts
+from kvferry.common.kernels.quant_rows import SplitParts
 from kvferry.common.kernels.triton_fused import silu_times_up
 from kvferry.common.kernels.gemv_tiles import (FIT_HEADROOM_BYTES, GROUP, SHARED_MEMORY_BYTES, GemvConfig,  # noqa: F401
                                                 dense_config, fit as _fit, fp8_config, moe_config, takes_rows)
@@ -189,12 +190,15 @@ def _precision(dtype: torch.dtype) -> str:
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int | None,
              bias: torch.Tensor | None = None, config: GemvConfig | None = None,
-             x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+             x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+             defer_sum: bool = False) -> torch.Tensor | SplitParts:
     """x [M, K] (M <= FP8_GEMV_MAX_ROWS, unit column stride) @ (weight [N, K] e4m3 * scale).T + bias
     -> [M, N] in x's dtype (``out_dtype``), fp32 accumulation. ``scale``: [N] per row, or
     [N, ceil(K/128)] with ``block`` 128. ``x_scale`` [M, 1]: x is e4m3 (W8A8, per-row scales only,
     M > 1). A ``split_k`` configuration sums its fp32 parts in part order (the result does not
-    depend on which part finishes first): in the same launch (``SPLIT_SUM_IN_KERNEL``) or a second."""
+    depend on which part finishes first): in the same launch (``SPLIT_SUM_IN_KERNEL``) or a second;
+    with ``defer_sum`` (no bias) it returns them unsummed (``SplitParts``), for a consumer that adds
+    them (``triton_fused.add_rms_norm``)."""
     num_rows, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k:
@@ -216,12 +220,13 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     split = 1 if block_m == 1 else max(1, min(cfg.split_k, triton.cdiv(k, block_k)))
     k_per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k  # whole BLOCK_K steps (whole groups) a part
     split = triton.cdiv(k, k_per)
-    out = torch.empty((num_rows, n), dtype=out_dtype or x.dtype, device=x.device)
+    in_kernel = split > 1 and SPLIT_SUM_IN_KERNEL
+    deferred = split > 1 and defer_sum and bias is None and not in_kernel and num_rows > 0
+    out = torch.empty((num_rows, n), dtype=out_dtype or x.dtype, device=x.device)  # (unwritten when deferred)
     if num_rows == 0:
         return out
     parts = out if split == 1 else torch.empty((split, num_rows, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(num_rows, block_m), split)
-    in_kernel = split > 1 and SPLIT_SUM_IN_KERNEL
     has_bias = bias is not None and (split == 1 or in_kernel)
     _gemv_kernel[grid](
         x, weight, scale, parts, bias if has_bias else out, out, out, x_scale if x_scale is not None else out,
@@ -233,6 +238,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
         SUM=int(in_kernel), SLOTS=split if in_kernel else 1,
         PREFETCH=prefetch_steps(cfg.block_n, block_k, k_per, weight.element_size()), LINE=128 // weight.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kw())
+    if deferred:
+        return SplitParts(parts, out.dtype)
     if split > 1 and not in_kernel:
         sum_parts(parts, split, n, num_rows * n, out, bias=bias)
     return out

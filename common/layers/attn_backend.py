@@ -36,17 +36,17 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.nn.attention.bias import causal_lower_right
 
 from kvferry.common.layers import attention, moe, rope
 from kvferry.common.layers.mla_ops import TorchMlaOps, TritonMlaOps
 from kvferry.common.kernels.h2d import to_device
+from kvferry.common.kernels.quant_rows import SplitParts
 from kvferry.common.layers.fp8 import Fp8Weight, TokenQuantized, fp8_linear, route, takes_token_quant
-from kvferry.common.kernels.kv_quant import dequantize, round_trip
 from kvferry.common.layers.norm import rms_norm
+from kvferry.common.layers.prefill_attention import sdpa_prefill
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-# A prefill batch with a chunk longer than this attends with flash attention (``_sdpa_prefill``): every
+# A prefill batch with a chunk longer than this attends with flash attention (``prefill_attention``): every
 # chunk over its whole context, a chunk with no cached prefix over its new K/V as they are (no page
 # read), one after a prefix (a prefix-cache hit, a later chunk of a chunked prompt) over its context
 # gathered from the pool, causal lower-right. In 16 bits on CUDA the batch is one varlen flash call;
@@ -101,6 +101,7 @@ class TorchBackend(TorchMlaOps):
 
     @staticmethod
     def add_norm(x, delta, weight, eps, feeds=None):  # feeds: see TritonBackend.add_norm
+        delta = delta.total() if isinstance(delta, SplitParts) else delta
         x = x if delta is None else x + delta
         return x, rms_norm(x, weight, eps)
 
@@ -114,7 +115,9 @@ class TorchBackend(TorchMlaOps):
         return self.silu_mul(self.linear(h, gate_up_weight, gate_up_bias), feeds=down_weight)
 
     @staticmethod
-    def linear(x, weight, bias=None) -> torch.Tensor:  # an fp32 weight (a router) takes x in fp32
+    def linear(x, weight, bias=None, to_add_norm: bool = False) -> torch.Tensor:
+        """x @ weight.T + bias (an fp32 weight, a router's, takes x in fp32). ``to_add_norm``: the
+        output goes to ``add_norm`` as its delta alone (triton: it may come as ``SplitParts``)."""
         if isinstance(weight, Fp8Weight):
             return fp8_linear(x, weight, bias)
         return torch.nn.functional.linear(x.to(weight.dtype) if weight.dtype == torch.float32 else x, weight, bias)
@@ -229,6 +232,7 @@ class TritonBackend(TritonMlaOps):
         self.fuse_router = False
         # a W8A8 gate-up with its silu and quant (triton_mlp): the 8B FP8 batch-64 step 6.944 ms against 7.124 (H100)
         self.fuse_gate_up = True
+        self.sum_in_norm = True  # o_proj's and down's split-K parts added by the next add_norm (linear's to_add_norm)
         self.mla, self.fused, self.gemv, self.moe, self.mlp = triton_mla, triton_fused, triton_gemv, triton_moe, triton_mlp
         self.num_kv_heads = num_kv_heads
         # (a CPU device only under TRITON_INTERPRET=1, in tests)
@@ -270,7 +274,8 @@ class TritonBackend(TritonMlaOps):
                                      k_scale, v_scale, qk_norm)
 
     def add_norm(self, x, delta, weight, eps, feeds=None):
-        """In one launch; quantized too (``fp8.TokenQuantized``) if ``feeds``, the weight it feeds, takes that."""
+        """In one launch; quantized too (``fp8.TokenQuantized``) if ``feeds``, the weight it feeds, takes that.
+        A ``SplitParts`` delta (``linear`` with ``to_add_norm``) is added up in that launch."""
         return self.fused.add_rms_norm(x, delta, weight, eps, quant=takes_token_quant(feeds, x))
 
     def silu_mul(self, gate_up, feeds=None):  # quantized too as add_norm says
@@ -286,11 +291,12 @@ class TritonBackend(TritonMlaOps):
             return self.mlp.gate_up_silu_quant(h.q, h.scale, w.weight, w.scale, h.rows.dtype)
         return self.silu_mul(self.linear(h, gate_up_weight, gate_up_bias), feeds=down_weight)
 
-    def linear(self, x, weight, bias=None) -> torch.Tensor:
+    def linear(self, x, weight, bias=None, to_add_norm: bool = False) -> torch.Tensor | SplitParts:
         # use_gemv (on CUDA): one row through triton_gemv.gemv instead of cuBLAS; bench/engine.py
-        # measures the batch-1 step both ways.
+        # measures the batch-1 step both ways. to_add_norm (sum_in_norm on): a split-K FP8 GEMV's
+        # parts come back unsummed, for add_norm's launch to add (one launch fewer).
         if isinstance(weight, Fp8Weight):
-            return fp8_linear(x, weight, bias)
+            return fp8_linear(x, weight, bias, defer_sum=to_add_norm and self.sum_in_norm)
         x = x.rows if isinstance(x, TokenQuantized) else x
         if x.shape[0] == 1 and self.use_gemv:  # an fp32 weight: fp32 out, as TorchBackend.linear
             return self.gemv.gemv(x, weight, bias)
@@ -322,7 +328,7 @@ class TritonBackend(TritonMlaOps):
         the weight that reads the output; a decode that takes it quantized per token gets its rows
         [T, H * D] as ``TokenQuantized`` (one split: from the attention's own launch)."""
         if plan.is_long_prefill and window is None and plan.starts is not None:
-            return _sdpa_prefill(q, k, v, k_cache, v_cache, plan, scale, k_scale, v_scale)
+            return sdpa_prefill(q, k, v, k_cache, v_cache, plan, scale, k_scale, v_scale)
         if plan.max_query == 1:  # q[:, 0]: a [T, D] view standing for the rows in the route's check
             quant = feeds is not None and takes_token_quant(feeds, q[:, 0])
             return self.kernels.decode_attention(q, k_cache, v_cache, plan.page_table, plan.kv_lens, scale, window,
@@ -330,72 +336,3 @@ class TritonBackend(TritonMlaOps):
         return self.kernels.extend_attention(q, k_cache, v_cache, plan.page_table, plan.q_starts, plan.q_lens,
                                              plan.prefix_lens, plan.max_query, scale, window, k_scale, v_scale)
 
-
-def _sdpa_prefill(q, k, v, k_cache, v_cache, plan: TritonPlan, scale: float, k_scale: float = 1.0,
-                  v_scale: float = 1.0) -> torch.Tensor:
-    """Causal attention of every chunk over its context. A chunk with no cached prefix attends to its
-    new rows of k, v [T, Hkv, D] (as the pool holds them: an FP8 pool's round trip); one after
-    ``plan.starts[i]`` cached tokens to its whole context read back from the pool's pages (the new
-    rows are stored already), query j seeing keys up to ``starts[i] + j`` (causal lower-right).
-    The gather copies the context once per layer (2 x kv_len x Hkv x D elements), far less than the
-    attention reads of the extend kernel, which loads each key tile once per query block and head.
-
-    When a chunk has a cached prefix, in 16 bits on CUDA (``plan.cu_seqlens`` set), the chunks go to
-    one varlen flash call over their contexts packed end to end; otherwise one SDPA call per chunk."""
-    if plan.cu_seqlens is not None and _flash_varlen_ok(q):
-        return _flash_varlen_prefill(q, k, v, k_cache, v_cache, plan, scale, k_scale, v_scale)
-    out = torch.empty_like(q)
-    page_size = k_cache.shape[1]
-    offset = 0
-    for i, (num, start) in enumerate(zip(plan.query_lens, plan.starts)):
-        rows = slice(offset, offset + num)
-        offset += num
-        pages = plan.page_table[i, :-(-(start + num) // page_size)]
-        keys = _context(k[rows], k_cache, pages, start, k_scale, q.dtype).transpose(0, 1)[None]
-        values = _context(v[rows], v_cache, pages, start, v_scale, q.dtype).transpose(0, 1)[None]
-        if start == 0:
-            mask, causal = None, num > 1
-        else:
-            mask, causal = (causal_lower_right(num, start + num) if num > 1 else None), False
-        o = torch.nn.functional.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys, values,
-                                                             attn_mask=mask, is_causal=causal, scale=scale,
-                                                             enable_gqa=True)
-        out[rows] = o[0].transpose(0, 1)
-    return out
-
-
-def _flash_varlen_ok(q: torch.Tensor) -> bool:
-    """torch's FlashAttention-2 serves q: CUDA, 16 bits, head_dim a multiple of 8 up to 256, sm80+."""
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
-            and q.shape[-1] <= 256 and torch.cuda.get_device_capability(q.device)[0] >= 8)
-
-
-def _context(new: torch.Tensor, cache: torch.Tensor, pages: torch.Tensor, start: int, scale: float,
-             dtype: torch.dtype) -> torch.Tensor:
-    """One chunk's keys (or values) [start + num, Hkv, D] in ``dtype``, token-major: its new rows as
-    the pool holds them when it has no prefix, else its whole context read back from its pages."""
-    if start == 0:
-        return round_trip(new, scale, cache.dtype)
-    kv_len = start + new.shape[0]
-    return dequantize(attention.gather_keys(cache, pages, 1)[0, :, :kv_len].transpose(0, 1), scale, dtype)
-
-
-def _flash_varlen_prefill(q, k, v, k_cache, v_cache, plan: TritonPlan, scale: float, k_scale: float,
-                          v_scale: float) -> torch.Tensor:
-    """Every chunk in one varlen FlashAttention-2 call (``aten::_flash_attention_forward``): the
-    queries [T, H, D] as they are, each chunk's context packed end to end [sum kv_len, Hkv, D], GQA
-    native. Causal there aligns each sequence's mask to its bottom right, so query j of a chunk after
-    ``start`` cached tokens sees keys up to ``start + j``. One call fills the GPU where one SDPA call
-    per chunk did not (a 576-token chunk is 5 query blocks a head)."""
-    page_size = k_cache.shape[1]
-    keys, values, offset = [], [], 0
-    for i, (num, start) in enumerate(zip(plan.query_lens, plan.starts)):
-        rows = slice(offset, offset + num)
-        offset += num
-        pages = plan.page_table[i, :-(-(start + num) // page_size)]
-        keys.append(_context(k[rows], k_cache, pages, start, k_scale, q.dtype))
-        values.append(_context(v[rows], v_cache, pages, start, v_scale, q.dtype))
-    max_k = max(s + n for s, n in zip(plan.starts, plan.query_lens))
-    cu_q, cu_k = plan.cu_seqlens[0], plan.cu_seqlens[1]
-    return torch.ops.aten._flash_attention_forward(q.contiguous(), torch.cat(keys), torch.cat(values), cu_q, cu_k,
-                                                   plan.max_query, max_k, 0.0, True, False, scale=scale)[0]

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from kvferry.common.errors import ModelLoadError
-from kvferry.common.kernels.quant_rows import TokenQuantized
+from kvferry.common.kernels.quant_rows import SplitParts, TokenQuantized
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value
@@ -201,9 +201,11 @@ def takes_token_quant(w, x: torch.Tensor) -> bool:
             and route(x, w, x.shape[0]) in ("gemv_w8a8", "scaled_mm"))
 
 
-def fp8_linear(x: torch.Tensor | TokenQuantized, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor | TokenQuantized, w: Fp8Weight, bias: torch.Tensor | None = None,
+               defer_sum: bool = False) -> torch.Tensor | SplitParts:
     """x [..., in] @ dequant(w).T + bias, with x quantized dynamically (unless it comes quantized,
-    ``TokenQuantized``); the kernel by device, rows and weight kind (module docstring)."""
+    ``TokenQuantized``); the kernel by device, rows and weight kind (module docstring). ``defer_sum``
+    (x [T, in]): a split-K GEMV's parts may come back unsummed (``SplitParts``, for ``add_rms_norm``)."""
     quantized = x if isinstance(x, TokenQuantized) else None
     x = x.rows if quantized is not None else x
     rows = x.numel() // x.shape[-1]
@@ -214,8 +216,8 @@ def fp8_linear(x: torch.Tensor | TokenQuantized, w: Fp8Weight, bias: torch.Tenso
     if how == "gemv":
         from kvferry.common.kernels import triton_gemv  # imports triton: only on CUDA
 
-        out = triton_gemv.fp8_gemv(flat, w.weight, w.scale, w.block, bias)
-        return out.reshape(*x.shape[:-1], w.shape[0])
+        out = triton_gemv.fp8_gemv(flat, w.weight, w.scale, w.block, bias, defer_sum=defer_sum and x.dim() == 2)
+        return out if isinstance(out, SplitParts) else out.reshape(*x.shape[:-1], w.shape[0])
     if how == "block":
         from kvferry.common.kernels import triton_fp8_gemm  # imports triton: only on CUDA
 
@@ -227,7 +229,10 @@ def fp8_linear(x: torch.Tensor | TokenQuantized, w: Fp8Weight, bias: torch.Tenso
 
     xq, xs = (quantized.q, quantized.scale) if quantized is not None else triton_fp8_gemm.per_token_quant(flat)
     if how == "gemv_w8a8":
-        out = triton_gemv.fp8_gemv(xq, w.weight, w.scale, None, bias, x_scale=xs, out_dtype=x.dtype)
+        out = triton_gemv.fp8_gemv(xq, w.weight, w.scale, None, bias, x_scale=xs, out_dtype=x.dtype,
+                                   defer_sum=defer_sum and x.dim() == 2)
+        if isinstance(out, SplitParts):
+            return out
     else:
         out = torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale[None, :], out_dtype=torch.bfloat16)
         out = out if bias is None else out + bias

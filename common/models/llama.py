@@ -114,10 +114,11 @@ class DecoderLayer(nn.Module):
         return self._row_parallel(act, self.down_weight, self.down_bias, attn)
 
     def _row_parallel(self, x: torch.Tensor, weight, bias, attn) -> torch.Tensor:
-        """x @ weight.T + bias; at TP > 1 the ranks' partial sums are added by one all_reduce (the
-        bias by rank 0 only). At TP 1 no collective runs."""
+        """x @ weight.T + bias, for the next residual add_norm only; at TP > 1 the ranks' partial sums
+        are added by one all_reduce (the bias by rank 0 only). At TP 1 no collective runs, and a split-K
+        FP8 GEMV's parts may come unsummed (``attn.linear``'s ``to_add_norm``)."""
         if self.reduce is None:
-            return attn.linear(x, weight, bias)
+            return attn.linear(x, weight, bias, to_add_norm=True)
         return self.reduce(attn.linear(x, weight, bias if self.shard.adds_row_bias else None))
 
     def _sum_ranks(self, partial: torch.Tensor) -> torch.Tensor:

@@ -162,6 +162,36 @@ def test_fp8_gate_up_with_its_silu_and_quant_in_two_launches(tmp_path, monkeypat
     assert torch.equal(logits[True], logits[False])
 
 
+def test_fp8_split_k_parts_added_in_the_next_norm(tmp_path, monkeypatch):
+    """Per-channel FP8, a decode step of 24 sequences with every W8A8 GEMV split in 2 parts: o_proj's and
+    down's parts are added by the next add_norm's launch (``sum_in_norm``), so no layer runs ``sum_parts``
+    for them; the logits equal those of the separate sum launch bit for bit."""
+    from kvferry.common.kernels import triton_gemv
+    from kvferry.common.models.tiny import make_tiny_model
+
+    target, _ = make_tiny_model(tmp_path / "fp8", seed=0, quantize="fp8-channel")
+    runner = build_runner(target, device="cuda:0", dtype="bfloat16", max_total_tokens=4096, disable_cuda_graph=True)
+    slot = runner.target
+    rules = triton_gemv.fp8_config
+    monkeypatch.setattr(triton_gemv, "fp8_config", lambda *a, **kw: rules(*a, **kw)._replace(split_k=2))
+    calls = []
+    real = triton_gemv.sum_parts
+    monkeypatch.setattr(triton_gemv, "sum_parts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    rng = random.Random(5)
+    pages = rng.sample(range(slot.kv.num_pages), 24 * 4)
+    step = [SeqChunk([rng.randrange(5, 512)], rng.randrange(1, 4 * slot.kv.page_size), pages[4 * i:4 * i + 4])
+            for i in range(24)]
+    logits, launches = {}, {}
+    for in_norm in (True, False):
+        slot.model.attn.sum_in_norm = in_norm
+        calls.clear()
+        logits[in_norm] = slot.model.forward(step, slot.kv).clone()
+        launches[in_norm] = len(calls)
+    num_layers = slot.model.config.num_hidden_layers
+    assert launches[False] - launches[True] == 2 * num_layers, launches
+    assert torch.equal(logits[True], logits[False])
+
+
 def test_graph_replay_equals_eager_forward(tiny_models):
     target, _ = tiny_models
     runner = build_runner(target, device="cuda:0", dtype="float32", max_total_tokens=4096, cuda_graph_max_bs=4)

@@ -42,6 +42,33 @@ def test_add_rms_norm(dtype, hidden):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_parts, quant", [(2, False), (3, True), (4, True)])
+def test_add_rms_norm_adds_split_k_parts_as_the_sum_launch(dtype, num_parts, quant):
+    """A ``SplitParts`` delta (a split-K GEMV's fp32 parts, unsummed) is added in part order and rounded
+    in the norm's launch: bit for bit ``sum_parts``, then the norm (x + delta, h, and its quantization)."""
+    from kvferry.common.kernels.quant_rows import SplitParts
+    from kvferry.common.kernels.split_sum import sum_parts
+
+    rows, hidden = 6, 96
+    g = torch.Generator().manual_seed(num_parts)
+    parts = (torch.randn(num_parts, rows, hidden, generator=g) * 3).to(DEVICE)
+    x = torch.randn(rows, hidden, generator=g).to(dtype).to(DEVICE)
+    weight = (torch.rand(hidden, generator=g) + 0.5).to(dtype).to(DEVICE)
+    delta = sum_parts(parts, num_parts, hidden, rows * hidden, torch.empty(rows, hidden, dtype=dtype, device=DEVICE))
+    want_x, want_h = triton_fused.add_rms_norm(x, delta, weight, 1e-5, quant=quant and dtype != torch.float32)
+    got_x, got_h = triton_fused.add_rms_norm(x, SplitParts(parts, dtype), weight, 1e-5,
+                                             quant=quant and dtype != torch.float32)
+    assert torch.equal(got_x, want_x) and torch.equal(SplitParts(parts, dtype).total(), delta)
+    if isinstance(want_h, torch.Tensor):
+        assert torch.equal(got_h, want_h)
+    else:
+        assert torch.equal(got_h.rows, want_h.rows) and torch.equal(got_h.scale, want_h.scale)
+        assert torch.equal(got_h.q.view(torch.uint8), want_h.q.view(torch.uint8))
+    with pytest.raises(ValueError, match="split-K parts"):
+        triton_fused.add_rms_norm(x[:5], SplitParts(parts, dtype), weight, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["page-major", "layer-major"])
 @pytest.mark.parametrize("q_heads", [0, 4])
 def test_rope_store(dtype, layout, q_heads):

@@ -185,6 +185,38 @@ def test_split_k_parts_added_in_the_kernel_equal_the_sum_launch(monkeypatch, fp8
     assert not split_sum.counters(x.device, 1).any()
 
 
+@pytest.mark.parametrize("fp8_x", [False, True])
+@pytest.mark.parametrize("split_k, rows", [(1, 64), (2, 64), (3, 17)])
+def test_split_k_parts_deferred_to_their_consumer(fp8_x, split_k, rows):
+    """``defer_sum``: a split-K GEMV hands back its fp32 parts (``SplitParts``) whose sum in part order is
+    bit for bit the summed output; one split, or a bias, gives the summed output as before."""
+    from kvferry.common.kernels.quant_rows import SplitParts
+
+    n, k = 72, 1100
+    w = _weight(n, k, None, seed=split_k)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g).to(DEVICE, HALF)
+    bias = torch.randn(n, generator=g).to(DEVICE, HALF)
+    x_scale = None
+    if fp8_x:
+        x, x_scale = fp8.per_token_quant(x)
+    cfg = triton_gemv.GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=2, split_k=split_k)
+
+    def run(b, defer):
+        return triton_gemv.fp8_gemv(x, w.weight, w.scale, None, b, cfg, x_scale=x_scale, out_dtype=HALF,
+                                    defer_sum=defer)
+
+    got = run(None, True)
+    if split_k == 1:
+        assert torch.equal(got, run(None, False))
+    else:
+        assert isinstance(got, SplitParts) and got.parts.shape == (split_k, rows, n) and got.shape == (rows, n)
+        assert torch.equal(got.total(), run(None, False))
+        pick = torch.tensor([rows - 1, 0], device=DEVICE)
+        assert torch.equal(got.index_select(0, pick).total(), run(None, False).index_select(0, pick))
+    assert torch.equal(run(bias, True), run(bias, False))
+
+
 @pytest.mark.parametrize("num_tokens, top_k", [(1, 8), (4, 8), (3, 6), (16, 2)])
 @pytest.mark.parametrize("with_extra", [False, True])
 def test_moe_slots_added_in_the_down_kernel_equal_slot_sum(monkeypatch, num_tokens, top_k, with_extra):
