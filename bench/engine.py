@@ -329,6 +329,8 @@ AB_SWITCHES = {
                   "program (triton_gemv.SPLIT_SUM_IN_KERNEL on; the default: sum_parts in a launch of their own)"),
     "norm_sum": ("o_down_sums", "norm", "launch", "o_proj's and down's split-K GEMV parts added by a launch of "
                  "their own (TritonBackend.sum_in_norm off; the default: by the next add_norm's launch)"),
+    "qkv_rope": ("qkv_rope", "fused", "apart", "an FP8 W8A8 q/k/v projection, then rope_store (TritonBackend."
+                 "fuse_qkv_rope off; the default: the projection with its rope and K/V store, triton_qkv)"),
     "slot_last": ("moe_slot_sum", "launch", "in_kernel", "the MoE down projection's slots added by the last of each "
                   "token's programs (triton_gemv.SLOT_SUM_IN_KERNEL on; the default: slot_sum in a launch of its "
                   "own)"),
@@ -370,6 +372,8 @@ def other_side(flag: str, model) -> list[tuple[object, str, object]]:
         return [(triton_gemv, "SLOT_SUM_IN_KERNEL", True)] if ds is not None or model.config.moe is not None else []
     if flag == "router":
         return [(model.attn, "fuse_router", True)] if ds is not None or model.config.moe is not None else []
+    if flag == "qkv_rope":
+        return [(model.attn, "fuse_qkv_rope", False)]
     if flag == "norm_sum":
         return [(model.attn, "sum_in_norm", False)]
     if flag == "gate_up":

@@ -77,6 +77,18 @@ def make_backend(name: str, device: torch.device, num_kv_heads: int):
     return TritonBackend(device, num_kv_heads) if name == "triton" else TorchBackend()
 
 
+def qkv_then_rope(attn, h, weight, bias, heads, cos_sin, k_cache, v_cache, plan, k_scale, v_scale, qk_norm):
+    """``attn.linear`` of the fused q/k/v weight, its split into heads, then ``attn.rope_store``."""
+    num_q, num_kv, head_dim = heads
+    qkv = attn.linear(h, weight, bias)
+    q, k, v = qkv.split([num_q * head_dim, num_kv * head_dim, num_kv * head_dim], dim=-1)
+    num_tokens = qkv.shape[0]
+    q = q.view(num_tokens, num_q, head_dim)  # [T, Hq (this rank's), D]
+    k = k.view(num_tokens, num_kv, head_dim)  # [T, Hkv (this rank's), D]
+    v = v.view(num_tokens, num_kv, head_dim)
+    return attn.rope_store(q, k, v, cos_sin, k_cache, v_cache, plan, k_scale, v_scale, qk_norm), k, v
+
+
 class TorchBackend(TorchMlaOps):
     name = "torch"
 
@@ -98,6 +110,11 @@ class TorchBackend(TorchMlaOps):
             q, k = rms_norm(q, qk_norm[0], qk_norm[2]), rms_norm(k, qk_norm[1], qk_norm[2])
         self.store(k_cache, v_cache, rope.apply_rotary(k, cos, sin), v, plan, k_scale, v_scale)
         return rope.apply_rotary(q, cos, sin)
+
+    def qkv_rope_store(self, h, weight, bias, heads, cos_sin, k_cache, v_cache, plan, k_scale: float = 1.0,
+                       v_scale: float = 1.0, qk_norm=None):
+        """The q/k/v projection of ``h`` (``heads``: Hq, Hkv, D), then ``rope_store``: (q rotated, k, v) [T, H, D]."""
+        return qkv_then_rope(self, h, weight, bias, heads, cos_sin, k_cache, v_cache, plan, k_scale, v_scale, qk_norm)
 
     @staticmethod
     def add_norm(x, delta, weight, eps, feeds=None):  # feeds: see TritonBackend.add_norm
@@ -219,7 +236,7 @@ class TritonBackend(TritonMlaOps):
 
     def __init__(self, device: torch.device, num_kv_heads: int) -> None:
         from kvferry.common.kernels import (triton_absorb, triton_attention, triton_fused, triton_gemv,  # triton: only here
-                                            triton_mla, triton_mlp, triton_moe)
+                                            triton_mla, triton_mlp, triton_moe, triton_qkv)
 
         self.kernels, self.absorb = triton_attention, triton_absorb
         # A/B switches (bench/engine.py): the absorbed projections as kernels, the step's rope cos/sin in
@@ -233,7 +250,9 @@ class TritonBackend(TritonMlaOps):
         # a W8A8 gate-up with its silu and quant (triton_mlp): the 8B FP8 batch-64 step 6.944 ms against 7.124 (H100)
         self.fuse_gate_up = True
         self.sum_in_norm = True  # o_proj's and down's split-K parts added by the next add_norm (linear's to_add_norm)
+        self.fuse_qkv_rope = True  # a W8A8 q/k/v projection with its rope and K/V store (triton_qkv)
         self.mla, self.fused, self.gemv, self.moe, self.mlp = triton_mla, triton_fused, triton_gemv, triton_moe, triton_mlp
+        self.qkv = triton_qkv
         self.num_kv_heads = num_kv_heads
         # (a CPU device only under TRITON_INTERPRET=1, in tests)
         is_cuda = device.type == "cuda"
@@ -272,6 +291,18 @@ class TritonBackend(TritonMlaOps):
         cos, sin = cos_sin
         return self.fused.rope_store(q, k, v, cos, sin, k_cache, v_cache, plan.write_pages, plan.write_rows,
                                      k_scale, v_scale, qk_norm)
+
+    def qkv_rope_store(self, h, weight, bias, heads, cos_sin, k_cache, v_cache, plan: TritonPlan,
+                       k_scale: float = 1.0, v_scale: float = 1.0, qk_norm=None):
+        """As TorchBackend's; a W8A8 q/k/v projection (17-64 rows quantized by the norm, per-row scales, K whole,
+        no bias or q/k norm) runs with the rope and the K/V store in its launch (``triton_qkv``)."""
+        w, num_q, num_kv, head_dim = weight, *heads
+        if (self.fuse_qkv_rope and isinstance(h, TokenQuantized) and bias is None and qk_norm is None
+                and isinstance(w, Fp8Weight) and w.block is None and route(h.rows, w, h.shape[0]) == "gemv_w8a8"
+                and self.qkv.takes(h.shape[0], *w.shape, head_dim)):
+            return self.qkv.qkv_rope_store(h.q, h.scale, w.weight, w.scale, h.rows.dtype, num_q, num_kv, *cos_sin,
+                                           k_cache, v_cache, plan.write_pages, plan.write_rows, k_scale, v_scale)
+        return qkv_then_rope(self, h, weight, bias, heads, cos_sin, k_cache, v_cache, plan, k_scale, v_scale, qk_norm)
 
     def add_norm(self, x, delta, weight, eps, feeds=None):
         """In one launch; quantized too (``fp8.TokenQuantized``) if ``feeds``, the weight it feeds, takes that.

@@ -128,16 +128,12 @@ class DecoderLayer(nn.Module):
     def _attention(self, h: torch.Tensor, cos_sin, kv: KvCache, plan, attn) -> torch.Tensor:
         c, shard = self.config, self.shard
         num_tokens = h.shape[0]
-        qkv = attn.linear(h, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([shard.q_size, shard.kv_size, shard.kv_size], dim=-1)
-        q = q.view(num_tokens, shard.q_heads.count, c.head_dim)  # [T, Hq (this rank's), D]
-        k = k.view(num_tokens, shard.kv_heads.count, c.head_dim)  # [T, Hkv (this rank's), D]
-        v = v.view(num_tokens, shard.kv_heads.count, c.head_dim)
         qk_norm = (self.q_norm, self.k_norm, c.rms_norm_eps) if self.q_norm is not None else None  # Qwen3
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]  # [num_pages, page_size, Hkv, D]
         k_scale, v_scale = kv.k_scales[self.layer], kv.v_scales[self.layer]  # FP8 pool's; else 1.0
-        # (q, k normalised first when qk_norm) rotates q, k; stores k, v
-        q = attn.rope_store(q, k, v, cos_sin, k_cache, v_cache, plan, k_scale, v_scale, qk_norm)
+        # the projection, then (q, k normalised first when qk_norm) q, k rotated; k, v stored
+        q, k, v = attn.qkv_rope_store(h, self.qkv_weight, self.qkv_bias, (shard.q_heads.count, shard.kv_heads.count,
+                                      c.head_dim), cos_sin, k_cache, v_cache, plan, k_scale, v_scale, qk_norm)
         out = attn.attend(q, k, v, k_cache, v_cache, plan, self.window, c.head_dim**-0.5, k_scale, v_scale,
                           feeds=self.o_weight)  # rows [T, q_size] quantized per token where o_proj takes them so
         rows = out if isinstance(out, TokenQuantized) else out.reshape(num_tokens, shard.q_size)

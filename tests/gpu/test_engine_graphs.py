@@ -162,6 +162,40 @@ def test_fp8_gate_up_with_its_silu_and_quant_in_two_launches(tmp_path, monkeypat
     assert torch.equal(logits[True], logits[False])
 
 
+def test_fp8_qkv_with_its_rope_and_kv_store_in_one_launch(tmp_path, monkeypatch):
+    """Per-channel FP8, a decode step of 40 sequences: every layer's q/k/v projection runs with its rope and
+    K/V store (``triton_qkv``; the tiny weight would split K, so both sides here run K whole) and no layer
+    runs ``rope_store``; the logits and the pool's K/V equal the unfused path's bit for bit."""
+    from kvferry.common.kernels import triton_fused, triton_gemv, triton_qkv
+    from kvferry.common.models.tiny import make_tiny_model
+
+    target, _ = make_tiny_model(tmp_path / "fp8", seed=0, quantize="fp8-channel")
+    runner = build_runner(target, device="cuda:0", dtype="bfloat16", max_total_tokens=4096, disable_cuda_graph=True)
+    slot = runner.target
+    rules = triton_gemv.fp8_config
+    whole = lambda *a, **kw: rules(*a, **kw)._replace(split_k=1)  # noqa: E731
+    for module in (triton_gemv, triton_qkv):
+        monkeypatch.setattr(module, "fp8_config", whole)
+    calls = []
+    for module, name in ((triton_qkv, "qkv_rope_store"), (triton_fused, "rope_store")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
+    rng = random.Random(11)
+    pages = rng.sample(range(slot.kv.num_pages), 40 * 4)
+    step = [SeqChunk([rng.randrange(5, 512)], rng.randrange(1, 4 * slot.kv.page_size), pages[4 * i:4 * i + 4])
+            for i in range(40)]
+    logits, pools = {}, {}
+    num_layers = slot.model.config.num_hidden_layers
+    for fused in (True, False):
+        slot.model.attn.fuse_qkv_rope = fused
+        calls.clear()
+        logits[fused] = slot.model.forward(step, slot.kv).clone()
+        pools[fused] = [t.clone() for t in (*slot.kv.k, *slot.kv.v)]
+        assert calls == ["qkv_rope_store" if fused else "rope_store"] * num_layers, (fused, calls)
+    assert torch.equal(logits[True], logits[False])
+    assert all(torch.equal(a, b) for a, b in zip(pools[True], pools[False]))
+
+
 def test_fp8_split_k_parts_added_in_the_next_norm(tmp_path, monkeypatch):
     """Per-channel FP8, a decode step of 24 sequences with every W8A8 GEMV split in 2 parts: o_proj's and
     down's parts are added by the next add_norm's launch (``sum_in_norm``), so no layer runs ``sum_parts``
