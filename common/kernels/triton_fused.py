@@ -112,7 +112,16 @@ def _rotate(x_ptr, stride_h, cos, sin, norm, eps, num_heads, HALF: tl.constexpr,
     cos_hi = tl.load(cos + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
     sin_lo = tl.load(sin + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
     sin_hi = tl.load(sin + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
-    return lo * cos_lo - hi * sin_lo, hi * cos_hi + lo * sin_hi, mask
+    rot_lo, rot_hi = rotate_pair(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi)
+    return rot_lo, rot_hi, mask
+
+
+@triton.jit
+def rotate_pair(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi):
+    """(lo cos_lo - hi sin_lo, hi cos_hi + lo sin_hi) in fp32 with explicit fused multiply-adds, so that
+    every kernel that rotates rounds alike (``triton_qkv`` equals ``rope_store`` bit for bit); the
+    compiler's own contraction of ``a * b - c * d`` may differ from one kernel to another."""
+    return tl.fma(lo, cos_lo, -(hi * sin_lo)), tl.fma(hi, cos_hi, lo * sin_hi)
 
 
 @triton.jit

@@ -14,7 +14,7 @@ the rotation:
 qkv's q columns are not written: ``q_out`` holds q.
 
 Each value is rounded to the model dtype as the GEMV's output is, then rotated in fp32 as
-``rope_store``'s ``_rotate`` rotates it: the result is ``fp8_gemv`` then ``rope_store`` bit for bit
+``rope_store``'s ``_rotate`` rotates it (``rotate_pair``): the result is ``fp8_gemv`` then ``rope_store`` bit for bit
 (``tests/gpu/test_triton_qkv.py``), where the GEMV's tiles run K whole (``takes``). No q/k norm
 (Qwen3's needs a whole head a program).
 """
@@ -29,6 +29,7 @@ from kvferry.common.kernels.gemv_tiles import fit, fp8_config
 from kvferry.common.kernels.kv_quant import is_quantized
 from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
 from kvferry.common.kernels.triton_attention import quantize_tile
+from kvferry.common.kernels.triton_fused import rotate_pair
 
 
 @triton.jit
@@ -71,8 +72,8 @@ def _qkv_rope_kernel(x, x_scale, w, w_scale, qkv, q_out, cos, sin, k_cache, v_ca
         cos_hi = tl.load(cos_t + HALF, mask=mask, other=0.0).to(tl.float32)
         sin_lo = tl.load(sin_t, mask=mask, other=0.0).to(tl.float32)
         sin_hi = tl.load(sin_t + HALF, mask=mask, other=0.0).to(tl.float32)
-        lo = (lo32 * cos_lo - hi32 * sin_lo).to(ty)
-        hi = (hi32 * cos_hi + lo32 * sin_hi).to(ty)
+        rot_lo, rot_hi = rotate_pair(lo32, hi32, cos_lo, cos_hi, sin_lo, sin_hi)
+        lo, hi = rot_lo.to(ty), rot_hi.to(ty)
     if head < NUM_Q_HEADS:
         dst = q_out + t[:, None] * (NUM_Q_HEADS * 2 * HALF) + head * 2 * HALF + c0 + j[None, :]
         tl.store(dst, lo, mask=mask)

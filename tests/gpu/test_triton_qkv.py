@@ -30,6 +30,13 @@ def _pools(layout: str, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
     return views[1, 0], views[1, 1]
 
 
+def _differ(got: torch.Tensor, want: torch.Tensor) -> str:
+    """Where two tensors differ: how many elements, the first index, the largest difference."""
+    diff = (got.float() - want.float()).abs()
+    where = (got != want).nonzero()
+    return f"{len(where)} of {got.numel()} differ, first at {where[0].tolist()}, largest {float(diff.max()):.3g}"
+
+
 @pytest.mark.parametrize("rows, num_heads, num_kv_heads, head_dim, k", [(17, 4, 2, 64, 256), (40, 2, 1, 128, 384),
                                                                         (64, 3, 1, 32, 128)])
 @pytest.mark.parametrize("layout", ["page-major", "layer-major"])
@@ -65,10 +72,11 @@ def test_qkv_rope_store_equals_the_gemv_then_rope_store(monkeypatch, rows, num_h
     got_pools = _pools(layout, num_kv_heads, head_dim, pool_dtype)
     got_q, got_k, got_v = triton_qkv.qkv_rope_store(xq, xs, w.weight, w.scale, HALF, num_heads, num_kv_heads, cos,
                                                     sin, *got_pools, pages, page_rows, k_scale, v_scale)
-    assert torch.equal(got_q, want_q)
-    assert torch.equal(got_k, k_rows) and torch.equal(got_v, v_rows)  # k rotated, as rope_store leaves it
+    assert torch.equal(got_q, want_q), _differ(got_q, want_q)
+    assert torch.equal(got_k, k_rows), _differ(got_k, k_rows)  # k rotated, as rope_store leaves it
+    assert torch.equal(got_v, v_rows), _differ(got_v, v_rows)
     for got, want in zip(got_pools, want_pools):
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), _differ(got.float(), want.float())
     assert bool((want_pools[0].view(torch.uint8) != 0).any())  # something was stored
     # and against the torch composition: the rotation of the GEMV's rows
     torch.testing.assert_close(got_q.float(), rope.apply_rotary(q, cos, sin).float(), rtol=2**-7, atol=1e-2)
