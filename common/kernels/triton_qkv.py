@@ -75,9 +75,9 @@ def _qkv_rope_kernel(x, x_scale, w, w_scale, qkv, q_out, cos, sin, k_cache, v_ca
         rot_lo, rot_hi = rotate_pair(lo32, hi32, cos_lo, cos_hi, sin_lo, sin_hi)
         lo, hi = rot_lo.to(ty), rot_hi.to(ty)
     if head < NUM_Q_HEADS:
-        dst = q_out + t[:, None] * (NUM_Q_HEADS * 2 * HALF) + head * 2 * HALF + c0 + j[None, :]
-        tl.store(dst, lo, mask=mask)
-        tl.store(dst + HALF, hi, mask=mask)
+        q_dst = q_out + t[:, None] * (NUM_Q_HEADS * 2 * HALF) + head * 2 * HALF + c0 + j[None, :]
+        tl.store(q_dst, lo, mask=mask)
+        tl.store(q_dst + HALF, hi, mask=mask)
     else:  # k (rotated in place, as rope_store leaves it) or v: into qkv, then into the token's page
         tl.store(qkv + t[:, None] * stride_om + lo_cols[None, :], lo, mask=mask)
         tl.store(qkv + t[:, None] * stride_om + hi_cols[None, :], hi, mask=mask)
@@ -85,13 +85,13 @@ def _qkv_rope_kernel(x, x_scale, w, w_scale, qkv, q_out, cos, sin, k_cache, v_ca
         at = page * stride_cp + tl.load(page_rows + rows, mask=row_ok, other=0).to(tl.int64) * stride_cr
         keep = mask & (page >= 0)[:, None]
         if head < NUM_Q_HEADS + NUM_KV_HEADS:
-            dst = k_cache + at[:, None] + (head - NUM_Q_HEADS) * stride_ch + c0 + j[None, :]
-            tl.store(dst, quantize_tile(lo, k_inv_scale, k_cache.dtype.element_ty, QUANT), mask=keep)
-            tl.store(dst + HALF, quantize_tile(hi, k_inv_scale, k_cache.dtype.element_ty, QUANT), mask=keep)
+            k_dst = k_cache + at[:, None] + (head - NUM_Q_HEADS) * stride_ch + c0 + j[None, :]
+            tl.store(k_dst, quantize_tile(lo, k_inv_scale, k_cache.dtype.element_ty, QUANT), mask=keep)
+            tl.store(k_dst + HALF, quantize_tile(hi, k_inv_scale, k_cache.dtype.element_ty, QUANT), mask=keep)
         else:
-            dst = v_cache + at[:, None] + (head - NUM_Q_HEADS - NUM_KV_HEADS) * stride_ch + c0 + j[None, :]
-            tl.store(dst, quantize_tile(lo, v_inv_scale, v_cache.dtype.element_ty, QUANT), mask=keep)
-            tl.store(dst + HALF, quantize_tile(hi, v_inv_scale, v_cache.dtype.element_ty, QUANT), mask=keep)
+            v_dst = v_cache + at[:, None] + (head - NUM_Q_HEADS - NUM_KV_HEADS) * stride_ch + c0 + j[None, :]
+            tl.store(v_dst, quantize_tile(lo, v_inv_scale, v_cache.dtype.element_ty, QUANT), mask=keep)
+            tl.store(v_dst + HALF, quantize_tile(hi, v_inv_scale, v_cache.dtype.element_ty, QUANT), mask=keep)
 
 
 def _tiles(num_rows: int, n: int, k: int, head_dim: int):

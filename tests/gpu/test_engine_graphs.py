@@ -207,7 +207,8 @@ def test_fp8_split_k_parts_added_in_the_next_norm(tmp_path, monkeypatch):
     runner = build_runner(target, device="cuda:0", dtype="bfloat16", max_total_tokens=4096, disable_cuda_graph=True)
     slot = runner.target
     rules = triton_gemv.fp8_config
-    monkeypatch.setattr(triton_gemv, "fp8_config", lambda *a, **kw: rules(*a, **kw)._replace(split_k=2))
+    # 2 parts of 64 columns: the tiny weights are 128-256 columns deep
+    monkeypatch.setattr(triton_gemv, "fp8_config", lambda *a, **kw: rules(*a, **kw)._replace(split_k=2, block_k=64))
     calls = []
     real = triton_gemv.sum_parts
     monkeypatch.setattr(triton_gemv, "sum_parts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
