@@ -634,8 +634,8 @@ if [[ $what == merge ]]; then
     ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) \
       >> "$out/build.txt" &
   done
-  # MERGE_TESTS: the test list in place of the default one
-  [[ $only == *,tests,* ]] && timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider \
+  # MERGE_TESTS: the test list in place of the default one (file names only: split on spaces); MERGE_K: a -k expression
+  [[ $only == *,tests,* ]] && timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider ${MERGE_K:+-k "$MERGE_K"} \
     ${MERGE_TESTS:-tests/gpu/test_triton_attention.py tests/gpu/test_triton_mla.py tests/gpu/test_triton_moe.py \
     tests/gpu/test_triton_fused.py tests/gpu/test_deepseek_graphs.py tests/gpu/test_triton_sample.py \
     tests/gpu/test_overlap.py} \
