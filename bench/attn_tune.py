@@ -8,7 +8,10 @@ and fewest keys a split): Llama-3.1-8B's attention shape (32 query heads, 8 KV h
 head dim 128), bf16 pages of 16 tokens spread at random over a page-major pool. Each line: the
 fastest (tiles, splits) and its µs and GB/s (the K and V bytes the step reads, over the time),
 the default's, and both as fractions of the HBM bandwidth of a 4 GiB device copy measured in the
-same run. Every configuration's output is checked against the default's before it is timed.
+same run. Every configuration's output is checked against the default's before it is timed. Each
+captured call reads the next of enough copies of the pool that together they are three times L2
+(``gemv_tune.copies_of``; ``--hot``: every call rereads one copy, which a batch-1 layer's few MB of
+K and V are read from L2, not from HBM as in a step).
 ``--dry-run`` (with TRITON_INTERPRET=1) runs tiny shapes on CPU: the logic, not the times.
 ``--mla``: the MLA decode kernel (``common/kernels/triton_mla.py``) instead, DeepSeek-V2-Lite's
 shape (16 heads over one latent row of 512 + 64 per token), the same tiles and split counts.
@@ -32,16 +35,20 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 
 
 def case(batch: int, context: int, device: str, dtype, seed: int = 0):
-    """q, the K and V views of a one-layer page-major pool, the page table and the lengths."""
+    """q, a one-layer page-major pool [pages, 2, Hkv, PAGE, D] (``kv_views``), the page table and the lengths."""
     gen = torch.Generator().manual_seed(seed)
     per_seq = -(-context // PAGE)
     num_pages = batch * per_seq + 8
     pool = torch.randn(num_pages, 2, KV_HEADS, PAGE, HEAD_DIM, generator=gen).to(dtype).to(device)
-    k, v = pool[:, 0].permute(0, 2, 1, 3), pool[:, 1].permute(0, 2, 1, 3)  # [page, token, head, D]
     table = torch.randperm(num_pages, generator=gen)[:batch * per_seq].view(batch, per_seq).to(torch.int32)
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(dtype).to(device)
     lens = torch.full((batch,), context, dtype=torch.int32)
-    return q, k, v, table.to(device), lens.to(device)
+    return q, pool, table.to(device), lens.to(device)
+
+
+def kv_views(pool: torch.Tensor):
+    """The K and V views [page, token, head, D] of a ``case`` pool."""
+    return pool[:, 0].permute(0, 2, 1, 3), pool[:, 1].permute(0, 2, 1, 3)
 
 
 MLA_HEADS, LATENT, ROPE = 16, 512, 64
@@ -81,7 +88,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a few tiles only")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1 (set it)")
     ap.add_argument("--mla", action="store_true", help="the MLA decode kernel (DeepSeek-V2-Lite's latent rows)")
+    ap.add_argument("--hot", action="store_true",
+                    help="every captured call rereads one pool (out of L2 when it fits there), not the next of copies "
+                         "worth 3x L2")
     args = ap.parse_args()
+    gemv_tune.COLD = not args.hot
     device, dtype = "cuda", torch.bfloat16
     if args.dry_run:
         device, dtype, args.quick, args.iters = "cpu", torch.float16, True, 1
@@ -92,7 +103,7 @@ def main() -> None:
     num_sms = 132 if args.dry_run else torch.cuda.get_device_properties(0).multi_processor_count
     hbm = gemv_tune.hbm_gbps()
     base = {"bench": "attn_tune", "git": git_hash(), "hardware": hardware([device if device == "cpu" else "cuda:0"]),
-            "hbm_gbps": round(hbm, 1), "page_size": PAGE,
+            "hbm_gbps": round(hbm, 1), "page_size": PAGE, "l2": "hot" if args.hot else "cold",
             **({"kernel": "mla", "heads": [MLA_HEADS, LATENT, ROPE]} if args.mla else
                {"heads": [HEADS, KV_HEADS, HEAD_DIM]})}
     scale = HEAD_DIM ** -0.5
@@ -103,18 +114,20 @@ def main() -> None:
             q, cache, table, lens = mla_case(batch, context, device, dtype)
             nbytes = batch * context * (LATENT + ROPE) * q.element_size()
             default_splits = ta.num_decode_splits(batch, 1, num_sms)
+            caches = gemv_tune.copies_of(cache, cache.numel() * cache.element_size())
 
             def run(tiles, splits):
-                return triton_mla.decode_attention(q, cache, table, lens, LATENT, scale, splits, tiles)
+                return triton_mla.decode_attention(q, caches(), table, lens, LATENT, scale, splits, tiles)
 
             default = (triton_mla.decode_tiles(default_splits), default_splits)
         else:
-            q, k, v, table, lens = case(batch, context, device, dtype)
+            q, pool, table, lens = case(batch, context, device, dtype)
             nbytes = 2 * batch * context * KV_HEADS * HEAD_DIM * q.element_size()
             default_splits = ta.num_decode_splits(batch, KV_HEADS, num_sms)
+            pools = gemv_tune.copies_of(pool, pool.numel() * pool.element_size())
 
             def run(tiles, splits):
-                return ta.decode_attention(q, k, v, table, lens, scale, None, splits, tiles=tiles)
+                return ta.decode_attention(q, *kv_views(pools()), table, lens, scale, None, splits, tiles=tiles)
 
             default = (ta.decode_tiles(HEAD_DIM, default_splits), default_splits)
         want = run(*default)
