@@ -104,24 +104,37 @@ def test_fp8_quant_fused_into_the_norms_and_silu(tmp_path, monkeypatch, num_toke
     assert torch.equal(logits[True], logits[False])
 
 
+def _fp8_decode_step(tmp_path, num_seqs: int, seed: int):
+    """The tiny model as per-channel FP8 on the GPU (eager, no graphs) and a decode step of ``num_seqs``
+    sequences at random positions over random pages: (the runner's target slot, the step's chunks)."""
+    from kvferry.common.models.tiny import make_tiny_model
+
+    target, _ = make_tiny_model(tmp_path / "fp8", seed=0, quantize="fp8-channel")
+    slot = build_runner(target, device="cuda:0", dtype="bfloat16", max_total_tokens=4096,
+                        disable_cuda_graph=True).target
+    rng = random.Random(seed)
+    pages = rng.sample(range(slot.kv.num_pages), num_seqs * 4)
+    return slot, [SeqChunk([rng.randrange(5, 512)], rng.randrange(1, 4 * slot.kv.page_size), pages[4 * i:4 * i + 4])
+                  for i in range(num_seqs)]
+
+
+def _count_calls(monkeypatch, calls: list, functions) -> None:
+    """Each (module, name) in ``functions`` appends its name to ``calls`` when called, then runs."""
+    for module, name in functions:
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
+
+
 def test_fp8_o_proj_input_quantized_by_the_decode_attention(tmp_path, monkeypatch):
     """Per-channel FP8, a decode step of 40 sequences at one split: o_proj takes its input quantized
     per token by the decode attention's own launch (``triton_attention.QUANT_OUT``), so no layer runs
     the separate quant; the logits equal those of the separate quant bit for bit."""
     from kvferry.common.kernels import triton_attention, triton_fp8_gemm
-    from kvferry.common.models.tiny import make_tiny_model
 
-    target, _ = make_tiny_model(tmp_path / "fp8", seed=0, quantize="fp8-channel")
-    runner = build_runner(target, device="cuda:0", dtype="bfloat16", max_total_tokens=4096, disable_cuda_graph=True)
-    slot = runner.target
+    slot, step = _fp8_decode_step(tmp_path, 40, seed=5)
     monkeypatch.setattr(triton_attention, "num_decode_splits", lambda *args, **kwargs: 1)
     calls = []
-    separate = triton_fp8_gemm.per_token_quant
-    monkeypatch.setattr(triton_fp8_gemm, "per_token_quant", lambda x: calls.append(x.shape) or separate(x))
-    rng = random.Random(5)
-    pages = rng.sample(range(slot.kv.num_pages), 40 * 4)
-    step = [SeqChunk([rng.randrange(5, 512)], rng.randrange(1, 4 * slot.kv.page_size), pages[4 * i:4 * i + 4])
-            for i in range(40)]
+    _count_calls(monkeypatch, calls, [(triton_fp8_gemm, "per_token_quant")])
     logits = {}
     for fused in (True, False):
         monkeypatch.setattr(triton_attention, "QUANT_OUT", fused)
@@ -136,22 +149,13 @@ def test_fp8_gate_up_with_its_silu_and_quant_in_two_launches(tmp_path, monkeypat
     per-token quant (``triton_mlp``; the tiny gate-up would split K, so both sides here run K whole)
     and no layer runs ``silu_mul``; the logits equal the unfused MLP's bit for bit."""
     from kvferry.common.kernels import triton_fused, triton_gemv, triton_mlp
-    from kvferry.common.models.tiny import make_tiny_model
 
-    target, _ = make_tiny_model(tmp_path / "fp8", seed=0, quantize="fp8-channel")
-    runner = build_runner(target, device="cuda:0", dtype="bfloat16", max_total_tokens=4096, disable_cuda_graph=True)
-    slot = runner.target
+    slot, step = _fp8_decode_step(tmp_path, 40, seed=7)
     rules = triton_gemv.fp8_config
     monkeypatch.setattr(triton_gemv, "fp8_config", lambda *a, **kw: rules(*a, **kw)._replace(split_k=1))
     monkeypatch.setattr(triton_mlp, "takes", lambda rows, width, k: 2 <= rows <= 64)
     calls = []
-    for module, name in ((triton_mlp, "gate_up_silu_quant"), (triton_fused, "silu_mul")):
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
-    rng = random.Random(7)
-    pages = rng.sample(range(slot.kv.num_pages), 40 * 4)
-    step = [SeqChunk([rng.randrange(5, 512)], rng.randrange(1, 4 * slot.kv.page_size), pages[4 * i:4 * i + 4])
-            for i in range(40)]
+    _count_calls(monkeypatch, calls, [(triton_mlp, "gate_up_silu_quant"), (triton_fused, "silu_mul")])
     logits = {}
     num_layers = slot.model.config.num_hidden_layers
     for fused in (True, False):
@@ -167,23 +171,14 @@ def test_fp8_qkv_with_its_rope_and_kv_store_in_one_launch(tmp_path, monkeypatch)
     K/V store (``triton_qkv``; the tiny weight would split K, so both sides here run K whole) and no layer
     runs ``rope_store``; the logits and the pool's K/V equal the unfused path's bit for bit."""
     from kvferry.common.kernels import triton_fused, triton_gemv, triton_qkv
-    from kvferry.common.models.tiny import make_tiny_model
 
-    target, _ = make_tiny_model(tmp_path / "fp8", seed=0, quantize="fp8-channel")
-    runner = build_runner(target, device="cuda:0", dtype="bfloat16", max_total_tokens=4096, disable_cuda_graph=True)
-    slot = runner.target
+    slot, step = _fp8_decode_step(tmp_path, 40, seed=11)
     rules = triton_gemv.fp8_config
     whole = lambda *a, **kw: rules(*a, **kw)._replace(split_k=1)  # noqa: E731
     for module in (triton_gemv, triton_qkv):
         monkeypatch.setattr(module, "fp8_config", whole)
     calls = []
-    for module, name in ((triton_qkv, "qkv_rope_store"), (triton_fused, "rope_store")):
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
-    rng = random.Random(11)
-    pages = rng.sample(range(slot.kv.num_pages), 40 * 4)
-    step = [SeqChunk([rng.randrange(5, 512)], rng.randrange(1, 4 * slot.kv.page_size), pages[4 * i:4 * i + 4])
-            for i in range(40)]
+    _count_calls(monkeypatch, calls, [(triton_qkv, "qkv_rope_store"), (triton_fused, "rope_store")])
     logits, pools = {}, {}
     num_layers = slot.model.config.num_hidden_layers
     for fused in (True, False):
@@ -201,21 +196,13 @@ def test_fp8_split_k_parts_added_in_the_next_norm(tmp_path, monkeypatch):
     down's parts are added by the next add_norm's launch (``sum_in_norm``), so no layer runs ``sum_parts``
     for them; the logits equal those of the separate sum launch bit for bit."""
     from kvferry.common.kernels import triton_gemv
-    from kvferry.common.models.tiny import make_tiny_model
 
-    target, _ = make_tiny_model(tmp_path / "fp8", seed=0, quantize="fp8-channel")
-    runner = build_runner(target, device="cuda:0", dtype="bfloat16", max_total_tokens=4096, disable_cuda_graph=True)
-    slot = runner.target
+    slot, step = _fp8_decode_step(tmp_path, 24, seed=5)
     rules = triton_gemv.fp8_config
     # 2 parts of 64 columns: the tiny weights are 128-256 columns deep
     monkeypatch.setattr(triton_gemv, "fp8_config", lambda *a, **kw: rules(*a, **kw)._replace(split_k=2, block_k=64))
     calls = []
-    real = triton_gemv.sum_parts
-    monkeypatch.setattr(triton_gemv, "sum_parts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    rng = random.Random(5)
-    pages = rng.sample(range(slot.kv.num_pages), 24 * 4)
-    step = [SeqChunk([rng.randrange(5, 512)], rng.randrange(1, 4 * slot.kv.page_size), pages[4 * i:4 * i + 4])
-            for i in range(24)]
+    _count_calls(monkeypatch, calls, [(triton_gemv, "sum_parts")])
     logits, launches = {}, {}
     for in_norm in (True, False):
         slot.model.attn.sum_in_norm = in_norm

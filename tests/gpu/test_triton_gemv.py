@@ -156,21 +156,28 @@ def _moe_inputs(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtyp
     return x, w13, w2, weights, ids.to(DEVICE), extra
 
 
+def _split_case(fp8_x: bool, split_k: int, rows: int, seed: int):
+    """A per-row FP8 weight [72, 1100], ``rows`` rows of x (e4m3 with per-row scales if ``fp8_x``), a bias,
+    and tiles of 32 x 128 that split K in ``split_k`` parts: (w, x, x_scale, bias, config)."""
+    n, k = 72, 1100
+    w = _weight(n, k, None, seed=split_k)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).to(DEVICE, HALF)
+    bias = torch.randn(n, generator=g).to(DEVICE, HALF)
+    x_scale = None
+    if fp8_x:
+        x, x_scale = fp8.per_token_quant(x)
+    return w, x, x_scale, bias, triton_gemv.GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=2,
+                                                       split_k=split_k)
+
+
 @pytest.mark.parametrize("fp8_x", [False, True])
 @pytest.mark.parametrize("split_k, rows", [(2, 64), (3, 2), (8, 33)])
 def test_split_k_parts_added_in_the_kernel_equal_the_sum_launch(monkeypatch, fp8_x, split_k, rows):
     """The last program of each output tile adds the split-K parts (+ bias) in part order
     (SPLIT_SUM_IN_KERNEL; off by default): bit for bit the second launch's sum, with and without a bias,
     W8A16 and W8A8, the same result again on the next launch (the counts are back at 0)."""
-    n, k = 72, 1100
-    w = _weight(n, k, None, seed=split_k)
-    g = torch.Generator().manual_seed(rows + split_k)
-    x = torch.randn(rows, k, generator=g).to(DEVICE, HALF)
-    bias = torch.randn(n, generator=g).to(DEVICE, HALF)
-    x_scale = None
-    if fp8_x:
-        x, x_scale = fp8.per_token_quant(x)
-    cfg = triton_gemv.GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=2, split_k=split_k)
+    w, x, x_scale, bias, cfg = _split_case(fp8_x, split_k, rows, seed=rows + split_k)
 
     def run(b):
         return triton_gemv.fp8_gemv(x, w.weight, w.scale, None, b, cfg, x_scale=x_scale, out_dtype=HALF)
@@ -180,7 +187,7 @@ def test_split_k_parts_added_in_the_kernel_equal_the_sum_launch(monkeypatch, fp8
         got = [run(b), run(b)]
         monkeypatch.setattr(triton_gemv, "SPLIT_SUM_IN_KERNEL", False)
         want = run(b)
-        assert got[0].shape == (rows, n) and got[0].dtype == HALF
+        assert got[0].shape == (rows, w.shape[0]) and got[0].dtype == HALF
         assert torch.equal(got[0], want) and torch.equal(got[1], want)
     assert not split_sum.counters(x.device, 1).any()
 
@@ -192,15 +199,7 @@ def test_split_k_parts_deferred_to_their_consumer(fp8_x, split_k, rows):
     bit for bit the summed output; one split, or a bias, gives the summed output as before."""
     from kvferry.common.kernels.quant_rows import SplitParts
 
-    n, k = 72, 1100
-    w = _weight(n, k, None, seed=split_k)
-    g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, k, generator=g).to(DEVICE, HALF)
-    bias = torch.randn(n, generator=g).to(DEVICE, HALF)
-    x_scale = None
-    if fp8_x:
-        x, x_scale = fp8.per_token_quant(x)
-    cfg = triton_gemv.GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=2, split_k=split_k)
+    w, x, x_scale, bias, cfg = _split_case(fp8_x, split_k, rows, seed=rows)
 
     def run(b, defer):
         return triton_gemv.fp8_gemv(x, w.weight, w.scale, None, b, cfg, x_scale=x_scale, out_dtype=HALF,
@@ -210,6 +209,7 @@ def test_split_k_parts_deferred_to_their_consumer(fp8_x, split_k, rows):
     if split_k == 1:
         assert torch.equal(got, run(None, False))
     else:
+        n = w.shape[0]
         assert isinstance(got, SplitParts) and got.parts.shape == (split_k, rows, n) and got.shape == (rows, n)
         assert torch.equal(got.total(), run(None, False))
         pick = torch.tensor([rows - 1, 0], device=DEVICE)
