@@ -148,6 +148,14 @@ def test_gemv_tune_bench_sweeps_under_the_interpreter_and_says_how_l2_was():
     assert [r["l2"] for r in hot] == ["hot"]
 
 
+def test_attn_tune_bench_sweeps_under_the_interpreter_over_pool_copies():
+    """``--dry-run``: the decode attention's tiles and split counts, each checked against the default's output
+    before it is timed, each captured call reading the next copy of the pool (a line says ``cold``)."""
+    records = run_bench("attn_tune.py", "--dry-run")
+    assert [(r["batch"], r["context"], r["l2"]) for r in records] == [(2, 40, "cold")]
+    assert {"best", "best_us", "default_us", "by_splits"} <= records[0].keys()
+
+
 def test_gemv_tune_rotation_gives_each_call_the_next_copy():
     """The cold sweep's calls read copies round robin, so a graph of calls never rereads the copy just read."""
     from bench.gemv_tune import Rotation
