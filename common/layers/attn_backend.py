@@ -366,4 +366,3 @@ class TritonBackend(TritonMlaOps):
                                                  plan.num_splits, k_scale, v_scale, quant=quant)
         return self.kernels.extend_attention(q, k_cache, v_cache, plan.page_table, plan.q_starts, plan.q_lens,
                                              plan.prefix_lens, plan.max_query, scale, window, k_scale, v_scale)
-
