@@ -116,6 +116,31 @@ def fit(cfg: GemvConfig, block_m: int, x_bytes: int, block_k: int) -> tuple[Gemv
     return cfg._replace(num_stages=stages), block_k
 
 
+class Tiles(NamedTuple):
+    """What ``fp8_gemv`` launches a configuration with (``fitted_tiles``)."""
+
+    config: GemvConfig  # its stages fitted to shared memory
+    block_m: int
+    block_k: int
+    k_per: int  # the K columns a part takes: whole BLOCK_K steps (whole 128-column groups)
+    parts: int  # K parts (1: K whole)
+
+
+def fitted_tiles(cfg: GemvConfig, num_rows: int, k: int, x_bytes: int, block: int | None = None) -> Tiles:
+    """``cfg`` as ``fp8_gemv`` runs it for ``num_rows`` rows of ``x_bytes`` over a K-deep weight (block
+    scales of ``block`` columns or per-row): one row a program for one row, else BLOCK_M rows (16 up to a
+    power of two) sharing each weight tile through tl.dot, over ``fit``'s stages and K step (one 128-column
+    group a step for block scales); K split in ``cfg.split_k`` parts of whole steps at most."""
+    block_m = 1 if num_rows == 1 else max(16, 1 << (num_rows - 1).bit_length())
+    block_k = cfg.block_k if block_m == 1 or block is None else GROUP  # tl.dot over block scales: one group a step
+    if block_m > 1:
+        cfg, fitted = fit(cfg, block_m, x_bytes, block_k)
+        block_k = fitted if block is None else block_k
+    split = 1 if block_m == 1 else max(1, min(cfg.split_k, -(-k // block_k)))
+    k_per = -(-(-(-k // split)) // block_k) * block_k
+    return Tiles(cfg, block_m, block_k, k_per, -(-k // k_per))
+
+
 def dense_config(n: int, k: int) -> GemvConfig:
     """One row times a bf16/fp16 weight [n, k] (``gemv``), from the sweep with the weights read from
     HBM (tree ddbf030, H100): 1,024 columns a step, 8 warps, over 8 weight rows, or 4 past 4,096

@@ -41,7 +41,7 @@ from kvferry.common.kernels.split_sum import slot_sum, sum_parts
 from kvferry.common.kernels.quant_rows import SplitParts
 from kvferry.common.kernels.triton_fused import silu_times_up
 from kvferry.common.kernels.gemv_tiles import (FIT_HEADROOM_BYTES, GROUP, SHARED_MEMORY_BYTES, GemvConfig,  # noqa: F401
-                                                dense_config, fit as _fit, fp8_config, moe_config, takes_rows)
+                                                dense_config, fitted_tiles, fp8_config, moe_config, takes_rows)
 
 FP8_GEMV_MAX_ROWS = 128  # the most rows fp8_gemv takes; fp8.FP8_GEMV_MAX_ROWS says how many fp8_linear sends here
 MOE_GEMV_MAX_SLOTS = 32
@@ -211,15 +211,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
         raise ValueError("fp8_gemv: an e4m3 x takes per-row weight scales and at least 2 rows")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    cfg = config or fp8_config(num_rows, n, k, block, x_scale is not None)
-    block_m = 1 if num_rows == 1 else max(16, triton.next_power_of_2(num_rows))
-    block_k = cfg.block_k if block_m == 1 or block is None else GROUP  # tl.dot over block scales: one group a step
-    if block_m > 1:
-        cfg, fitted = _fit(cfg, block_m, x.element_size(), block_k)
-        block_k = fitted if block is None else block_k
-    split = 1 if block_m == 1 else max(1, min(cfg.split_k, triton.cdiv(k, block_k)))
-    k_per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k  # whole BLOCK_K steps (whole groups) a part
-    split = triton.cdiv(k, k_per)
+    cfg, block_m, block_k, k_per, split = fitted_tiles(config or fp8_config(num_rows, n, k, block, x_scale is not None),
+                                                       num_rows, k, x.element_size(), block)
     in_kernel = split > 1 and SPLIT_SUM_IN_KERNEL
     deferred = split > 1 and defer_sum and bias is None and not in_kernel and num_rows > 0
     out = torch.empty((num_rows, n), dtype=out_dtype or x.dtype, device=x.device)  # (unwritten when deferred)

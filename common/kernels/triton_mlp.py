@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvferry.common.kernels.gemv_tiles import fit, fp8_config
+from kvferry.common.kernels.gemv_tiles import fitted_tiles, fp8_config
 from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
 from kvferry.common.kernels.quant_rows import TokenQuantized
 from kvferry.common.kernels.triton_fp8_gemm import e4m3_quantize, e4m3_scale
@@ -106,9 +106,8 @@ def gate_up_silu_quant(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Te
         raise ValueError(f"gate_up_silu_quant: x {tuple(xq.shape)} (2-64 rows) for a gate-up weight "
                          f"{tuple(weight.shape)} (an even number of rows)")  # a split K (not ``takes``) runs whole
     inter = width // 2
-    cfg = config or fp8_config(num_rows, width, k, None, fp8_x=True)
-    block_m = max(16, triton.next_power_of_2(num_rows))
-    cfg, block_k = fit(cfg, block_m, 1, cfg.block_k)
+    cfg, block_m, block_k, _, _ = fitted_tiles(config or fp8_config(num_rows, width, k, None, fp8_x=True), num_rows,
+                                               k, 1)
     block_n = cfg.block_n // 2  # of the gate and of the up: a program streams the GEMV's weight rows a program
     num_parts = triton.cdiv(inter, block_n)
     h = torch.empty(num_rows, inter, dtype=dtype, device=xq.device)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvferry.common.kernels.gemv_tiles import fit, fp8_config
+from kvferry.common.kernels.gemv_tiles import fitted_tiles, fp8_config
 from kvferry.common.kernels.kv_quant import is_quantized
 from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
 from kvferry.common.kernels.triton_attention import quantize_tile
@@ -95,15 +95,10 @@ def _qkv_rope_kernel(x, x_scale, w, w_scale, qkv, q_out, cos, sin, k_cache, v_ca
 
 
 def _tiles(num_rows: int, n: int, k: int, head_dim: int):
-    """(configuration, BLOCK_M, BLOCK_K, PAIR, K parts) of the unfused GEMV's tiles for these rows, as
-    ``fp8_gemv`` fits them; PAIR, the columns of each half a program takes: half its weight rows, at
-    most a half-head."""
-    cfg = fp8_config(num_rows, n, k, None, fp8_x=True)
-    block_m = max(16, triton.next_power_of_2(num_rows))
-    cfg, block_k = fit(cfg, block_m, 1, cfg.block_k)
-    split = max(1, min(cfg.split_k, triton.cdiv(k, block_k)))
-    k_per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    return cfg, block_m, block_k, min(cfg.block_n // 2, head_dim // 2), triton.cdiv(k, k_per)
+    """The unfused W8A8 GEMV's tiles for these rows (``fitted_tiles``) and PAIR, the columns of each half
+    a program takes: half its weight rows, at most a half-head."""
+    tiles = fitted_tiles(fp8_config(num_rows, n, k, None, fp8_x=True), num_rows, k, 1)
+    return tiles, min(tiles.config.block_n // 2, head_dim // 2)
 
 
 def takes(num_rows: int, n: int, k: int, head_dim: int) -> bool:
@@ -112,8 +107,8 @@ def takes(num_rows: int, n: int, k: int, head_dim: int) -> bool:
     program's columns lie within a half-head (at least 16 of them, for tl.dot)."""
     if not 2 <= num_rows <= 64 or head_dim % 32 or n % head_dim:
         return False
-    _, _, _, pair, parts = _tiles(num_rows, n, k, head_dim)
-    return pair >= 16 and (head_dim // 2) % pair == 0 and parts == 1
+    tiles, pair = _tiles(num_rows, n, k, head_dim)
+    return pair >= 16 and (head_dim // 2) % pair == 0 and tiles.parts == 1
 
 
 def qkv_rope_store(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -131,7 +126,7 @@ def qkv_rope_store(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
         raise ValueError(f"qkv_rope_store: x {tuple(xq.shape)} for a qkv weight {tuple(weight.shape)} of "
                          f"{num_q_heads} + 2 x {num_kv_heads} heads: not a shape it takes (takes())")
     half = head_dim // 2
-    cfg, block_m, block_k, pair, _ = _tiles(num_rows, n, k, head_dim)
+    (cfg, block_m, block_k, _, _), pair = _tiles(num_rows, n, k, head_dim)
     qkv = torch.empty(num_rows, n, dtype=dtype, device=xq.device)
     q_out = torch.empty(num_rows, num_q_heads, head_dim, dtype=dtype, device=xq.device)
     xq = xq if xq.stride(-1) == 1 else xq.contiguous()

@@ -77,6 +77,13 @@ def make_backend(name: str, device: torch.device, num_kv_heads: int):
     return TritonBackend(device, num_kv_heads) if name == "triton" else TorchBackend()
 
 
+def quantized_into_w8a8_gemv(h, w, bias) -> bool:
+    """Whether rows ``h`` come quantized per token (``TokenQuantized``) into the W8A8 GEMV of an FP8
+    weight ``w`` with per-row scales and no bias: the kernels that fuse work into that GEMV take them."""
+    return (isinstance(h, TokenQuantized) and bias is None and isinstance(w, Fp8Weight) and w.block is None
+            and route(h.rows, w, h.shape[0]) == "gemv_w8a8")
+
+
 def qkv_then_rope(attn, h, weight, bias, heads, cos_sin, k_cache, v_cache, plan, k_scale, v_scale, qk_norm):
     """``attn.linear`` of the fused q/k/v weight, its split into heads, then ``attn.rope_store``."""
     num_q, num_kv, head_dim = heads
@@ -297,8 +304,7 @@ class TritonBackend(TritonMlaOps):
         """As TorchBackend's; a W8A8 q/k/v projection (17-64 rows quantized by the norm, per-row scales, K whole,
         no bias or q/k norm) runs with the rope and the K/V store in its launch (``triton_qkv``)."""
         w, num_q, num_kv, head_dim = weight, *heads
-        if (self.fuse_qkv_rope and isinstance(h, TokenQuantized) and bias is None and qk_norm is None
-                and isinstance(w, Fp8Weight) and w.block is None and route(h.rows, w, h.shape[0]) == "gemv_w8a8"
+        if (self.fuse_qkv_rope and quantized_into_w8a8_gemv(h, w, bias) and qk_norm is None
                 and self.qkv.takes(h.shape[0], *w.shape, head_dim)):
             return self.qkv.qkv_rope_store(h.q, h.scale, w.weight, w.scale, h.rows.dtype, num_q, num_kv, *cos_sin,
                                            k_cache, v_cache, plan.write_pages, plan.write_rows, k_scale, v_scale)
@@ -316,8 +322,7 @@ class TritonBackend(TritonMlaOps):
         """As TorchBackend's; a W8A8 gate-up (17-64 rows quantized by the norm, per-row scales, K whole)
         whose down takes its input quantized runs with the silu and quant in two launches (``triton_mlp``)."""
         w = gate_up_weight
-        if (self.fuse_gate_up and isinstance(h, TokenQuantized) and gate_up_bias is None and isinstance(w, Fp8Weight)
-                and w.block is None and route(h.rows, w, h.shape[0]) == "gemv_w8a8"
+        if (self.fuse_gate_up and quantized_into_w8a8_gemv(h, w, gate_up_bias)
                 and takes_token_quant(down_weight, h.rows) and self.mlp.takes(h.shape[0], *w.shape)):
             return self.mlp.gate_up_silu_quant(h.q, h.scale, w.weight, w.scale, h.rows.dtype)
         return self.silu_mul(self.linear(h, gate_up_weight, gate_up_bias), feeds=down_weight)

@@ -213,10 +213,11 @@ def fp8_linear(x: torch.Tensor | TokenQuantized, w: Fp8Weight, bias: torch.Tenso
     if x.is_cuda and flat.stride(-1) != 1:
         flat = flat.contiguous()
     how = route(x, w, rows)
+    defer_sum = defer_sum and x.dim() == 2  # SplitParts are [S, T, out]
     if how == "gemv":
         from kvferry.common.kernels import triton_gemv  # imports triton: only on CUDA
 
-        out = triton_gemv.fp8_gemv(flat, w.weight, w.scale, w.block, bias, defer_sum=defer_sum and x.dim() == 2)
+        out = triton_gemv.fp8_gemv(flat, w.weight, w.scale, w.block, bias, defer_sum=defer_sum)
         return out if isinstance(out, SplitParts) else out.reshape(*x.shape[:-1], w.shape[0])
     if how == "block":
         from kvferry.common.kernels import triton_fp8_gemm  # imports triton: only on CUDA
@@ -230,7 +231,7 @@ def fp8_linear(x: torch.Tensor | TokenQuantized, w: Fp8Weight, bias: torch.Tenso
     xq, xs = (quantized.q, quantized.scale) if quantized is not None else triton_fp8_gemm.per_token_quant(flat)
     if how == "gemv_w8a8":
         out = triton_gemv.fp8_gemv(xq, w.weight, w.scale, None, bias, x_scale=xs, out_dtype=x.dtype,
-                                   defer_sum=defer_sum and x.dim() == 2)
+                                   defer_sum=defer_sum)
         if isinstance(out, SplitParts):
             return out
     else:

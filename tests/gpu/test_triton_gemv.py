@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from kvferry.common.kernels import gemv_tiles
 from kvferry.common.layers import fp8
 from kvferry.common.layers.moe import fused_moe_ref, select_experts
 
@@ -260,7 +261,7 @@ def test_fp8_gemv_fits_shared_memory(rows, dtype):
     w = _weight(64, 512, None, seed=rows)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
     cfg = triton_gemv.GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=4, split_k=2)
-    fitted, block_k = triton_gemv._fit(cfg, rows, x.element_size(), 256)
+    fitted, block_k = gemv_tiles.fit(cfg, rows, x.element_size(), 256)
     assert (fitted.num_stages, block_k) != (4, 256) or dtype != torch.float32
     tol = _tol(dtype)
     torch.testing.assert_close(triton_gemv.fp8_gemv(x, w.weight, w.scale, None, None, cfg).float().cpu(),
