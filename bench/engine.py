@@ -26,8 +26,9 @@ line per configuration; combinations whose KV does not fit are skipped with a li
 ``fp8.fp8_linear`` sends to the weight-only GEMV (graphs recaptured; the line's
 ``fp8_gemv_max_rows``), side by side with the default. ``--profile`` adds, for those batches at the
 first context, one line of the CUDA kernels of a decode step (``torch.profiler`` over graph
-replays): per kernel name its µs and launches per step, and the step's kernel time against its
-wall time (the gap is launch latency and idle). ``--pdl-ab`` reruns every case with the Triton kernels'
+replays): per kernel name its µs and launches per step, the last step's launches in order with each one's
+µs (``step_launches``), and the step's kernel time against its wall time (the gap is launch latency
+and idle). ``--pdl-ab`` reruns every case with the Triton kernels'
 programmatic dependent launch in order 2 and off (``pdl`` on each line: 1 the default, 2, 0 off);
 with PDL a kernel's profiled time includes its wait for the kernel before it.
 """
@@ -284,13 +285,18 @@ def profile_case(runner, batch: int, context: int, steps: int = 10, limit: int =
         runner.release(s)
     rows = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
                   key=lambda e: -e.self_device_time_total)
+    # the last step's launches in stream order (name, µs): which GEMV of a layer runs below the bandwidth
+    done = sorted((e for e in prof.events() if e.device_type != torch.autograd.DeviceType.CPU),
+                  key=lambda e: e.time_range.start)
+    last = done[len(done) - len(done) // steps:]
     total = sum(e.self_device_time_total for e in rows) / steps
     launches = sum(e.count for e in rows) / steps
     return {"mode": "profile", "batch": batch, "context_tokens": context, "steps": steps,
             "wall_us_per_step": round(wall_us, 1), "kernel_us_per_step": round(total, 1),
             "launches_per_step": round(launches, 1),
             "kernels": [[e.key[:90], round(e.self_device_time_total / steps, 1), round(e.count / steps, 1)]
-                        for e in rows[:limit]]}
+                        for e in rows[:limit]],
+            "step_launches": [[e.name[:32], round(e.time_range.elapsed_us(), 1)] for e in last]}
 
 
 def with_fp8_gemv_rows(runner, a, base: dict, weights: WeightBytes, kv_token_bytes: int, bw: float,
