@@ -215,7 +215,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
                                                        num_rows, k, x.element_size(), block)
     in_kernel = split > 1 and SPLIT_SUM_IN_KERNEL
     deferred = split > 1 and defer_sum and bias is None and not in_kernel and num_rows > 0
-    out = torch.empty((num_rows, n), dtype=out_dtype or x.dtype, device=x.device)  # (unwritten when deferred)
+    # deferred: out is only the kernel's placeholder pointer (of the dtype the launch is specialized on)
+    out = torch.empty((1,) if deferred else (num_rows, n), dtype=out_dtype or x.dtype, device=x.device)
     if num_rows == 0:
         return out
     parts = out if split == 1 else torch.empty((split, num_rows, n), dtype=torch.float32, device=x.device)
