@@ -249,6 +249,9 @@ def parse_args() -> argparse.Namespace:
                     help="decode (and profile) again with the GEMV tiles of tree 6c7418e (swept with the weights "
                          "reread out of L2: triton_gemv.fp8_config / dense_config / moe_config), side by side with the "
                          "current ones")
+    ap.add_argument("--gemv-table-ab", action="store_true",
+                    help="with a tile table in KVFERRY_GEMV_TILES: decode (and profile) again with the tile rules "
+                         "alone (gemv_tiles' rules, the table set aside), side by side with the table's tiles")
     ap.add_argument("--attn-tiles-ab", action="store_true",
                     help="decode (and profile) again with the decode attention's split count and tiles of tree d8d7159 "
                          "(4 programs per SM, 64 keys a step, 2 stages, always merged), side by side with the current ones")
@@ -409,6 +412,8 @@ def main() -> None:
         base["gemv_configs"] = "cold"
     if a.attn_tiles_ab:
         base["attn_tiles"] = "sweep"
+    if a.gemv_table_ab:
+        base["gemv_tiles"] = "table"
     for flag, (key, default, _, _) in AB_SWITCHES.items():
         if getattr(a, f"{flag}_ab"):
             base[key] = default
@@ -451,6 +456,11 @@ def main() -> None:
                 switched(runner, triton_moe, "dense_config", old["dense_config"], False), \
                 switched(runner, triton_gemv, "dense_config", old["dense_config"], False):  # the outer one recaptures
             rerun(runner, a, {**base, "gemv_configs": "hot"}, *again)
+    if a.gemv_table_ab:  # the rules alone: from_table finds no entry in an empty table
+        from kvferry.common.kernels import gemv_tiles
+
+        with switched(runner, gemv_tiles, "_table", {}):
+            rerun(runner, a, {**base, "gemv_tiles": "rules"}, *again)
     if a.attn_tiles_ab and model.attn.name == "triton":  # the split count and tiles before the attention sweep
         from kvferry.common.kernels import triton_attention as ta
 

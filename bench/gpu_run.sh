@@ -511,7 +511,7 @@ if [[ $what == gemv-cold ]]; then
   # the decode GEMVs' tiles swept with each call reading its weight from HBM (copies rotated past L2, as a step
   # reads them): the MoE presets' one-row projections and experts, the 8B FP8 64-row W8A8 projections (COLD_ONE_ROW=1:
   # its one-row ones too). The shapes whose best tiles beat the rules by 3 % go into a tile table, and the steps
-  # (COLD_STEPS, default ds,fp8; qwen too) then run with it (KVFERRY_GEMV_TILES) beside the rules (--gemv-configs-ab).
+  # (COLD_STEPS, default ds,fp8; qwen too) then run with it (KVFERRY_GEMV_TILES) beside the rules alone (--gemv-table-ab).
   # The models build meanwhile. One error file for the whole mode: a call returns at most 8 files
   steps=,${COLD_STEPS-ds,fp8},
   [[ $steps == *,fp8,* ]] && { fp8_build channel > "$out/build.txt" 2>&1 & }
@@ -536,14 +536,14 @@ if [[ $what == gemv-cold ]]; then
   [[ -f $table ]] && export KVFERRY_GEMV_TILES=$table && cat "$table"
   [[ $steps == *,ds,* ]] && timeout ${COLD_DS_TIMEOUT:-100} python3 bench/engine.py \
     --model /tmp/deepseek-v2-lite/target --batches ${COLD_DS_BATCHES:-1} --contexts 1024 --prefill "" \
-    --gemv-configs-ab --kv-budget-gib 16 2>>"$out/gemv-cold.err" \
+    ${COLD_AB:---gemv-table-ab} --kv-budget-gib 16 2>>"$out/gemv-cold.err" \
     | sed "s/^{/{\"preset\": \"deepseek-v2-lite\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   [[ $steps == *,fp8,* ]] && ENGINE_TIMEOUT=${COLD_FP8_STEP_TIMEOUT:-150} fp8_engine fp8-channel \
     --model /tmp/m8b-fp8c/target --batches ${COLD_FP8_BATCHES:-64,1} --contexts 1024 --prefill "" \
-    --gemv-configs-ab --kv-budget-gib 16 | cut -c1-120
+    ${COLD_AB:---gemv-table-ab} --kv-budget-gib 16 | cut -c1-120
   [[ $steps == *,qwen,* ]] && timeout ${COLD_QWEN_TIMEOUT:-90} python3 bench/engine.py \
     --model /tmp/qwen3-30b-a3b/target --batches 1 --contexts 1024 --prefill "" \
-    --gemv-configs-ab --kv-budget-gib 16 2>>"$out/gemv-cold.err" \
+    ${COLD_AB:---gemv-table-ab} --kv-budget-gib 16 2>>"$out/gemv-cold.err" \
     | sed "s/^{/{\"preset\": \"qwen3-30b-a3b\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   tail -3 "$out/gemv-cold.err"
 fi
