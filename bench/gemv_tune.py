@@ -324,6 +324,9 @@ def main() -> None:
     ap.add_argument("--table-min-gain", type=float, default=0.03)
     ap.add_argument("--hot", action="store_true",
                     help="every call rereads one copy of its weight (L2 serves one under its size), as before")
+    ap.add_argument("--late-sum", action="store_true",
+                    help="the one-row GEMVs with triton_gemv.ONE_ROW_LATE_SUM on (their columns summed once after "
+                         "the K loop); the lines say one_row_sum")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on CPU under TRITON_INTERPRET=1 (set it): checks the logic, times nothing")
     args = ap.parse_args()
@@ -338,7 +341,12 @@ def main() -> None:
         raise SystemExit("bench/gemv_tune.py times CUDA kernels; no CUDA device here")
     torch.manual_seed(0)
     base = {"bench": "gemv_tune", "git": git_hash(), "hardware": hardware([DEVICE if DEVICE == "cpu" else "cuda:0"]),
-            "hbm_gbps": round(hbm_gbps(), 1), "l2": "hot" if args.hot else "cold"}
+            "hbm_gbps": round(hbm_gbps(), 1), "l2": "hot" if args.hot else "cold",
+            "one_row_sum": "late" if args.late_sum else "each_step"}
+    if args.late_sum:
+        from kvferry.common.kernels import triton_gemv
+
+        triton_gemv.ONE_ROW_LATE_SUM = True
     cases = args.cases.split(",")
     if "fp8" in cases:
         fp8_cases(args, base)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on the GPU machine: install the carried wheels, check the GPU path, then measure.
 #   bash bench/gpu_run.sh [tests|engine|transfer|transfer-small|transfer-mla|chooser|staging|spec|e2e|e2e-cache|multiturn|prefix-ttft|extend|
-#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|summary|pdl|pdl-tests|launch|gemv-one-row|tiles|l2|gemv-cold|attn|mla|merge|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
+#                          xfer-threads|fp8-a|fp8-b|fp8-rows|decode-fusions|fused-quant|fused-tune|moe-align|summary|pdl|pdl-tests|launch|gemv-one-row|tiles|l2|gemv-cold|late-sum|attn|mla|merge|moe-routed|moe|moe-e2e|moe-tune|gemv|gemv-fp8|decode-gemms|all]   (results land in $OUT, default ./gpu-out)
 # The machine has torch with CUDA but no NIXL, pyzmq, FastAPI...: those travel in .whl/
 # (bash ../shared/tools/device-wheels.sh xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0: the
 # GPU image has neither xgrammar nor gguf). NVLink multicast stays off. The device's copy of the tree may hold an
@@ -546,6 +546,36 @@ if [[ $what == gemv-cold ]]; then
     ${COLD_AB:---gemv-table-ab} --kv-budget-gib 16 2>>"$out/gemv-cold.err" \
     | sed "s/^{/{\"preset\": \"qwen3-30b-a3b\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   tail -3 "$out/gemv-cold.err"
+fi
+if [[ $what == late-sum ]]; then
+  # the one-row GEMVs with their columns summed once after the K loop (triton_gemv.ONE_ROW_LATE_SUM) beside a sum
+  # every K step: the cold one-row sweep both ways (DeepSeek's and Qwen3's bf16 projections and experts, the 8B FP8
+  # rows), then the batch-1 steps with --late-sum-ab (LATE_STEPS, default ds,fp8; qwen too); the models build meanwhile
+  steps=,${LATE_STEPS-ds,fp8},
+  [[ $steps == *,fp8,* ]] && { fp8_build channel > "$out/build.txt" 2>&1 & }
+  for preset in $([[ $steps == *,ds,* ]] && echo deepseek-v2-lite) $([[ $steps == *,qwen,* ]] && echo qwen3-30b-a3b); do
+    [[ -f /tmp/$preset/target/config.json ]] && continue
+    ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) \
+      >> "$out/build.txt" &
+  done
+  timeout ${TESTS_TIMEOUT:-60} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_triton_gemv.py -k "late_sum or \
+    dense_gemv or moe_gemv_equals" > "$out/late-tests.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/late-tests.txt" | tail -4
+  for sum in "" --late-sum; do
+    timeout ${LATE_SWEEP_TIMEOUT:-100} python3 bench/gemv_tune.py --iters 20 --quick $sum --cases bf16,moe,fp8 --rows 1 \
+      --scales row --tokens 1 --weights ${LATE_WEIGHTS:-dsv2_qkv_a,dsv2_o,dsv2_gate_up,dsv2_down,qkv,o,gate_up,down} \
+      2>>"$out/late.err" | tee -a "$out/late-sweep.jsonl" | cut -c1-200
+  done
+  wait
+  [[ $steps == *,ds,* ]] && timeout ${LATE_DS_TIMEOUT:-90} python3 bench/engine.py --model /tmp/deepseek-v2-lite/target \
+    --batches 1 --contexts 1024 --prefill "" --late-sum-ab --kv-budget-gib 16 2>>"$out/late.err" \
+    | sed "s/^{/{\"preset\": \"deepseek-v2-lite\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
+  [[ $steps == *,qwen,* ]] && timeout ${LATE_QWEN_TIMEOUT:-90} python3 bench/engine.py --model /tmp/qwen3-30b-a3b/target \
+    --batches 1 --contexts 1024 --prefill "" --late-sum-ab --kv-budget-gib 16 2>>"$out/late.err" \
+    | sed "s/^{/{\"preset\": \"qwen3-30b-a3b\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
+  [[ $steps == *,fp8,* ]] && ENGINE_TIMEOUT=${LATE_FP8_TIMEOUT:-120} fp8_engine fp8-channel --model /tmp/m8b-fp8c/target \
+    --batches ${LATE_FP8_BATCHES:-1} --contexts 1024 --prefill "" --late-sum-ab --kv-budget-gib 16 | cut -c1-120
+  tail -3 "$out/late.err"
 fi
 if [[ $what == l2 ]]; then
   # what asking L2 for a weight during an idle window saves the GEMV after it (bench/l2_prefetch.py)

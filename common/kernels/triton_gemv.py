@@ -56,7 +56,8 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale, final, 
                  FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, X_SCALE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                  SUM: tl.constexpr = 0, SLOTS: tl.constexpr = 1, HAS_EXTRA: tl.constexpr = 0,
-                 PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, LINE: tl.constexpr = 128):
+                 PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, LINE: tl.constexpr = 128,
+                 LATE_SUM: tl.constexpr = 0):
     """out[r, n] = sum_k act(x)[row(r), k] * w[expert(r), n, k] * scale (+ bias) (* slot weight).
 
     Rows r: BLOCK_M consecutive rows of x (dense), or one MoE slot per program (HAS_EXPERTS,
@@ -71,7 +72,10 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale, final, 
     block adds them in slot order into final [M / SLOTS, N], rounded, + extra (HAS_EXTRA) rounded.
     SLOTS is the count of parts either way (the split for SUM 1: the grid's axis 2).
     PDL order 2: the first PREFETCH BLOCK_K steps of the program's weight rows are asked of L2 (LINE
-    elements a line) before the wait; not for MoE slots, whose expert a kernel before chose."""
+    elements a line) before the wait; not for MoE slots, whose expert a kernel before chose.
+    LATE_SUM (one row, no block scales): the products add up per column of a K step over the whole
+    loop, and the columns are summed once after it, instead of a sum across the program's threads
+    every step (``ONE_ROW_LATE_SUM``)."""
     if HAS_EXPERTS:
         pdl_enter(PDL)
     else:
@@ -95,6 +99,7 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale, final, 
     w_rows = w_base + cols[:, None] * stride_wn  # [BLOCK_N, 1]
     if BLOCK_M == 1:
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        wide = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # LATE_SUM's running sums (unused otherwise)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * K_PER
@@ -117,6 +122,8 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale, final, 
                 s = tl.load(scale + cols[:, None] * stride_sn + g_idx[None, :],
                             mask=col_ok[:, None] & (g_idx[None, :] * GROUP < K), other=0.0)
                 acc += tl.sum(grouped * s, 1)
+            elif LATE_SUM:
+                wide += prod
             else:
                 acc += tl.sum(prod, 1)
         else:
@@ -126,6 +133,9 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale, final, 
                 acc += part * s[None, :]
             else:
                 acc += part
+    if BLOCK_M == 1:
+        if LATE_SUM and SCALE != 2:
+            acc = tl.sum(wide, 1)
     if SCALE == 1:
         s_row = tl.load(scale + cols, mask=col_ok, other=0.0)
         if BLOCK_M == 1:
@@ -231,7 +241,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, PRECISION=_precision(x.dtype),
         SUM=int(in_kernel), SLOTS=split if in_kernel else 1,
         PREFETCH=prefetch_steps(cfg.block_n, block_k, k_per, weight.element_size()), LINE=128 // weight.element_size(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kw())
+        LATE_SUM=ONE_ROW_LATE_SUM, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kw())
     if deferred:
         return SplitParts(parts, out.dtype)
     if split > 1 and not in_kernel:
@@ -247,6 +257,11 @@ SPLIT_SUM_IN_KERNEL = False
 # ``slot_sum`` in a launch of its own. On an H100 (tree 5c0ffc8) Qwen3-30B-A3B's batch-1 step took 0.590 ms either
 # way (0.589 with the launch), so the simpler path stays (--slot-last-ab)
 SLOT_SUM_IN_KERNEL = False
+# True: a one-row GEMV (gemv, an FP8 row with per-row scales, a MoE slot) adds its products per column of a K step
+# across the loop and sums the columns once at the end (fewer cross-thread sums: one a program, not one a step);
+# False (the default until it is measured on a GPU: bench/engine.py --late-sum-ab): a sum every K step. The two
+# add in different orders: equal within fp32 rounding, not bit for bit
+ONE_ROW_LATE_SUM = False
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -267,7 +282,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         TOP_K=1, SCALE=SCALE_NONE, GROUP=GROUP, HAS_EXPERTS=False, FUSE_SILU=False, MUL_WEIGHT=False,
         HAS_BIAS=bias is not None, X_SCALE=False, BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION=_precision(x.dtype), PREFETCH=prefetch_steps(cfg.block_n, cfg.block_k, k, weight.element_size()),
-        LINE=128 // weight.element_size(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kw())
+        LINE=128 // weight.element_size(), LATE_SUM=ONE_ROW_LATE_SUM, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_kw())
     return out
 
 
@@ -291,7 +307,8 @@ def expert_gemv(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, out: t
         TOP_K=top_k, SCALE=SCALE_NONE, GROUP=GROUP, HAS_EXPERTS=True, FUSE_SILU=fuse_silu,
         MUL_WEIGHT=slot_weights is not None, HAS_BIAS=False, X_SCALE=False, BLOCK_M=1, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, PRECISION=_precision(x.dtype), SUM=0 if summed is None else 2, SLOTS=slots,
-        HAS_EXTRA=extra is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kw())
+        HAS_EXTRA=extra is not None, LATE_SUM=ONE_ROW_LATE_SUM, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_kw())
 
 
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

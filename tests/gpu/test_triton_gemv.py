@@ -299,6 +299,37 @@ def test_fp8_gemv_refuses_prefill_rows():
         triton_gemv.fp8_gemv(torch.randn(rows, 128).to(DEVICE), w.weight, w.scale, None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_one_row_gemvs_with_the_late_sum_equal_their_references(monkeypatch, dtype):
+    """``ONE_ROW_LATE_SUM``: ``gemv``, a one-row ``fp8_gemv`` (per-row scales; block scales keep their sum a
+    step) and ``moe_gemv``, with the products added per column over the K loop and summed once after it,
+    against the references the sum every step meets; tiles narrowed so that each runs several K steps."""
+    monkeypatch.setattr(triton_gemv, "ONE_ROW_LATE_SUM", True)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 300, generator=g).to(DEVICE, dtype)
+    weight = (torch.randn(70, 300, generator=g) / 300**0.5).to(DEVICE, dtype)
+    got = triton_gemv.gemv(x, weight, config=gemv_tiles.GemvConfig(block_n=8, block_k=128, num_warps=4))
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), torch.nn.functional.linear(x.float(), weight.float()), atol=tol, rtol=tol)
+    for block in (None, 128):
+        w = _weight(130, 1100, block, seed=3)
+        x = torch.randn(1, 1100, generator=g).to(DEVICE, dtype)
+        got = triton_gemv.fp8_gemv(x, w.weight, w.scale, block, config=gemv_tiles.GemvConfig(16, 256, 4))
+        torch.testing.assert_close(got.float(), fp8.reference_weight_only(x, w, None).float(), rtol=_tol(dtype),
+                                   atol=_tol(dtype))
+    hidden, inter, num_experts, top_k = 80, 48, 8, 3  # 3 and 2 K steps of 32
+    x = torch.randn(2, hidden, generator=g)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
+    weights, ids = select_experts(torch.randn(2, num_experts, generator=g), top_k, renormalize=True)
+    x, w13, w2, weights = (t.to(DEVICE, dtype) for t in (x, w13, w2, weights))
+    narrow = gemv_tiles.GemvConfig(block_n=16, block_k=32, num_warps=4)
+    got = triton_gemv.moe_gemv(x, w13, w2, weights, ids.to(DEVICE), configs=(narrow, narrow))
+    torch.testing.assert_close(got.float(), fused_moe_ref(x, w13, w2, weights, ids.to(DEVICE)).float(),
+                               rtol=1e-5 if dtype == torch.float32 else 2**-7,
+                               atol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
 @pytest.mark.parametrize("num_tokens, num_experts, top_k", [(1, 8, 2), (1, 16, 8), (4, 8, 8), (3, 64, 6)])
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
 def test_moe_gemv_equals_reference(num_tokens, num_experts, top_k, dtype):
