@@ -669,7 +669,8 @@ if [[ $what == merge ]]; then
     ${MERGE_TESTS:-tests/gpu/test_triton_attention.py tests/gpu/test_triton_mla.py tests/gpu/test_triton_moe.py \
     tests/gpu/test_triton_fused.py tests/gpu/test_deepseek_graphs.py tests/gpu/test_triton_sample.py \
     tests/gpu/test_overlap.py} \
-    ${MERGE_TESTS_MORE-tests/gpu/test_triton_fp8_kv.py tests/gpu/test_engine_graphs.py} > "$out/merge-tests.txt" 2>&1
+    ${MERGE_TESTS_MORE-tests/gpu/test_triton_fp8_kv.py tests/gpu/test_engine_graphs.py tests/gpu/test_triton_fp8_layers.py} \
+    > "$out/merge-tests.txt" 2>&1
   [[ $only == *,tests,* ]] && grep -E "FAILED|ERROR|passed|failed" "$out/merge-tests.txt" | tail -8
   wait
   [[ $only == *,ds,* ]] && timeout ${MERGE_DS_TIMEOUT:-220} python3 bench/engine.py \

@@ -177,12 +177,19 @@ def _gemv_takes(rows: int, n: int) -> bool:
 
 
 FUSE_TOKEN_QUANT = True  # producers quantize what feeds a W8A8 per-row linear (bench/engine.py --fp8-unfused-quant)
+# Tests under Triton's interpreter only: CPU rows take the routes CUDA rows take and the kernels run interpreted, so
+# the CPU suite checks how the layers feed them (tests/gpu/test_triton_fp8_layers.py). Never set by the daemons.
+KERNELS_ON_CPU = False
+
+
+def _on_kernels(x: torch.Tensor) -> bool:
+    return x.is_cuda or KERNELS_ON_CPU
 
 
 def route(x: torch.Tensor, w: Fp8Weight, rows: int) -> str:
     """Which GEMM ``fp8_linear`` runs for ``rows`` rows of ``x`` (module docstring): ``gemv``
     (weight-only), ``block``, ``gemv_w8a8``, ``scaled_mm`` or ``reference``."""
-    if not x.is_cuda:
+    if not _on_kernels(x):
         return "reference"
     weight_only = rows <= 16 or (w.block is not None and _gemv_takes(rows, w.shape[0]))
     if rows <= FP8_GEMV_MAX_ROWS and weight_only:
@@ -197,7 +204,7 @@ def route(x: torch.Tensor, w: Fp8Weight, rows: int) -> str:
 def takes_token_quant(w, x: torch.Tensor) -> bool:
     """Whether a linear of weight ``w`` quantizes ``x`` [T, K] per token on the GPU (W8A8 with
     per-row scales): then the kernel producing ``x`` may hand it over quantized (``TokenQuantized``)."""
-    return (FUSE_TOKEN_QUANT and isinstance(w, Fp8Weight) and w.block is None and x.is_cuda and x.dim() == 2
+    return (FUSE_TOKEN_QUANT and isinstance(w, Fp8Weight) and w.block is None and _on_kernels(x) and x.dim() == 2
             and route(x, w, x.shape[0]) in ("gemv_w8a8", "scaled_mm"))
 
 
@@ -210,7 +217,7 @@ def fp8_linear(x: torch.Tensor | TokenQuantized, w: Fp8Weight, bias: torch.Tenso
     x = x.rows if quantized is not None else x
     rows = x.numel() // x.shape[-1]
     flat = x.reshape(-1, x.shape[-1])
-    if x.is_cuda and flat.stride(-1) != 1:
+    if _on_kernels(x) and flat.stride(-1) != 1:
         flat = flat.contiguous()
     how = route(x, w, rows)
     defer_sum = defer_sum and x.dim() == 2  # SplitParts are [S, T, out]

@@ -12,7 +12,7 @@ from tests.cluster import cluster, tiny_models  # noqa: F401 (pytest fixtures)
 
 TRITON_TESTS = ("test_triton_attention", "test_triton_fused", "test_triton_staging", "test_triton_moe",
                 "test_triton_fp8_gemm", "test_triton_fp8_kv", "test_triton_mla", "test_triton_gemv", "test_triton_sample",
-                "test_triton_mlp", "test_triton_qkv")
+                "test_triton_mlp", "test_triton_qkv", "test_triton_fp8_layers")
 
 
 def pytest_collection_modifyitems(config, items):
