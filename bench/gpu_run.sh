@@ -189,6 +189,15 @@ fp8_build() {  # /tmp/m8b and the FP8 checkpoints named, all in parallel
   done
   wait "${pids[@]}"
 }
+build_models() {  # $1, a comma list such as ,ds,fp8,: those steps' models (fp8, ds, qwen) built in the background
+  local preset
+  [[ $1 == *,fp8,* ]] && { fp8_build channel > "$out/build.txt" 2>&1 & }
+  for preset in $([[ $1 == *,ds,* ]] && echo deepseek-v2-lite) $([[ $1 == *,qwen,* ]] && echo qwen3-30b-a3b); do
+    [[ -f /tmp/$preset/target/config.json ]] && continue
+    ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) \
+      >> "$out/build.txt" &
+  done
+}
 fp8_engine() {  # label, then bench/engine.py arguments
   local label=$1; shift
   timeout ${ENGINE_TIMEOUT:-200} python3 bench/engine.py --batches ${FP8_BATCHES:-1,8,64,128} \
@@ -514,12 +523,7 @@ if [[ $what == gemv-cold ]]; then
   # (COLD_STEPS, default ds,fp8; qwen too) then run with it (KVFERRY_GEMV_TILES) beside the rules alone (--gemv-table-ab).
   # The models build meanwhile. One error file for the whole mode: a call returns at most 8 files
   steps=,${COLD_STEPS-ds,fp8},
-  [[ $steps == *,fp8,* ]] && { fp8_build channel > "$out/build.txt" 2>&1 & }
-  for preset in $([[ $steps == *,ds,* ]] && echo deepseek-v2-lite) $([[ $steps == *,qwen,* ]] && echo qwen3-30b-a3b); do
-    [[ -f /tmp/$preset/target/config.json ]] && continue
-    ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) \
-      >> "$out/build.txt" &
-  done
+  build_models "$steps"
   table=$out/gemv-tiles.json
   g="python3 bench/gemv_tune.py --iters 20 --table-out $table"
   timeout ${COLD_BF16_TIMEOUT:-110} $g --cases bf16 \
@@ -552,12 +556,7 @@ if [[ $what == late-sum ]]; then
   # every K step: the cold one-row sweep both ways (DeepSeek's and Qwen3's bf16 projections and experts, the 8B FP8
   # rows), then the batch-1 steps with --late-sum-ab (LATE_STEPS, default ds,fp8; qwen too); the models build meanwhile
   steps=,${LATE_STEPS-ds,fp8},
-  [[ $steps == *,fp8,* ]] && { fp8_build channel > "$out/build.txt" 2>&1 & }
-  for preset in $([[ $steps == *,ds,* ]] && echo deepseek-v2-lite) $([[ $steps == *,qwen,* ]] && echo qwen3-30b-a3b); do
-    [[ -f /tmp/$preset/target/config.json ]] && continue
-    ( timeout 300 python3 -m kvferry.common.cli make-tiny-model /tmp/$preset --preset $preset 2>&1 | tail -1 ) \
-      >> "$out/build.txt" &
-  done
+  build_models "$steps"
   timeout ${TESTS_TIMEOUT:-60} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_triton_gemv.py -k "late_sum or \
     dense_gemv or moe_gemv_equals" > "$out/late-tests.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/late-tests.txt" | tail -4
