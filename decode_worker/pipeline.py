@@ -94,36 +94,10 @@ class DecodeBackend(DaemonBackend):
                    outcome: Outcome) -> AsyncIterator[GenerateEvent]:
         d = self.daemon
         b = inp.bootstrap
-        num_pages = -(-seq.num_prompt_tokens // d.runner.page_size)
         hit = seq.cached_tokens  # this decode's prefix hit: not transferred
-        wants_prompt = inp.return_logprob and inp.logprob_start_len < seq.num_prompt_tokens
-        local = (0 < seq.num_prompt_tokens - hit <= d.config.max_local_prefill_tokens and not wants_prompt
-                 and d.receiver.reads_prefix(b.host, b.port))
         d.metrics.prefix_hit_tokens.labels(side="decode").inc(hit)
         outcome.phase = "kv_wait"
-        if local:
-            await self._prefill_here(seq, inp, num_pages)
-            writes_draft = False  # the batcher or the fork fills the draft's KV from its own hit
-            prompt = None  # taken only when no prompt logprobs are asked for (wants_prompt)
-        else:
-            try:
-                record, link, prompt = await d.receiver.fetch(
-                    request_id=seq.request_id, host=b.host, port=b.port, room=b.room, page_ids=seq.pages[:num_pages],
-                    num_prompt_tokens=seq.num_prompt_tokens, timeout_s=d.config.kv_wait_timeout_s,
-                    release=lambda: d.runner.release(seq), wants_prompt_logprobs=wants_prompt, prefix_len=hit)
-            except BaseException as exc:  # the receiver freed or quarantined the pages
-                if not outcome.is_cancel(exc):  # a client gone (here or at the prefill) is no failed transfer
-                    outcome.set("kv_failed", str(exc))
-                    d.metrics.failed_transfers.labels(reason=fail_code_of(exc).value).inc()
-                raise
-            seq.num_cached = seq.num_prompt_tokens
-            seq.output_ids.append(record.first_token_id)
-            seq.output_logprobs.append(record.first_token_logprob)
-            if seq.top_logprobs_num > 0:
-                seq.output_top_logprobs.append(list(record.top_logprobs)[:seq.top_logprobs_num])
-            writes_draft = link.writes_draft
-            if writes_draft:
-                seq.draft_num_cached = seq.num_prompt_tokens
+        local, writes_draft, prompt = await self._prompt_kv(seq, inp, outcome)
         d.metrics.ttft_seconds.observe(time.monotonic() - started)
         # The tokens whose KV was not recomputed: the prefill's hit, or ours when we computed the rest.
         prefill_hit = 0 if local else d.receiver.prefill_cached_tokens(b.room)
@@ -149,15 +123,10 @@ class DecodeBackend(DaemonBackend):
                     # the prefill's TransferResult (after its WRITE) may still be on its way
                     cache_meta["cached_tokens_prefill"] = await d.receiver.settled_cached_tokens(
                         b.room, RESULT_WAIT_S)
-                cached = hit if local else cache_meta["cached_tokens_prefill"]
                 meta = {"prompt_tokens": s.num_prompt_tokens, "completion_tokens": num_out[index],
-                        "cached_tokens": cached, **cache_meta,
-                        "e2e_latency": time.monotonic() - started, **first_meta[index]}
+                        "cached_tokens": hit if local else cache_meta["cached_tokens_prefill"], **cache_meta,
+                        "e2e_latency": time.monotonic() - started, **first_meta[index], **spec_meta(s, finished)}
                 first_meta[index] = {}
-                if finished and s.num_proposed:
-                    meta["spec_accept_rate"] = s.num_accepted / s.num_proposed
-                    meta["spec_num_proposed"] = s.num_proposed
-                    meta["spec_num_accepted"] = s.num_accepted
                 if finished and out.finish_reason.type == "abort":
                     outcome.set("failed", out.finish_reason.message or "request aborted")
                     raise DisaggError(out.finish_reason.message or "request aborted")
@@ -177,6 +146,40 @@ class DecodeBackend(DaemonBackend):
             for s in seqs:  # every request's draft proposals so far, however it ended
                 d.metrics.spec_proposed.inc(s.num_proposed)
                 d.metrics.spec_accepted.inc(s.num_accepted)
+
+    async def _prompt_kv(self, seq: Sequence, inp: GenerateInput, outcome: Outcome):
+        """The prompt's KV in this decode's pages: computed here past the prefix hit (a short rest), or
+        fetched from the prefill's room. Returns (local, whether the prefill wrote the draft's KV too, the
+        prompt logprobs the prefill sent or None)."""
+        d = self.daemon
+        b = inp.bootstrap
+        num_pages = -(-seq.num_prompt_tokens // d.runner.page_size)
+        hit = seq.cached_tokens
+        wants_prompt = inp.return_logprob and inp.logprob_start_len < seq.num_prompt_tokens
+        if (0 < seq.num_prompt_tokens - hit <= d.config.max_local_prefill_tokens and not wants_prompt
+                and d.receiver.reads_prefix(b.host, b.port)):
+            await self._prefill_here(seq, inp, num_pages)
+            # the batcher or the fork fills the draft's KV from its own hit; prompt logprobs are
+            # taken only when none are asked for (wants_prompt)
+            return True, False, None
+        try:
+            record, link, prompt = await d.receiver.fetch(
+                request_id=seq.request_id, host=b.host, port=b.port, room=b.room, page_ids=seq.pages[:num_pages],
+                num_prompt_tokens=seq.num_prompt_tokens, timeout_s=d.config.kv_wait_timeout_s,
+                release=lambda: d.runner.release(seq), wants_prompt_logprobs=wants_prompt, prefix_len=hit)
+        except BaseException as exc:  # the receiver freed or quarantined the pages
+            if not outcome.is_cancel(exc):  # a client gone (here or at the prefill) is no failed transfer
+                outcome.set("kv_failed", str(exc))
+                d.metrics.failed_transfers.labels(reason=fail_code_of(exc).value).inc()
+            raise
+        seq.num_cached = seq.num_prompt_tokens
+        seq.output_ids.append(record.first_token_id)
+        seq.output_logprobs.append(record.first_token_logprob)
+        if seq.top_logprobs_num > 0:
+            seq.output_top_logprobs.append(list(record.top_logprobs)[:seq.top_logprobs_num])
+        if link.writes_draft:
+            seq.draft_num_cached = seq.num_prompt_tokens
+        return False, link.writes_draft, prompt
 
     async def _prefill_here(self, seq: Sequence, inp: GenerateInput, num_pages: int) -> None:
         """Local prefill: the prompt's rest past this decode's hit is computed here, and the
@@ -207,6 +210,14 @@ class DecodeBackend(DaemonBackend):
         # On failure or cancel, fork_group frees every page of the group once its job has returned.
         await fork_group(d.runner, d.model_executor, seq, children)
         return [seq] + children
+
+
+def spec_meta(s: Sequence, finished: bool) -> dict:
+    """A finished completion's speculative decoding counts (none without a draft)."""
+    if not (finished and s.num_proposed):
+        return {}
+    return {"spec_accept_rate": s.num_accepted / s.num_proposed, "spec_num_proposed": s.num_proposed,
+            "spec_num_accepted": s.num_accepted}
 
 
 def prompt_meta(prompt: wire.PromptLogprobs | None) -> dict:
