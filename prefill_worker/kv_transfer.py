@@ -74,10 +74,8 @@ class KvWriter:
         elif room.xfer_plan is not plan:  # not built yet, or built for a decode since re-registered
             room.xfer, room.xfer_plan = _indices(plan, room), plan
         if room.transfer.local_prefill:  # the decode computes the prompt's rest itself: nothing to write
-            room.transition(RoomState.DONE)
             self.metrics.local_prefill_rooms.inc()
-            await self.send(room.identity, wire.TransferResult(room=room.room, ok=True, error=None,
-                                                               **self._cached_field(peer, room)))
+            await self._room_done(room, peer, None, None, 0.0)
             return 0.0
         staged = None
         converted = not isinstance(plan, TpPeerPlan) and plan.conversion is not None
@@ -130,17 +128,23 @@ class KvWriter:
             # only here, once the job has returned: its lists and the aux slot were in use until then
             self.peers.release(peer)
             self.aux.release(slot)
+        await self._room_done(room, peer, staged, num_bytes, elapsed)
+        return elapsed
+
+    async def _room_done(self, room: Room, peer: DecodePeer, staged, num_bytes: int | None, elapsed: float) -> None:
+        """A room whose WRITE returned (``num_bytes`` written in ``elapsed`` s; None: it had nothing to write):
+        DONE, counted, and the decode told."""
         room.transition(RoomState.DONE)
-        room.bytes_written = num_bytes
-        self.metrics.transfer_bytes.inc(num_bytes)
-        self.metrics.room_bytes.observe(num_bytes)
-        self.metrics.transfer_seconds.observe(elapsed)
+        if num_bytes is not None:
+            room.bytes_written = num_bytes
+            self.metrics.transfer_bytes.inc(num_bytes)
+            self.metrics.room_bytes.observe(num_bytes)
+            self.metrics.transfer_seconds.observe(elapsed)
         # Prompt logprobs go only to a decode that reads them (an older one would refuse the field).
         prompt = room.prompt_logprobs if room.has_decode_logprobs else None
         await self.send(room.identity, wire.TransferResult(room=room.room, ok=True, error=None, prompt_logprobs=prompt,
                                                            staged=staged is not None and staged.into_slot,
                                                            **self._cached_field(peer, room)))
-        return elapsed
 
     @staticmethod
     def _cached_field(peer: DecodePeer, room: Room) -> dict:
@@ -156,7 +160,8 @@ class KvWriter:
             self.metrics.timeouts.labels(stage="wait_transfer").inc()
             raise TransferError(f"room={room.room} request_id={room.request_id}: no transfer request from a decode "
                                 f"within {self.transfer_wait_timeout_s:.1f}s (is the decode leg of this request "
-                                f"alive and pointed at this prefill's bootstrap port?)", code=FailCode.TIMEOUT) from None
+                                f"alive and pointed at this prefill's bootstrap port?)",
+                                code=FailCode.TIMEOUT) from None
         if room.is_aborted:
             raise room.failure()
 
@@ -187,7 +192,8 @@ class KvWriter:
         except TransferError as exc:
             if exc.code is FailCode.TIMEOUT:
                 self.metrics.timeouts.labels(stage="xfer").inc()
-            raise type(exc)(f"room={room.room} request_id={room.request_id}: staged WRITE: {exc}", code=exc.code) from exc
+            raise type(exc)(f"room={room.room} request_id={room.request_id}: staged WRITE: {exc}",
+                            code=exc.code) from exc
 
     def _write(self, lists: list[ListPair], xfer: geometry.RequestXfer, notif: bytes, room: Room,
                staged: None = None) -> None:
