@@ -557,8 +557,9 @@ if [[ $what == late-sum ]]; then
   # rows), then the batch-1 steps with --late-sum-ab (LATE_STEPS, default ds,fp8; qwen too); the models build meanwhile
   steps=,${LATE_STEPS-ds,fp8},
   build_models "$steps"
-  timeout ${TESTS_TIMEOUT:-60} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_triton_gemv.py -k "late_sum or \
-    dense_gemv or moe_gemv_equals" > "$out/late-tests.txt" 2>&1
+  # LATE_TESTS: more test files to run first (split on spaces); LATE_K: the -k expression for the GEMV tests
+  timeout ${TESTS_TIMEOUT:-60} python3 -m pytest -q -p no:cacheprovider ${LATE_TESTS:-} tests/gpu/test_triton_gemv.py \
+    -k "${LATE_K:-late_sum or dense_gemv or moe_gemv_equals}" > "$out/late-tests.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/late-tests.txt" | tail -4
   for sum in "" --late-sum; do
     timeout ${LATE_SWEEP_TIMEOUT:-100} python3 bench/gemv_tune.py --iters 20 --quick $sum --cases bf16,moe,fp8 --rows 1 \
