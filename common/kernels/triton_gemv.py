@@ -259,8 +259,10 @@ SPLIT_SUM_IN_KERNEL = False
 SLOT_SUM_IN_KERNEL = False
 # True: a one-row GEMV (gemv, an FP8 row with per-row scales, a MoE slot) adds its products per column of a K step
 # across the loop and sums the columns once at the end (fewer cross-thread sums: one a program, not one a step);
-# False (the default until it is measured on a GPU: bench/engine.py --late-sum-ab): a sum every K step. The two
-# add in different orders: equal within fp32 rounding, not bit for bit
+# False (the default): a sum every K step. The two add in different orders: equal within fp32 rounding, not bit for
+# bit. On an H100 (tree e6bd70c, bench/RESULTS.md) the late sum made DeepSeek-V2-Lite's batch-1 step 3 % faster and
+# Qwen3-30B-A3B's and the 8B FP8's 1 % slower: it wins for some shapes (MoE gate-up, routers, the FP8 down) and
+# loses for others (the MoE down with its silu, the FP8 gate-up), so it belongs to each shape's tiles (--late-sum-ab)
 ONE_ROW_LATE_SUM = False
 
 
