@@ -43,9 +43,12 @@ AB_SWITCHES = {
                  "(TritonBackend.fuse_mla_rows on; the default: the rows in a launch of their own first)"),
     "split_sum": ("split_sums", "launch", "in_kernel", "split-K GEMV parts added by each output tile's last "
                   "program (triton_gemv.SPLIT_SUM_IN_KERNEL on; the default: sum_parts in a launch of their own)"),
-    "late_sum": ("one_row_sum", "each_step", "late", "the one-row GEMVs (bf16, FP8 per-row scales, MoE slots) "
-                 "adding their products per column over the K loop and summing the columns once after it "
-                 "(triton_gemv.ONE_ROW_LATE_SUM on; the default: a sum across the program's threads every K step)"),
+    "late_sum": ("one_row_sum", "tiles", "each_step", "every one-row GEMV (bf16, FP8 per-row scales, MoE slots) "
+                 "summing across the program's threads every K step (triton_gemv.ONE_ROW_LATE_SUM False; the "
+                 "default: the shapes whose tiles say late_sum add their products per column over the K loop and "
+                 "sum the columns once after it)"),
+    "late_all": ("one_row_sum", "tiles", "late", "every one-row GEMV summing its columns once after the K loop "
+                 "(triton_gemv.ONE_ROW_LATE_SUM True; the default: only the shapes whose tiles say late_sum)"),
     "norm_sum": ("o_down_sums", "norm", "launch", "o_proj's and down's split-K GEMV parts added by a launch of "
                  "their own (TritonBackend.sum_in_norm off; the default: by the next add_norm's launch)"),
     "qkv_rope": ("qkv_rope", "fused", "apart", "an FP8 W8A8 q/k/v projection, then rope_store (TritonBackend."
@@ -83,13 +86,13 @@ def other_side(flag: str, model) -> list[tuple[object, str, object]]:
         return [(MoeBlock, "fold_shared", False)] if ds is not None and ds.n_shared_experts else []
     if flag == "mla_rows":
         return [] if ds is None else [(model.attn, "fuse_mla_rows", True)]
-    if flag in ("split_sum", "slot_last", "late_sum"):
+    if flag in ("split_sum", "slot_last", "late_sum", "late_all"):
         from kvferry.common.kernels import triton_gemv
 
         if flag == "split_sum":
             return [(triton_gemv, "SPLIT_SUM_IN_KERNEL", True)]
-        if flag == "late_sum":
-            return [(triton_gemv, "ONE_ROW_LATE_SUM", True)]
+        if flag in ("late_sum", "late_all"):
+            return [(triton_gemv, "ONE_ROW_LATE_SUM", flag == "late_all")]
         return [(triton_gemv, "SLOT_SUM_IN_KERNEL", True)] if ds is not None or model.config.moe is not None else []
     if flag == "router":
         return [(model.attn, "fuse_router", True)] if ds is not None or model.config.moe is not None else []
@@ -133,4 +136,4 @@ def hot_sweep_configs():
         return C(8, 1024, 8)
 
     return {"fp8_config": fp8_config, "dense_config": dense_config,
-            "moe_config": lambda n, k: C(16 if n <= 4096 else 32, 256, 4)}
+            "moe_config": lambda n, k, silu=False: C(16 if n <= 4096 else 32, 256, 4)}

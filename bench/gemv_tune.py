@@ -14,7 +14,8 @@ Cases (one JSON line each), Llama-3.1-8B's projections and the two MoE presets' 
   moe                  one sparse layer's experts for T tokens (T * k <= 32): ``moe_gemv`` (both
                        projections and the weighted sum); baseline: the grouped path (sort by
                        expert + two grouped GEMMs)
-Each line: the fastest configuration and its us and GB/s (bytes the case must read: the weight
+One-row configurations are swept with their columns summed every K step and once after the loop
+(``late_sum``). Each line: the fastest configuration and its us and GB/s (bytes the case must read: the weight
 once, or the experts the slots touch, over the time), the current default's, the baseline's, and
 the HBM bandwidth of a 4 GiB device copy measured in this run (``hbm_gbps``, bytes read + written).
 Every configuration's output is checked against the default's before it is timed. Times are of
@@ -65,7 +66,8 @@ def table_entry(kind: str, rows: int, n: int, k: int, r: dict) -> None:
         return
     entries = {key: list(cfg) for key, cfg in (read_table(path) if Path(path).exists() else {}).items()}
     b = r["best"]
-    entries[table_key(kind, rows, n, k)] = [b["block_n"], b["block_k"], b["num_warps"], b["num_stages"], b["split_k"]]
+    entries[table_key(kind, rows, n, k)] = [b["block_n"], b["block_k"], b["num_warps"], b["num_stages"], b["split_k"],
+                                            b["late_sum"]]
     lines = [json.dumps({"kind": kind, "rows": rows, "n": n, "k": k, "config": cfg})
              for (kind, rows, n, k), cfg in sorted(entries.items())]
     Path(path).write_text('{"entries": [\n' + ",\n".join(lines) + "\n]}\n")
@@ -120,7 +122,7 @@ def hbm_gbps() -> float:
 def gemv_configs(dot: bool, quick: bool, rows: int = 1, narrow: bool = False, wide: bool = False):
     from kvferry.common.kernels.triton_gemv import GemvConfig
 
-    splits = (1,)
+    splits, lates = (1,), (0,)
     if wide:  # the W8A8 dot past 16 rows: wider tiles, 8 warps, deeper K steps and pipelines
         ns, ks, warps, stages, splits = (64, 128, 256), (128, 256, 512), (4, 8), (3, 4), (1, 2, 4, 8)
     elif rows > 16:  # past 16 rows: wider weight tiles, K split over programs
@@ -129,11 +131,12 @@ def gemv_configs(dot: bool, quick: bool, rows: int = 1, narrow: bool = False, wi
             ns, stages = (64, 128), (3,)
     elif dot:  # 256: per-row scales only
         ns, ks, warps, stages, splits = (16, 32, 64), (128, 256), (4,), (3, 4), (1, 2, 4)
-    else:
-        ns, ks, warps, stages = (4, 8, 16, 32), (256, 512, 1024), (4, 8), (3,) if quick else (3, 4)
+    else:  # one row: its columns summed every K step or once after the loop (late_sum)
+        ns, ks, warps, stages, lates = (4, 8, 16, 32), (256, 512, 1024), (4, 8), (3,) if quick else (3, 4), (0, 1)
     if quick:
         ns, ks, splits = ns[:2], ks[:2], splits[:2]
-    return [GemvConfig(n, k, w, s, p) for n, k, w, s, p in itertools.product(ns, ks, warps, stages, splits)]
+    return [GemvConfig(n, k, w, s, p, late)
+            for n, k, w, s, p, late in itertools.product(ns, ks, warps, stages, splits, lates)]
 
 
 def sweep(run, configs, default, nbytes: int, iters: int) -> dict:
@@ -177,8 +180,9 @@ def fp8_cases(args, base: dict) -> None:
             w8a8_kernel_case(args, base, name, qs, scale, x, nbytes)
             continue
         default = triton_gemv.fp8_config(rows, n, k, block)
-        configs = [c for c in gemv_configs(rows > 1, args.quick, rows, args.narrow)
-                   if rows == 1 or block is None or c.block_k == triton_gemv.GROUP]  # the dot path: one group a step
+        configs = [c for c in gemv_configs(rows > 1, args.quick, rows, args.narrow)  # the dot path: one group a step;
+                   if (rows == 1 or block is None or c.block_k == triton_gemv.GROUP)  # block scales: a sum a step
+                   and not (block is not None and c.late_sum)]
         result = sweep(lambda cfg: triton_gemv.fp8_gemv(x, qs(), scale, block, None, cfg), configs, default, nbytes,
                        args.iters)
         if block is None:
@@ -324,9 +328,6 @@ def main() -> None:
     ap.add_argument("--table-min-gain", type=float, default=0.03)
     ap.add_argument("--hot", action="store_true",
                     help="every call rereads one copy of its weight (L2 serves one under its size), as before")
-    ap.add_argument("--late-sum", action="store_true",
-                    help="the one-row GEMVs with triton_gemv.ONE_ROW_LATE_SUM on (their columns summed once after "
-                         "the K loop); the lines say one_row_sum")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on CPU under TRITON_INTERPRET=1 (set it): checks the logic, times nothing")
     args = ap.parse_args()
@@ -341,12 +342,7 @@ def main() -> None:
         raise SystemExit("bench/gemv_tune.py times CUDA kernels; no CUDA device here")
     torch.manual_seed(0)
     base = {"bench": "gemv_tune", "git": git_hash(), "hardware": hardware([DEVICE if DEVICE == "cpu" else "cuda:0"]),
-            "hbm_gbps": round(hbm_gbps(), 1), "l2": "hot" if args.hot else "cold",
-            "one_row_sum": "late" if args.late_sum else "each_step"}
-    if args.late_sum:
-        from kvferry.common.kernels import triton_gemv
-
-        triton_gemv.ONE_ROW_LATE_SUM = True
+            "hbm_gbps": round(hbm_gbps(), 1), "l2": "hot" if args.hot else "cold"}
     cases = args.cases.split(",")
     if "fp8" in cases:
         fp8_cases(args, base)

@@ -552,29 +552,30 @@ if [[ $what == gemv-cold ]]; then
   tail -3 "$out/gemv-cold.err"
 fi
 if [[ $what == late-sum ]]; then
-  # the one-row GEMVs with their columns summed once after the K loop (triton_gemv.ONE_ROW_LATE_SUM) beside a sum
-  # every K step: the cold one-row sweep both ways (DeepSeek's and Qwen3's bf16 projections and experts, the 8B FP8
-  # rows), then the batch-1 steps with --late-sum-ab (LATE_STEPS, default ds,fp8; qwen too); the models build meanwhile
-  steps=,${LATE_STEPS-ds,fp8},
+  # the one-row GEMVs' late sum as each shape's tiles choose it (GemvConfig.late_sum): the GEMV and router tests,
+  # the cold one-row sweep with late_sum swept (LATE_SWEEP_TIMEOUT; 1 skips it), then the steps with --late-sum-ab
+  # (every one-row GEMV summing every K step) and --late-all-ab (every one summing late): LATE_STEPS, default
+  # ds,qwen,fp8 (LATE_FP8_BATCHES, default 1,64); the models build meanwhile
+  steps=,${LATE_STEPS-ds,qwen,fp8},
   build_models "$steps"
   # LATE_TESTS: more test files to run first (split on spaces); LATE_K: the -k expression for the GEMV tests
   timeout ${TESTS_TIMEOUT:-60} python3 -m pytest -q -p no:cacheprovider ${LATE_TESTS:-} tests/gpu/test_triton_gemv.py \
-    -k "${LATE_K:-late_sum or dense_gemv or moe_gemv_equals}" > "$out/late-tests.txt" 2>&1
+    tests/gpu/test_triton_moe.py -k "${LATE_K:-late_sum or dense_gemv or moe_gemv_equals or router}" \
+    > "$out/late-tests.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/late-tests.txt" | tail -4
-  for sum in "" --late-sum; do
-    timeout ${LATE_SWEEP_TIMEOUT:-100} python3 bench/gemv_tune.py --iters 20 --quick $sum --cases bf16,moe,fp8 --rows 1 \
-      --scales row --tokens 1 --weights ${LATE_WEIGHTS:-dsv2_qkv_a,dsv2_o,dsv2_gate_up,dsv2_down,qkv,o,gate_up,down} \
-      2>>"$out/late.err" | tee -a "$out/late-sweep.jsonl" | cut -c1-200
-  done
+  timeout ${LATE_SWEEP_TIMEOUT:-100} python3 bench/gemv_tune.py --iters 20 --quick --cases bf16,moe,fp8 --rows 1 \
+    --scales row --tokens 1 --weights ${LATE_WEIGHTS:-dsv2_qkv_a,dsv2_o,dsv2_gate_up,dsv2_down,qkv,o,gate_up,down} \
+    2>>"$out/late.err" | tee -a "$out/late-sweep.jsonl" | cut -c1-200
   wait
+  ab="${LATE_AB:---late-sum-ab --late-all-ab}"
   [[ $steps == *,ds,* ]] && timeout ${LATE_DS_TIMEOUT:-90} python3 bench/engine.py --model /tmp/deepseek-v2-lite/target \
-    --batches 1 --contexts 1024 --prefill "" --late-sum-ab --kv-budget-gib 16 2>>"$out/late.err" \
+    --batches 1 --contexts 1024 --prefill "" $ab --kv-budget-gib 16 2>>"$out/late.err" \
     | sed "s/^{/{\"preset\": \"deepseek-v2-lite\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   [[ $steps == *,qwen,* ]] && timeout ${LATE_QWEN_TIMEOUT:-90} python3 bench/engine.py --model /tmp/qwen3-30b-a3b/target \
-    --batches 1 --contexts 1024 --prefill "" --late-sum-ab --kv-budget-gib 16 2>>"$out/late.err" \
+    --batches 1 --contexts 1024 --prefill "" $ab --kv-budget-gib 16 2>>"$out/late.err" \
     | sed "s/^{/{\"preset\": \"qwen3-30b-a3b\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
-  [[ $steps == *,fp8,* ]] && ENGINE_TIMEOUT=${LATE_FP8_TIMEOUT:-120} fp8_engine fp8-channel --model /tmp/m8b-fp8c/target \
-    --batches ${LATE_FP8_BATCHES:-1} --contexts 1024 --prefill "" --late-sum-ab --kv-budget-gib 16 | cut -c1-120
+  [[ $steps == *,fp8,* ]] && ENGINE_TIMEOUT=${LATE_FP8_TIMEOUT:-150} fp8_engine fp8-channel --model /tmp/m8b-fp8c/target \
+    --batches ${LATE_FP8_BATCHES:-1,64} --contexts 1024 --prefill "" --late-sum-ab --kv-budget-gib 16 | cut -c1-120
   tail -3 "$out/late.err"
 fi
 if [[ $what == l2 ]]; then

@@ -23,6 +23,9 @@ class GemvConfig(NamedTuple):
     num_warps: int
     num_stages: int = 3
     split_k: int = 1  # programs along K (the dot path): each writes an fp32 partial, one more launch sums them
+    # 1: a one-row program (BLOCK_M 1, no block scales) adds its products per column of a K step over the whole
+    # loop and sums the columns once after it, not across its threads every step (``triton_gemv.late_sum``)
+    late_sum: int = 0
 
 
 TABLE_ENV = "KVFERRY_GEMV_TILES"
@@ -37,7 +40,8 @@ def table_key(kind: str, rows: int, n: int, k: int) -> tuple[str, int, int, int]
 
 def read_table(path: str) -> dict:
     """A tile table file: ``{"entries": [{"kind", "rows", "n", "k", "config": [block_n, block_k,
-    num_warps, num_stages, split_k]}, ...]}``. A file that is not that raises ValueError naming it."""
+    num_warps, num_stages, split_k(, late_sum)]}, ...]}`` (late_sum 0 or 1, 0 where left out, as
+    tables written before it). A file that is not that raises ValueError naming it."""
     try:
         with open(path) as f:
             entries = json.load(f)["entries"]
@@ -45,9 +49,10 @@ def read_table(path: str) -> dict:
         for e in entries:
             if e["kind"] not in KINDS:
                 raise ValueError(f"kind {e['kind']!r} is not one of {KINDS}")
-            cfg = GemvConfig(*(int(v) for v in e["config"]))
-            if min(cfg) < 1 or len(e["config"]) != 5:
-                raise ValueError(f"config {e['config']} is not 5 positive integers")
+            values = [int(v) for v in e["config"]]
+            if len(values) not in (5, 6) or min(values[:5]) < 1 or values[5:] not in ([], [0], [1]):
+                raise ValueError(f"config {e['config']} is not 5 positive integers and a late_sum of 0 or 1")
+            cfg = GemvConfig(*values)
             table[table_key(e["kind"], int(e["rows"]), int(e["n"]), int(e["k"]))] = cfg
         return table
     except (OSError, KeyError, TypeError, json.JSONDecodeError, ValueError) as e:
@@ -73,17 +78,20 @@ def fp8_config(num_rows: int, n: int, k: int, block: int | None, fp8_x: bool = F
     rows, 64 past (128 for gate-up). An e4m3 x (``fp8_x``, W8A8): 64 weight rows, 256 columns a
     step, K in 2 parts for a narrow (o, down) or deep weight, else whole; 4 stages but for a wide
     gate-up (the sweep with the weights read from HBM, tree ddbf030, H100, 64 rows: q/k/v 12.6 ->
-    11.5 µs, o 10.2 -> 9.6, down 26.6 -> 25.3 with K in 2 parts where it had 4). A table entry for
-    the shape (per-row scales only) wins."""
+    11.5 µs, o 10.2 -> 9.6, down 26.6 -> 25.3 with K in 2 parts where it had 4). One row with per-row
+    scales sums late (``late_sum``) but for a weight past 8,192 rows (each kernel alone on an H100,
+    tree e6bd70c: down 23.0 -> 21.8 µs, q/k/v 11.0 -> 10.5; the wide gate-up 41 -> 43.5, 64 running
+    sums a thread). A table entry for the shape (per-row scales only) wins."""
     if block is None and (cfg := from_table("fp8_x" if fp8_x else "fp8", num_rows, n, k)) is not None:
         return cfg
     if fp8_x:
         return GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=3 if n > 8192 else 4,
                           split_k=2 if n <= 4096 or k > 8192 else 1)
     if num_rows == 1:
+        late = int(block is None and n <= 8192)
         if k >= 8192 or n <= 4096:
-            return GemvConfig(block_n=8, block_k=1024, num_warps=4)
-        return GemvConfig(block_n=32 if n > 8192 else 16, block_k=512, num_warps=8)
+            return GemvConfig(block_n=8, block_k=1024, num_warps=4, late_sum=late)
+        return GemvConfig(block_n=32 if n > 8192 else 16, block_k=512, num_warps=8, late_sum=late)
     wide = n > 8192
     split = 1 if wide else 8 if k > 8192 and num_rows > 16 else 4
     block_k = 256 if 16 < num_rows <= 32 and block is None else GROUP
@@ -145,18 +153,24 @@ def dense_config(n: int, k: int) -> GemvConfig:
     """One row times a bf16/fp16 weight [n, k] (``gemv``), from the sweep with the weights read from
     HBM (tree ddbf030, H100): 1,024 columns a step, 8 warps, over 8 weight rows, or 4 past 4,096
     rows, with 4 stages past 8,192 (Qwen3-30B-A3B's q/k/v 9.5 -> 8.6 µs, DeepSeek-V2-Lite's dense
-    gate-up 32.5 -> 30.2 against the hot sweep's tiles). A table entry for the shape wins."""
+    gate-up 32.5 -> 30.2 against the hot sweep's tiles). Summed late (``late_sum``) up to 2,048 rows:
+    the routers and o_proj (each kernel alone on an H100, tree e6bd70c: DeepSeek's router 6.2 -> 4.0
+    µs, its o_proj 5.8 -> 4.6, Qwen3's o_proj 7.9 -> 7.6), not the wider q/k/v (Qwen3 9.1 -> 9.7,
+    DeepSeek 6.9 -> 7.5). A table entry for the shape wins."""
     if (cfg := from_table("bf16", 1, n, k)) is not None:
         return cfg
     if n > 4096:
         return GemvConfig(block_n=4, block_k=1024, num_warps=8, num_stages=4 if n > 8192 else 3)
-    return GemvConfig(block_n=8, block_k=1024, num_warps=8)
+    return GemvConfig(block_n=8, block_k=1024, num_warps=8, late_sum=int(n <= 2048))
 
 
-def moe_config(n: int, k: int) -> GemvConfig:
+def moe_config(n: int, k: int, silu: bool = False) -> GemvConfig:
     """The tile configuration of one MoE slot's [n, k] expert weight (bf16/fp16): in the sweep no
-    configuration beat this one by more than a few per cent on either preset's projections. A table
-    entry for the shape wins."""
+    configuration beat this one by more than a few per cent on either preset's projections. The
+    gate-up sums late (``late_sum``), not the down projection, which makes silu(gate) * up as it
+    reads (``silu``; each kernel alone on an H100, tree e6bd70c: DeepSeek-V2-Lite's gate-up 35.6 ->
+    31.9 µs, Qwen3-30B-A3B's 19.0 -> 18.8; the downs 17.3 -> 20.5 and 9.9 -> 11.7). A table entry for
+    the shape wins."""
     if (cfg := from_table("moe", 1, n, k)) is not None:
         return cfg
-    return GemvConfig(block_n=16 if n <= 4096 else 32, block_k=256, num_warps=4)
+    return GemvConfig(block_n=16 if n <= 4096 else 32, block_k=256, num_warps=4, late_sum=int(not silu))

@@ -75,7 +75,7 @@ def _gemv_kernel(x, w, scale, out, bias, experts, slot_weights, x_scale, final, 
     elements a line) before the wait; not for MoE slots, whose expert a kernel before chose.
     LATE_SUM (one row, no block scales): the products add up per column of a K step over the whole
     loop, and the columns are summed once after it, instead of a sum across the program's threads
-    every step (``ONE_ROW_LATE_SUM``)."""
+    every step (``late_sum``)."""
     if HAS_EXPERTS:
         pdl_enter(PDL)
     else:
@@ -241,7 +241,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, PRECISION=_precision(x.dtype),
         SUM=int(in_kernel), SLOTS=split if in_kernel else 1,
         PREFETCH=prefetch_steps(cfg.block_n, block_k, k_per, weight.element_size()), LINE=128 // weight.element_size(),
-        LATE_SUM=ONE_ROW_LATE_SUM, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kw())
+        LATE_SUM=block_m == 1 and block is None and late_sum(cfg), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_kw())
     if deferred:
         return SplitParts(parts, out.dtype)
     if split > 1 and not in_kernel:
@@ -257,13 +258,19 @@ SPLIT_SUM_IN_KERNEL = False
 # ``slot_sum`` in a launch of its own. On an H100 (tree 5c0ffc8) Qwen3-30B-A3B's batch-1 step took 0.590 ms either
 # way (0.589 with the launch), so the simpler path stays (--slot-last-ab)
 SLOT_SUM_IN_KERNEL = False
-# True: a one-row GEMV (gemv, an FP8 row with per-row scales, a MoE slot) adds its products per column of a K step
-# across the loop and sums the columns once at the end (fewer cross-thread sums: one a program, not one a step);
-# False (the default): a sum every K step. The two add in different orders: equal within fp32 rounding, not bit for
-# bit. On an H100 (tree e6bd70c, bench/RESULTS.md) the late sum made DeepSeek-V2-Lite's batch-1 step 3 % faster and
-# Qwen3-30B-A3B's and the 8B FP8's 1 % slower: it wins for some shapes (MoE gate-up, routers, the FP8 down) and
-# loses for others (the MoE down with its silu, the FP8 gate-up), so it belongs to each shape's tiles (--late-sum-ab)
-ONE_ROW_LATE_SUM = False
+# None (the default): a one-row GEMV (gemv, an FP8 row with per-row scales, a MoE slot) sums late where its tile
+# configuration says so (``GemvConfig.late_sum``: its products added per column of a K step across the loop, the
+# columns summed once at the end, one cross-thread sum a program, not one a step); True / False: every one-row GEMV
+# sums late / every K step (bench/engine.py --late-sum-ab, --late-all-ab). The two orders are equal within fp32
+# rounding, not bit for bit. On an H100 (tree e6bd70c, bench/RESULTS.md) the late sum for all made
+# DeepSeek-V2-Lite's batch-1 step 3 % faster and Qwen3-30B-A3B's and the 8B FP8's 1 % slower: it wins for some
+# shapes and loses for others, which gemv_tiles' rules follow
+ONE_ROW_LATE_SUM: bool | None = None
+
+
+def late_sum(cfg: GemvConfig) -> bool:
+    """Whether a one-row launch with ``cfg`` sums late (``ONE_ROW_LATE_SUM`` over the configuration's own choice)."""
+    return bool(cfg.late_sum) if ONE_ROW_LATE_SUM is None else ONE_ROW_LATE_SUM
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -284,7 +291,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         TOP_K=1, SCALE=SCALE_NONE, GROUP=GROUP, HAS_EXPERTS=False, FUSE_SILU=False, MUL_WEIGHT=False,
         HAS_BIAS=bias is not None, X_SCALE=False, BLOCK_M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION=_precision(x.dtype), PREFETCH=prefetch_steps(cfg.block_n, cfg.block_k, k, weight.element_size()),
-        LINE=128 // weight.element_size(), LATE_SUM=ONE_ROW_LATE_SUM, num_warps=cfg.num_warps,
+        LINE=128 // weight.element_size(), LATE_SUM=late_sum(cfg), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_kw())
     return out
 
@@ -299,7 +306,7 @@ def expert_gemv(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, out: t
     token's programs for each column block (``slot_sum``'s result, in the same launch)."""
     num_slots = topk_ids.numel()
     n, k = w.shape[1], w.shape[2]
-    cfg = config or moe_config(n, k)
+    cfg = config or moe_config(n, k, fuse_silu)
     grid = (triton.cdiv(n, cfg.block_n), num_slots, 1)
     counts = sum_counters(x.device, grid[0] * (num_slots // slots)) if summed is not None else out
     _gemv_kernel[grid](
@@ -309,7 +316,7 @@ def expert_gemv(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, out: t
         TOP_K=top_k, SCALE=SCALE_NONE, GROUP=GROUP, HAS_EXPERTS=True, FUSE_SILU=fuse_silu,
         MUL_WEIGHT=slot_weights is not None, HAS_BIAS=False, X_SCALE=False, BLOCK_M=1, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, PRECISION=_precision(x.dtype), SUM=0 if summed is None else 2, SLOTS=slots,
-        HAS_EXTRA=extra is not None, LATE_SUM=ONE_ROW_LATE_SUM, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_EXTRA=extra is not None, LATE_SUM=late_sum(cfg), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_kw())
 
 

@@ -32,6 +32,7 @@ from kvferry.common.kernels.gemv_tiles import dense_config
 from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
 from kvferry.common.kernels.split_sum import counters as sum_counters, last_of, slot_sum
 from kvferry.common.kernels.triton_fused import silu_mul
+from kvferry.common.kernels import triton_gemv
 from kvferry.common.kernels.triton_gemv import MOE_GEMV_MAX_SLOTS, SHARED_MEMORY_BYTES, moe_gemv
 
 
@@ -291,21 +292,30 @@ def _softmax_topk_kernel(logits, weights, ids, E, stride_l, scale, eps, TOP_K: t
 @triton.jit
 def _router_topk_kernel(x, w, logits, counts, weights, ids, E, H, stride_x, scale, eps, BLOCK_N: tl.constexpr,
                         BLOCK_H: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                        RENORM: tl.constexpr, SHARED: tl.constexpr = 0, PDL: tl.constexpr = 0):
-    """Token t's router logits, BLOCK_N experts a program (``triton_gemv.gemv``'s one-row dot: the
-    same tiles give the same sums), stored in logits' dtype; the last of the token's programs to
-    finish (``split_sum.last_of``) reads the row back and picks as ``_softmax_topk_kernel``."""
+                        RENORM: tl.constexpr, SHARED: tl.constexpr = 0, PDL: tl.constexpr = 0,
+                        LATE_SUM: tl.constexpr = 0):
+    """Token t's router logits, BLOCK_N experts a program (``triton_gemv.gemv``'s one-row dot, its
+    sum every step or late as LATE_SUM: the same tiles give the same sums), stored in logits' dtype;
+    the last of the token's programs to finish (``split_sum.last_of``) reads the row back and picks
+    as ``_softmax_topk_kernel``."""
     pdl_enter(PDL)
     pid_n, t = tl.program_id(0), tl.program_id(1).to(tl.int64)
     cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     col_ok = cols < E
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    wide = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)  # LATE_SUM's running sums
     for k0 in range(0, H, BLOCK_H):
         k = k0 + tl.arange(0, BLOCK_H)
         k_ok = k < H
         xv = tl.load(x + t * stride_x + k, mask=k_ok, other=0.0)
         wv = tl.load(w + cols[:, None] * H + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.sum(wv.to(tl.float32) * xv.to(tl.float32)[None, :], 1)
+        prod = wv.to(tl.float32) * xv.to(tl.float32)[None, :]
+        if LATE_SUM:
+            wide += prod
+        else:
+            acc += tl.sum(prod, 1)
+    if LATE_SUM:
+        acc = tl.sum(wide, 1)
     tl.store(logits + t * E + cols, acc.to(logits.dtype.element_ty), mask=col_ok)
     if last_of(counts, t, tl.num_programs(0)):
         e = tl.arange(0, BLOCK_E)
@@ -362,7 +372,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: 
                               x.stride(0), scale, eps, BLOCK_N=cfg.block_n, BLOCK_H=cfg.block_k, TOP_K=top_k,
                               BLOCK_E=triton.next_power_of_2(num_experts),
                               BLOCK_K=triton.next_power_of_2(max(top_k, shared)), RENORM=renormalize, SHARED=shared,
-                              num_warps=cfg.num_warps, **pdl_kw())
+                              LATE_SUM=triton_gemv.late_sum(cfg), num_warps=cfg.num_warps, **pdl_kw())
     return weights, ids
 
 

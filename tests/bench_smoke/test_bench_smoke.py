@@ -144,8 +144,26 @@ def test_gemv_tune_bench_sweeps_under_the_interpreter_and_says_how_l2_was():
     records = run_bench("gemv_tune.py", "--dry-run", "--cases", "bf16", "--weights", "qkv")
     assert [(r["case"], r["weight"], r["l2"]) for r in records] == [("bf16", "qkv", "cold")]
     assert {"best", "best_us", "default_us", "baseline_us"} <= records[0].keys()
+    assert "late_sum" in records[0]["best"]
     hot = run_bench("gemv_tune.py", "--dry-run", "--cases", "bf16", "--weights", "qkv", "--hot")
     assert [r["l2"] for r in hot] == ["hot"]
+
+
+def test_gemv_tune_sweeps_the_late_sum_for_one_row_and_writes_it_into_the_table(tmp_path, monkeypatch):
+    """One-row configurations come both ways (a sum every K step, late_sum 0, and once after the loop, 1); the
+    dot path's only as 0, which it ignores. A table entry keeps the winner's late_sum as its sixth value."""
+    from bench import gemv_tune
+    from kvferry.common.kernels import gemv_tiles
+
+    one_row = gemv_tune.gemv_configs(False, quick=True)
+    assert {c.late_sum for c in one_row} == {0, 1}
+    assert {c._replace(late_sum=0) for c in one_row if c.late_sum} == {c for c in one_row if not c.late_sum}
+    assert {c.late_sum for rows in (4, 32) for c in gemv_tune.gemv_configs(True, quick=True, rows=rows)} == {0}
+    path = tmp_path / "tiles.json"
+    monkeypatch.setitem(gemv_tune.TABLE, "path", str(path))
+    best = gemv_tiles.GemvConfig(8, 512, 4, 3, 1, late_sum=1)
+    gemv_tune.table_entry("bf16", 1, 2048, 4096, {"best": best._asdict(), "best_us": 9.0, "default_us": 10.0})
+    assert gemv_tiles.read_table(str(path)) == {("bf16", 1, 2048, 4096): best}
 
 
 def test_attn_tune_bench_sweeps_under_the_interpreter_over_pool_copies():

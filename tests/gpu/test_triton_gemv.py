@@ -300,21 +300,22 @@ def test_fp8_gemv_refuses_prefill_rows():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
-def test_one_row_gemvs_with_the_late_sum_equal_their_references(monkeypatch, dtype):
-    """``ONE_ROW_LATE_SUM``: ``gemv``, a one-row ``fp8_gemv`` (per-row scales; block scales keep their sum a
-    step) and ``moe_gemv``, with the products added per column over the K loop and summed once after it,
-    against the references the sum every step meets; tiles narrowed so that each runs several K steps."""
-    monkeypatch.setattr(triton_gemv, "ONE_ROW_LATE_SUM", True)
+def test_one_row_gemvs_with_the_late_sum_equal_their_references(dtype):
+    """``GemvConfig.late_sum``: ``gemv``, a one-row ``fp8_gemv`` (per-row scales; block scales keep their sum
+    a step) and ``moe_gemv`` (both projections), with the products added per column over the K loop and summed
+    once after it, against the references the sum every step meets; tiles narrowed so that each runs several K
+    steps."""
+    assert triton_gemv.ONE_ROW_LATE_SUM is None  # each configuration's own choice
     g = torch.Generator().manual_seed(11)
     x = torch.randn(1, 300, generator=g).to(DEVICE, dtype)
     weight = (torch.randn(70, 300, generator=g) / 300**0.5).to(DEVICE, dtype)
-    got = triton_gemv.gemv(x, weight, config=gemv_tiles.GemvConfig(block_n=8, block_k=128, num_warps=4))
+    got = triton_gemv.gemv(x, weight, config=gemv_tiles.GemvConfig(block_n=8, block_k=128, num_warps=4, late_sum=1))
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), torch.nn.functional.linear(x.float(), weight.float()), atol=tol, rtol=tol)
     for block in (None, 128):
         w = _weight(130, 1100, block, seed=3)
         x = torch.randn(1, 1100, generator=g).to(DEVICE, dtype)
-        got = triton_gemv.fp8_gemv(x, w.weight, w.scale, block, config=gemv_tiles.GemvConfig(16, 256, 4))
+        got = triton_gemv.fp8_gemv(x, w.weight, w.scale, block, config=gemv_tiles.GemvConfig(16, 256, 4, late_sum=1))
         torch.testing.assert_close(got.float(), fp8.reference_weight_only(x, w, None).float(), rtol=_tol(dtype),
                                    atol=_tol(dtype))
     hidden, inter, num_experts, top_k = 80, 48, 8, 3  # 3 and 2 K steps of 32
@@ -323,11 +324,27 @@ def test_one_row_gemvs_with_the_late_sum_equal_their_references(monkeypatch, dty
     w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
     weights, ids = select_experts(torch.randn(2, num_experts, generator=g), top_k, renormalize=True)
     x, w13, w2, weights = (t.to(DEVICE, dtype) for t in (x, w13, w2, weights))
-    narrow = gemv_tiles.GemvConfig(block_n=16, block_k=32, num_warps=4)
+    narrow = gemv_tiles.GemvConfig(block_n=16, block_k=32, num_warps=4, late_sum=1)
     got = triton_gemv.moe_gemv(x, w13, w2, weights, ids.to(DEVICE), configs=(narrow, narrow))
     torch.testing.assert_close(got.float(), fused_moe_ref(x, w13, w2, weights, ids.to(DEVICE)).float(),
                                rtol=1e-5 if dtype == torch.float32 else 2**-7,
                                atol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_moe_gemv_asks_the_rules_for_a_gate_up_and_a_down_with_its_silu(monkeypatch):
+    """``moe_gemv`` without configurations takes the gate-up's tiles as a plain projection and the down's as
+    the one that makes silu(gate) * up as it reads (``moe_config``'s ``silu``: the late sum for the first only)."""
+    asked, rules = [], triton_gemv.moe_config
+    monkeypatch.setattr(triton_gemv, "moe_config", lambda n, k, silu=False: asked.append((n, k, silu)) or
+                        rules(n, k, silu))
+    g = torch.Generator().manual_seed(5)
+    hidden, inter, num_experts = 64, 48, 4
+    weights, ids = select_experts(torch.randn(1, num_experts, generator=g), 2, renormalize=True)
+    got = triton_gemv.moe_gemv(torch.randn(1, hidden, generator=g).to(DEVICE, HALF),
+                               torch.randn(num_experts, 2 * inter, hidden, generator=g).to(DEVICE, HALF) / 8,
+                               torch.randn(num_experts, hidden, inter, generator=g).to(DEVICE, HALF) / 8,
+                               weights.to(DEVICE, HALF), ids.to(DEVICE))
+    assert asked == [(2 * inter, hidden, False), (hidden, inter, True)] and got.isfinite().all()
 
 
 @pytest.mark.parametrize("num_tokens, num_experts, top_k", [(1, 8, 2), (1, 16, 8), (4, 8, 8), (3, 64, 6)])
