@@ -554,8 +554,9 @@ fi
 if [[ $what == late-sum ]]; then
   # the one-row GEMVs' late sum as each shape's tiles choose it (GemvConfig.late_sum): the GEMV and router tests,
   # the cold one-row sweep with late_sum swept (LATE_SWEEP_TIMEOUT; 1 skips it), then the steps with --late-sum-ab
-  # (every one-row GEMV summing every K step) and --late-all-ab (every one summing late): LATE_STEPS, default
-  # ds,qwen,fp8 (LATE_FP8_BATCHES, default 1,64); the models build meanwhile
+  # (every one-row GEMV summing every K step) and --late-all-ab (every one summing late), the MoE models also with
+  # --moe-norm-sum-ab (LATE_AB): LATE_STEPS, default ds,qwen,fp8 (LATE_FP8_BATCHES, default 1,64); the models build
+  # meanwhile
   steps=,${LATE_STEPS-ds,qwen,fp8},
   build_models "$steps"
   # LATE_TESTS: more test files to run first (split on spaces); LATE_K: the -k expression for the GEMV tests
@@ -567,11 +568,11 @@ if [[ $what == late-sum ]]; then
     --scales row --tokens 1 --weights ${LATE_WEIGHTS:-dsv2_qkv_a,dsv2_o,dsv2_gate_up,dsv2_down,qkv,o,gate_up,down} \
     2>>"$out/late.err" | tee -a "$out/late-sweep.jsonl" | cut -c1-200
   wait
-  ab="${LATE_AB:---late-sum-ab --late-all-ab}"
-  [[ $steps == *,ds,* ]] && timeout ${LATE_DS_TIMEOUT:-90} python3 bench/engine.py --model /tmp/deepseek-v2-lite/target \
+  ab="${LATE_AB:---late-sum-ab --late-all-ab --moe-norm-sum-ab}"
+  [[ $steps == *,ds,* ]] && timeout ${LATE_DS_TIMEOUT:-120} python3 bench/engine.py --model /tmp/deepseek-v2-lite/target \
     --batches 1 --contexts 1024 --prefill "" $ab --kv-budget-gib 16 2>>"$out/late.err" \
     | sed "s/^{/{\"preset\": \"deepseek-v2-lite\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
-  [[ $steps == *,qwen,* ]] && timeout ${LATE_QWEN_TIMEOUT:-90} python3 bench/engine.py --model /tmp/qwen3-30b-a3b/target \
+  [[ $steps == *,qwen,* ]] && timeout ${LATE_QWEN_TIMEOUT:-120} python3 bench/engine.py --model /tmp/qwen3-30b-a3b/target \
     --batches 1 --contexts 1024 --prefill "" $ab --kv-budget-gib 16 2>>"$out/late.err" \
     | sed "s/^{/{\"preset\": \"qwen3-30b-a3b\", /" | tee -a "$out/moe-engine.jsonl" | cut -c1-120
   [[ $steps == *,fp8,* ]] && ENGINE_TIMEOUT=${LATE_FP8_TIMEOUT:-150} fp8_engine fp8-channel --model /tmp/m8b-fp8c/target \

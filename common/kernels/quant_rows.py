@@ -8,8 +8,9 @@ same launch, their per-token e4m3 quantization (``amax / 448`` a row, bit for bi
 of its own.
 
 ``SplitParts``: a split-K GEMV's output not yet added up (``triton_gemv.fp8_gemv`` with
-``defer_sum``), for the residual add that reads it: ``triton_fused.add_rms_norm`` adds the parts in
-its own launch, so the GEMV's second launch (``split_sum.sum_parts``) goes away.
+``defer_sum``), or a MoE block's weighted slot rows (``triton_moe.fused_moe`` with ``defer_sum``),
+for the residual add that reads it: ``triton_fused.add_rms_norm`` adds the parts in its own launch,
+so the second launch (``split_sum.sum_parts`` / ``slot_sum``) goes away.
 
 Plain torch: importable without Triton.
 """
@@ -38,8 +39,10 @@ class TokenQuantized:
 @dataclass(frozen=True)
 class SplitParts:
     """A linear's output [M, N]: the sum of the fp32 split-K ``parts`` [S, M, N] in part order,
-    rounded to ``dtype`` (as ``split_sum.sum_parts`` adds them). ``triton_fused.add_rms_norm`` takes
-    it as its ``delta``; ``total()`` is the same sum by torch ops, for any other consumer."""
+    rounded to ``dtype`` (as ``split_sum.sum_parts`` adds them; a MoE block's k slots of each token
+    as ``slot_sum`` adds them, a [k, T, N] view of its [T * k, N] rows). Any strides but a unit one
+    along N. ``triton_fused.add_rms_norm`` takes it as its ``delta``; ``total()`` is the same sum by
+    torch ops, for any other consumer."""
 
     parts: torch.Tensor
     dtype: torch.dtype
@@ -47,6 +50,12 @@ class SplitParts:
     @property
     def shape(self) -> torch.Size:
         return self.parts.shape[1:]
+
+    @classmethod
+    def of_slots(cls, rows: torch.Tensor, slots: int, dtype: torch.dtype) -> "SplitParts":
+        """A MoE block's output from its weighted fp32 slot rows [T * slots, N] (a token's slots one
+        after another): part j is every token's slot j."""
+        return cls(rows.view(-1, slots, rows.shape[-1]).transpose(0, 1), dtype)
 
     def total(self) -> torch.Tensor:
         acc = self.parts[0].clone()

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
+from kvferry.common.kernels.quant_rows import SplitParts
 
 
 @triton.jit
@@ -102,10 +103,14 @@ def sum_parts(parts: torch.Tensor, num_parts: int, stride_row: int, stride_part:
     return out
 
 
-def slot_sum(down: torch.Tensor, top_k: int, dtype: torch.dtype, extra: torch.Tensor | None = None) -> torch.Tensor:
+def slot_sum(down: torch.Tensor, top_k: int, dtype: torch.dtype, extra: torch.Tensor | None = None,
+             defer: bool = False) -> torch.Tensor | SplitParts:
     """A MoE block's weighted slots [T * k, H] fp32 -> [T, H] in ``dtype``: each token's k slots
     summed in slot order, rounded (+ ``extra`` [T, H], e.g. the shared experts', rounded again), one
-    launch where torch's sum and cast were two."""
+    launch where torch's sum and cast were two. ``defer`` (no extra): no launch; the slots as they
+    are (``SplitParts.of_slots``), for the next norm's launch to add (``triton_fused.add_rms_norm``)."""
+    if defer and extra is None:
+        return SplitParts.of_slots(down, top_k, dtype)
     num_tokens = down.shape[0] // top_k
     out = torch.empty(num_tokens, down.shape[1], dtype=dtype, device=down.device)
     if extra is not None and not extra.is_contiguous():

@@ -33,18 +33,19 @@ from kvferry.common.kernels.triton_fp8_gemm import e4m3_quantize, e4m3_scale, qu
 
 
 @triton.jit
-def _add_rms_norm_kernel(x, delta, out_x, out_h, weight, eps, hq, hs, stride_part, HIDDEN: tl.constexpr,
+def _add_rms_norm_kernel(x, delta, out_x, out_h, weight, eps, hq, hs, stride_part, stride_prow, HIDDEN: tl.constexpr,
                          BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, QUANT: tl.constexpr, PARTS: tl.constexpr = 0,
                          PDL: tl.constexpr = 0):
-    """PARTS > 0: delta is a GEMV's fp32 split-K parts (``SplitParts``, part p at p * stride_part),
-    added in part order and rounded first, as ``split_sum.sum_parts`` would have."""
+    """PARTS > 0: delta is fp32 parts (``SplitParts``: row r's part p at r * stride_prow + p *
+    stride_part), added in part order and rounded first, as ``split_sum.sum_parts`` / ``slot_sum``
+    would have."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     mask = i < HIDDEN
     v = tl.load(x + row * HIDDEN + i, mask=mask, other=0.0)
     if PARTS > 0:
-        d = sum_in_order(delta, row * HIDDEN + i, stride_part, PARTS, mask).to(v.dtype)
+        d = sum_in_order(delta, row * stride_prow + i, stride_part, PARTS, mask).to(v.dtype)
         v = (v.to(tl.float32) + d.to(tl.float32)).to(v.dtype)
         tl.store(out_x + row * HIDDEN + i, v, mask=mask)
     elif HAS_DELTA:
@@ -63,19 +64,21 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | SplitParts | None, weigh
                  quant: bool = False, num_warps: int | None = None):
     """x, delta: [T, hidden] contiguous -> (x + delta, rms_norm(x + delta)); delta None: (x, rms_norm(x)).
     ``quant``: the normed rows also quantized per token -> (x + delta, ``fp8.TokenQuantized``). A
-    ``SplitParts`` delta (a split-K GEMV's, unsummed) is added up here, one launch for both."""
+    ``SplitParts`` delta (a split-K GEMV's or a MoE block's slots, unsummed) is added up here, one
+    launch for both."""
     num_rows, hidden = x.shape
     out_x = torch.empty_like(x) if delta is not None else x
     out_h = torch.empty_like(x)
     hq, hs = _quant_outputs(x, hidden, quant)
     block = triton.next_power_of_2(hidden)
     parts = delta.parts if isinstance(delta, SplitParts) else None
-    if parts is not None and (parts.shape[1:] != x.shape or not parts.is_contiguous() or delta.dtype != x.dtype):
+    if parts is not None and (parts.shape[1:] != x.shape or parts.stride(2) != 1 or delta.dtype != x.dtype):
         raise ValueError(f"add_rms_norm: split-K parts {tuple(parts.shape)} ({delta.dtype}) for x {tuple(x.shape)} "
-                         f"({x.dtype}): parts [S, T, hidden], contiguous, of x's dtype")
+                         f"({x.dtype}): parts [S, T, hidden], unit stride along hidden, of x's dtype")
+    strides = parts.stride()[:2] if parts is not None else (0, 0)  # a part's, a row's
     if num_rows:
         _add_rms_norm_kernel[(num_rows,)](x, parts if parts is not None else delta if delta is not None else x, out_x,
-                                          out_h, weight, eps, hq, hs, num_rows * hidden, HIDDEN=hidden, BLOCK=block,
+                                          out_h, weight, eps, hq, hs, *strides, HIDDEN=hidden, BLOCK=block,
                                           HAS_DELTA=delta is not None, QUANT=quant,
                                           PARTS=0 if parts is None else parts.shape[0],
                                           num_warps=num_warps or (8 if block >= 4096 else 4), **pdl_kw())

@@ -322,10 +322,11 @@ def expert_gemv(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, out: t
 
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
              topk_ids: torch.Tensor, configs: tuple[GemvConfig, GemvConfig] | None = None,
-             extra: torch.Tensor | None = None) -> torch.Tensor:
+             extra: torch.Tensor | None = None, defer_sum: bool = False) -> torch.Tensor | SplitParts:
     """``triton_moe.fused_moe`` for T * k <= MOE_GEMV_MAX_SLOTS: x [T, H], w13 [E, 2I, H],
     w2 [E, H, I] -> [T, H] in x's dtype (gate-up rounded to x's dtype, the weighted down
-    projection in fp32, summed over the k slots, then rounded; + ``extra`` [T, H], rounded)."""
+    projection in fp32, summed over the k slots, then rounded; + ``extra`` [T, H], rounded).
+    ``defer_sum`` (no extra): the weighted slot rows come back unsummed (``SplitParts.of_slots``)."""
     num_tokens, top_k = topk_ids.shape
     num_slots = num_tokens * top_k
     if num_slots > MOE_GEMV_MAX_SLOTS:
@@ -347,4 +348,4 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         expert_gemv(gate_up, w2, ids, down, 1, True, weights, cfg2, summed=out, slots=top_k, extra=extra)
         return out
     expert_gemv(gate_up, w2, ids, down, 1, True, weights, cfg2)
-    return slot_sum(down, top_k, x.dtype, extra)
+    return slot_sum(down, top_k, x.dtype, extra, defer=defer_sum)

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from kvferry.common.kernels.gemv_tiles import dense_config
 from kvferry.common.kernels.pdl import enter as pdl_enter, kw as pdl_kw
+from kvferry.common.kernels.quant_rows import SplitParts
 from kvferry.common.kernels.split_sum import counters as sum_counters, last_of, slot_sum
 from kvferry.common.kernels.triton_fused import silu_mul
 from kvferry.common.kernels import triton_gemv
@@ -253,15 +254,17 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_sl
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, extra: torch.Tensor | None = None,
+              defer_sum: bool = False) -> torch.Tensor | SplitParts:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights and topk_ids [T, k] -> [T, H] in x's
     dtype; as ``fused_moe_ref`` to within one rounding of the dtype (the down projection is weighted
     in fp32 before it is rounded), plus ``extra`` [T, H] (the shared experts') in the same launch as
-    the slot sum, rounded as torch's add."""
+    the slot sum, rounded as torch's add. ``defer_sum`` (no extra): the weighted slot rows unsummed
+    (``SplitParts.of_slots``), for the next residual add's launch (``triton_fused.add_rms_norm``)."""
     num_tokens, top_k = topk_ids.shape
     num_slots = num_tokens * top_k
     if num_slots <= MOE_GEMV_MAX_SLOTS:  # decode-sized: no sort by expert (triton_gemv.py)
-        return moe_gemv(x, w13, w2, topk_weights, topk_ids, extra=extra)
+        return moe_gemv(x, w13, w2, topk_weights, topk_ids, extra=extra, defer_sum=defer_sum)
     num_experts = w13.shape[0]
     up_config = gemm_config(w13.shape[1], w13.shape[2], num_slots, num_experts)
     down_config = gemm_config(w2.shape[1], w2.shape[2], num_slots, num_experts)
@@ -274,7 +277,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     down = torch.empty(num_slots, w2.shape[1], dtype=torch.float32, device=x.device)
     weights = topk_weights.flatten().contiguous()
     _grouped_gemm(silu_mul(gate_up), w2, down, sorted_slots, block_experts, down_config, 1, weights)
-    return slot_sum(down, top_k, x.dtype, extra)
+    return slot_sum(down, top_k, x.dtype, extra, defer=defer_sum)
 
 
 @triton.jit

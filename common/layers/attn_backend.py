@@ -152,7 +152,9 @@ class TorchBackend(TorchMlaOps):
         return attention.paged_attention(q, k_cache, v_cache, plan, window, scale, k_scale, v_scale)
 
     @staticmethod
-    def fused_moe(x, w13, w2, topk_weights, topk_ids, extra=None) -> torch.Tensor:  # + extra: the shared experts'
+    def fused_moe(x, w13, w2, topk_weights, topk_ids, extra=None, to_add_norm: bool = False) -> torch.Tensor:
+        """+ extra: the shared experts'. ``to_add_norm``: the output goes to ``add_norm`` as its delta alone
+        (triton: it may come as ``SplitParts``, the slots unsummed)."""
         return moe.fused_moe_ref(x, w13, w2, topk_weights, topk_ids, extra)
 
     select_experts = staticmethod(moe.select_experts)
@@ -257,6 +259,7 @@ class TritonBackend(TritonMlaOps):
         # a W8A8 gate-up with its silu and quant (triton_mlp): the 8B FP8 batch-64 step 6.944 ms against 7.124 (H100)
         self.fuse_gate_up = True
         self.sum_in_norm = True  # o_proj's and down's split-K parts added by the next add_norm (linear's to_add_norm)
+        self.moe_sum_in_norm = True  # a MoE block's slots added by the next add_norm (fused_moe's to_add_norm)
         self.fuse_qkv_rope = True  # a W8A8 q/k/v projection with its rope and K/V store (triton_qkv)
         self.mla, self.fused, self.gemv, self.moe, self.mlp = triton_mla, triton_fused, triton_gemv, triton_moe, triton_mlp
         self.qkv = triton_qkv
@@ -338,8 +341,11 @@ class TritonBackend(TritonMlaOps):
             return self.gemv.gemv(x, weight, bias)
         return TorchBackend.linear(x, weight, bias)
 
-    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, extra=None) -> torch.Tensor:
-        return self.moe.fused_moe(x, w13, w2, topk_weights, topk_ids, extra)  # the add in the slot sum's launch
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, extra=None, to_add_norm: bool = False):
+        """The extra add in the slot sum's launch; with ``to_add_norm`` (``moe_sum_in_norm`` on, no extra) the
+        weighted slots come back unsummed (``SplitParts``), for add_norm's launch to add (one launch fewer)."""
+        return self.moe.fused_moe(x, w13, w2, topk_weights, topk_ids, extra,
+                                  defer_sum=to_add_norm and self.moe_sum_in_norm)
 
     def select_experts(self, logits, top_k: int, renormalize: bool, scale=1.0, eps=0.0, out_dtype=None, shared=0):
         """As ``moe.select_experts``, in one launch (``triton_moe.softmax_topk``)."""

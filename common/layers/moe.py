@@ -111,12 +111,13 @@ class SparseMoe(nn.Module):
         self.w13 = _param((self.experts.count, 2 * inter, hidden), dtype, device)  # [E, 2I, H]: gate; up
         self.w2 = _param((self.experts.count, hidden, inter), dtype, device)  # [E, H, I]
 
-    def forward(self, h: torch.Tensor, backend) -> torch.Tensor:
-        """h [T, H] (post-attention norm) -> [T, H], this rank's part of the block's output."""
+    def forward(self, h: torch.Tensor, backend, to_add_norm: bool = False) -> torch.Tensor:
+        """h [T, H] (post-attention norm) -> [T, H], this rank's part of the block's output
+        (``to_add_norm``: for the next residual add_norm only, which may take it unsummed)."""
         moe = self.config.moe
         topk_weights, topk_ids = backend.router_topk(h, self.gate_weight, moe.num_experts_per_tok, moe.norm_topk_prob)
         # topk_ids index w13/w2 directly: this rank holds every expert (rank_experts)
-        return backend.fused_moe(h, self.w13, self.w2, topk_weights, topk_ids)
+        return backend.fused_moe(h, self.w13, self.w2, topk_weights, topk_ids, to_add_norm=to_add_norm)
 
     def hf_tensor_map(self) -> dict[str, TensorSlot]:
         """The Hub's and transformers 5 ``save_pretrained``'s names: one gate/up/down per expert."""

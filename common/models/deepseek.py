@@ -164,15 +164,17 @@ class MoeBlock(nn.Module):
             out[p + "down_proj.weight"] = TensorSlot(self.w2[local], 0, self.w2.shape[1], cols)
         return out
 
-    def forward(self, h: torch.Tensor, attn) -> torch.Tensor:
-        """h [T, hidden] -> [T, hidden]: each token's k experts, weighted, plus the shared experts."""
+    def forward(self, h: torch.Tensor, attn, to_add_norm: bool = False) -> torch.Tensor:
+        """h [T, hidden] -> [T, hidden]: each token's k experts, weighted, plus the shared experts
+        (``to_add_norm``: for the next residual add_norm only, which may take the slots unsummed)."""
         fold = self.fold_shared or not self.num_shared
         # fp32 logits (the weight is fp32, as transformers keeps it): at one row on triton, V2's greedy
         # router is one launch with its picks (route_hidden)
         weights, ids = route_hidden(h, self.gate_weight, self.spec, self.score_bias, attn,
                                     self.num_shared if fold else 0)  # [T, k (+ S)] each
         # ids index w13/w2 directly: this rank holds every expert (rank_experts), the shared ones after them
-        return attn.fused_moe(h, self.w13, self.w2, weights, ids, None if fold else self._shared_mlp(h, attn))
+        return attn.fused_moe(h, self.w13, self.w2, weights, ids, None if fold else self._shared_mlp(h, attn),
+                              to_add_norm=to_add_norm)
 
     def _shared_mlp(self, h: torch.Tensor, attn) -> torch.Tensor:
         """The shared experts as one dense SwiGLU: their gate-up rows as they lie, each expert's
@@ -211,6 +213,8 @@ class DeepseekLayer(nn.Module):
         x, h = attn.add_norm(x, delta, self.input_norm, self.eps)
         out = self._sum_ranks(self.self_attn(h, rotary, cos_sin, kv.latent[self.layer], plan, attn))
         x, h = attn.add_norm(x, out, self.post_norm, self.eps)
+        if self.reduce is None and isinstance(self.mlp, MoeBlock):  # TP 1: the slots may come unsummed
+            return x, self.mlp(h, attn, to_add_norm=True)
         return x, self._sum_ranks(self.mlp(h, attn))
 
     def _sum_ranks(self, partial: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,9 @@ class MoeDecoderLayer(DecoderLayer):
         return None  # the router reads it too
 
     def _mlp(self, h: torch.Tensor, attn) -> torch.Tensor:
-        return self._sum_ranks(self.moe(h, attn))
+        if self.reduce is None:  # TP 1: the slots may come unsummed, for the next add_norm (as _row_parallel)
+            return self.moe(h, attn, to_add_norm=True)
+        return self.reduce(self.moe(h, attn))
 
     def hf_tensor_map(self) -> dict[str, TensorSlot]:
         return {**attention_tensor_map(self, self.config, self.shard), **self.moe.hf_tensor_map()}

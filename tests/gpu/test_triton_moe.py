@@ -234,3 +234,61 @@ def test_router_in_one_launch_equals_the_gemv_then_softmax_topk(num_experts, hid
             assert got[0].shape == (1, top_k + shared) and got[0].dtype == out_dtype
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert not split_sum.counters(x.device, 1).any()
+
+
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 4), (3, 2), (20, 3)])  # 4, 6 slots: moe_gemv; 60: grouped
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_slots_added_by_the_next_norm_equal_the_slot_sum_then_the_norm(num_tokens, top_k, dtype):
+    """``fused_moe(defer_sum=True)`` hands back the weighted slots unsummed (``SplitParts.of_slots``: part j
+    is every token's slot j); their total and ``add_rms_norm`` over them equal the slot sum and the norm over
+    it bit for bit. With an extra (unfolded shared experts) the sum stays in the slot sum's launch."""
+    from kvferry.common.kernels import triton_fused
+    from kvferry.common.kernels.quant_rows import SplitParts
+
+    x, w13, w2, weights, ids = _inputs(num_tokens, 8, top_k, 64, 48, dtype, seed=num_tokens)
+    summed = triton_moe.fused_moe(x, w13, w2, weights, ids)
+    parts = triton_moe.fused_moe(x, w13, w2, weights, ids, defer_sum=True)
+    assert isinstance(parts, SplitParts) and parts.parts.shape == (top_k, num_tokens, 64)
+    assert torch.equal(parts.total(), summed)
+    residual, norm = torch.randn_like(x), torch.rand(64, dtype=dtype, device=DEVICE) + 0.5
+    for got, want in zip(triton_fused.add_rms_norm(residual, parts, norm, 1e-6),
+                         triton_fused.add_rms_norm(residual, summed, norm, 1e-6)):
+        assert torch.equal(got, want)
+    last = torch.tensor([num_tokens - 1], device=DEVICE)  # final_norm's rows: still parts
+    assert torch.equal(parts.index_select(0, last).total(), summed.index_select(0, last))
+    extra = torch.randn_like(x)
+    assert torch.equal(triton_moe.fused_moe(x, w13, w2, weights, ids, extra, defer_sum=True),
+                       triton_moe.fused_moe(x, w13, w2, weights, ids, extra))
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "deepseek-v2-tiny"])
+def test_moe_blocks_leave_their_slot_sum_to_the_next_norm(tmp_path, monkeypatch, preset):
+    """A whole tiny MoE model on the triton backend, a prefill then a decode step: each sparse layer's
+    slots are added by the next add_norm's launch (``moe_sum_in_norm``), so no layer runs ``slot_sum``'s
+    launch; the logits equal those of the slot sum launch bit for bit."""
+    from kvferry.common.kernels import split_sum
+    from kvferry.common.layers.attn_backend import TritonBackend
+    from kvferry.common.models.llama import SeqChunk
+    from kvferry.common.models.loader import load_model
+    from kvferry.common.models.tiny import make_tiny_model
+
+    target, _ = make_tiny_model(tmp_path, seed=4, preset=preset)
+    model = load_model(target, dtype=DTYPES[1], device=DEVICE)
+    model.attn = TritonBackend(torch.device(DEVICE), model.shard.kv_heads.count)
+    calls = []
+    real = split_sum.sum_parts  # slot_sum's launch
+    monkeypatch.setattr(split_sum, "sum_parts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    prompts, pages = [[11, 200, 37, 5, 480], [9, 9, 301]], [[0, 1], [2]]
+    runs = {}
+    for in_norm in (True, False):
+        model.attn.moe_sum_in_norm = in_norm
+        calls.clear()
+        kv = type(model).make_kv_cache(model.config, 4, 8, DTYPES[1], DEVICE)
+        first = model.forward([SeqChunk(p, 0, pg) for p, pg in zip(prompts, pages)], kv)
+        step = model.forward([SeqChunk([int(row.argmax())], len(p), pg)
+                              for row, p, pg in zip(first, prompts, pages)], kv)
+        runs[in_norm] = (first, step, len(calls))
+    sparse = sum(hasattr(layer, "moe") or type(getattr(layer, "mlp", None)).__name__ == "MoeBlock"
+                 for layer in model.layers)
+    assert sparse > 0 and (runs[True][2], runs[False][2]) == (0, 2 * sparse)
+    assert torch.equal(runs[True][0], runs[False][0]) and torch.equal(runs[True][1], runs[False][1])
