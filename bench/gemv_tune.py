@@ -269,7 +269,7 @@ def moe_cases(args, base: dict) -> None:
         nbytes = touched * (w13[0].numel() + w2[0].numel()) * 2
         pairs = copies_of((w13, w2), nbytes)
         for proj, (n, k) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
-            default = triton_gemv.moe_config(n, k)
+            default = triton_gemv.moe_config(n, k, silu=proj == "w2")  # the down makes silu(gate) * up
 
             def run(cfg, proj=proj):
                 pair = (cfg, None) if proj == "w13" else (None, cfg)
