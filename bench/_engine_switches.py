@@ -51,8 +51,8 @@ AB_SWITCHES = {
                  "(triton_gemv.ONE_ROW_LATE_SUM True; the default: only the shapes whose tiles say late_sum)"),
     "norm_sum": ("o_down_sums", "norm", "launch", "o_proj's and down's split-K GEMV parts added by a launch of "
                  "their own (TritonBackend.sum_in_norm off; the default: by the next add_norm's launch)"),
-    "moe_norm_sum": ("moe_slot_sums", "norm", "launch", "a MoE block's weighted slots added by slot_sum in a launch of "
-                     "their own (TritonBackend.moe_sum_in_norm off; the default: by the next add_norm's launch)"),
+    "moe_norm_sum": ("moe_slot_sums", "launch", "norm", "a MoE block's weighted slots added by the next add_norm's "
+                     "launch (TritonBackend.moe_sum_in_norm on; the default: slot_sum in a launch of its own)"),
     "qkv_rope": ("qkv_rope", "fused", "apart", "an FP8 W8A8 q/k/v projection, then rope_store (TritonBackend."
                  "fuse_qkv_rope off; the default: the projection with its rope and K/V store, triton_qkv)"),
     "slot_last": ("moe_slot_sum", "launch", "in_kernel", "the MoE down projection's slots added by the last of each "
@@ -103,7 +103,7 @@ def other_side(flag: str, model) -> list[tuple[object, str, object]]:
     if flag == "norm_sum":
         return [(model.attn, "sum_in_norm", False)]
     if flag == "moe_norm_sum":
-        return [(model.attn, "moe_sum_in_norm", False)] if ds is not None or model.config.moe is not None else []
+        return [(model.attn, "moe_sum_in_norm", True)] if ds is not None or model.config.moe is not None else []
     if flag == "gate_up":
         return [(model.attn, "fuse_gate_up", False)]
     if flag == "attn_quant":

@@ -259,7 +259,9 @@ class TritonBackend(TritonMlaOps):
         # a W8A8 gate-up with its silu and quant (triton_mlp): the 8B FP8 batch-64 step 6.944 ms against 7.124 (H100)
         self.fuse_gate_up = True
         self.sum_in_norm = True  # o_proj's and down's split-K parts added by the next add_norm (linear's to_add_norm)
-        self.moe_sum_in_norm = True  # a MoE block's slots added by the next add_norm (fused_moe's to_add_norm)
+        # a MoE block's slots added by the next add_norm (fused_moe's to_add_norm): slower at batch 1 on an H100 (a
+        # norm's one program a row adds 8 slot rows where slot_sum spreads them; Qwen3-30B-A3B 0.571 ms against 0.563)
+        self.moe_sum_in_norm = False
         self.fuse_qkv_rope = True  # a W8A8 q/k/v projection with its rope and K/V store (triton_qkv)
         self.mla, self.fused, self.gemv, self.moe, self.mlp = triton_mla, triton_fused, triton_gemv, triton_moe, triton_mlp
         self.qkv = triton_qkv
@@ -343,7 +345,7 @@ class TritonBackend(TritonMlaOps):
 
     def fused_moe(self, x, w13, w2, topk_weights, topk_ids, extra=None, to_add_norm: bool = False):
         """The extra add in the slot sum's launch; with ``to_add_norm`` (``moe_sum_in_norm`` on, no extra) the
-        weighted slots come back unsummed (``SplitParts``), for add_norm's launch to add (one launch fewer)."""
+        weighted slots come back unsummed (``SplitParts``), for add_norm's launch to add (one launch fewer; off)."""
         return self.moe.fused_moe(x, w13, w2, topk_weights, topk_ids, extra,
                                   defer_sum=to_add_norm and self.moe_sum_in_norm)
 
